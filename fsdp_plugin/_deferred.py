@@ -1,0 +1,715 @@
+"""Deferred initialization: record a model's construction on fake tensors, replay it unit by unit.
+
+This is the paper's (torchdistX-style) recorded deferred init::
+
+    with deferred_init():
+        model = Model()              # parameters and buffers are fake (meta) tensors; nothing allocated
+    real = materialize([model.fc.weight, model.fc.bias])   # bit-equal to eager ``Model()``
+    release(model)                   # drop the recording once every unit is materialized
+
+How it works
+------------
+Inside the context, factory functions default to ``torch.device("meta")`` and a ``TorchDispatchMode``
+records every non-view aten op that touches a fake tensor. Tensors are identified by their *storage*:
+views, ``detach()``, ``.data`` and ``nn.Parameter`` all share the StorageImpl of the tensor they come
+from, so an op argument is described as ``(storage key, size, stride, storage_offset, dtype)`` and view
+ops never need to be recorded. ``param.data = other`` rebinding is handled for free for the same reason.
+
+Invariants
+----------
+* Storage keys are StorageImpl addresses. While recording, the recording holds a strong reference to
+  every fake storage, so no address can be reused by another storage of the same recording.
+  When the ``with`` block exits, storages that nobody else references any more (temporaries) are
+  dropped; the surviving ones ("roots") stay referenced until :func:`release`, which keeps their keys
+  unique for as long as :func:`is_deferred` may be asked about them.
+* Random ops (``torch.Tag.nondeterministic_seeded`` or a ``generator`` argument) save the generator
+  state they start from, and advance the real generator exactly as eager construction would, by running
+  the same op on a real scratch tensor of the same size/stride/offset (freed at once). So the RNG state
+  after the ``with`` block equals the eager one, and replay (which passes a private generator restored
+  to the saved state) draws the same numbers without touching the caller's global RNG.
+* Real (non-fake) tensor arguments are captured by value (cloned) when the op is recorded.
+* Replay runs on CPU, the device of eager construction, so the values are bit-equal to eager CPU
+  construction; :func:`materialize` moves the result to ``device`` afterwards.
+
+``nn.init`` in recent torch skips meta tensors (``trunc_normal_``, ``orthogonal_``, ...: "sampling is a
+no-op"). Eager construction does run them, so while recording, ``Tensor.is_meta`` answers ``False`` for
+fake tensors of the active recording: to the model's code they are real tensors whose values are not
+readable yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+__all__ = ["DeferredInitError", "deferred_init", "is_deferred", "materialize", "release"]
+
+aten = torch.ops.aten
+
+
+class DeferredInitError(RuntimeError):
+    """An operation cannot be recorded (or replayed) under :func:`deferred_init`."""
+
+
+_HINT = (
+    "Build this module eagerly (outside deferred_init()), or on torch.device('meta') with a "
+    "reset_parameters() that initializes it without reading tensor values."
+)
+
+# Ops that read tensor *values* into Python: they can never work on a fake tensor.
+_DATA_DEPENDENT = {
+    aten._local_scalar_dense.default: "Tensor.item() / .tolist() / bool(tensor) / `if tensor:`",
+    aten.equal.default: "torch.equal()",
+    aten.is_nonzero.default: "bool(tensor) / `if tensor:`",
+}
+
+# In-place ops that overwrite every element of `self` without reading its old values. If such an op
+# covers the whole storage, earlier writes to that storage are dead and need not be replayed.
+_OVERWRITE_PACKETS = {
+    "uniform_", "normal_", "fill_", "zero_", "copy_", "random_", "exponential_", "cauchy_",
+    "log_normal_", "geometric_", "bernoulli_",
+}
+
+# Ops that use `self` (args[0]) only for its metadata (shape, dtype, strides), never its values.
+_METADATA_ONLY_SELF = {
+    "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like",
+    "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full",
+}
+
+# Python-level constructors that take *data*: on meta the data would be silently lost.
+_DATA_CONSTRUCTORS = {torch.tensor, torch.as_tensor, torch.asarray}
+
+
+# --------------------------------------------------------------------------------------------------
+# Data structures
+# --------------------------------------------------------------------------------------------------
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    """Address of t's StorageImpl (shared by every view / detach / Parameter of it), or None."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, TypeError):  # tensors without storage
+        return None
+
+
+@dataclass(frozen=True)
+class _FakeRef:
+    """A fake tensor argument: where it lives in its storage, not what it contains."""
+
+    key: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "_FakeRef":
+        return _FakeRef(_storage_key(t), tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+
+    def covers(self, nbytes: int) -> bool:
+        """True if this view is dense, non-overlapping and spans exactly the whole storage."""
+        if self.offset != 0:
+            return False
+        numel = 1
+        for s in self.size:
+            numel *= s
+        if numel * _itemsize(self.dtype) != nbytes:
+            return False
+        expected = 1
+        for size, stride in sorted(zip(self.size, self.stride), key=lambda p: p[1]):
+            if size == 1:
+                continue
+            if stride != expected:
+                return False
+            expected *= size
+        return True
+
+
+@dataclass(frozen=True)
+class _Const:
+    """A real tensor argument, captured by value when the op was recorded."""
+
+    value: torch.Tensor
+
+
+class _MetaDevice:
+    """Placeholder for a ``device=meta`` argument; replay substitutes the replay device."""
+
+
+_META = _MetaDevice()
+
+
+class _GenSlot:
+    """Placeholder for a ``generator=`` argument; replay substitutes a generator restored to `state`."""
+
+
+_GEN = _GenSlot()
+
+
+@dataclass(eq=False)
+class _Op:
+    """One recorded aten op.
+
+    `reads`: storages whose values the op may read; `writes`: existing storages it modifies;
+    `creates`: new storages it returns (key -> nbytes); `kills`: storages it overwrites entirely
+    without reading (earlier writers of those are dead). `outputs` mirrors the flattened result.
+    """
+
+    index: int
+    func: Any
+    args: Any
+    kwargs: Any
+    reads: frozenset[int]
+    writes: frozenset[int]
+    creates: dict[int, int]
+    kills: dict[int, int]  # key -> nbytes: replay allocates it if its (dead) creator was sliced away
+    outputs: list[_FakeRef | None]
+    rng_state: torch.Tensor | None
+    gen_index: int | None  # schema position of `generator`, None if the op has none
+    default_dtype: torch.dtype
+    meta_only: frozenset[int] = frozenset()  # keys used for metadata only (see _METADATA_ONLY_SELF)
+
+
+@dataclass(eq=False)
+class _Recording:
+    ops: list[_Op] = field(default_factory=list)
+    # key -> fake UntypedStorage (strong ref keeps the address unique); after exit only roots remain.
+    storages: dict[int, torch.UntypedStorage] = field(default_factory=dict)
+    nbytes: dict[int, int] = field(default_factory=dict)
+    roots: set[int] = field(default_factory=set)
+    recording: bool = True
+
+
+_REGISTRY: dict[int, _Recording] = {}  # storage key -> recording, for every live deferred storage
+_state = threading.local()
+
+
+def _active() -> _Recording | None:
+    return getattr(_state, "recording", None)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def _is_random(func) -> bool:
+    return torch.Tag.nondeterministic_seeded in func.tags or _schema_index(func, "generator") is not None
+
+
+def _schema_index(func, name: str) -> int | None:
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == name:
+            return i
+    return None
+
+
+def _schema_values(func, args, kwargs):
+    """Yield (schema argument, value) pairs for the arguments actually passed."""
+    for i, arg in enumerate(func._schema.arguments):
+        if i < len(args) and not arg.kwarg_only:
+            yield arg, args[i]
+        elif arg.name in kwargs:
+            yield arg, kwargs[arg.name]
+
+
+def _tensors_in(value) -> list[torch.Tensor]:
+    flat, _ = tree_flatten(value)
+    return [v for v in flat if isinstance(v, torch.Tensor)]
+
+
+def _get_generator(func, args, kwargs):
+    i = _schema_index(func, "generator")
+    if i is None:
+        return None
+    if i < len(args):
+        return args[i]
+    return kwargs.get("generator")
+
+
+def _with_generator(func, args, kwargs, gen):
+    """Return (args, kwargs) with the op's generator argument set to `gen`."""
+    i = _schema_index(func, "generator")
+    if i < len(args):
+        args = list(args)
+        args[i] = gen
+        return tuple(args), kwargs
+    kwargs = dict(kwargs)
+    kwargs["generator"] = gen
+    return args, kwargs
+
+
+# --------------------------------------------------------------------------------------------------
+# Recording
+# --------------------------------------------------------------------------------------------------
+
+
+class _RecordMode(TorchDispatchMode):
+    """Records every non-view op that touches a fake tensor (or creates one on meta)."""
+
+    def __init__(self, rec: _Recording, data_reads: bool):
+        super().__init__()
+        self.rec = rec
+        self.data_reads = data_reads
+
+    def _read_now(self, func, args, kwargs):
+        """Answer a read of tensor values (``.item()``, ``bool(t)``) by replaying what it depends on.
+
+        The answer only steers the model's Python control flow (e.g. the rejection loop of
+        ``nn.init.trunc_normal_``), which later recorded ops then reflect; nothing is recorded for the
+        read itself. Costs, once, the memory of the tensors read and their init temporaries.
+        """
+        fakes = [t for t in _tensors_in((args, kwargs)) if t.device.type == "meta"]
+        keys = {_storage_key(t) for t in fakes}
+        storages = _Replay(_slice(self.rec, keys), keep=keys).run()
+
+        def real(a):
+            if isinstance(a, torch.Tensor) and a.device.type == "meta":
+                return _view(storages[_storage_key(a)], _FakeRef.of(a))
+            return a
+
+        return func(*tree_map(real, args), **tree_map(real, kwargs))
+
+    def _is_fake(self, t: torch.Tensor) -> bool:
+        if t.device.type != "meta":
+            return False
+        key = _storage_key(t)
+        if key not in self.rec.storages:
+            raise DeferredInitError(
+                "deferred_init: a meta tensor that was not created under this deferred_init() "
+                f"(shape {tuple(t.shape)}) is used by the model's construction; its values are unknown, "
+                "so it cannot be replayed. " + _HINT
+            )
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat, _ = tree_flatten((args, kwargs))
+        fake = [a for a in flat if isinstance(a, torch.Tensor) and self._is_fake(a)]
+        to_meta = any(isinstance(a, torch.device) and a.type == "meta" for a in flat)
+        if not fake and not to_meta:
+            return func(*args, **kwargs)  # purely real op: eager semantics, nothing to record
+        if func in _DATA_DEPENDENT:
+            if not self.data_reads:
+                raise DeferredInitError(
+                    f"deferred_init: `{func}` ({_DATA_DEPENDENT[func]}) reads the values of a deferred "
+                    "(fake) tensor, which do not exist until materialize(), and data_reads=False. " + _HINT
+                )
+            return self._read_now(func, args, kwargs)
+        if func.is_view:
+            return func(*args, **kwargs)  # views share the storage; arguments are described by layout
+        try:
+            out = func(*args, **kwargs)
+        except Exception as e:
+            raise DeferredInitError(
+                f"deferred_init: `{func}` cannot run on deferred (fake) tensors: {e}. " + _HINT
+            ) from e
+        rng_state = None
+        if _is_random(func):
+            rng_state = self._advance_rng(func, args, kwargs)
+        self._record(func, args, kwargs, out, rng_state)
+        return out
+
+    def _advance_rng(self, func, args, kwargs) -> torch.Tensor:
+        """Save the generator state, then consume exactly what eager would, on a scratch tensor.
+
+        The scratch has the same size/stride/offset as the fake argument, because CPU kernels draw in
+        a layout-dependent order (e.g. vectorized normal_ on contiguous tensors). Values of non-written
+        inputs (p of bernoulli, std of normal) do not change how much is drawn; 0.5 keeps them valid.
+        """
+        gen = _get_generator(func, args, kwargs) or torch.default_generator
+        state = gen.get_state()
+        mutated = {id(t) for arg, v in _schema_values(func, args, kwargs)
+                   if arg.alias_info is not None and arg.alias_info.is_write for t in _tensors_in(v)}
+
+        def scratch(a):
+            if isinstance(a, torch.device) and a.type == "meta":
+                return torch.device("cpu")
+            if not isinstance(a, torch.Tensor) or a.device.type != "meta":
+                return a
+            numel = self.rec.nbytes[_storage_key(a)] // a.element_size()
+            base = torch.empty(numel, dtype=a.dtype, device="cpu")
+            if id(a) not in mutated:
+                base.fill_(True if a.dtype == torch.bool else 0.5 if a.is_floating_point() else 1)
+            return base.as_strided(a.shape, a.stride(), a.storage_offset())
+
+        func(*tree_map(scratch, args), **tree_map(scratch, kwargs))
+        return state
+
+    def _record(self, func, args, kwargs, out, rng_state) -> None:
+        rec = self.rec
+        writes: set[int] = set()
+        for arg, value in _schema_values(func, args, kwargs):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                for t in _tensors_in(value):
+                    if t.device.type != "meta":
+                        raise DeferredInitError(
+                            f"deferred_init: `{func}` writes a real tensor from deferred (fake) values. " + _HINT
+                        )
+                    writes.add(_storage_key(t))
+        reads = {_storage_key(t) for t in _tensors_in((args, kwargs)) if t.device.type == "meta"}
+
+        outputs: list[_FakeRef | None] = []
+        creates: dict[int, int] = {}
+        for o in tree_flatten(out)[0]:
+            if not isinstance(o, torch.Tensor) or o.device.type != "meta":
+                outputs.append(None)
+                continue
+            key = _storage_key(o)
+            if key not in rec.storages:  # a new fake storage: keep it alive (unique key)
+                storage = o.untyped_storage()
+                rec.storages[key] = storage
+                rec.nbytes[key] = storage.nbytes()
+                _REGISTRY[key] = rec
+                creates[key] = storage.nbytes()
+            outputs.append(_FakeRef.of(o))
+        if not writes and not creates:
+            return  # an alias of existing storage (e.g. _unsafe_view): described by layout, no effect
+
+        name = func.overloadpacket.__name__
+        kills: dict[int, int] = {}
+        meta_only: set[int] = set()
+        if name in _OVERWRITE_PACKETS and args and isinstance(args[0], torch.Tensor):
+            self_ref = _FakeRef.of(args[0])
+            others = {_storage_key(t) for t in _tensors_in((args[1:], kwargs)) if t.device.type == "meta"}
+            if self_ref.key not in others and self_ref.covers(rec.nbytes[self_ref.key]):
+                kills[self_ref.key] = rec.nbytes[self_ref.key]
+        if name in _METADATA_ONLY_SELF and args and isinstance(args[0], torch.Tensor):
+            meta_only.add(_storage_key(args[0]))
+
+        def template(a):
+            if isinstance(a, torch.Tensor):
+                if a.device.type == "meta":
+                    return _FakeRef.of(a)
+                return _Const(a.detach().clone())
+            if isinstance(a, torch.device) and a.type == "meta":
+                return _META
+            if isinstance(a, torch.Generator):
+                return _GEN
+            return a
+
+        rec.ops.append(_Op(
+            index=len(rec.ops), func=func, args=tree_map(template, args), kwargs=tree_map(template, kwargs),
+            reads=frozenset((reads - kills.keys()) - meta_only), writes=frozenset(writes), creates=creates,
+            kills=kills, outputs=outputs, rng_state=rng_state,
+            gen_index=_schema_index(func, "generator"), default_dtype=torch.get_default_dtype(),
+            meta_only=frozenset(meta_only),
+        ))
+
+
+class _ConstructorMode(TorchFunctionMode):
+    """Keeps the data of ``torch.tensor([...])`` & co, which on meta would silently be dropped.
+
+    The tensor is built on CPU (real) and then moved to meta through the dispatch mode, which records
+    that copy with the CPU tensor captured by value.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _DATA_CONSTRUCTORS or func is torch.Tensor.new_tensor:
+            data = args[1] if func is torch.Tensor.new_tensor else (args[0] if args else kwargs.get("data"))
+            if not isinstance(data, torch.Tensor):
+                target = kwargs.get("device")
+                if target is None:
+                    target = args[0].device if func is torch.Tensor.new_tensor else torch.get_default_device()
+                if torch.device(target).type == "meta":
+                    real = func(*args, **{**kwargs, "device": "cpu"})
+                    return real.to("meta")
+        return func(*args, **kwargs)
+
+
+_ORIG_IS_META = torch._C.TensorBase.is_meta
+
+
+def _is_meta_while_recording(self) -> bool:
+    """Fake tensors look real to model code (nn.init skips meta tensors, eager would not)."""
+    meta = _ORIG_IS_META.__get__(self)
+    rec = _active()
+    if meta and rec is not None and rec.recording and _storage_key(self) in rec.storages:
+        return False
+    return meta
+
+
+@contextlib.contextmanager
+def _is_meta_patched():
+    torch.Tensor.is_meta = property(_is_meta_while_recording, doc=_ORIG_IS_META.__doc__)
+    try:
+        yield
+    finally:
+        del torch.Tensor.is_meta  # back to TensorBase's getter
+
+
+@contextlib.contextmanager
+def deferred_init(data_reads: bool = True):
+    """Construct modules with fake (meta) parameters and buffers, recording how to make them real.
+
+    `data_reads`: model code that reads tensor values into Python (``.item()``, ``bool(t)``,
+    ``torch.equal``; e.g. the rejection loop of ``nn.init.trunc_normal_`` in torch >= 2.13) is answered
+    by replaying, right then, the ops that value depends on (memory: the tensors read, once).
+    With ``data_reads=False`` such reads raise :class:`DeferredInitError` instead.
+
+    Nested use is a no-op (the outer recording continues). On exit, the global RNG is in the state eager
+    construction would have left it in. Tensors created inside are deferred (:func:`is_deferred`) until
+    :func:`release`. Ops applied to them *after* the block are not recorded.
+    """
+    if _active() is not None:
+        yield
+        return
+    rec = _Recording()
+    _state.recording = rec
+    ok = False
+    try:
+        with torch.device("meta"), _ConstructorMode(), _RecordMode(rec, data_reads), _is_meta_patched():
+            yield
+        ok = True
+    finally:
+        _state.recording = None
+        rec.recording = False
+        if ok:
+            _keep_roots(rec)
+        else:
+            _drop(rec, set(rec.storages))
+
+
+def _keep_roots(rec: _Recording) -> None:
+    """After recording: keep only storages still referenced outside the recording, and their ops."""
+    gc.collect()  # temporaries caught in reference cycles must not count as roots
+    rec.roots = {k for k, s in rec.storages.items() if torch._C._storage_Use_Count(s._cdata) > 1}
+    _drop(rec, set(rec.storages) - rec.roots)
+
+
+def _drop(rec: _Recording, keys: set[int]) -> None:
+    """Forget `keys` (no longer deferred) and every op that no remaining root needs."""
+    for k in keys:
+        rec.storages.pop(k, None)
+        rec.roots.discard(k)
+        if _REGISTRY.get(k) is rec:
+            del _REGISTRY[k]
+    rec.ops = _slice(rec, rec.roots)
+
+
+# --------------------------------------------------------------------------------------------------
+# Replay
+# --------------------------------------------------------------------------------------------------
+
+
+def is_deferred(t: torch.Tensor) -> bool:
+    """True if `t` (a parameter, buffer, or a view of one) is a fake tensor of a live recording."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "meta":
+        return False
+    return _storage_key(t) in _REGISTRY
+
+
+def _slice(rec: _Recording, keys: Iterable[int]) -> list[_Op]:
+    """The recorded ops needed to compute storages `keys`, in recording order.
+
+    Backward pass: an op is needed if it creates or writes a live storage; its inputs become live.
+    An op that overwrites a whole storage without reading it ends that storage's liveness (earlier
+    writes are dead), which e.g. skips a default kaiming init that `_init_weights` replaces.
+    """
+    live = set(keys)
+    needed: list[_Op] = []
+    for op in reversed(rec.ops):
+        if live.isdisjoint(op.writes) and live.isdisjoint(op.creates):
+            continue
+        needed.append(op)
+        live -= op.kills.keys()
+        live -= op.creates.keys()
+        live |= op.reads
+    needed.reverse()
+    return needed
+
+
+def _plan(tensors: list[torch.Tensor]) -> list[_Op]:
+    """The ops :func:`materialize` would replay for `tensors` (used by tests and diagnostics)."""
+    ops: dict[int, _Op] = {}
+    for rec, keys in _group(tensors).items():
+        for op in _slice(rec, keys):
+            ops[id(op)] = op
+    return list(ops.values())
+
+
+def _group(tensors: list[torch.Tensor]) -> dict[_Recording, set[int]]:
+    groups: dict[int, tuple[_Recording, set[int]]] = {}
+    for i, t in enumerate(tensors):
+        if not is_deferred(t):
+            raise ValueError(
+                f"materialize: tensor #{i} (shape {tuple(t.shape)}, device {t.device}) is not deferred: "
+                "it was not created under deferred_init(), or it was already released."
+            )
+        key = _storage_key(t)
+        rec = _REGISTRY[key]
+        groups.setdefault(id(rec), (rec, set()))[1].add(key)
+    return {rec: keys for rec, keys in groups.values()}
+
+
+def _view(storage: torch.UntypedStorage, ref: _FakeRef) -> torch.Tensor:
+    t = torch.empty(0, dtype=ref.dtype, device=storage.device)
+    return t.set_(storage, ref.offset, ref.size, ref.stride)
+
+
+class _Replay:
+    """Replays a slice on real CPU storages. `storages` maps fake storage key -> real storage."""
+
+    def __init__(self, ops: list[_Op], keep: set[int]):
+        self.ops = ops
+        self.storages: dict[int, torch.UntypedStorage] = {}
+        self.owners: set[int] = set()  # real storage addresses already bound to some key
+        last_use: dict[int, int] = {}
+        for i, op in enumerate(ops):
+            for k in op.reads | op.writes | op.creates.keys() | op.meta_only:
+                last_use[k] = i
+        # storages not requested are freed right after their last use: peak = requested + live temps
+        self.free_after: dict[int, list[int]] = {}
+        for k, i in last_use.items():
+            if k not in keep:
+                self.free_after.setdefault(i, []).append(k)
+
+    def run(self) -> dict[int, torch.UntypedStorage]:
+        for i, op in enumerate(self.ops):
+            self._run_op(op)
+            for k in self.free_after.get(i, ()):
+                self.storages.pop(k, None)
+        return self.storages
+
+    def _arg(self, op: _Op, a):
+        if isinstance(a, _FakeRef):
+            if a.key not in self.storages and a.key in op.kills:  # overwritten whole: fresh memory
+                self.storages[a.key] = torch.UntypedStorage(op.kills[a.key], device="cpu")
+                self.owners.add(self.storages[a.key]._cdata)
+            if a.key in self.storages:
+                return _view(self.storages[a.key], a)
+            if a.key in op.meta_only:  # only its shape/dtype matter; uninitialized memory is fine
+                return torch.empty_strided(a.size, a.stride, dtype=a.dtype, device="cpu")
+            raise DeferredInitError(f"materialize: internal error, `{op.func}` reads an unknown storage")
+        if isinstance(a, _Const):
+            return a.value
+        if a is _META:
+            return torch.device("cpu")
+        if a is _GEN:
+            return None  # replaced below by a private generator
+        return a
+
+    def _run_op(self, op: _Op) -> None:
+        args = tree_map(lambda a: self._arg(op, a), op.args, is_leaf=_is_template_leaf)
+        kwargs = tree_map(lambda a: self._arg(op, a), op.kwargs, is_leaf=_is_template_leaf)
+        with _default_dtype(op.default_dtype), _rng_for(op, args, kwargs) as (args, kwargs):
+            out = op.func(*args, **kwargs)
+        for ref, real in zip(op.outputs, tree_flatten(out)[0]):
+            if ref is not None:
+                self._bind(ref, real, op)
+
+    def _bind(self, ref: _FakeRef, real: torch.Tensor, op: _Op) -> None:
+        """Make storage `ref.key` hold `real` at the recorded layout (adopt real's storage if possible)."""
+        storage = real.untyped_storage()
+        if ref.key in self.storages:
+            if self.storages[ref.key]._cdata != storage._cdata:  # e.g. out-of-place op, recorded alias
+                _view(self.storages[ref.key], ref).copy_(real)
+            return
+        layout_ok = (tuple(real.shape) == ref.size and tuple(real.stride()) == ref.stride
+                     and real.storage_offset() == ref.offset and real.dtype == ref.dtype
+                     and storage.nbytes() == op.creates.get(ref.key, -1))
+        if layout_ok and storage._cdata not in self.owners:
+            self.storages[ref.key] = storage
+        else:  # meta and CPU kernels disagree on layout, or the real op aliased: copy to be exact
+            nbytes = op.creates.get(ref.key, storage.nbytes())
+            self.storages[ref.key] = torch.UntypedStorage(nbytes, device="cpu")
+            _view(self.storages[ref.key], ref).copy_(real)
+        self.owners.add(self.storages[ref.key]._cdata)
+
+
+def _is_template_leaf(a) -> bool:
+    return isinstance(a, (_FakeRef, _Const))
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    """Factory ops resolve dtype=None at run time: replay under the default dtype of recording time."""
+    old = torch.get_default_dtype()
+    if old == dtype:
+        yield
+        return
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+@contextlib.contextmanager
+def _rng_for(op: _Op, args, kwargs):
+    """Give a random op the generator state it started from, without touching the global RNG."""
+    if op.rng_state is None:
+        yield args, kwargs
+        return
+    if op.gen_index is not None:
+        gen = torch.Generator(device="cpu")
+        gen.set_state(op.rng_state)
+        yield _with_generator(op.func, args, kwargs, gen)
+        return
+    # ops without a generator argument (randn.default, randperm.default...) draw from the default one
+    saved = torch.default_generator.get_state()
+    torch.default_generator.set_state(op.rng_state)
+    try:
+        yield args, kwargs
+    finally:
+        torch.default_generator.set_state(saved)
+
+
+def materialize(tensors: list[torch.Tensor], device=torch.device("cpu")) -> list[torch.Tensor]:
+    """Real tensors for deferred `tensors`, bit-equal to eager construction under the same seed.
+
+    Only the recorded ops these tensors depend on are replayed (a backward slice), so peak memory is
+    about the requested tensors plus the temporaries of their init ops. Replay uses private generators:
+    the caller's RNG state is unchanged. Can be called any number of times, in any order.
+
+    The result has one entry per input, with the same shape, dtype, strides and storage offset.
+    Inputs that share a fake storage (tied parameters, a parameter and a view of it) get views of ONE
+    real storage in the same call; separate calls give separate (equal) copies. Results do not
+    require grad; the caller wraps them (e.g. ``nn.Parameter``) and re-ties as needed.
+    """
+    if _active() is not None:
+        raise DeferredInitError("materialize() cannot be called inside deferred_init()")
+    tensors = list(tensors)
+    device = torch.device(device)
+    real: dict[int, torch.UntypedStorage] = {}
+    for rec, keys in _group(tensors).items():
+        storages = _Replay(_slice(rec, keys), keep=keys).run()
+        for k in keys:
+            if k not in storages:  # created by an op that was never recorded: cannot happen for roots
+                raise DeferredInitError("materialize: no recorded op creates this tensor's storage")
+            real[k] = storages[k]
+    if device.type != "cpu":
+        real = {k: s.to(device=device) for k, s in real.items()}
+    return [_view(real[_storage_key(t)], _FakeRef.of(t)) for t in tensors]
+
+
+def release(module_or_tensors) -> None:
+    """Forget the recordings of these tensors (a module: its parameters and buffers).
+
+    Afterwards they are no longer deferred, and recorded ops that no remaining deferred tensor needs
+    are dropped (with their captured constants and RNG states), so memory is freed as units are done.
+    """
+    if isinstance(module_or_tensors, nn.Module):
+        tensors = [*module_or_tensors.parameters(), *module_or_tensors.buffers()]
+    elif isinstance(module_or_tensors, torch.Tensor):
+        tensors = [module_or_tensors]
+    else:
+        tensors = list(module_or_tensors)
+    by_rec: dict[int, tuple[_Recording, set[int]]] = {}
+    for t in tensors:
+        if is_deferred(t):
+            key = _storage_key(t)
+            rec = _REGISTRY[key]
+            by_rec.setdefault(id(rec), (rec, set()))[1].add(key)
+    for rec, keys in by_rec.values():
+        _drop(rec, keys)
