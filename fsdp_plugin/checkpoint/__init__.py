@@ -1,0 +1,35 @@
+"""Sharded safetensors checkpoints for fsdp_plugin.
+
+* :func:`save_checkpoint` / :func:`load_checkpoint`: a directory of per-rank safetensors files plus a JSON
+  ``manifest.json`` written last; any world size and strategy loads any checkpoint, reading only the byte
+  ranges it needs; no pickle anywhere.
+* :func:`save_pretrained` / :func:`load_pretrained`: Hugging Face safetensors (+ index) in and out.
+* :func:`consolidate`: offline export of a checkpoint to Hugging Face safetensors (CLI ``fsdp-plugin``).
+"""
+from .errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    MismatchReport,
+)
+from .load import CheckpointMismatchWarning, load_checkpoint
+from .save import save_checkpoint
+
+__all__ = [
+    "save_checkpoint", "load_checkpoint", "load_pretrained", "save_pretrained", "consolidate",
+    "CheckpointError", "CorruptCheckpointError", "IncompleteCheckpointError", "CheckpointMismatchError",
+    "CheckpointMismatchWarning", "MismatchReport",
+]
+
+
+def __getattr__(name):  # HF functions load lazily (they are not needed on the training path)
+    if name in ("load_pretrained", "save_pretrained"):
+        from . import hf
+
+        return getattr(hf, name)
+    if name == "consolidate":
+        from .consolidate import consolidate
+
+        return consolidate
+    raise AttributeError(name)

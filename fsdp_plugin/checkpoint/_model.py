@@ -1,0 +1,60 @@
+"""What the checkpoint code needs from a model: its parameter pieces (via the engine's ``_layout``),
+its persistent buffers, and the save-time sharding description.
+
+Invariant: this module is the only place that talks to ``fsdp_plugin._layout``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import torch
+from torch import nn
+
+
+def _layout():
+    return importlib.import_module("fsdp_plugin._layout")
+
+
+def param_shards(model: nn.Module) -> list:
+    """``fsdp_plugin._layout.param_shards(model)``: one ParamShard per distinct parameter."""
+    return list(_layout().param_shards(model))
+
+
+def sharding_description(model: nn.Module) -> dict:
+    """JSON-able ``sharding_info(model)`` (strategy, world_size, rank, shard_size, replicate_size)."""
+    info = _layout().sharding_info(model)
+    if dataclasses.is_dataclass(info):
+        info = dataclasses.asdict(info)
+    elif not isinstance(info, dict):
+        info = {k: getattr(info, k) for k in ("strategy", "world_size", "rank", "shard_size", "replicate_size")
+                if hasattr(info, k)}
+    out = {}
+    for k, v in info.items():
+        out[k] = v if isinstance(v, (int, float, str, bool, type(None))) else str(getattr(v, "value", v))
+    out.pop("rank", None)
+    return out
+
+
+def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(name, buffer)`` for every buffer that ``state_dict`` would contain (shared ones once)."""
+    out = []
+    for name, buf in model.named_buffers():
+        mod_name, _, leaf = name.rpartition(".")
+        mod = model.get_submodule(mod_name) if mod_name else model
+        if buf is not None and leaf not in mod._non_persistent_buffers_set:
+            out.append((name, buf))
+    return out
+
+
+def flat_dest(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A 1-D tensor aliasing ``t``'s memory to load into, and the tensor to copy back from afterwards.
+
+    For a contiguous ``t`` the view itself (second item None); otherwise a contiguous clone that the caller
+    copies back into ``t`` after reading.
+    """
+    t = t.detach()
+    if t.is_contiguous():
+        return t.view(-1), None
+    tmp = t.contiguous()
+    return tmp.view(-1), tmp

@@ -1,0 +1,71 @@
+"""Exception hierarchy of the checkpoint package.
+
+Every error names the file (and, where one is involved, the tensor and byte range) and says what to do.
+
+    CheckpointError                      base class; also raised for unsafe paths
+    ├── CorruptCheckpointError           bytes on disk are damaged: size, header, CRC32, manifest
+    │   └── IncompleteCheckpointError    no manifest.json: the save was interrupted
+    └── CheckpointMismatchError          a valid checkpoint that does not fit the model/optimizer
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class CheckpointError(Exception):
+    """Base class of every checkpoint error (also: unsafe path, unsupported format version)."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A file of the checkpoint is damaged (truncated, bad header, CRC32 failure, invalid manifest)."""
+
+
+class IncompleteCheckpointError(CorruptCheckpointError):
+    """The directory has no manifest.json: the save that produced it was interrupted."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint is valid but does not match the model or optimizer it is loaded into.
+
+    ``report`` is a :class:`MismatchReport` with the missing, unexpected and mismatched names.
+    """
+
+    def __init__(self, message: str, report: "MismatchReport | None" = None):
+        super().__init__(message)
+        self.report = report
+
+
+@dataclass
+class MismatchReport:
+    """What a non-strict load skipped.
+
+    missing: names the model has and the checkpoint lacks (left untouched).
+    unexpected: names the checkpoint has and the model lacks (ignored).
+    mismatched: ``name -> "checkpoint shape/dtype vs model shape/dtype"`` (left untouched).
+    """
+
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: dict[str, str] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.missing or self.unexpected or self.mismatched)
+
+    def describe(self, limit: int = 20) -> str:
+        """One human-readable paragraph, at most ``limit`` names per category."""
+        parts = []
+        for label, names in (("missing from the checkpoint", self.missing),
+                             ("unexpected (not in the model)", self.unexpected)):
+            if names:
+                more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+                parts.append(f"{label}: {', '.join(names[:limit])}{more}")
+        if self.mismatched:
+            items = [f"{k} ({v})" for k, v in list(self.mismatched.items())[:limit]]
+            parts.append("shape/dtype mismatch: " + ", ".join(items))
+        return "; ".join(parts)
+
+    def extend(self, other: "MismatchReport", prefix: str = "") -> None:
+        """Merge ``other`` into this report, prefixing its names with ``prefix``."""
+        self.missing += [prefix + n for n in other.missing]
+        self.unexpected += [prefix + n for n in other.unexpected]
+        self.mismatched.update({prefix + k: v for k, v in other.mismatched.items()})

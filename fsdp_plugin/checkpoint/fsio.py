@@ -1,0 +1,134 @@
+"""Low-level file helpers: path safety, raw memory views of tensors, exact reads/writes, fsync.
+
+Invariants: names opened inside a checkpoint are plain file names (no ``/``, ``..``, NUL, absolute paths)
+and are opened with ``O_NOFOLLOW``; nothing here allocates a copy of tensor data.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import zlib
+
+import torch
+
+from .errors import CheckpointError, CorruptCheckpointError
+
+#: CRC32 block size of checkpoint files (bytes). Every file is checksummed in blocks of this size.
+BLOCK_BYTES = 8 << 20
+#: Largest number of iovecs given to one preadv call (Linux IOV_MAX).
+_IOV_MAX = 1024
+#: Largest byte count of one read/write syscall (Linux caps a call at 0x7ffff000).
+_MAX_IO = 1 << 30
+
+
+def check_plain_name(name: str, where: str) -> str:
+    """Return ``name`` if it is a plain file name safe to open inside a directory, else raise."""
+    if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
+            or "\x00" in name or os.path.isabs(name)):
+        raise CheckpointError(f"{where}: unsafe file name {name!r}: only plain names inside the checkpoint "
+                              "directory are allowed")
+    return name
+
+
+def open_in_dir(directory: str, name: str, where: str, allowed_roots: tuple[str, ...] = ()) -> int:
+    """Open ``directory/name`` read-only and return the fd; never leaves the directory.
+
+    With no ``allowed_roots`` a symlink is refused (``O_NOFOLLOW``). With ``allowed_roots`` a symlink is
+    followed only if its target resolves inside one of them (the Hugging Face cache links snapshot
+    files to ``../../blobs``).
+    """
+    check_plain_name(name, where)
+    path = os.path.join(directory, name)
+    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+    if allowed_roots and os.path.islink(path):
+        real = os.path.realpath(path)
+        if not any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in allowed_roots):
+            raise CheckpointError(f"{path}: symlink to {real} leaves the checkpoint directory; refusing to read it")
+    else:
+        flags |= os.O_NOFOLLOW
+    try:
+        return os.open(path, flags)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path}: file is missing (copy the whole checkpoint directory, "
+                                     "on a filesystem every rank can read)") from None
+    except OSError as e:
+        if os.path.islink(path):
+            raise CheckpointError(f"{path}: is a symlink; refusing to follow it out of the checkpoint") from None
+        raise CheckpointError(f"{path}: cannot open ({e})") from None
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A writable ``memoryview`` of the bytes of contiguous CPU tensor ``t`` (no copy).
+
+    The caller must keep ``t`` alive while the view is in use.
+    """
+    assert t.device.type == "cpu" and t.is_contiguous(), "byte_view needs a contiguous CPU tensor"
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+def write_all(fd: int, data: memoryview) -> None:
+    """Write every byte of ``data`` at the current position of ``fd``."""
+    pos = 0
+    while pos < len(data):
+        pos += os.write(fd, data[pos:pos + _MAX_IO])
+
+
+def preadv_all(fd: int, bufs: list[memoryview], offset: int, where: str) -> None:
+    """Fill every buffer of ``bufs`` in order from ``fd`` starting at byte ``offset``; raise on EOF."""
+    bufs = [b for b in bufs if len(b)]
+    i = 0
+    while i < len(bufs):
+        batch, total = [], 0
+        while i + len(batch) < len(bufs) and len(batch) < _IOV_MAX and total < _MAX_IO:
+            batch.append(bufs[i + len(batch)])
+            total += len(batch[-1])
+        got = os.preadv(fd, batch, offset)
+        if got <= 0:
+            raise CorruptCheckpointError(f"{where}: unexpected end of file at byte {offset} (truncated)")
+        offset += got
+        for b in batch:  # drop fully read buffers; shorten a partially read one
+            if got >= len(b):
+                got -= len(b)
+                i += 1
+            else:
+                bufs[i] = b[got:]
+                break
+
+
+def fsync_path(path: str, directory: bool = False) -> None:
+    """fsync a file or directory by path."""
+    fd = os.open(path, (os.O_RDONLY | os.O_DIRECTORY) if directory else os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class BlockCrc:
+    """CRC32 of consecutive ``block_bytes`` blocks of a byte stream fed in order with :meth:`update`."""
+
+    def __init__(self, block_bytes: int = BLOCK_BYTES):
+        self.block_bytes = block_bytes
+        self.crcs: list[int] = []
+        self._crc = 0
+        self._fill = 0
+
+    def update(self, data: memoryview) -> None:
+        while len(data):
+            take = min(len(data), self.block_bytes - self._fill)
+            self._crc = zlib.crc32(data[:take], self._crc)
+            self._fill += take
+            data = data[take:]
+            if self._fill == self.block_bytes:
+                self.crcs.append(self._crc)
+                self._crc, self._fill = 0, 0
+
+    def finish(self) -> list[int]:
+        """The CRC32 of every block; the last one may be partial."""
+        if self._fill:
+            self.crcs.append(self._crc)
+            self._crc, self._fill = 0, 0
+        return self.crcs

@@ -1,0 +1,180 @@
+"""``load_checkpoint``: each rank reads only the byte ranges overlapping its own pieces.
+
+Any world size and strategy loads any checkpoint: a stored piece ``[r, a, b)`` and a local piece
+``[start, end)`` are element ranges of the same flattened tensor, so their overlap is one contiguous
+byte range in rank ``r``'s file and one contiguous slice of the local tensor.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from . import _comm, _format, _model, codec, manifest, optim
+from .errors import CheckpointMismatchError, CorruptCheckpointError, MismatchReport
+from .reader import ReadPlan
+
+
+class CheckpointMismatchWarning(UserWarning):
+    """Emitted by a non-strict load that skipped names; ``.report`` holds the :class:`MismatchReport`."""
+
+    def __init__(self, message: str, report: MismatchReport):
+        super().__init__(message)
+        self.report = report
+
+
+def load_checkpoint(path, model, optimizer=None, strict: bool = True, *, report: MismatchReport | None = None):
+    """Load a checkpoint written by :func:`save_checkpoint` into ``model`` (and optimizer(s)); return ``extra``.
+
+    Collective over the default process group. ``strict=True`` raises :class:`CheckpointMismatchError`
+    listing missing / unexpected / shape-mismatched names before touching anything; ``strict=False`` loads
+    the intersection, warns (:class:`CheckpointMismatchWarning`) and fills ``report`` if given. Optimizer
+    state is created when the optimizer has none yet. Dtypes are cast when model and checkpoint differ.
+    """
+    path = os.fspath(path)
+    err, extra = None, None
+    try:
+        extra = _load_local(path, model, optim.as_list(optimizer), strict, report)
+    except Exception as e:  # noqa: BLE001 - every rank must raise together
+        err = e
+    _comm.raise_if_any_failed(err)
+    return extra
+
+
+def _load_local(path, model, optimizers, strict, out_report):
+    doc = manifest.read(path)
+    report = MismatchReport()
+    shards = _model.param_shards(model)
+    # Phase 1 only matches names (no side effects); phase 2 queues reads and creates optimizer state.
+    actions = _match_model(doc, shards, _model.persistent_buffers(model), report)
+    opt_actions, finishers = _match_optimizers(path, doc, shards, optimizers, report)
+    if report and strict:
+        raise CheckpointMismatchError(f"{path} does not match the model: {report.describe()} "
+                                      "(pass strict=False to load the intersection)", report)
+    copy_back = []
+    with ReadPlan(path, doc["files"]) as plan:
+        for act in actions + opt_actions:
+            act(plan, copy_back)
+        extra = _plan_extra(plan, doc)
+        plan.execute()
+    for dst, src in copy_back:
+        dst.copy_(src)
+    for fin in finishers:
+        fin()
+    if report:
+        warnings.warn(CheckpointMismatchWarning(f"load_checkpoint({path}) skipped: {report.describe()}", report))
+        if out_report is not None:
+            out_report.extend(report)
+    return extra
+
+
+def _read_into(entry: dict, kind: str, key: str, target: torch.Tensor, start: int, what: str):
+    """An action queuing the reads of a stored tensor's elements ``[start, ...)`` into ``target``."""
+
+    def act(plan, copy_back):
+        dest, tmp = _model.flat_dest(target)
+        if tmp is not None:
+            copy_back.append((target.detach(), tmp))
+        add_reads(plan, entry, kind, key, dest, start, what)
+
+    return act
+
+
+def add_reads(plan: ReadPlan, entry: dict, kind: str, key: str, dest: torch.Tensor, start: int, what: str):
+    """Queue reads of elements ``[start, start + dest.numel())`` of a stored tensor into 1-D ``dest``."""
+    end = start + dest.numel()
+    dtype = _format.to_dtype(entry["dtype"])
+    for r, a, b in entry["pieces"]:
+        lo, hi = max(a, start), min(b, end)
+        if lo >= hi:
+            continue
+        fname = manifest.file_name(r, kind)
+        e = plan.header(fname).entries.get(key)
+        if e is None or e.dtype != entry["dtype"] or e.shape != (b - a,):
+            found = "missing" if e is None else f"{e.dtype} {list(e.shape)}"
+            raise CorruptCheckpointError(f"{os.path.join(plan.directory, fname)}: tensor {key!r} is {found} in the "
+                                         f"file header; manifest.json says {entry['dtype']} [{b - a}]")
+        plan.add(fname, e.begin + (lo - a) * dtype.itemsize, dtype, dest[lo - start:hi - start], what)
+
+
+def _match_model(doc, shards, buffers, report) -> list:
+    params, actions, known = doc["params"], [], set()
+    for sh in shards:
+        names = (sh.fqn, *sh.aliases)
+        known.update(names)
+        hit = next((n for n in names if n in params), None)
+        if hit is None:
+            report.missing.append(sh.fqn)
+            continue
+        stored = params[hit]["alias_of"] if "alias_of" in params[hit] else hit
+        entry = params[stored]
+        if list(entry["shape"]) != list(sh.shape):
+            report.mismatched[sh.fqn] = f"checkpoint {entry['shape']} vs model {list(sh.shape)}"
+            continue
+        actions.append(_read_into(entry, "model", stored, sh.param, sh.start, sh.fqn))
+    report.unexpected += [n for n in params if n not in known]
+    saved, seen = doc["buffers"], set()
+    for name, buf in buffers:
+        seen.add(name)
+        entry = saved.get(name)
+        if entry is None:
+            report.missing.append(name)
+        elif list(entry["shape"]) != list(buf.shape):
+            report.mismatched[name] = f"checkpoint {entry['shape']} vs model {list(buf.shape)}"
+        else:
+            actions.append(_read_into(entry, "model", name, buf, 0, name))
+    report.unexpected += [n for n in saved if n not in seen]
+    return actions
+
+
+def _match_optimizers(path, doc, shards, optimizers, report) -> tuple[list, list]:
+    saved_opts = doc.get("optimizers", [])
+    if optimizers and len(saved_opts) != len(optimizers):
+        raise CheckpointMismatchError(f"{path} holds {len(saved_opts)} optimizer(s); {len(optimizers)} given")
+    names_of = {id(sh.param): (sh.fqn, *sh.aliases) for sh in shards}
+    shard_of = {id(sh.param): sh for sh in shards}
+    actions, finishers = [], []
+    for i, (opt, saved) in enumerate(zip(optimizers, saved_opts)):
+        pairs = optim.match_groups(opt, saved, i, names_of, report)
+        for p, fqn in pairs:
+            sh = shard_of[id(p)]
+            for key, entry in saved.get("tensors", {}).get(fqn, {}).items():
+                what = f"optimizer[{i}].{fqn}.{key}"
+                if list(entry["shape"]) != list(sh.shape):
+                    report.mismatched[what] = f"checkpoint {entry['shape']} vs model {list(sh.shape)}"
+                    continue
+                actions.append(_opt_read(opt, p, key, entry, manifest.tensor_key("optim", fqn, i, key), sh, what))
+        finishers.append(lambda opt=opt, pairs=pairs, saved=saved, i=i: _finish_optimizer(opt, pairs, saved, i))
+    return actions, finishers
+
+
+def _opt_read(opt, p, key, entry, file_key, sh, what):
+    def act(plan, copy_back):
+        dest = optim.state_dest(opt, p, key, _format.to_dtype(entry["dtype"]))
+        _read_into(entry, "optim", file_key, dest, sh.start, what)(plan, copy_back)
+
+    return act
+
+
+def _finish_optimizer(opt, pairs, saved, i) -> None:
+    optim.apply_hyperparameters(opt, saved, i)
+    optim.restore_scalars(opt, pairs, saved, i)
+
+
+def _plan_extra(plan, doc):
+    extras, me = doc.get("extra", {}), _comm.rank()
+    src = str(me) if str(me) in extras else "0"
+    if src not in extras:
+        return None
+
+    def source(node: dict, where: str) -> torch.Tensor:
+        shape, dtype = [int(d) for d in node["shape"]], _format.to_dtype(node["dtype"])
+        t = torch.empty(shape, dtype=dtype)
+        n = t.numel()
+        entry = {"dtype": node["dtype"], "shape": shape, "pieces": [[int(src), 0, n]] if n else []}
+        if n:
+            add_reads(plan, entry, "extra", node["key"], t.view(-1), 0, f"extra {where}")
+        return t
+
+    return codec.decode(extras[src], source, "extra")

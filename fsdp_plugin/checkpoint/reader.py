@@ -1,0 +1,197 @@
+"""Exact-range reads from safetensors files straight into destination tensors.
+
+Usage: ``plan = ReadPlan(dir, records)``; ``plan.header(name)`` validates a file; ``plan.add(...)``
+queues "read ``n`` elements at byte ``offset`` of file ``name`` into 1-D tensor ``dest``";
+``plan.execute()`` performs them. Invariants:
+
+* bytes are read with ``preadv`` into the destination's own memory when it is a contiguous CPU tensor
+  of the stored dtype; otherwise through a bounce buffer of at most ``BOUNCE_BYTES`` per run (cast,
+  device copy). No mmap (it over-reads, pins the page cache and dies with SIGBUS on truncation).
+* for files with a manifest record, the size is checked before any read and the CRC32 of every block a
+  read touches is verified (reads are widened to block boundaries, at most 2 extra blocks per run).
+* nothing outside the checkpoint directory is opened (see :func:`fsio.open_in_dir`).
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from . import _format
+from .errors import CorruptCheckpointError
+from .fsio import BlockCrc, byte_view, open_in_dir, preadv_all
+
+#: Largest bounce-buffer memory of one read run (bytes).
+BOUNCE_BYTES = 64 << 20
+
+
+@dataclass
+class _Segment:
+    offset: int          # absolute file offset (bytes)
+    nbytes: int
+    dest: torch.Tensor   # 1-D destination, numel == nbytes / src itemsize
+    src_dtype: torch.dtype
+    what: str            # tensor name, for error messages
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+    @property
+    def direct(self) -> bool:
+        d = self.dest
+        return d.device.type == "cpu" and d.is_contiguous() and d.dtype == self.src_dtype
+
+
+class _File:
+    def __init__(self, fd: int, size: int, header: _format.Header, record: dict | None, where: str):
+        self.fd, self.size, self.header, self.record, self.where = fd, size, header, record, where
+        self.segments: list[_Segment] = []
+
+
+class ReadPlan:
+    """Validated files of one directory and the reads queued against them (see module docstring)."""
+
+    def __init__(self, directory: str, records: dict[str, dict] | None = None, allowed_roots: tuple[str, ...] = (),
+                 threads: int = 4):
+        self.directory = directory
+        self.records = records
+        self.allowed_roots = allowed_roots
+        self.threads = threads
+        self._files: dict[str, _File] = {}
+        self.bytes_read = 0
+
+    def header(self, name: str) -> _format.Header:
+        """Open, size-check and parse file ``name`` once; return its validated header."""
+        f = self._files.get(name)
+        if f is None:
+            f = self._files[name] = self._open(name)
+        return f.header
+
+    def _open(self, name: str) -> _File:
+        where = os.path.join(self.directory, name)
+        record = None
+        if self.records is not None:
+            record = self.records.get(name)
+            if record is None:
+                raise CorruptCheckpointError(f"{where}: not listed in manifest.json")
+        fd = open_in_dir(self.directory, name, where, self.allowed_roots)
+        try:
+            size = os.fstat(fd).st_size
+            if record is not None and size != record["bytes"]:
+                raise CorruptCheckpointError(
+                    f"{where} is {size:,} bytes; manifest.json says {record['bytes']:,}: the file is "
+                    f"{'truncated' if size < record['bytes'] else 'extended'}. Copy the checkpoint again, "
+                    "or load the previous one.")
+            header = _format.read_header(fd, size, where)
+            if record is not None and header.data_start != record["data_start"]:
+                raise CorruptCheckpointError(f"{where}: data starts at byte {header.data_start}, "
+                                             f"manifest.json says {record['data_start']}")
+        except BaseException:
+            os.close(fd)
+            raise
+        return _File(fd, size, header, record, where)
+
+    def add(self, name: str, offset: int, src_dtype: torch.dtype, dest: torch.Tensor, what: str) -> None:
+        """Queue: read ``dest.numel()`` elements of ``src_dtype`` at byte ``offset`` of ``name`` into ``dest``."""
+        assert dest.dim() == 1
+        nbytes = dest.numel() * src_dtype.itemsize
+        if nbytes:
+            f = self._files[name]
+            assert f.header.data_start <= offset and offset + nbytes <= f.size
+            f.segments.append(_Segment(offset, nbytes, dest, src_dtype, what))
+
+    def execute(self) -> None:
+        """Perform every queued read (files in parallel threads); raise on the first failure."""
+        files = [f for f in self._files.values() if f.segments]
+        if len(files) <= 1 or self.threads <= 1:
+            for f in files:
+                self._read_file(f)
+        else:
+            with ThreadPoolExecutor(min(self.threads, len(files))) as pool:
+                for fut in [pool.submit(self._read_file, f) for f in files]:
+                    fut.result()
+
+    def close(self) -> None:
+        for f in self._files.values():
+            os.close(f.fd)
+        self._files.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- execution -------------------------------------------------------------------------------------
+    def _read_file(self, f: _File) -> None:
+        segs = sorted(f.segments, key=lambda s: s.offset)
+        f.segments = []
+        needed = sum(s.nbytes for s in segs)
+        if needed * 2 < f.size and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_RANDOM)
+        for run in self._runs(f, segs):
+            self._read_run(f, run)
+
+    def _bounds(self, f: _File, seg: _Segment) -> tuple[int, int]:
+        """Byte extent a read of ``seg`` must cover: widened to CRC block boundaries when checksummed."""
+        if f.record is None:
+            return seg.offset, seg.end
+        b = f.record["block_bytes"]
+        return seg.offset // b * b, min(-(-seg.end // b) * b, f.size)
+
+    def _runs(self, f: _File, segs: list[_Segment]):
+        run, run_end, bounce = [], -1, 0
+        for s in segs:
+            lo, hi = self._bounds(f, s)
+            cost = 0 if s.direct else s.nbytes
+            contiguous = run and s.offset >= run[-1].end and lo <= run_end
+            if run and (not contiguous or bounce + cost > BOUNCE_BYTES):
+                yield run
+                run, bounce = [], 0
+            run.append(s)
+            run_end = max(run_end, hi) if len(run) > 1 else hi
+            bounce += cost
+        if run:
+            yield run
+
+    def _read_run(self, f: _File, run: list[_Segment]) -> None:
+        start = self._bounds(f, run[0])[0]
+        end = max(self._bounds(f, s)[1] for s in run)
+        bufs, posts, pos = [], [], start
+        for s in run:
+            if s.offset > pos:
+                bufs.append(memoryview(bytearray(s.offset - pos)))
+            if s.direct:
+                bufs.append(byte_view(s.dest))
+            else:
+                bounce = torch.empty(s.dest.numel(), dtype=s.src_dtype)
+                bufs.append(byte_view(bounce))
+                posts.append((s.dest, bounce))
+            pos = s.end
+        if end > pos:
+            bufs.append(memoryview(bytearray(end - pos)))
+        preadv_all(f.fd, list(bufs), start, f.where)
+        self.bytes_read += end - start
+        if f.record is not None:
+            self._verify(f, bufs, start, run)
+        for dest, bounce in posts:
+            dest.copy_(bounce)
+
+    def _verify(self, f: _File, bufs: list[memoryview], start: int, run: list[_Segment]) -> None:
+        b = f.record["block_bytes"]
+        crc = BlockCrc(b)
+        for buf in bufs:
+            crc.update(buf)
+        first = start // b
+        expected = f.record["crc32"]
+        for i, got in enumerate(crc.finish()):
+            k = first + i
+            if k >= len(expected) or expected[k] != got:
+                lo, hi = k * b, min((k + 1) * b, f.size)
+                names = sorted({s.what for s in run if s.offset < hi and s.end > lo})
+                raise CorruptCheckpointError(
+                    f"{f.where}: block {k} (bytes {lo:,}-{hi:,}) fails its CRC32 check: the file is corrupted "
+                    f"(tensors {', '.join(names[:5]) or '(header)'}). Load the previous checkpoint.")

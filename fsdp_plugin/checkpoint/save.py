@@ -1,0 +1,204 @@
+"""``save_checkpoint``: every rank writes only its own pieces; rank 0 writes the manifest last.
+
+Protocol (see docs in :mod:`.manifest` and :mod:`._publish`):
+
+1. rank 0 picks a uuid, checks ``path`` may be replaced, removes stale ``.tmp-*`` siblings and creates
+   ``path.tmp-<uuid>``; everyone learns the uuid (broadcast) and whether that worked.
+2. every rank writes ``rank<r>.{model,optim,extra}.safetensors`` (only the pieces with
+   ``ParamShard.writer``; buffers on rank 0), fsyncing each, and describes them in a small JSON record.
+3. the records are gathered to rank 0 (JSON bytes, no pickle); rank 0 builds and validates the manifest,
+   writes ``manifest.json`` (fsync, rename), fsyncs the directory and publishes it atomically.
+4. a failure on any rank makes every rank raise; rank 0 removes the temporary directory.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+
+import torch
+
+from . import _comm, _format, _model, _publish, codec, manifest, optim
+from .fsio import fsync_path
+from .writer import write_safetensors
+
+
+def save_checkpoint(path, model, optimizer=None, extra=None) -> None:
+    """Save ``model`` (+ optimizer(s), + ``extra``) as a sharded checkpoint directory at ``path``.
+
+    Collective: every rank of the default process group must call it with the same ``path``.
+    ``optimizer``: None, one optimizer or a list. ``extra``: per-rank JSON-able data (see
+    :mod:`.codec`); tensors in it are stored in the rank's ``extra`` file.
+    """
+    path = os.path.abspath(os.fspath(path))
+    rank, world = _comm.rank(), _comm.world_size()
+    err, uid = None, None
+    if rank == 0:
+        uid = uuid.uuid4().hex
+        try:
+            _prepare(path, uid)
+        except Exception as e:  # noqa: BLE001 - propagated to every rank below
+            err = e
+    uid = _comm.broadcast_bytes(uid.encode() if uid else None).decode()
+    _comm.raise_if_any_failed(err)
+    tmp = _publish.tmp_name(path, uid)
+    record = None
+    try:
+        record = _write_local(tmp, rank, world, uid, model, optim.as_list(optimizer), extra)
+    except Exception as e:  # noqa: BLE001
+        err = e
+    _fail_and_clean(err, tmp, rank)
+    records = _comm.gather_bytes(json.dumps(record).encode())
+    if rank == 0:
+        try:
+            doc = _build_manifest([json.loads(r) for r in records], uid, world, model)
+            _write_manifest(tmp, doc)
+            _publish.publish(tmp, path)
+        except Exception as e:  # noqa: BLE001
+            err = e
+    _fail_and_clean(err, tmp, rank)
+
+
+def _prepare(path: str, uid: str) -> None:
+    _publish.check_replaceable(path)
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    _publish.clean_stale(path)
+    os.mkdir(_publish.tmp_name(path, uid))
+
+
+def _fail_and_clean(err, tmp: str, rank: int) -> None:
+    try:
+        _comm.raise_if_any_failed(err)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_local(tmp: str, rank: int, world: int, uid: str, model, optimizers: list, extra) -> dict:
+    """Write this rank's files into ``tmp``; return the JSON record rank 0 needs."""
+    shards = _model.param_shards(model)
+    shard_of = {id(sh.param): sh for sh in shards}
+    model_tensors, pieces = [], {}
+    for sh in shards:
+        if sh.writer and sh.end > sh.start:
+            local = sh.param.detach().reshape(-1)
+            assert local.numel() == sh.end - sh.start, f"{sh.fqn}: local piece has {local.numel()} elements"
+            model_tensors.append((sh.fqn, local, (local.numel(),)))
+            pieces[sh.fqn] = [sh.start, sh.end]
+    rec: dict = {"rank": rank, "pieces": pieces, "files": {}}
+    if rank == 0:
+        rec["params"] = {sh.fqn: _param_meta(sh) for sh in shards}
+        rec["buffers"] = {}
+        for name, buf in _model.persistent_buffers(model):
+            model_tensors.append((name, buf, (buf.numel(),)))
+            rec["buffers"][name] = {"shape": list(buf.shape), "dtype": _format.dtype_name(buf.dtype)}
+    opt_tensors: list = []
+    rec["optimizers"] = optim.local_record(optimizers, shard_of, opt_tensors)
+    extra_tensors: list = []
+    rec["extra"] = codec.encode(extra, _extra_sink(extra_tensors), "extra")
+    rec["extra_has_tensors"] = bool(extra_tensors)
+    meta = {"format": "pt", "producer": "fsdp_plugin", "rank": str(rank), "world_size": str(world), "uuid": uid}
+    for kind, tensors in (("model", model_tensors), ("optim", [(k, t, (t.numel(),)) for k, t in opt_tensors]),
+                          ("extra", extra_tensors)):
+        if tensors:
+            name = manifest.file_name(rank, kind)
+            rec["files"][name] = write_safetensors(os.path.join(tmp, name), tensors,
+                                                   dict(meta, kind=kind)).to_json()
+    return rec
+
+
+def _param_meta(sh) -> dict:
+    return {"shape": list(sh.shape), "dtype": _format.dtype_name(sh.dtype),
+            "requires_grad": bool(sh.param.requires_grad), "aliases": list(sh.aliases)}
+
+
+def _extra_sink(out: list):
+    def sink(path: str, t: torch.Tensor) -> dict:
+        out.append((path, t, tuple(t.shape)))
+        return {codec.TAG: "tensor_ref", "key": path, "dtype": _format.dtype_name(t.dtype), "shape": list(t.shape)}
+
+    return sink
+
+
+def _build_manifest(records: list[dict], uid: str, world: int, model) -> dict:
+    """Merge the per-rank records (indexed by rank) into the manifest; validate it."""
+    r0 = records[0]
+    params, buffers = {}, {}
+    for fqn, meta in r0["params"].items():
+        params[fqn] = {k: meta[k] for k in ("shape", "dtype", "requires_grad")}
+        params[fqn]["pieces"] = sorted(([r["rank"], *r["pieces"][fqn]] for r in records if fqn in r["pieces"]),
+                                        key=lambda p: p[1])
+        for alias in meta["aliases"]:
+            params[alias] = {"alias_of": fqn}
+    params = {k: params[k] for k in sorted(params, key=lambda k: "alias_of" in params[k])}
+    for name, meta in r0["buffers"].items():
+        n = _format.numel(meta["shape"])
+        buffers[name] = dict(meta, pieces=[[0, 0, n]] if n else [])
+    doc = {"format": manifest.FORMAT, "version": manifest.VERSION, "uuid": uid, "created_unix": time.time(),
+           "producer": {"fsdp_plugin": _version(), "torch": torch.__version__},
+           "world_size": world, "sharding": _model.sharding_description(model),
+           "files": {n: f for r in records for n, f in r["files"].items()},
+           "params": params, "buffers": buffers,
+           "optimizers": _merge_optimizers(records), "extra": _merge_extra(records)}
+    manifest.validate(doc, "manifest being saved")
+    return doc
+
+
+def _merge_optimizers(records: list[dict]) -> list[dict]:
+    out = []
+    for i, o0 in enumerate(records[0]["optimizers"]):
+        tensors, scalars = {}, {}
+        for r in records:
+            o = r["optimizers"][i]
+            for fqn, states in o["tensors"].items():
+                for key, t in states.items():
+                    e = tensors.setdefault(fqn, {}).setdefault(key, {"shape": t["shape"], "dtype": t["dtype"],
+                                                                     "pieces": []})
+                    if t["end"] > t["start"]:
+                        e["pieces"].append([r["rank"], t["start"], t["end"]])
+            for fqn, states in o["scalars"].items():
+                for key, v in states.items():
+                    scalars.setdefault(fqn, {}).setdefault(key, v)
+        for states in tensors.values():
+            for e in states.values():
+                e["pieces"].sort(key=lambda p: p[1])
+        out.append({"class": o0["class"], "param_groups": o0["param_groups"], "tensors": tensors,
+                    "scalars": scalars})
+    return out
+
+
+def _merge_extra(records: list[dict]) -> dict:
+    base = json.dumps(records[0]["extra"], sort_keys=True)
+    out = {"0": records[0]["extra"]}
+    for r in records[1:]:
+        if r["extra_has_tensors"] or json.dumps(r["extra"], sort_keys=True) != base:
+            out[str(r["rank"])] = r["extra"]
+    return out
+
+
+def _write_manifest(tmp: str, doc: dict) -> None:
+    part = os.path.join(tmp, manifest.NAME + ".tmp")
+    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        data = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(part, os.path.join(tmp, manifest.NAME))
+    fsync_path(tmp, directory=True)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("fsdp_plugin")
+    except Exception:  # noqa: BLE001 - not installed as a distribution
+        return "unknown"

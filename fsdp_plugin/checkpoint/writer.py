@@ -1,0 +1,69 @@
+"""Stream tensors into a new safetensors file straight from their memory, with block CRC32s and fsync.
+
+No serialization buffer: the header is encoded up front, then every tensor's bytes are written with
+``os.write`` from the tensor's own memory (a device tensor is first copied to the CPU, one tensor at a
+time). The data start is padded to 4096 bytes. The file is created exclusively (mode 0644 & ~umask)
+and fsynced before this returns.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import _format
+from .fsio import BLOCK_BYTES, BlockCrc, byte_view, write_all
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """What the manifest records about one written file (sizes in bytes)."""
+
+    bytes: int
+    data_start: int
+    block_bytes: int
+    crc32: tuple[int, ...]
+
+    def to_json(self) -> dict:
+        return {"bytes": self.bytes, "data_start": self.data_start, "block_bytes": self.block_bytes,
+                "crc32": list(self.crc32)}
+
+
+def flat_cpu(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous 1-D CPU tensor (a view when it already is one)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    return t.contiguous().reshape(-1)
+
+
+def write_safetensors(path: str, tensors: list[tuple[str, torch.Tensor, tuple[int, ...]]],
+                      metadata: dict[str, str] | None = None, block_bytes: int = BLOCK_BYTES) -> FileRecord:
+    """Write ``(name, tensor, stored_shape)`` triples, in that order, to a new file at ``path``.
+
+    ``stored_shape`` must have ``tensor.numel()`` elements (a 1-D piece is stored as ``(numel,)``).
+    """
+    spec = []
+    for name, t, shape in tensors:
+        assert _format.numel(shape) == t.numel(), f"{name}: shape {shape} vs {t.numel()} elements"
+        spec.append((name, _format.dtype_name(t.dtype), tuple(shape)))
+    header, _ = _format.encode_header(spec, metadata)
+    crc = BlockCrc(block_bytes)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        _write_and_crc(fd, memoryview(header), crc)
+        size = len(header)
+        for _, t, _ in tensors:
+            flat = flat_cpu(t)
+            _write_and_crc(fd, byte_view(flat), crc)
+            size += flat.numel() * flat.element_size()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return FileRecord(size, len(header), block_bytes, tuple(crc.finish()))
+
+
+def _write_and_crc(fd: int, data: memoryview, crc: BlockCrc) -> None:
+    crc.update(data)
+    write_all(fd, data)
