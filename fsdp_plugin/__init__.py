@@ -1,0 +1,26 @@
+"""fsdp_plugin: Fully Sharded Data Parallel training for PyTorch, as a plug-in for the trainers you use.
+
+    import fsdp_plugin as fp
+    model = fp.shard(model, fp.ShardingConfig(auto_wrap_policy={Block}))
+    optimizer = torch.optim.AdamW(model.parameters())
+"""
+from ._collectives import STATS as comm_stats
+from ._shard import shard
+from .api import (clip_grad_norm_, full_params, full_state_dict, is_sharded, no_sync,
+                  register_forward_method)
+from .config import MixedPrecision, ShardingConfig, size_policy
+from .errors import (CollectiveError, ConfigError, FSDPPluginError, OptimizerError, ShardingError,
+                     StateDictError)
+
+try:  # deferred init lands in its own module
+    from ._deferred import deferred_init
+except ImportError:  # pragma: no cover
+    pass
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ShardingConfig", "MixedPrecision", "size_policy", "shard", "deferred_init", "no_sync", "full_params",
+    "clip_grad_norm_", "full_state_dict", "is_sharded", "register_forward_method", "comm_stats",
+    "FSDPPluginError", "ConfigError", "ShardingError", "OptimizerError", "StateDictError", "CollectiveError",
+]

@@ -1,0 +1,197 @@
+"""One flat, padded parameter buffer per (unit, dtype, requires_grad) group: the paper's FlatParameter.
+
+Layout (unsharded, ``padded`` elements): ``[p0 | p1 | ... | pk | pad]``, padded so that the shard group of
+``n`` ranks divides it; shard rank ``r`` keeps elements ``[r*chunk, (r+1)*chunk)`` in ``flat_shard``
+(the master copy, original dtype). Every original ``nn.Parameter`` keeps its identity; its ``.data`` is
+always its 1-D local piece, a view into ``flat_shard``, and its ``.grad`` the matching view into
+``shard_grad``. Forward and backward use views of ``leaf``, an autograd leaf whose storage is freed while
+sharded and refilled by the all-gather, so tensors saved for backward see the refilled values.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+from . import _collectives as comm
+from ._mesh import Mesh
+
+
+@dataclass
+class ParamSlot:
+    """One original parameter inside a flat buffer."""
+
+    param: nn.Parameter
+    fqn: str
+    sites: list                  # every (module, attr_name) that registers this parameter
+    shape: torch.Size
+    offset: int                  # first element in the unsharded flat buffer
+    local_start: int = 0         # this rank's piece is the flattened param's [local_start, local_end)
+    local_end: int = 0
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+@dataclass
+class _PendingReduce:
+    work: object
+    out: torch.Tensor            # this rank's reduced chunk (reduce dtype), valid after work.wait()
+    keep: torch.Tensor           # input kept alive until the collective finishes
+
+
+class FlatParamHandle:
+    """Owns one flat buffer: layout, unshard/reshard, gradient reduction."""
+
+    def __init__(self, slots: list[ParamSlot], mesh: Mesh, dtype: torch.dtype, requires_grad: bool,
+                 device: torch.device, compute_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                 shard_device: torch.device):
+        self.slots, self.mesh, self.dtype, self.requires_grad = slots, mesh, dtype, requires_grad
+        self.device, self.compute_dtype, self.reduce_dtype = device, compute_dtype, reduce_dtype
+        self.shard_device = shard_device
+        self.total = sum(s.numel for s in slots)
+        n = mesh.shard_size
+        self.padded = -(-self.total // n) * n
+        self.chunk = self.padded // n
+        self.chunk_start = mesh.shard_rank * self.chunk
+        self.flat_shard = torch.zeros(self.chunk, dtype=dtype, device=shard_device)
+        self.shard_grad: Optional[torch.Tensor] = None
+        self._aliases_shard = n == 1 and compute_dtype == dtype and shard_device == device
+        self._init_leaf()
+        self._bind_local_pieces()
+        self._gather_work = None
+        self._gather_src = None
+        self.is_unsharded = self._aliases_shard
+        self.pending_reduce: Optional[_PendingReduce] = None
+        self.unsharded_grad_accum: Optional[torch.Tensor] = None   # no_sync accumulation
+
+    # ----------------------------------------------------------------- layout
+    def _init_leaf(self) -> None:
+        if self._aliases_shard:
+            self.leaf = self.flat_shard.data.requires_grad_(self.requires_grad)
+        else:
+            self.leaf = torch.empty(self.padded, dtype=self.compute_dtype, device=self.device)
+            self.leaf.requires_grad_(self.requires_grad)
+            self.leaf.untyped_storage().resize_(0)
+        # Collectives write through this alias: its version counter is separate from the leaf's, so
+        # refilling the storage does not trip autograd's saved-tensor version check.
+        self._full = self.leaf.data
+        self._split_sizes = [s.numel for s in self.slots] + ([self.padded - self.total] if self.padded > self.total else [])
+
+    def _bind_local_pieces(self) -> None:
+        for s in self.slots:
+            lo = min(max(self.chunk_start - s.offset, 0), s.numel)
+            hi = min(max(self.chunk_start + self.chunk - s.offset, 0), s.numel)
+            s.local_start, s.local_end = lo, max(lo, hi)
+            a = s.offset + s.local_start - self.chunk_start
+            s.param.data = self.flat_shard[a:a + (s.local_end - s.local_start)]
+            s.param._fp_handle = self
+
+    def local_slice(self, slot: ParamSlot) -> slice:
+        a = slot.offset + slot.local_start - self.chunk_start
+        return slice(a, a + slot.local_end - slot.local_start)
+
+    def fill_from_full(self, slot: ParamSlot, full: torch.Tensor) -> None:
+        """Copy this rank's piece of ``full`` (the whole parameter) into the shard."""
+        piece = full.detach().reshape(-1)[slot.local_start:slot.local_end]
+        self.flat_shard[self.local_slice(slot)].copy_(piece)
+
+    # ---------------------------------------------------------- unshard/reshard
+    def _alloc_full(self) -> None:
+        storage = self._full.untyped_storage()
+        nbytes = self.padded * self._full.element_size()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+
+    def unshard(self, async_op: bool = True) -> None:
+        """Start (or finish) materializing the full flat parameter; ``wait_unshard`` before use."""
+        if self.is_unsharded or self._gather_work is not None:
+            return
+        self._alloc_full()
+        src = self.flat_shard.to(self.device, self.compute_dtype, non_blocking=True)
+        if self.mesh.shard_size == 1:
+            self._full.copy_(src)
+            self.is_unsharded = True
+            return
+        self._gather_src = src
+        self._gather_work = comm.all_gather(self._full, src, self.mesh.shard_group, async_op=async_op)
+        if not async_op:
+            self._gather_work = None
+            self._gather_src = None
+            self.is_unsharded = True
+
+    def wait_unshard(self) -> None:
+        if self._gather_work is not None:
+            self._gather_work.wait()
+            self._gather_work = None
+            self._gather_src = None
+            self.is_unsharded = True
+        elif not self.is_unsharded:
+            self.unshard(async_op=False)
+
+    def reshard(self) -> None:
+        if self._aliases_shard or not self.is_unsharded:
+            return
+        self._full.untyped_storage().resize_(0)
+        self.is_unsharded = False
+
+    def views(self) -> list[torch.Tensor]:
+        """Full-shape views of the unsharded leaf, one per slot (autograd-connected in grad mode)."""
+        pieces = torch.split(self.leaf, self._split_sizes)
+        return [piece.view(s.shape) for piece, s in zip(pieces, self.slots)]
+
+    # ------------------------------------------------------------- gradients
+    def take_unsharded_grad(self) -> Optional[torch.Tensor]:
+        grad, self.leaf.grad = self.leaf.grad, None
+        if self.unsharded_grad_accum is not None:
+            grad = self.unsharded_grad_accum if grad is None else grad + self.unsharded_grad_accum
+            self.unsharded_grad_accum = None
+        return grad
+
+    def accumulate_without_sync(self) -> None:
+        grad, self.leaf.grad = self.leaf.grad, None
+        if grad is not None:
+            acc = self.unsharded_grad_accum
+            self.unsharded_grad_accum = grad if acc is None else acc.add_(grad)
+
+    def start_reduce(self, grad: torch.Tensor) -> None:
+        """Issue the gradient reduction asynchronously; ``finish_reduce`` completes it.
+
+        Shard groups of more than one rank reduce-scatter; a group of one (no_shard) all-reduces across
+        the replicas right away; hybrid all-reduces the reduced chunk across replicas in ``finish_reduce``.
+        """
+        grad = grad.to(self.reduce_dtype)
+        if self.mesh.shard_size > 1:
+            out = torch.empty(self.chunk, dtype=self.reduce_dtype, device=self.device)
+            work = comm.reduce_scatter(out, grad, self.mesh.shard_group, async_op=True)
+            self.pending_reduce = _PendingReduce(work, out, grad)
+        elif self.mesh.replicate_size > 1:
+            work = comm.all_reduce(grad, self.mesh.replicate_group, async_op=True)
+            self.pending_reduce = _PendingReduce(work, grad, grad)
+        else:
+            self.pending_reduce = _PendingReduce(None, grad, grad)
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduction, average across every rank, accumulate into ``shard_grad``."""
+        pending, self.pending_reduce = self.pending_reduce, None
+        if pending is None:
+            return
+        comm.wait(pending.work)
+        out = pending.out
+        if self.mesh.shard_size > 1 and self.mesh.replicate_size > 1:
+            comm.all_reduce(out, self.mesh.replicate_group)
+        if self.mesh.reduce_world > 1:
+            out.div_(self.mesh.reduce_world)
+        self._accumulate_shard_grad(out)
+
+    def _accumulate_shard_grad(self, reduced: torch.Tensor) -> None:
+        reduced = reduced.to(self.shard_device, self.dtype)
+        if self.shard_grad is None or all(s.param.grad is None for s in self.slots):
+            self.shard_grad = reduced
+        else:
+            self.shard_grad.add_(reduced)
+        for s in self.slots:
+            s.param.grad = self.shard_grad[self.local_slice(s)]

@@ -1,0 +1,117 @@
+"""Materializing a unit's full parameter values at shard time, one unit at a time.
+
+Three sources: real tensors (on rank 0 they win: chunks are scattered from it), meta tensors
+(initialized by ``param_init_fn`` or each module's own ``reset_parameters()``, exactly once per module),
+and tensors recorded under ``fp.deferred_init()`` (replayed, bit-equal to eager construction).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import _collectives as comm
+from .config import SKIP_INIT
+from .errors import ShardingError
+
+REAL, META, DEFERRED = 0, 1, 2
+
+
+def _deferred():
+    from . import _deferred as mod
+    return mod
+
+
+def tensor_kind(t: torch.Tensor) -> int:
+    if t.is_meta:
+        try:
+            return DEFERRED if _deferred().is_deferred(t) else META
+        except ImportError:
+            return META
+    return REAL
+
+
+def model_kind(model: nn.Module) -> int:
+    kinds = {tensor_kind(t) for t in list(model.parameters()) + list(model.buffers())}
+    return max(kinds) if kinds else REAL
+
+
+def decide_scatter(model: nn.Module, world_size: int) -> bool:
+    """True when rank 0 holds real values that every rank must take (rank 0 wins)."""
+    if world_size == 1:
+        return False
+    kinds = torch.tensor([model_kind(model)], dtype=torch.int64)
+    gathered = torch.zeros(world_size, dtype=torch.int64)
+    comm.all_gather(gathered, kinds, None, kind="control")
+    kinds = gathered.tolist()
+    if kinds[0] == REAL:
+        return True
+    if any(k == REAL for k in kinds[1:]):
+        raise ShardingError(f"rank 0's model is on the meta device or deferred but ranks "
+                            f"{[r for r, k in enumerate(kinds) if k == REAL]} hold real parameters: build the model "
+                            "the same way on every rank, or real on rank 0 only (rank 0's values are scattered)")
+    return False
+
+
+class Materializer:
+    """Produces full values for the parameters and buffers of one unit at a time."""
+
+    def __init__(self, model: nn.Module, device: torch.device, param_init_fn):
+        self.model, self.device, self.param_init_fn = model, device, param_init_fn
+        self._initialized: set[int] = set()          # modules whose init already ran
+        self._owner_modules: dict[int, list] = {}     # id(param) -> modules registering it
+        for m in model.modules():
+            for p in m._parameters.values():
+                if p is not None:
+                    self._owner_modules.setdefault(id(p), []).append(m)
+
+    def param_values(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        """Full real values for ``params`` (same order); meta modules are initialized on the way."""
+        deferred = [p for p in params if tensor_kind(p) == DEFERRED]
+        if deferred:
+            values = _deferred().materialize(list(deferred), self.device)
+            for p, v in zip(deferred, values):
+                p.data = v
+        for p in params:
+            if p.is_meta:
+                for m in self._owner_modules[id(p)]:
+                    self._init_module(m)
+        return [p.data for p in params]
+
+    def materialize_buffers(self, sites: list) -> None:
+        """Make every buffer in ``sites`` (``(module, name)``) real, initializing meta modules once."""
+        deferred = [(m, n) for m, n in sites if tensor_kind(m._buffers[n]) == DEFERRED]
+        if deferred:
+            values = _deferred().materialize([m._buffers[n] for m, n in deferred], self.device)
+            for (m, n), v in zip(deferred, values):
+                m._buffers[n] = v
+        for m, n in sites:
+            if m._buffers[n].is_meta:
+                self._init_module(m)
+
+    def _init_module(self, m: nn.Module) -> None:
+        if id(m) in self._initialized:
+            return
+        self._initialized.add(id(m))
+        own = [(n, p) for n, p in m._parameters.items() if p is not None and p.is_meta]
+        bufs = [(n, b) for n, b in m._buffers.items() if b is not None and b.is_meta]
+        for _, p in own:
+            p.data = torch.empty_like(p, device=self.device)
+        for n, b in bufs:
+            m._buffers[n] = torch.empty_like(b, device=self.device)
+        if self.param_init_fn == SKIP_INIT:
+            for _, p in own:
+                p.data.zero_()
+            for n, _ in bufs:
+                m._buffers[n].zero_()
+            return
+        with torch.no_grad():
+            if self.param_init_fn is not None:
+                self.param_init_fn(m)
+            elif hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+            else:
+                names = [n for n, _ in own] + [n for n, _ in bufs]
+                raise ShardingError(
+                    f"module {type(m).__name__} (fields {names}) is on the meta device and has no reset_parameters(): "
+                    "give ShardingConfig(param_init_fn=...) that initializes it, build the model under "
+                    "fp.deferred_init() instead of torch.device('meta'), or build it on a real device")

@@ -1,0 +1,66 @@
+"""Read-only view of how a model's parameters are laid out across ranks (for checkpoints/integrations)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    """This rank's piece of one parameter: the flattened full parameter's elements ``[start, end)``."""
+
+    fqn: str
+    aliases: tuple
+    param: nn.Parameter
+    shape: torch.Size
+    dtype: torch.dtype
+    start: int
+    end: int
+    writer: bool
+
+
+@dataclass(frozen=True)
+class ShardingInfo:
+    strategy: str
+    world_size: int
+    rank: int
+    shard_size: int
+    replicate_size: int
+
+
+def _aliases(model: nn.Module) -> dict[int, list[str]]:
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    return names
+
+
+def param_shards(model: nn.Module) -> list[ParamShard]:
+    """One entry per distinct parameter, in ``named_parameters()`` order (sharded or plain model)."""
+    names = _aliases(model)
+    root = getattr(model, "_fp_root", None)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    out = []
+    for fqn, p in model.named_parameters():
+        h = getattr(p, "_fp_handle", None)
+        alias = tuple(n for n in names[id(p)] if n != fqn)
+        if root is None or h is None:
+            out.append(ParamShard(fqn, alias, p, p.shape, p.dtype, 0, p.numel(), rank == 0))
+            continue
+        slot = next(s for s in h.slots if s.param is p)
+        writer = h.mesh.replicate_rank == 0 and (h.mesh.shard_size > 1 or h.mesh.rank == 0)
+        out.append(ParamShard(fqn, alias, p, slot.shape, p.dtype, slot.local_start, slot.local_end, writer))
+    return out
+
+
+def sharding_info(model: nn.Module) -> ShardingInfo:
+    root = getattr(model, "_fp_root", None)
+    if root is None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return ShardingInfo("none", world, rank, 1, world)
+    m = root.mesh
+    return ShardingInfo(root.config.sharding_strategy, m.world_size, m.rank, m.shard_size, m.replicate_size)

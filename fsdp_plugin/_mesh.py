@@ -1,0 +1,93 @@
+"""Process groups for each strategy: a shard group (parameters are chunked across it) and a replicate
+group (shards are all-reduced across it). World size 1, or no process group at all, needs neither."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+
+from .errors import ConfigError
+
+_GROUP_CACHE: dict = {}
+
+
+@dataclass(frozen=True)
+class Mesh:
+    world_size: int
+    rank: int
+    shard_size: int
+    shard_rank: int
+    replicate_size: int
+    replicate_rank: int
+    shard_group: object = None       # None means the default group (or no distribution at all)
+    replicate_group: object = None
+    shard_rank_of: tuple = (0,)      # shard rank of every global rank
+
+    @property
+    def reduce_world(self) -> int:
+        """Number of ranks whose gradients are averaged."""
+        return self.shard_size * self.replicate_size
+
+
+def build_mesh(strategy: str, device_mesh) -> Mesh:
+    if not dist.is_initialized():
+        return Mesh(1, 0, 1, 0, 1, 0)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if strategy in ("full_shard", "shard_grad_op"):
+        return Mesh(world, rank, world, rank, 1, 0, shard_group=dist.group.WORLD, shard_rank_of=tuple(range(world)))
+    if strategy == "no_shard":
+        return Mesh(world, rank, 1, 0, world, rank, replicate_group=dist.group.WORLD, shard_rank_of=(0,) * world)
+    return _hybrid_mesh(world, rank, device_mesh)
+
+
+def _hybrid_mesh(world: int, rank: int, device_mesh) -> Mesh:
+    if device_mesh is not None and not isinstance(device_mesh, tuple):
+        return _from_device_mesh(world, rank, device_mesh)
+    if device_mesh is None:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        replicate, shard = max(world // max(local, 1), 1), local
+    else:
+        replicate, shard = device_mesh
+    if replicate * shard != world:
+        raise ConfigError(f"hybrid_shard mesh (replicate={replicate}, shard={shard}) needs {replicate * shard} ranks "
+                          f"but the world has {world}: pass device_mesh=(R, S) with R*S == {world}")
+    shard_group, replicate_group = _hybrid_groups(world, replicate, shard)
+    return Mesh(world, rank, shard, rank % shard, replicate, rank // shard, shard_group=shard_group,
+                replicate_group=replicate_group, shard_rank_of=tuple(r % shard for r in range(world)))
+
+
+def _hybrid_groups(world: int, replicate: int, shard: int):
+    """Shard groups are consecutive ranks (one node under torchrun); replicate groups stride by ``shard``.
+    Every rank creates every group in the same order, as new_group requires."""
+    key = (world, replicate, shard)
+    if key not in _GROUP_CACHE:
+        rank = dist.get_rank()
+        mine_shard = mine_rep = None
+        for r in range(replicate):
+            g = dist.new_group(list(range(r * shard, (r + 1) * shard)))
+            if rank // shard == r:
+                mine_shard = g
+        for s in range(shard):
+            g = dist.new_group(list(range(s, world, shard)))
+            if rank % shard == s:
+                mine_rep = g
+        _GROUP_CACHE[key] = (mine_shard, mine_rep)
+    return _GROUP_CACHE[key]
+
+
+def _from_device_mesh(world: int, rank: int, mesh) -> Mesh:
+    if getattr(mesh, "ndim", None) != 2:
+        raise ConfigError("hybrid_shard needs a 2-D DeviceMesh with dims (replicate, shard), "
+                          f"got {getattr(mesh, 'ndim', type(mesh).__name__)} dims")
+    replicate, shard = mesh.shape
+    if replicate * shard != world:
+        raise ConfigError(f"DeviceMesh {tuple(mesh.shape)} does not cover the world of {world} ranks")
+    rep_group, shard_group = mesh.get_group(0), mesh.get_group(1)
+    shard_rank_of = [0] * world
+    for row in mesh.mesh.tolist():
+        for j, r in enumerate(row):
+            shard_rank_of[r] = j
+    return Mesh(world, rank, shard, dist.get_rank(shard_group), replicate, dist.get_rank(rep_group),
+                shard_group=shard_group, replicate_group=rep_group, shard_rank_of=tuple(shard_rank_of))

@@ -1,0 +1,109 @@
+"""State shared by all units of one sharded model: execution order, prefetch, pending reductions, and
+the end-of-backward callback that waits for reductions and reshards whatever is still unsharded."""
+from __future__ import annotations
+
+from collections import deque
+from typing import Optional
+
+import torch
+from torch.autograd import Variable
+from torch.utils._pytree import tree_map
+
+from .config import ShardingConfig
+from ._mesh import Mesh
+
+# Reductions in flight at once: each holds a full unsharded gradient, so this bounds gradient memory.
+_MAX_PENDING_REDUCES = 2
+
+
+class RootState:
+    def __init__(self, config: ShardingConfig, mesh: Mesh, device: torch.device):
+        self.config, self.mesh, self.device = config, mesh, device
+        self.units: list = []               # root first, parents before children
+        self.no_sync = False
+        self.in_backward = False
+        self._callback_queued = False
+        self.exec_order: list = []
+        self._order_frozen = False
+        self._pending: deque = deque()
+        self._in_root_forward = False
+        self.full_params_active = False
+
+    @property
+    def root_unit(self):
+        return self.units[0]
+
+    # ----------------------------------------------------------------- forward
+    def before_unit_forward(self, unit, args, kwargs):
+        if unit is self.root_unit:
+            self._in_root_forward = True
+            args, kwargs = self._cast_inputs(args, kwargs)
+        if not self._order_frozen and unit not in self.exec_order:
+            self.exec_order.append(unit)
+        return args, kwargs
+
+    def after_unshard_in_forward(self, unit) -> None:
+        if self.config.forward_prefetch and self._order_frozen and torch.is_grad_enabled():
+            nxt = self._neighbour(unit, +1)
+            if nxt is not None:
+                nxt.unshard()
+
+    def after_unit_forward(self, unit) -> None:
+        if unit is self.root_unit:
+            self._in_root_forward = False
+            self._order_frozen = True
+
+    def _cast_inputs(self, args, kwargs):
+        mp = self.config.mixed_precision
+        if mp is None or mp.param_dtype is None or not mp.cast_forward_inputs:
+            return args, kwargs
+
+        def cast(x):
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != mp.param_dtype:
+                return x.to(mp.param_dtype)
+            return x
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    def _neighbour(self, unit, step: int):
+        if unit not in self.exec_order:
+            return None
+        i = self.exec_order.index(unit) + step
+        return self.exec_order[i] if 0 <= i < len(self.exec_order) else None
+
+    # ---------------------------------------------------------------- backward
+    def on_backward_hook(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            self.in_backward = True
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def prefetch_backward(self, unit) -> None:
+        if self.config.backward_prefetch:
+            nxt = self._neighbour(unit, -1)
+            if nxt is not None and not nxt.backward_started:
+                nxt.unshard()
+
+    def enqueue_reduce(self, handle, grad: torch.Tensor) -> None:
+        handle.start_reduce(grad)
+        self._pending.append(handle)
+        while len(self._pending) > _MAX_PENDING_REDUCES:
+            self._pending.popleft().finish_reduce()
+
+    def _end_of_backward(self) -> None:
+        while self._pending:
+            self._pending.popleft().finish_reduce()
+        for unit in self.units:
+            unit.reshard()
+            unit.backward_started = False
+        self.in_backward = False
+        self._callback_queued = False
+
+    def reset_after_error(self) -> None:
+        """Return every unit to the sharded state (used when a step is abandoned)."""
+        self._pending.clear()
+        for unit in self.units:
+            unit.depth = 0
+            unit.reshard()
+            unit.backward_started = False
+        self.in_backward = False
+        self._callback_queued = False

@@ -1,0 +1,191 @@
+"""`shard()`: turn a module into units with flat sharded parameters, in place."""
+from __future__ import annotations
+
+import functools
+import os
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _collectives as comm
+from ._flat_param import FlatParamHandle, ParamSlot
+from ._guards import install_guards
+from ._init import Materializer, decide_scatter
+from ._mesh import Mesh, build_mesh
+from ._root import RootState
+from ._unit import Unit
+from ._wrap import owner_unit, parameter_sites, select_unit_modules
+from .config import ShardingConfig
+from .errors import ConfigError, ShardingError
+
+_REDUCIBLE = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+
+
+def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -> nn.Module:
+    """Shard ``model`` in place (units chosen by the wrap policy) and return it.
+
+    ``kwargs`` override fields of ``config`` (e.g. ``fp.shard(m, sharding_strategy="no_shard")``).
+    Collective: every rank of the process group must call it with the same model structure.
+    """
+    if getattr(model, "_fp_root", None) is not None:
+        raise ShardingError(f"{type(model).__name__} is already sharded: call fp.shard once, on the root module")
+    nested = [n for n, m in model.named_modules() if getattr(m, "_fp_root", None) is not None]
+    if nested:
+        raise ShardingError(f"submodule {nested[0]!r} is already sharded: shard only the root, once, and choose "
+                            "units with auto_wrap_policy")
+    cfg = ShardingConfig.from_kwargs(config, **kwargs)
+    mesh = build_mesh(cfg.sharding_strategy, cfg.device_mesh)
+    device = _pick_device(model, cfg)
+    _check_reducible(model, cfg)
+    if cfg.activation_checkpointing is not None:
+        _apply_activation_checkpointing(model, cfg.activation_checkpointing)
+    units = select_unit_modules(model, cfg.auto_wrap_policy, cfg.ignored_modules)
+    root = RootState(cfg, mesh, device)
+    _build_units(model, units, cfg, mesh, device, root)
+    _finish_buffers(model, cfg, mesh, device)
+    model._fp_root = root
+    install_guards(model, root)
+    return model
+
+
+def _pick_device(model: nn.Module, cfg: ShardingConfig) -> torch.device:
+    if cfg.device is not None:
+        return cfg.device
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    real = [p.device for p in model.parameters() if not p.is_meta]
+    return real[0] if real else torch.device("cpu")
+
+
+def _check_reducible(model: nn.Module, cfg: ShardingConfig) -> None:
+    mp = cfg.mixed_precision
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        dtype = mp.effective_reduce_dtype(p.dtype) if mp and p.dtype.is_floating_point else p.dtype
+        if dtype not in _REDUCIBLE:
+            raise ConfigError(f"parameter {name!r} would be reduced in {dtype}, which the "
+                              f"{dist.get_backend() if dist.is_initialized() else 'process-group'} backend cannot "
+                              "reduce: set MixedPrecision(reduce_dtype=torch.float32), or freeze/cast that parameter")
+
+
+def _apply_activation_checkpointing(model: nn.Module, policy) -> None:
+    """Recompute the selected modules in backward (non-reentrant, so unit hooks run on recompute)."""
+    from torch.utils.checkpoint import checkpoint
+
+    classes = tuple(policy) if isinstance(policy, (set, frozenset, tuple, list)) else None
+    for m in list(model.modules()):
+        if m is model or not (isinstance(m, classes) if classes else policy(m)):
+            continue
+        inner = m.forward
+
+        @functools.wraps(inner)
+        def forward(*args, _inner=inner, **kwargs):
+            if not torch.is_grad_enabled():
+                return _inner(*args, **kwargs)
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+        m.forward = forward
+
+
+def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: RootState) -> None:
+    sites = parameter_sites(model, cfg.ignored_modules)
+    names: dict[int, str] = {}
+    by_id: dict[int, nn.Parameter] = {}
+    for n, p in model.named_parameters():
+        if id(p) in sites:
+            names.setdefault(id(p), n)
+            by_id[id(p)] = p
+    unit_fqns = [f for f, _ in units]
+    owned: dict[str, list] = {f: [] for f in unit_fqns}
+    for pid in names:
+        owned[owner_unit([s[0] for s in sites[pid]], unit_fqns)].append(by_id[pid])
+    scatter = decide_scatter(model, mesh.world_size)
+    mat = Materializer(model, device, cfg.param_init_fn)
+    buffer_sites = _buffer_sites_by_unit(model, unit_fqns)
+    for fqn, module in units:
+        if not scatter or mesh.rank == 0:
+            mat.materialize_buffers(buffer_sites[fqn])
+        else:
+            _empty_meta_buffers(buffer_sites[fqn], device)
+        handles = [_build_handle(group, sites, names, mesh, cfg, device, mat, scatter)
+                   for group in _group_params(owned[fqn]).values()]
+        keep = cfg.sharding_strategy in ("full_shard", "hybrid_shard") and fqn != ""
+        root.units.append(Unit(fqn, module, handles, root, reshard_after_forward=keep))
+
+
+def _buffer_sites_by_unit(model: nn.Module, unit_fqns: list) -> dict:
+    """Each buffer belongs to the deepest unit enclosing the module that registers it."""
+    out: dict = {f: [] for f in unit_fqns}
+    for mfqn, m in model.named_modules():
+        for n, b in m._buffers.items():
+            if b is not None:
+                out[owner_unit([mfqn], unit_fqns)].append((m, n))
+    return out
+
+
+def _empty_meta_buffers(sites: list, device) -> None:
+    """Non-source ranks of a scatter only need storage: rank 0's values arrive by broadcast."""
+    for m, n in sites:
+        if m._buffers[n].is_meta:
+            m._buffers[n] = torch.empty_like(m._buffers[n], device=device)
+
+
+def _group_params(params: list) -> "OrderedDict[tuple, list]":
+    groups: OrderedDict = OrderedDict()
+    for p in params:
+        groups.setdefault((p.dtype, p.requires_grad), []).append(p)
+    return groups
+
+
+def _build_handle(params, sites, names, mesh: Mesh, cfg: ShardingConfig, device, mat: Materializer,
+                  scatter: bool) -> FlatParamHandle:
+    dtype, requires_grad = params[0].dtype, params[0].requires_grad
+    values = mat.param_values(params) if (not scatter or mesh.rank == 0) else None
+    slots, offset = [], 0
+    for p in params:
+        slots.append(ParamSlot(p, names[id(p)], [(f, m, a) for f, m, a in sites[id(p)]], p.shape, offset))
+        offset += p.numel()
+    mp = cfg.mixed_precision
+    floating = dtype.is_floating_point
+    compute = (mp.param_dtype or dtype) if (mp and floating) else dtype
+    reduce = mp.effective_reduce_dtype(dtype) if (mp and floating) else dtype
+    shard_device = torch.device("cpu") if cfg.cpu_offload else device
+    handle = FlatParamHandle(slots, mesh, dtype, requires_grad, device, compute, reduce, shard_device)
+    if scatter:
+        _scatter_from_rank0(handle, values, mesh)
+    else:
+        for slot, value in zip(slots, values):
+            handle.fill_from_full(slot, value)
+    return handle
+
+
+def _scatter_from_rank0(handle: FlatParamHandle, values, mesh: Mesh) -> None:
+    """Rank 0's full values win: it sends each rank the chunk that rank keeps."""
+    chunks = None
+    if mesh.rank == 0:
+        flat = torch.zeros(handle.padded, dtype=handle.dtype, device=handle.shard_device)
+        for slot, v in zip(handle.slots, values):
+            flat[slot.offset:slot.offset + slot.numel].copy_(v.detach().reshape(-1))
+        pieces = flat.split(handle.chunk)
+        chunks = [pieces[r].contiguous() for r in mesh.shard_rank_of]
+    comm.scatter(handle.flat_shard, chunks, src=0, group=None)
+
+
+def _finish_buffers(model: nn.Module, cfg: ShardingConfig, mesh: Mesh, device) -> None:
+    """Move buffers to the device, cast to buffer_dtype, and make rank 0's values everyone's."""
+    bdtype = cfg.mixed_precision.buffer_dtype if cfg.mixed_precision else None
+    seen: set[int] = set()
+    for m in model.modules():
+        for n, b in list(m._buffers.items()):
+            if b is None:
+                continue
+            if b.device != device:
+                m._buffers[n] = b = b.to(device)
+            if bdtype is not None and b.is_floating_point():
+                m._buffers[n] = b = b.to(bdtype)
+            if mesh.world_size > 1 and id(b) not in seen:
+                comm.broadcast(b, src=0, group=None)
+            seen.add(id(b))

@@ -1,0 +1,131 @@
+"""A unit: one wrapped module, its flat handles, and the hooks that schedule unshard/reshard/reduce."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from ._flat_param import FlatParamHandle
+
+if TYPE_CHECKING:
+    from ._root import RootState
+
+
+class Unit:
+    """Runtime state of one FSDP unit.
+
+    Invariant: outside a unit's forward/backward every handle is sharded and every site registers the
+    original ``nn.Parameter``; while unsharded, sites register full-shape views of the handle's leaf.
+    """
+
+    def __init__(self, fqn: str, module: nn.Module, handles: list[FlatParamHandle], root: "RootState",
+                 reshard_after_forward: bool):
+        self.fqn, self.module, self.handles, self.root = fqn, module, handles, root
+        self.reshard_after_forward = reshard_after_forward
+        self.depth = 0                       # nesting of forward calls (methods calling forward)
+        self.backward_started = False
+        self._views_on: set[int] = set()      # ids of handles whose views are registered
+        self._hooks = [
+            module.register_forward_pre_hook(self._nn_pre_forward, with_kwargs=True),
+            module.register_forward_hook(self._nn_post_forward),
+        ]
+        for h in handles:
+            if h.requires_grad:
+                self._hooks.append(h.leaf.register_post_accumulate_grad_hook(self._make_post_backward(h)))
+        module._fp_unit = self
+
+    def __repr__(self):
+        return f"Unit({self.fqn or '<root>'}, {sum(h.total for h in self.handles)} params)"
+
+    @property
+    def name(self) -> str:
+        return self.fqn or "<root>"
+
+    # ------------------------------------------------------------ state moves
+    def unshard(self, async_op: bool = True) -> None:
+        for h in self.handles:
+            h.unshard(async_op)
+
+    def wait_and_use_views(self) -> None:
+        for h in self.handles:
+            h.wait_unshard()
+            self._register(h, h.views())
+            self._views_on.add(id(h))
+
+    def reshard(self) -> None:
+        for h in self.handles:
+            self._reshard_handle(h)
+
+    def _reshard_handle(self, h: FlatParamHandle) -> None:
+        h.reshard()
+        if id(h) in self._views_on:
+            self._register(h, [s.param for s in h.slots])
+            self._views_on.discard(id(h))
+
+    @staticmethod
+    def _register(h: FlatParamHandle, tensors) -> None:
+        for slot, t in zip(h.slots, tensors):
+            for _, module, attr in slot.sites:
+                module._parameters[attr] = t
+
+    # ------------------------------------------------------------------ hooks
+    def _nn_pre_forward(self, module, args, kwargs):
+        return self.pre_forward(args, kwargs)
+
+    def _nn_post_forward(self, module, args, output):
+        return self.post_forward(output)
+
+    def pre_forward(self, args, kwargs):
+        self.depth += 1
+        if self.depth > 1:
+            return args, kwargs
+        args, kwargs = self.root.before_unit_forward(self, args, kwargs)
+        self.unshard()
+        self.wait_and_use_views()
+        self.root.after_unshard_in_forward(self)
+        return args, kwargs
+
+    def post_forward(self, output):
+        self.depth -= 1
+        if self.depth > 0 or self.root.in_backward:
+            # Nested call, or recomputation under activation checkpointing: backward needs the views.
+            return output
+        grad_on = torch.is_grad_enabled()
+        if grad_on:
+            self._register_pre_backward(output)
+        if not grad_on or self.reshard_after_forward:
+            self.reshard()
+        self.root.after_unit_forward(self)
+        return output
+
+    def _register_pre_backward(self, output) -> None:
+        for t in tree_flatten(output)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._pre_backward)
+
+    def _pre_backward(self, grad):
+        self.root.on_backward_hook()
+        if not self.backward_started:
+            self.backward_started = True
+            self.unshard()
+            self.wait_and_use_views()
+            self.root.prefetch_backward(self)
+        return grad
+
+    def _make_post_backward(self, h: FlatParamHandle):
+        def post_backward(_leaf):
+            self.root.on_backward_hook()
+            if self.root.no_sync:
+                h.accumulate_without_sync()
+            else:
+                grad = h.take_unsharded_grad()
+                if grad is not None:
+                    self.root.enqueue_reduce(h, grad)
+            self._reshard_handle(h)
+        return post_backward
+
+    def remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()

@@ -1,0 +1,103 @@
+"""Which modules become units (auto-wrap policy), and which unit owns each parameter."""
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from typing import Iterable
+
+from torch import nn
+
+from .config import _SizePolicy
+from .errors import ConfigError
+
+
+def select_unit_modules(model: nn.Module, policy, ignored: Iterable[nn.Module]) -> list[tuple[str, nn.Module]]:
+    """Return ``[(fqn, module)]`` for every unit, root first, in module order (parents before children)."""
+    ignored_ids = {id(m) for ig in ignored for m in ig.modules()}
+    candidates = [(n, m) for n, m in model.named_modules() if n and id(m) not in ignored_ids]
+    if policy is None:
+        chosen = _default_policy(model, candidates)
+    elif isinstance(policy, _SizePolicy):
+        chosen = _size_policy(model, policy.min_params, ignored_ids)
+    elif isinstance(policy, (set, frozenset, tuple, list)):
+        chosen = _class_policy(model, candidates, tuple(policy))
+    elif callable(policy):
+        chosen = {id(m) for n, m in candidates if policy(m)}
+    else:
+        raise ConfigError(f"auto_wrap_policy={policy!r}: use a set of module classes, a callable(module) -> bool, "
+                          "fp.size_policy(min_params) or None")
+    return [("", model)] + [(n, m) for n, m in candidates if id(m) in chosen]
+
+
+def _class_policy(model, candidates, classes) -> set:
+    bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
+    if bad:
+        raise ConfigError(f"auto_wrap_policy contains {bad}, which are not nn.Module classes")
+    chosen = {id(m) for n, m in candidates if isinstance(m, classes)}
+    if not chosen:
+        present = sorted({type(m).__name__ for m in model.modules()})
+        raise ConfigError(f"auto_wrap_policy {{{', '.join(c.__name__ for c in classes)}}} matches no submodule of "
+                          f"{type(model).__name__}; its module classes are: {', '.join(present)}")
+    return chosen
+
+
+def _default_policy(model, candidates) -> set:
+    """The repeated blocks: HF ``_no_split_modules`` classes, else same-class children of a container."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    if names:
+        return {id(m) for n, m in candidates if type(m).__name__ in names}
+    chosen = set()
+    for _, m in candidates:
+        if isinstance(m, (nn.ModuleList, nn.Sequential)):
+            kids = [c for c in m.children() if any(True for _ in c.parameters())]
+            counts = Counter(type(c) for c in kids)
+            chosen |= {id(c) for c in kids if counts[type(c)] >= 2}
+    return chosen
+
+
+def _size_policy(model, min_params: int, ignored_ids: set) -> set:
+    chosen: set = set()
+
+    def visit(m: nn.Module) -> int:
+        """Number of parameter elements in ``m``'s subtree not yet claimed by a chosen unit."""
+        total = sum(p.numel() for p in m.parameters(recurse=False))
+        for child in m.children():
+            if id(child) not in ignored_ids:
+                total += visit(child)
+        if m is not model and total >= min_params:
+            chosen.add(id(m))
+            return 0
+        return total
+
+    visit(model)
+    if not chosen:
+        warnings.warn(f"size_policy({min_params}) selected no submodule: the whole model is one unit, so "
+                      "nothing is freed between layers; lower min_params to shard per block", stacklevel=3)
+    return chosen
+
+
+def parameter_sites(model: nn.Module, ignored: Iterable[nn.Module]) -> dict[int, list]:
+    """Map ``id(param)`` to every ``(module_fqn, module, attr)`` that registers it (ties included)."""
+    ignored_ids = {id(m) for ig in ignored for m in ig.modules()}
+    sites: dict[int, list] = {}
+    seen = set()
+    for fqn, m in model.named_modules(remove_duplicate=False):
+        if id(m) in ignored_ids:
+            continue
+        for attr, p in m._parameters.items():
+            if p is None or (id(m), attr) in seen:
+                continue
+            seen.add((id(m), attr))
+            sites.setdefault(id(p), []).append((fqn, m, attr))
+    return sites
+
+
+def owner_unit(site_fqns: list[str], unit_fqns: list[str]) -> str:
+    """The deepest unit whose subtree contains every site: the outermost unit that uses the parameter."""
+    def enclosing(fqn: str) -> list[str]:
+        return [u for u in unit_fqns if u == "" or fqn == u or fqn.startswith(u + ".")]
+
+    common = set(enclosing(site_fqns[0]))
+    for f in site_fqns[1:]:
+        common &= set(enclosing(f))
+    return max(common, key=lambda u: (u.count(".") + (1 if u else 0), len(u)))

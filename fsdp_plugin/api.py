@@ -1,0 +1,174 @@
+"""Public operations on a sharded model: no_sync, full_params, clip_grad_norm_, full_state_dict,
+is_sharded, register_forward_method."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from typing import Iterable, Iterator, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _collectives as comm
+from .errors import ShardingError
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """True if ``module`` is the root of a model sharded by `fp.shard`."""
+    return getattr(module, "_fp_root", None) is not None
+
+
+def _root(module: nn.Module):
+    root = getattr(module, "_fp_root", None)
+    if root is None:
+        raise ShardingError(f"{type(module).__name__} is not sharded: call fp.shard(model, ...) on it first "
+                            "(pass the root module that fp.shard returned)")
+    return root
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate gradients locally, without communication, for the backwards run inside.
+
+    Unsharded gradients are kept per unit (memory: one full gradient per unit) until the first
+    backward outside the context reduces them together with its own.
+    """
+    root = _root(model)
+    previous, root.no_sync = root.no_sync, True
+    try:
+        yield
+    finally:
+        root.no_sync = previous
+
+
+@contextlib.contextmanager
+def full_params(model: nn.Module, writeback: bool = True) -> Iterator[None]:
+    """Every parameter unsharded (full shape, master dtype) inside the block.
+
+    ``model.state_dict()``/``load_state_dict()`` work on full tensors here; with ``writeback`` the full
+    values are copied back into the shards on exit (so in-place edits and loads persist).
+    """
+    root = _root(model)
+    if root.full_params_active:
+        yield
+        return
+    gathered = [(unit, h, _gather_master(h)) for unit in root.units for h in unit.handles]
+    for unit, h, full in gathered:
+        pieces = full.split(h._split_sizes)
+        unit._register(h, [nn.Parameter(piece.view(s.shape), requires_grad=s.param.requires_grad)
+                           for piece, s in zip(pieces, h.slots)])
+    root.full_params_active = True
+    try:
+        yield
+    finally:
+        root.full_params_active = False
+        for unit, h, full in gathered:
+            if writeback:
+                h.flat_shard.copy_(full[h.chunk_start:h.chunk_start + h.chunk].to(h.flat_shard.device))
+            unit._register(h, [s.param for s in h.slots])
+
+
+def _gather_master(h) -> torch.Tensor:
+    """All-gather the fp32 master shard into a new padded flat tensor (not the compute buffer)."""
+    full = torch.empty(h.padded, dtype=h.dtype, device=h.device)
+    src = h.flat_shard.to(h.device)
+    if h.mesh.shard_size == 1:
+        full.copy_(src)
+    else:
+        comm.all_gather(full, src, h.mesh.shard_group, kind="state_dict")
+    return full
+
+
+def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict:
+    """The plain model's ``state_dict()`` (same keys, full tensors on CPU) on rank 0; ``{}`` elsewhere.
+
+    Streams unit by unit: only one unit is unsharded at a time and the result is built once, on CPU.
+    """
+    root = _root(model)
+    keep = not rank0_only or root.mesh.rank == 0
+    values: dict[int, torch.Tensor] = {}
+    for unit in root.units:
+        for h in unit.handles:
+            full = _gather_master(h)
+            if keep:
+                for s in h.slots:
+                    values[id(s.param)] = full[s.offset:s.offset + s.numel].view(s.shape).to("cpu", copy=True)
+            del full
+    if not keep:
+        return {}
+    out = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        pre = prefix + "." if prefix else ""
+        for name, p in module._parameters.items():
+            if p is not None:
+                out[pre + name] = values.get(id(p), p.detach().cpu())
+        for name, b in module._buffers.items():
+            if b is not None and name not in module._non_persistent_buffers_set:
+                out[pre + name] = b.detach().cpu()
+    return out
+
+
+def register_forward_method(model: nn.Module, name: str) -> None:
+    """Run ``model.<name>(...)`` through the root unit's forward hooks, like ``model(...)``.
+
+    For trainers whose entry point is not ``forward`` (Lightning's ``training_step``...): the root
+    parameters are unsharded for the call and backward hooks are registered on its outputs.
+    """
+    unit = _root(model).root_unit
+    method = getattr(type(model), name, None)
+    if method is None:
+        raise ShardingError(f"{type(model).__name__} has no method {name!r} to register")
+
+    @functools.wraps(method)
+    def wrapped(*args, **kwargs):
+        args, kwargs = unit.pre_forward(args, kwargs)
+        return unit.post_forward(method(model, *args, **kwargs))
+
+    setattr(model, name, wrapped)
+
+
+def clip_grad_norm_(parameters: Union[nn.Module, Iterable[torch.Tensor]], max_norm: float,
+                    norm_type: float = 2.0) -> torch.Tensor:
+    """Scale gradients so their global norm is at most ``max_norm``; return the global norm (every rank).
+
+    Equals ``torch.nn.utils.clip_grad_norm_`` on the unsharded model: each element is counted once
+    (shard pieces summed across the shard group; replicated parameters counted on one rank only).
+    """
+    params = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    norm_type = float(norm_type)
+    sharded = [p.grad for p in params if p.grad is not None and getattr(p, "_fp_handle", None) is not None]
+    plain = [p.grad for p in params if p.grad is not None and getattr(p, "_fp_handle", None) is None]
+    handle = next((p._fp_handle for p in params if getattr(p, "_fp_handle", None) is not None), None)
+    group = handle.mesh.shard_group if handle is not None else None
+    first_in_group = handle is None or handle.mesh.shard_rank == 0
+    device = grads[0].device if grads else torch.device("cpu")
+    local = _local_norm_term(sharded, norm_type, device)
+    if first_in_group:
+        local = _combine(local, _local_norm_term(plain, norm_type, device), norm_type)
+    if handle is not None and handle.mesh.shard_size > 1:
+        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+        comm.all_reduce(local, group, op=op, kind="control")
+    total = local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.device, g.dtype))
+    return total
+
+
+def _local_norm_term(grads, norm_type: float, device) -> torch.Tensor:
+    """max|g| for the inf norm, else sum |g|^p, in float32 (float64 grads keep float64)."""
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    if not grads:
+        return torch.zeros((), dtype=dtype, device=device)
+    if math.isinf(norm_type):
+        return torch.stack([g.detach().abs().max().to(dtype) if g.numel() else torch.zeros((), dtype=dtype, device=g.device)
+                            for g in grads]).max().to(device)
+    norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type, dtype=dtype) for g in grads])
+    return norms.pow(norm_type).sum().to(device)
+
+
+def _combine(a: torch.Tensor, b: torch.Tensor, norm_type: float) -> torch.Tensor:
+    return torch.maximum(a, b.to(a.dtype)) if math.isinf(norm_type) else a + b.to(a.dtype)

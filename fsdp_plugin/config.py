@@ -1,0 +1,134 @@
+"""`ShardingConfig` and `MixedPrecision`: the single source of truth for how a model is sharded.
+
+Integrations (Lightning, Accelerate) translate their options into a ShardingConfig; the engine reads
+nothing else. Validation that needs no process group happens in ``__post_init__``; checks that need the
+world (mesh divides the world, backend dtype support) happen in ``validate_for_world``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional, Union
+
+import torch
+from torch import nn
+
+from .errors import ConfigError
+
+STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
+SKIP_INIT = "skip"
+
+WrapPolicy = Union[None, set, frozenset, tuple, list, Callable[[nn.Module], bool]]
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Dtypes for compute and communication; the fp32 master shard is never cast in place.
+
+    param_dtype: dtype of the unsharded parameters used by forward/backward (and of the all-gather).
+    reduce_dtype: dtype gradients are reduced in. ``None`` means float32 when param_dtype is a
+        low-precision float (bf16 reduction hurts at scale), else param_dtype.
+    buffer_dtype: dtype buffers are cast to at shard time (None: unchanged).
+    cast_forward_inputs: cast floating-point forward inputs of the root to param_dtype.
+    """
+
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    buffer_dtype: Optional[torch.dtype] = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self):
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+                raise ConfigError(f"MixedPrecision.{name}={value!r}: use a floating torch dtype such as "
+                                  "torch.bfloat16, torch.float16 or torch.float32, or None")
+
+    def effective_reduce_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        if self.reduce_dtype is not None:
+            return self.reduce_dtype
+        return torch.float32 if (self.param_dtype or param_dtype).itemsize < 4 else (self.param_dtype or param_dtype)
+
+
+class _SizePolicy:
+    """Wrap a module as a unit when its not-yet-wrapped subtree holds at least ``min_params`` elements."""
+
+    def __init__(self, min_params: int):
+        if int(min_params) <= 0:
+            raise ConfigError(f"size_policy(min_params={min_params}): use a positive number of parameters")
+        self.min_params = int(min_params)
+
+    def __repr__(self):
+        return f"size_policy({self.min_params})"
+
+
+def size_policy(min_params: int = 100_000_000) -> _SizePolicy:
+    """Auto-wrap policy: every module whose unwrapped subtree has >= ``min_params`` parameter elements."""
+    return _SizePolicy(min_params)
+
+
+@dataclass
+class ShardingConfig:
+    """How `fp.shard` shards a model.
+
+    sharding_strategy: "full_shard" (ZeRO-3), "shard_grad_op" (ZeRO-2: keep parameters unsharded from
+        forward to backward), "no_shard" (DDP-like all-reduce), "hybrid_shard" (shard inside a group,
+        all-reduce across groups).
+    auto_wrap_policy: which modules become units: a set of module classes, a callable(module) -> bool,
+        `size_policy(n)`, or None (the repeated blocks: children of a ModuleList/Sequential sharing one class,
+        or a Hugging Face model's ``_no_split_modules``).
+    device_mesh: None (whole world; hybrid: replicate across nodes, shard inside a node from LOCAL_WORLD_SIZE),
+        a (replicate, shard) tuple, or a 2-D DeviceMesh (dims: replicate, shard).
+    param_init_fn: for meta-device models: callable(module) that initializes the module's own parameters
+        in place; None calls each module's ``reset_parameters()``; "skip" leaves zero-filled shards (a
+        checkpoint fills them next).
+    backward_prefetch / forward_prefetch: issue the next unit's all-gather early.
+    limit_all_gathers: bound the number of unsharded units alive at once (memory).
+    cpu_offload: keep shards, gradients and optimizer state on CPU (a no-op on CPU-only machines).
+    activation_checkpointing: module classes or callable selecting modules to recompute in backward.
+    ignored_modules: modules whose parameters stay unsharded and unmanaged.
+    """
+
+    sharding_strategy: str = "full_shard"
+    auto_wrap_policy: WrapPolicy = None
+    mixed_precision: Optional[MixedPrecision] = None
+    device_mesh: object = None
+    param_init_fn: Union[None, str, Callable[[nn.Module], None]] = None
+    backward_prefetch: bool = True
+    forward_prefetch: bool = False
+    limit_all_gathers: bool = True
+    cpu_offload: bool = False
+    activation_checkpointing: WrapPolicy = None
+    ignored_modules: Iterable[nn.Module] = field(default_factory=tuple)
+    device: Optional[torch.device] = None
+
+    def __post_init__(self):
+        strategy = str(self.sharding_strategy).lower()
+        if strategy not in STRATEGIES:
+            raise ConfigError(f"unknown sharding_strategy {self.sharding_strategy!r}: use one of {', '.join(STRATEGIES)}")
+        self.sharding_strategy = strategy
+        if self.mixed_precision is not None and not isinstance(self.mixed_precision, MixedPrecision):
+            raise ConfigError("mixed_precision must be fp.MixedPrecision(param_dtype=..., reduce_dtype=...) or None, "
+                              f"not {type(self.mixed_precision).__name__}")
+        if isinstance(self.param_init_fn, str) and self.param_init_fn != SKIP_INIT:
+            raise ConfigError(f"param_init_fn={self.param_init_fn!r}: use a callable, None or {SKIP_INIT!r}")
+        if self.device_mesh is not None and self.sharding_strategy != "hybrid_shard" and isinstance(self.device_mesh, tuple):
+            raise ConfigError(f"device_mesh={self.device_mesh} is a (replicate, shard) shape, which only "
+                              "sharding_strategy='hybrid_shard' uses; drop device_mesh or choose hybrid_shard")
+        if isinstance(self.device_mesh, tuple) and (len(self.device_mesh) != 2 or min(self.device_mesh) < 1):
+            raise ConfigError(f"device_mesh={self.device_mesh}: give (replicate, shard) with two positive sizes")
+        self.ignored_modules = tuple(self.ignored_modules or ())
+        self.device = torch.device(self.device) if self.device is not None else None
+
+    @classmethod
+    def from_kwargs(cls, config: "ShardingConfig | None" = None, **kwargs) -> "ShardingConfig":
+        """Merge keyword overrides into ``config`` (or defaults), rejecting unknown names."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ConfigError(f"unknown ShardingConfig option(s) {unknown}; valid options: {sorted(names)}")
+        if config is None:
+            return cls(**kwargs)
+        if not isinstance(config, ShardingConfig):
+            raise ConfigError(f"fp.shard(model, config): config must be a ShardingConfig, not {type(config).__name__}")
+        return dataclasses.replace(config, **kwargs)
