@@ -1,0 +1,307 @@
+"""``Accelerator``: a drop-in ``accelerate.Accelerator`` whose FSDP runs on fsdp_plugin's engine.
+
+Select FSDP as usual (``accelerate launch`` with ``distributed_type: FSDP`` and ``fsdp_config:``,
+or ``fsdp_plugin=FullyShardedDataParallelPlugin(...)``), or pass ``sharding_config=fp.ShardingConfig``.
+The accelerate settings are translated into an ``fp.ShardingConfig`` (see ``from_env``,
+``from_plugin``, ``resolve``); stock accelerate never sees them, so it builds neither torch FSDP nor
+DDP. Without an FSDP selection this class behaves exactly like ``accelerate.Accelerator``.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import warnings
+from types import MethodType
+from typing import Any
+
+import accelerate
+import torch
+import torch.distributed as dist
+from accelerate.utils import DistributedType
+
+from . import state_io
+from .env import hidden_env, needs_cpu_flag
+from .from_env import fsdp_requested, mesh_from_sizes, settings_from_env
+from .from_plugin import settings_from_plugin
+from .parse import parse_mixed_precision
+from .resolve import sharding_config as resolve_config
+from .settings import FsdpSettings, config_error
+
+_PARENT_SIGNATURE = inspect.signature(accelerate.Accelerator.__init__)
+
+
+class Accelerator(accelerate.Accelerator):
+    """``accelerate.Accelerator`` with FSDP provided by ``fsdp_plugin``.
+
+    Extra keyword: ``sharding_config`` (an ``fp.ShardingConfig``) configures the engine in code and
+    takes precedence over any accelerate FSDP setting.
+    """
+
+    def __init__(self, *args: Any, sharding_config: Any = None, **kwargs: Any):
+        bound = _PARENT_SIGNATURE.bind(None, *args, **kwargs).arguments
+        bound.pop("self", None)
+        settings = _select_settings(bound, sharding_config)
+        self._fp_settings: FsdpSettings | None = settings
+        self._fp_user_config = sharding_config
+        self._fp_active = False
+        if settings is None and sharding_config is None:
+            super().__init__(**bound)
+            return
+        _check_precision_flag(bound.get("mixed_precision"))
+        if needs_cpu_flag():
+            bound["cpu"] = True
+        with hidden_env():
+            super().__init__(**bound)
+        self._finish_init(plugin_given=bound.get("fsdp_plugin") is not None)
+
+    # ------------------------------------------------------------------ setup
+    def _finish_init(self, plugin_given: bool) -> None:
+        """Adopt the resolved precision, check the world, swap in a sharding-aware scaler."""
+        if self._fp_settings is not None:
+            self._fp_settings.mixed_precision = parse_mixed_precision(self.state.mixed_precision, "mixed_precision")
+        if plugin_given:
+            os.environ["ACCELERATE_USE_FSDP"] = "true"  # transformers' low-RAM loading reads it
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() != self.num_processes:
+            raise RuntimeError(f"accelerate sees {self.num_processes} process(es) but the process group has "
+                               f"{dist.get_world_size()}: launch with `accelerate launch` (or torchrun) and the "
+                               "same process count")
+        if self.scaler is not None:
+            from fsdp_plugin.integrations.lightning._scaler import ShardedGradScaler
+
+            kwargs = self.scaler_handler.to_kwargs() if self.scaler_handler is not None else {}
+            self.scaler = ShardedGradScaler(self.device.type, **kwargs)
+        self.sharding_configs: list = []
+        self._fp_active = True
+
+    @property
+    def distributed_type(self):
+        """Reports ``DistributedType.FSDP`` when our engine shards (``self.state`` keeps the truth)."""
+        if getattr(self, "_fp_active", False):
+            return DistributedType.FSDP
+        return self.state.distributed_type
+
+    @property
+    def fsdp_settings(self) -> FsdpSettings | None:
+        """The translated accelerate FSDP settings (None when configured by ``sharding_config``)."""
+        return self._fp_settings
+
+    def sharding_config_for(self, model: torch.nn.Module):
+        """The ``fp.ShardingConfig`` used for ``model``."""
+        if self._fp_user_config is not None:
+            return self._fp_user_config
+        return resolve_config(self._fp_settings, model, device=self.device)
+
+    # ---------------------------------------------------------------- prepare
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False):
+        """Shard ``model`` in place with fsdp_plugin (no DDP/FSDP wrapper); parameters keep identity,
+        so optimizers built before ``prepare`` stay valid."""
+        if not self._fp_active:
+            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        if getattr(model, "_is_accelerate_prepared", False):
+            if model not in self._models:
+                self._models.append(model)
+            return model
+        self._models.append(model)
+        self._shard(model)
+        if self.native_amp:
+            _wrap_forward_in_autocast(model, self.native_amp, self.autocast_handler)
+        if self.state.dynamo_plugin.backend != accelerate.utils.DynamoBackend.NO:
+            model = torch.compile(model, **self.state.dynamo_plugin.to_kwargs())
+        model._is_accelerate_prepared = True
+        return model
+
+    def _shard(self, model: torch.nn.Module) -> None:
+        """``fp.shard`` unless the model is already sharded."""
+        import fsdp_plugin as fp
+
+        if fp.is_sharded(model):
+            return
+        cfg = self.sharding_config_for(model)
+        self.sharding_configs.append(cfg)
+        fp.shard(model, cfg)
+
+    # ------------------------------------------------------- training helpers
+    @contextlib.contextmanager
+    def no_sync(self, model: torch.nn.Module):
+        """Accumulate gradients locally (no reduce-scatter) inside the block."""
+        if not self._fp_active:
+            with super().no_sync(model):
+                yield
+            return
+        import fsdp_plugin as fp
+
+        with fp.no_sync(model):
+            yield
+
+    def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2):
+        """Clip by the exact global norm over all shards; returns it (same value on every rank)."""
+        if not self._fp_active:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        import fsdp_plugin as fp
+
+        self.unscale_gradients()
+        return fp.clip_grad_norm_(self._clip_target(parameters), max_norm, norm_type=norm_type)
+
+    def _clip_target(self, parameters):
+        """The prepared model when ``parameters`` are exactly its parameters, else the list itself."""
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        for model in self._models:
+            if [id(p) for p in model.parameters()] == [id(p) for p in params]:
+                return model
+        return params
+
+    def clip_grad_value_(self, parameters, clip_value: float):
+        """Elementwise clipping, exact on shards."""
+        if not self._fp_active:
+            return super().clip_grad_value_(parameters, clip_value)
+        self.unscale_gradients()
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+    # ------------------------------------------------------------ state dicts
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True):
+        """Collective: the full (plain-model) state dict on rank 0, ``{}`` on other ranks."""
+        if not self._fp_active:
+            return super().get_state_dict(model, unwrap=unwrap)
+        import fsdp_plugin as fp
+
+        if unwrap:
+            model = self.unwrap_model(model)
+        return fp.full_state_dict(model)
+
+    def save_model(self, model: torch.nn.Module, save_directory, max_shard_size="10GB",
+                   safe_serialization: bool = True):
+        """Collective: HF-style safetensors (+ index when split by ``max_shard_size``)."""
+        if not self._fp_active:
+            return super().save_model(model, save_directory, max_shard_size=max_shard_size,
+                                      safe_serialization=safe_serialization)
+        import fsdp_plugin as fp
+
+        if not safe_serialization:
+            warnings.warn("save_model: fsdp_plugin always writes safetensors (safe_serialization=False ignored)",
+                          stacklevel=2)
+        fp.save_pretrained(self.unwrap_model(model), os.fspath(save_directory), max_shard_size=max_shard_size)
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs):
+        """Collective: models + optimizers in fsdp_plugin's sharded format, the rest as JSON/safetensors."""
+        if not self._fp_active:
+            return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+        output_dir = self._state_output_dir(output_dir)
+        os.makedirs(output_dir, exist_ok=True)
+        self.wait_for_everyone()
+        for hook in self._save_model_state_pre_hook.values():
+            hook(self._models, [], output_dir)
+        state_io.save_models(output_dir, self._models, self._optimizers)
+        state_io.save_small_state(output_dir, self)
+        self.wait_for_everyone()
+        self.project_configuration.iteration += 1
+        return output_dir
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs):
+        """Collective: inverse of :meth:`save_state`, at any process count."""
+        if not self._fp_active:
+            return super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
+        input_dir = self._state_input_dir(input_dir)
+        for hook in self._load_model_state_pre_hook.values():
+            hook(self._models, input_dir)
+        state_io.load_models(input_dir, self._models, self._optimizers)
+        state_io.load_small_state(input_dir, self)
+        self.wait_for_everyone()
+
+    def _state_output_dir(self, output_dir: str | None) -> str:
+        """accelerate's automatic checkpoint naming and ``total_limit`` rotation."""
+        cfg = self.project_configuration
+        if not cfg.automatic_checkpoint_naming:
+            if output_dir is None:
+                raise ValueError("save_state: give output_dir or enable automatic checkpoint naming")
+            return os.fspath(output_dir)
+        root = os.path.join(self.project_dir, "checkpoints")
+        os.makedirs(root, exist_ok=True)
+        folders = sorted((f for f in os.listdir(root) if _iteration(f) is not None), key=_iteration)
+        if cfg.total_limit is not None and len(folders) + 1 > cfg.total_limit and self.is_main_process:
+            import shutil
+
+            for folder in folders[: len(folders) + 1 - cfg.total_limit]:
+                shutil.rmtree(os.path.join(root, folder))
+        path = os.path.join(root, f"checkpoint_{self.save_iteration}")
+        if os.path.exists(path):
+            raise ValueError(f"Checkpoint directory {path} already exists; set `save_iteration` to continue")
+        return path
+
+    def _state_input_dir(self, input_dir: str | None) -> str:
+        """An explicit directory, or the newest automatic checkpoint."""
+        if input_dir is not None:
+            input_dir = os.path.expanduser(os.fspath(input_dir))
+            if not os.path.isdir(input_dir):
+                raise ValueError(f"load_state: {input_dir} does not exist")
+            return input_dir
+        if not self.project_configuration.automatic_checkpoint_naming:
+            raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
+        root = os.path.join(self.project_dir, "checkpoints")
+        folders = sorted((f for f in os.listdir(root) if _iteration(f) is not None), key=_iteration)
+        if not folders:
+            raise ValueError(f"load_state: no checkpoint_<n> folder in {root}")
+        return os.path.join(root, folders[-1])
+
+
+def _iteration(folder: str) -> int | None:
+    """``checkpoint_12`` → 12."""
+    head, _, tail = folder.rpartition("_")
+    return int(tail) if head and tail.isdigit() else None
+
+
+def _select_settings(bound: dict, sharding_config: Any) -> FsdpSettings | None:
+    """Settings from ``fsdp_plugin=`` or the launcher env; pops what stock accelerate must not see."""
+    plugin = bound.pop("fsdp_plugin", None)
+    if plugin is not None and not isinstance(plugin, accelerate.utils.FullyShardedDataParallelPlugin):
+        raise TypeError("`fsdp_plugin` must be an accelerate FullyShardedDataParallelPlugin")
+    if sharding_config is not None:
+        if plugin is not None:
+            raise TypeError("pass either sharding_config= or fsdp_plugin=, not both")
+        _reject_parallelism(bound)
+        return None
+    if plugin is not None:
+        settings = settings_from_plugin(plugin)
+    elif fsdp_requested():
+        settings = settings_from_env()
+    else:
+        return None
+    _apply_parallelism(settings, bound)
+    return settings
+
+
+def _apply_parallelism(settings: FsdpSettings, bound: dict) -> None:
+    """A ``ParallelismConfig`` passed in code: dp_replicate/dp_shard → hybrid mesh; others unsupported."""
+    pc = bound.pop("parallelism_config", None)
+    if pc is None:
+        return
+    for name in ("tp_size", "cp_size", "sp_size"):
+        if (getattr(pc, name, 1) or 1) > 1:
+            raise config_error(f"ParallelismConfig.{name}", getattr(pc, name), "only dp_replicate/dp_shard")
+    settings.mesh, settings.strategy = mesh_from_sizes(pc.dp_replicate_size or 1, pc.dp_shard_size or 1,
+                                                       settings.strategy, settings.key("strategy"))
+
+
+def _reject_parallelism(bound: dict) -> None:
+    """``sharding_config=`` carries its own mesh; a ParallelismConfig would be ambiguous."""
+    if bound.get("parallelism_config") is not None:
+        raise TypeError("pass either sharding_config= (with device_mesh) or parallelism_config=, not both")
+
+
+def _check_precision_flag(flag: Any) -> None:
+    """Reject fp8 before accelerate tries to set it up."""
+    value = flag if flag is not None else os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    parse_mixed_precision(value, "mixed_precision")
+
+
+def _wrap_forward_in_autocast(model: torch.nn.Module, native_amp: bool, handler: Any) -> None:
+    """What stock accelerate does for native AMP: autocast forward, outputs back to fp32."""
+    from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
+
+    model._original_forward = model.forward
+    autocast_context = get_mixed_precision_context_manager(native_amp, handler)
+    if hasattr(model.forward, "__func__"):
+        model.forward = MethodType(convert_outputs_to_fp32(autocast_context(model.forward.__func__)), model)
+    else:
+        model.forward = convert_outputs_to_fp32(autocast_context(model.forward))

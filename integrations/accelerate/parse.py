@@ -1,0 +1,110 @@
+"""Parsers for single accelerate FSDP values (strings from the env, enums or bools from a plugin).
+
+Each parser takes the value and the user-facing key, and raises ``AccelerateConfigError`` naming
+that key when the value is unsupported or malformed.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .settings import config_error
+
+_V1_NAMES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+_TRUE = ("true", "1", "yes", "y", "on", "t")
+_FALSE = ("false", "0", "no", "n", "off", "f")
+
+
+def enum_name(value: Any) -> Any:
+    """A torch/accelerate enum member → its name; anything else unchanged."""
+    name = getattr(value, "name", None)
+    return name if isinstance(name, str) and not isinstance(value, str) else value
+
+
+def parse_bool(value: Any, key: str) -> bool:
+    """``true/false`` (any case, also 1/0, yes/no) or a bool."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise config_error(key, value, "expected true or false")
+
+
+def is_bool_text(value: Any) -> bool:
+    """Whether ``value`` reads as a boolean (the v2 spelling of reshard_after_forward)."""
+    return isinstance(value, bool) or str(value).strip().lower() in ("true", "false")
+
+
+def strategy_from_name(value: Any, key: str) -> str:
+    """A v1 strategy (name, digit 1-5 or torch ShardingStrategy) → our strategy name."""
+    value = enum_name(value)
+    text = str(value).strip().upper()
+    if text.isdigit() and 1 <= int(text) <= len(_V1_NAMES):
+        text = _V1_NAMES[int(text) - 1]
+    if text == "HYBRID_SHARD_ZERO2":
+        raise config_error(key, value, "use HYBRID_SHARD (parameters resharded after forward inside the shard group)")
+    if text not in _V1_NAMES:
+        raise config_error(key, value, f"expected one of {', '.join(_V1_NAMES[:4])} or true/false")
+    return text.lower()
+
+
+def reshard_to_strategy(value: Any, key: str) -> str:
+    """``reshard_after_forward`` in either spelling: bool (v2) or a strategy name (v1)."""
+    if is_bool_text(value):
+        return "full_shard" if parse_bool(value, key) else "shard_grad_op"
+    return strategy_from_name(value, key)
+
+
+def parse_prefetch(value: Any, key: str) -> bool:
+    """BACKWARD_PRE / BACKWARD_POST → True, NO_PREFETCH / None → False."""
+    if value is None:
+        return False
+    text = str(enum_name(value)).strip().upper()
+    if text.isdigit():
+        text = {"1": "BACKWARD_PRE", "2": "BACKWARD_POST", "3": "NO_PREFETCH"}.get(text, text)
+    if text in ("BACKWARD_PRE", "BACKWARD_POST"):
+        return True
+    if text in ("NO_PREFETCH", "NONE"):
+        return False
+    raise config_error(key, value, "expected BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH")
+
+
+def parse_state_dict_type(value: Any, key: str) -> str:
+    """SHARDED/LOCAL → "sharded" (our sharded format either way); FULL → "full"."""
+    text = str(enum_name(value)).strip().upper()
+    if text.isdigit():
+        text = {"1": "FULL_STATE_DICT", "2": "LOCAL_STATE_DICT", "3": "SHARDED_STATE_DICT"}.get(text, text)
+    if text == "FULL_STATE_DICT":
+        return "full"
+    if text in ("SHARDED_STATE_DICT", "LOCAL_STATE_DICT"):
+        return "sharded"
+    raise config_error(key, value, "expected FULL_STATE_DICT, SHARDED_STATE_DICT or LOCAL_STATE_DICT")
+
+
+def parse_mixed_precision(value: Any, key: str) -> str:
+    """Accelerate's mixed_precision flag → "no" | "bf16" | "fp16"."""
+    text = str(enum_name(value) if value is not None else "no").strip().lower()
+    if text in ("no", "none", "fp32", ""):
+        return "no"
+    if text in ("bf16", "fp16"):
+        return text
+    raise config_error(key, value, "use 'no', 'bf16' or 'fp16' (fp8 has no sharded path in fsdp_plugin)")
+
+
+def parse_int(value: Any, key: str) -> int:
+    """A non-negative integer."""
+    try:
+        number = int(str(value).strip())
+    except ValueError:
+        raise config_error(key, value, "expected an integer") from None
+    if number < 0:
+        raise config_error(key, value, "expected a non-negative integer")
+    return number
+
+
+def split_names(value: Any) -> tuple[str, ...]:
+    """``"A, B"`` or a list of names → ``("A", "B")``."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    return tuple(str(v).strip() for v in items if str(v).strip())

@@ -1,0 +1,77 @@
+"""The engine-neutral view of an Accelerate FSDP configuration.
+
+``FsdpSettings`` holds what an accelerate config (yaml → ``FSDP_*`` env) or a
+``FullyShardedDataParallelPlugin`` asks for, as plain values. ``resolve.py`` turns it into
+``fp.ShardingConfig`` keyword arguments once the model is known (class names → classes,
+regexes → modules). Every value remembers the user-facing key it came from so that an
+unsupported value fails with an error naming that key.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
+
+
+class AccelerateConfigError(ValueError):
+    """An accelerate FSDP setting that fsdp_plugin cannot honour; the message names the key."""
+
+
+def config_error(key: str, value: Any, why: str) -> AccelerateConfigError:
+    """Build the error for ``key: value`` with an explanation of what to change."""
+    return AccelerateConfigError(f"{key}: {value!r} is not supported by fsdp_plugin: {why}")
+
+
+@dataclass
+class WrapSpec:
+    """Auto-wrap request: ``kind`` is "default" (the engine's repeated-block policy), "none" (NO_WRAP:
+    one root unit), "transformer", "size" or "callable"."""
+
+    kind: str = "default"
+    class_names: tuple[str, ...] | None = None  # transformer: None = the model's _no_split_modules
+    classes: tuple[type, ...] = ()               # transformer: classes given directly (plugin path)
+    min_params: int = 0                          # size
+    fn: Callable | None = None                   # callable(module) -> bool
+
+
+@dataclass
+class FsdpSettings:
+    """What the user configured, before the model is known. ``keys`` maps field → source key."""
+
+    strategy: str = "full_shard"
+    wrap: WrapSpec = field(default_factory=WrapSpec)
+    backward_prefetch: bool = True
+    forward_prefetch: bool = False
+    limit_all_gathers: bool = True
+    cpu_offload: bool = False
+    activation_checkpointing: bool = False
+    ignored_modules: Any = None        # None | regex str | iterable of modules
+    mixed_precision: str = "no"        # "no" | "bf16" | "fp16"
+    param_dtype: Any = None            # explicit policy from a plugin (overrides mixed_precision dtypes)
+    reduce_dtype: Any = None
+    buffer_dtype: Any = None
+    mesh: tuple[int, int] | None = None  # hybrid (replicate, shard); None = derived at resolve time
+    state_dict_type: str = "sharded"   # "sharded" | "full"
+    cpu_ram_efficient_loading: bool = False
+    sync_module_states: bool = True
+    param_init_fn: Callable | None = None
+    keys: dict[str, str] = field(default_factory=dict)
+
+    def key(self, name: str) -> str:
+        """The user-facing key that set ``name`` (for error messages)."""
+        return self.keys.get(name, name)
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-friendly summary, echoed by scripts and tests."""
+        wrap = self.wrap
+        wrap_desc = {"default": "default", "none": "NO_WRAP", "transformer": list(wrap.class_names or [c.__name__ for c in wrap.classes]),
+                     "size": f"min_params={wrap.min_params}", "callable": "callable"}[wrap.kind]
+        return {
+            "sharding_strategy": self.strategy, "auto_wrap": wrap_desc, "mesh": self.mesh,
+            "mixed_precision": self.mixed_precision, "backward_prefetch": self.backward_prefetch,
+            "forward_prefetch": self.forward_prefetch, "cpu_offload": self.cpu_offload,
+            "activation_checkpointing": self.activation_checkpointing,
+            "state_dict_type": self.state_dict_type,
+            "cpu_ram_efficient_loading": self.cpu_ram_efficient_loading,
+        }

@@ -1,0 +1,182 @@
+"""Accelerate config → fsdp_plugin translation (no processes launched).
+
+The launcher's env is produced by accelerate's own code (``_validate_launch_command`` +
+``prepare_multi_gpu_env``) from yaml text, so these tests cover what ``accelerate launch`` exports.
+"""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("accelerate")
+
+from fsdp_plugin.integrations.accelerate import AccelerateConfigError, settings_from_env  # noqa: E402
+from fsdp_plugin.integrations.accelerate.resolve import sharding_kwargs  # noqa: E402
+
+HEAD = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+num_machines: 1
+num_processes: 2
+machine_rank: 0
+mixed_precision: '{mp}'
+use_cpu: true
+"""
+
+
+def launcher_env(tmp_path, fsdp_config: str, mp: str = "no", extra: str = "") -> dict:
+    """The env ``accelerate launch --config_file`` would export for this yaml."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    path = tmp_path / "cfg.yaml"
+    body = HEAD.format(mp=mp) + "fsdp_config:\n" + textwrap.indent(textwrap.dedent(fsdp_config), "  ") + extra
+    path.write_text(body)
+    args = launch_command_parser().parse_args(["--config_file", str(path), "script.py"])
+    args, _, _ = _validate_launch_command(args)
+    return {k: v for k, v in prepare_multi_gpu_env(args).items()
+            if k.startswith(("FSDP_", "ACCELERATE_", "PARALLELISM_CONFIG_"))}
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(4, 2)
+
+
+SAFE = "fsdp_cpu_ram_efficient_loading: false\nfsdp_sync_module_states: false\n"
+
+
+def test_v1_reshard_name_wins_over_launcher_default(tmp_path):
+    env = launcher_env(tmp_path, "fsdp_version: 1\nfsdp_reshard_after_forward: SHARD_GRAD_OP\n" + SAFE)
+    assert env["FSDP_SHARDING_STRATEGY"] == "FULL_SHARD"  # the launcher's default, exported anyway
+    assert settings_from_env(env).strategy == "shard_grad_op"
+
+
+@pytest.mark.parametrize("value,expected", [("NO_SHARD", "no_shard"), ("HYBRID_SHARD", "hybrid_shard"),
+                                            ("FULL_SHARD", "full_shard"), ("2", "shard_grad_op")])
+def test_v1_strategy_names(tmp_path, value, expected):
+    env = launcher_env(tmp_path, f"fsdp_version: 1\nfsdp_reshard_after_forward: {value}\n" + SAFE)
+    assert settings_from_env(env).strategy == expected
+
+
+def test_v1_legacy_sharding_strategy_key(tmp_path):
+    env = launcher_env(tmp_path, "fsdp_version: 1\nfsdp_sharding_strategy: NO_SHARD\n" + SAFE)
+    assert settings_from_env(env).strategy == "no_shard"
+
+
+@pytest.mark.parametrize("value,expected", [("true", "full_shard"), ("false", "shard_grad_op")])
+def test_v2_reshard_bool(tmp_path, value, expected):
+    env = launcher_env(tmp_path, f"fsdp_version: 2\nfsdp_reshard_after_forward: {value}\n" + SAFE)
+    assert settings_from_env(env).strategy == expected
+
+
+def test_conflicting_v1_keys_fail_naming_both():
+    env = {"FSDP_VERSION": "1", "FSDP_RESHARD_AFTER_FORWARD": "shard_grad_op", "FSDP_SHARDING_STRATEGY": "NO_SHARD"}
+    with pytest.raises(AccelerateConfigError, match="fsdp_reshard_after_forward.*fsdp_sharding_strategy"):
+        settings_from_env(env)
+
+
+@pytest.mark.parametrize("env,key", [
+    ({"FSDP_RESHARD_AFTER_FORWARD": "HYBRID_SHARD_ZERO2"}, "fsdp_config.fsdp_reshard_after_forward"),
+    ({"FSDP_ACTIVATION_CHECKPOINTING": "true", "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": "true"},
+     "fsdp_config.fsdp_activation_checkpointing_offload"),
+    ({"FSDP_AUTO_WRAP_POLICY": "LAYER_WRAP"}, "fsdp_config.fsdp_auto_wrap_policy"),
+    ({"FSDP_BACKWARD_PREFETCH": "SOMETIMES"}, "fsdp_config.fsdp_backward_prefetch"),
+    ({"ACCELERATE_MIXED_PRECISION": "fp8"}, "mixed_precision"),
+    ({"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_TP_SIZE": "2"},
+     "parallelism_config.parallelism_config_tp_size"),
+])
+def test_unsupported_values_name_the_yaml_key(env, key):
+    with pytest.raises(AccelerateConfigError, match=key.replace(".", r"\.")):
+        settings_from_env(dict(env, FSDP_VERSION="1"))
+
+
+def test_flags_and_wrap_classes(tmp_path):
+    env = launcher_env(tmp_path, textwrap.dedent("""\
+        fsdp_version: 2
+        fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+        fsdp_transformer_layer_cls_to_wrap: Block
+        fsdp_offload_params: true
+        fsdp_activation_checkpointing: true
+        fsdp_state_dict_type: FULL_STATE_DICT
+        fsdp_ignored_modules: head
+        """) + SAFE, mp="bf16")
+    s = settings_from_env(env)
+    assert (s.cpu_offload, s.activation_checkpointing, s.state_dict_type) == (True, True, "full")
+    kw = sharding_kwargs(s, Net())
+    assert kw["auto_wrap_policy"] == {Block} and kw["activation_checkpointing"] == {Block}
+    assert len(kw["ignored_modules"]) == 1 and isinstance(kw["ignored_modules"][0], nn.Linear)
+    assert kw["mixed_precision"].param_dtype == torch.bfloat16
+    assert kw["mixed_precision"].reduce_dtype == torch.float32
+
+
+def test_unknown_wrap_class_fails_naming_key():
+    s = settings_from_env({"FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": "Nope"})
+    with pytest.raises(AccelerateConfigError, match="fsdp_transformer_layer_cls_to_wrap.*Nope"):
+        sharding_kwargs(s, Net())
+
+
+def test_no_split_modules_fallback_and_size_policy():
+    net = Net()
+    net._no_split_modules = ["Block"]
+    s = settings_from_env({"FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP"})
+    assert sharding_kwargs(s, net)["auto_wrap_policy"] == {Block}
+    s = settings_from_env({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_MIN_NUM_PARAMS": "10"})
+    assert sharding_kwargs(s, net)["auto_wrap_policy"].min_params == 10
+    s = settings_from_env({"FSDP_AUTO_WRAP_POLICY": "NO_WRAP"})
+    assert not any(sharding_kwargs(s, net)["auto_wrap_policy"](m) for m in net.modules())
+    assert sharding_kwargs(settings_from_env({}), net)["auto_wrap_policy"] is None  # engine default
+
+
+def test_parallelism_config_becomes_hybrid(tmp_path):
+    extra = "parallelism_config:\n  parallelism_config_dp_replicate_size: 2\n  parallelism_config_dp_shard_size: 1\n"
+    env = launcher_env(tmp_path, "fsdp_version: 2\n" + SAFE, extra=extra)
+    s = settings_from_env(env)
+    assert (s.strategy, s.mesh) == ("hybrid_shard", (2, 1))
+    with pytest.raises(AccelerateConfigError, match="fsdp_reshard_after_forward"):
+        settings_from_env(dict(env, FSDP_RESHARD_AFTER_FORWARD="false"))
+
+
+def test_shipped_example_yaml_is_accepted():
+    from pathlib import Path
+
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    yaml = Path(__file__).resolve().parents[1] / "examples" / "accelerate_fsdp_cpu.yaml"
+    args = launch_command_parser().parse_args(["--config_file", str(yaml), "script.py"])
+    args, _, _ = _validate_launch_command(args)
+    s = settings_from_env(prepare_multi_gpu_env(args))
+    assert s.strategy == "full_shard" and s.wrap.class_names == ("Block",)
+
+
+def test_plugin_object_translation():
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from fsdp_plugin.integrations.accelerate import settings_from_plugin
+
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, reshard_after_forward=False, auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["Block"], cpu_ram_efficient_loading=False, state_dict_type="SHARDED_STATE_DICT")
+    s = settings_from_plugin(plugin)
+    assert s.strategy == "shard_grad_op"
+    assert sharding_kwargs(s, Net())["auto_wrap_policy"] == {Block}
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=1, sharding_strategy="NO_SHARD", sync_module_states=False,
+                                            cpu_ram_efficient_loading=False, backward_prefetch="NO_PREFETCH")
+    s = settings_from_plugin(plugin)
+    assert (s.strategy, s.backward_prefetch) == ("no_shard", False)
