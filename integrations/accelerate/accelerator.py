@@ -142,15 +142,8 @@ class Accelerator(accelerate.Accelerator):
         import fsdp_plugin as fp
 
         self.unscale_gradients()
-        return fp.clip_grad_norm_(self._clip_target(parameters), max_norm, norm_type=norm_type)
-
-    def _clip_target(self, parameters):
-        """The prepared model when ``parameters`` are exactly its parameters, else the list itself."""
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        for model in self._models:
-            if [id(p) for p in model.parameters()] == [id(p) for p in params]:
-                return model
-        return params
+        return fp.clip_grad_norm_(params, max_norm, norm_type=norm_type)
 
     def clip_grad_value_(self, parameters, clip_value: float):
         """Elementwise clipping, exact on shards."""
@@ -181,7 +174,10 @@ class Accelerator(accelerate.Accelerator):
         if not safe_serialization:
             warnings.warn("save_model: fsdp_plugin always writes safetensors (safe_serialization=False ignored)",
                           stacklevel=2)
-        fp.save_pretrained(self.unwrap_model(model), os.fspath(save_directory), max_shard_size=max_shard_size)
+        save_pretrained = getattr(fp, "save_pretrained", None)
+        if save_pretrained is None:  # accelerate's writer on top of our get_state_dict (rank 0 holds it all)
+            return super().save_model(model, save_directory, max_shard_size=max_shard_size, safe_serialization=True)
+        save_pretrained(self.unwrap_model(model), os.fspath(save_directory), max_shard_size=max_shard_size)
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs):
         """Collective: models + optimizers in fsdp_plugin's sharded format, the rest as JSON/safetensors."""
