@@ -188,6 +188,7 @@ class _Recording:
     nbytes: dict[int, int] = field(default_factory=dict)
     roots: set[int] = field(default_factory=set)
     recording: bool = True
+    scratch: list[torch.Tensor] = field(default_factory=list)  # see _RecordMode._scratch
 
 
 _REGISTRY: dict[int, _Recording] = {}  # storage key -> recording, for every live deferred storage
@@ -196,6 +197,12 @@ _state = threading.local()
 
 def _active() -> _Recording | None:
     return getattr(_state, "recording", None)
+
+
+def _use_count(storage: torch.UntypedStorage) -> int:
+    """References to the StorageImpl (tensors, views, Parameters, our own storage object)."""
+    counter = getattr(torch._C, "_storage_Use_Count", None)
+    return counter(storage._cdata) if counter is not None else 2  # unknown: assume referenced
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -330,6 +337,7 @@ class _RecordMode(TorchDispatchMode):
         state = gen.get_state()
         mutated = {id(t) for arg, v in _schema_values(func, args, kwargs)
                    if arg.alias_info is not None and arg.alias_info.is_write for t in _tensors_in(v)}
+        slot = iter(range(1 << 30))
 
         def scratch(a):
             if isinstance(a, torch.device) and a.type == "meta":
@@ -337,13 +345,29 @@ class _RecordMode(TorchDispatchMode):
             if not isinstance(a, torch.Tensor) or a.device.type != "meta":
                 return a
             numel = self.rec.nbytes[_storage_key(a)] // a.element_size()
-            base = torch.empty(numel, dtype=a.dtype, device="cpu")
+            base = self._scratch(next(slot), numel * a.element_size()).view(a.dtype)
             if id(a) not in mutated:
                 base.fill_(True if a.dtype == torch.bool else 0.5 if a.is_floating_point() else 1)
             return base.as_strided(a.shape, a.stride(), a.storage_offset())
 
         func(*tree_map(scratch, args), **tree_map(scratch, kwargs))
         return state
+
+    def _scratch(self, slot: int, nbytes: int) -> torch.Tensor:
+        """`nbytes` of reusable CPU scratch memory for the `slot`-th tensor argument of a random op.
+
+        Reused across ops (grown when needed, freed when recording ends) rather than allocated per op:
+        with per-op allocations, the small long-lived allocations made between two ops (saved RNG
+        states) land inside the freed block, so every layer-sized scratch needs fresh pages and RSS
+        grows by a whole model's worth of memory.
+        """
+        buffers = self.rec.scratch
+        while len(buffers) <= slot:
+            buffers.append(torch.empty(0, dtype=torch.uint8, device="cpu"))
+        if buffers[slot].numel() < nbytes:
+            buffers[slot] = torch.empty(0, dtype=torch.uint8, device="cpu")  # free before growing
+            buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
+        return buffers[slot][:nbytes]
 
     def _record(self, func, args, kwargs, out, rng_state) -> None:
         rec = self.rec
@@ -474,6 +498,7 @@ def deferred_init(data_reads: bool = True):
     finally:
         _state.recording = None
         rec.recording = False
+        rec.scratch = []
         if ok:
             _keep_roots(rec)
         else:
@@ -483,8 +508,19 @@ def deferred_init(data_reads: bool = True):
 def _keep_roots(rec: _Recording) -> None:
     """After recording: keep only storages still referenced outside the recording, and their ops."""
     gc.collect()  # temporaries caught in reference cycles must not count as roots
-    rec.roots = {k for k, s in rec.storages.items() if torch._C._storage_Use_Count(s._cdata) > 1}
+    rec.roots = {k for k, s in rec.storages.items() if _use_count(s) > 1}
     _drop(rec, set(rec.storages) - rec.roots)
+
+
+def _collect(rec: _Recording) -> None:
+    """Drop roots that nothing outside the recording references any more.
+
+    E.g. after the engine replaced ``p.data`` by the materialized tensor, the fake storage is only held
+    by the recording: its ops are dead. Keeps memory bounded even without explicit :func:`release`.
+    """
+    dead = {k for k in rec.roots if _use_count(rec.storages[k]) <= 1}
+    if dead:
+        _drop(rec, dead)
 
 
 def _drop(rec: _Recording, keys: set[int]) -> None:
@@ -683,6 +719,7 @@ def materialize(tensors: list[torch.Tensor], device=torch.device("cpu")) -> list
     device = torch.device(device)
     real: dict[int, torch.UntypedStorage] = {}
     for rec, keys in _group(tensors).items():
+        _collect(rec)  # `tensors` holds the requested storages, so they survive this
         storages = _Replay(_slice(rec, keys), keep=keys).run()
         for k in keys:
             if k not in storages:  # created by an op that was never recorded: cannot happen for roots
@@ -713,3 +750,4 @@ def release(module_or_tensors) -> None:
             by_rec.setdefault(id(rec), (rec, set()))[1].add(key)
     for rec, keys in by_rec.values():
         _drop(rec, keys)
+        _collect(rec)
