@@ -13,23 +13,15 @@ from .errors import (
     IncompleteCheckpointError,
     MismatchReport,
 )
+from .consolidate import consolidate
+from .hf import load_pretrained, save_pretrained
 from .load import CheckpointMismatchWarning, load_checkpoint
 from .save import save_checkpoint
+from .tools import inspect_checkpoint, verify_checkpoint
 
 __all__ = [
     "save_checkpoint", "load_checkpoint", "load_pretrained", "save_pretrained", "consolidate",
     "CheckpointError", "CorruptCheckpointError", "IncompleteCheckpointError", "CheckpointMismatchError",
-    "CheckpointMismatchWarning", "MismatchReport",
+    "CheckpointMismatchWarning", "MismatchReport", "inspect_checkpoint", "verify_checkpoint",
 ]
 
-
-def __getattr__(name):  # HF functions load lazily (they are not needed on the training path)
-    if name in ("load_pretrained", "save_pretrained"):
-        from . import hf
-
-        return getattr(hf, name)
-    if name == "consolidate":
-        from .consolidate import consolidate
-
-        return consolidate
-    raise AttributeError(name)

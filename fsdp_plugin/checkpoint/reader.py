@@ -94,6 +94,12 @@ class ReadPlan:
             raise
         return _File(fd, size, header, record, where)
 
+    def fd(self, name: str) -> tuple[int, str]:
+        """``(fd, path)`` of validated file ``name`` (opened by :meth:`header`)."""
+        self.header(name)
+        f = self._files[name]
+        return f.fd, f.where
+
     def add(self, name: str, offset: int, src_dtype: torch.dtype, dest: torch.Tensor, what: str) -> None:
         """Queue: read ``dest.numel()`` elements of ``src_dtype`` at byte ``offset`` of ``name`` into ``dest``."""
         assert dest.dim() == 1

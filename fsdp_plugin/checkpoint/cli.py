@@ -1,0 +1,108 @@
+"""``fsdp-plugin`` command line: ``inspect CKPT``, ``verify CKPT``, ``consolidate CKPT OUT``.
+
+Needs no process group and no GPU. Progress goes to stderr; results to stdout. Exit status: 0 ok,
+1 a checkpoint problem (message on stderr), 2 bad usage.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from .errors import CheckpointError
+
+
+class Progress:
+    """A plain-text progress line on stderr, redrawn at most every 0.2 s."""
+
+    def __init__(self, label: str, stream=None):
+        self.label, self.stream = label, stream or sys.stderr
+        self.t0, self.last = time.monotonic(), 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.last < 0.2 and done < total:
+            return
+        self.last = now
+        frac = done / total if total else 1.0
+        bar = "#" * int(30 * frac)
+        rate = done / max(now - self.t0, 1e-9) / 1e6
+        self.stream.write(f"\r{self.label} [{bar:<30}] {100 * frac:5.1f}% {done / 1e6:,.1f}/{total / 1e6:,.1f} MB "
+                          f"{rate:,.0f} MB/s")
+        if done >= total:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def _inspect(args) -> int:
+    from .tools import inspect_checkpoint
+
+    info = inspect_checkpoint(args.ckpt)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"checkpoint {info['path']}  (uuid {info['uuid']})")
+    print(f"saved by world size {info['world_size']}, sharding {json.dumps(info['sharding'])}")
+    print(f"{info['num_params']} parameters, {info['num_elements']:,} elements, "
+          f"{info['bytes_on_disk']:,} bytes on disk in {len(info['files'])} files")
+    for name, p in info["params"].items():
+        desc = f"alias of {p['alias_of']}" if "alias_of" in p else f"{p['dtype']:5} {p['shape']}"
+        frozen = "" if p.get("requires_grad", True) or "alias_of" in p else "  (frozen)"
+        print(f"  {name}: {desc}{frozen}")
+    for name, b in info["buffers"].items():
+        print(f"  {name}: {b['dtype']:5} {b['shape']}  (buffer)")
+    for i, o in enumerate(info["optimizers"]):
+        print(f"optimizer {i}: {o['class']}, {o['param_groups']} param groups, state {', '.join(o['state_keys'])}")
+    print("extra: " + json.dumps(info["extra"].get("0"))[:2000])
+    return 0
+
+
+def _verify(args) -> int:
+    from .tools import verify_checkpoint
+
+    problems = verify_checkpoint(args.ckpt, None if args.quiet else Progress("verify"))
+    for p in problems:
+        print(p, file=sys.stderr)
+    print(f"{args.ckpt}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
+    return 1 if problems else 0
+
+
+def _consolidate(args) -> int:
+    from .consolidate import consolidate
+
+    names = consolidate(args.ckpt, args.out, args.max_shard_size, None if args.quiet else Progress("consolidate"),
+                        keep_tied=args.keep_tied)
+    print(f"wrote {len(names)} file(s) to {args.out}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="fsdp-plugin", description="fsdp_plugin checkpoint tools")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("inspect", help="parameters, dtypes, world size and strategy at save, bytes, extra")
+    p.add_argument("ckpt")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(fn=_inspect)
+    p = sub.add_parser("verify", help="check sizes, headers and every CRC32 block")
+    p.add_argument("ckpt")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(fn=_verify)
+    p = sub.add_parser("consolidate", help="export to Hugging Face safetensors (+ index), bounded memory")
+    p.add_argument("ckpt")
+    p.add_argument("out")
+    p.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 5GB, 500MB (default 5GB)")
+    p.add_argument("--keep-tied", action="store_true",
+                   help="also write tied parameters under their alias names (strict load_state_dict)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(fn=_consolidate)
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

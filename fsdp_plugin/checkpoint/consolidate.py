@@ -1,0 +1,100 @@
+"""Offline export of a checkpoint directory to Hugging Face safetensors (no process group).
+
+Each rank model file is read once, sequentially, in CRC32 blocks (one reused block buffer: memory is
+O(block), 8 MiB by default); each block is checked against the manifest and the bytes of the pieces it
+holds are ``pwrite``-n to their precomputed offsets in the output files. Outputs are fsynced and renamed
+into place, the index last. Tied aliases are written once (or, on request, under every name); optimizer state and extras are not exported.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+import zlib
+
+from . import _format, manifest
+from .errors import CorruptCheckpointError
+from .fsio import preadv_all
+from .hf_out import HFWriter
+from .reader import ReadPlan
+
+
+def consolidate(ckpt, out, max_shard_size="5GB", progress=None, keep_tied: bool = False) -> list[str]:
+    """Export checkpoint ``ckpt`` to HF safetensors in directory ``out``; return the output file names.
+
+    Tied aliases are dropped (HF convention: the model re-ties them) unless ``keep_tied``, which writes
+    a copy under every name so that a strict ``load_state_dict`` of the plain model works.
+    ``progress(done_bytes, total_bytes)`` is called after every block when given.
+    """
+    ckpt, out = os.fspath(ckpt), os.fspath(out)
+    doc = manifest.read(ckpt)
+    tensors = {}  # output name -> (stored name, manifest entry)
+    for n, e in doc["params"].items():
+        if "alias_of" not in e:
+            tensors[n] = (n, e)
+        elif keep_tied:
+            tensors[n] = (e["alias_of"], doc["params"][e["alias_of"]])
+    tensors.update({n: (n, e) for n, e in doc["buffers"].items()})
+    entries = [(n, e["dtype"], tuple(e["shape"])) for n, (_, e) in tensors.items()]
+    writer = HFWriter(out, entries, max_shard_size, uuid.uuid4().hex)
+    writer.create()
+    try:
+        _copy_all(ckpt, doc, tensors, writer, progress)
+        writer.sync_close()
+        writer.publish()
+    except BaseException:
+        writer.abort()
+        raise
+    return list(writer.names)
+
+
+def _copy_all(ckpt: str, doc: dict, tensors: dict, writer: HFWriter, progress) -> None:
+    by_file: dict[str, list] = {}
+    for name, (stored, e) in tensors.items():
+        for r, a, b in e["pieces"]:
+            by_file.setdefault(manifest.file_name(r, "model"), []).append((name, stored, e, a, b))
+    total = sum(doc["files"][f]["bytes"] for f in by_file)
+    done = 0
+    with ReadPlan(ckpt, doc["files"]) as plan:
+        for fname in sorted(by_file):
+            header = plan.header(fname)
+            spans = sorted(_spans(ckpt, fname, header, by_file[fname]))
+            done = _copy_file(plan, fname, spans, writer, progress, done, total)
+
+
+def _spans(ckpt, fname, header, pieces):
+    """``(file_begin, file_end, output_name, elem_start)`` per piece, checked against the manifest."""
+    for name, stored, e, a, b in pieces:
+        h = header.entries.get(stored)
+        if h is None or h.dtype != e["dtype"] or h.shape != (b - a,):
+            raise CorruptCheckpointError(f"{os.path.join(ckpt, fname)}: tensor {stored!r} in the file header does not "
+                                         f"match manifest.json ({e['dtype']} [{b - a}])")
+        yield h.begin, h.end, name, a
+
+
+def _copy_file(plan: ReadPlan, fname: str, spans: list, writer: HFWriter, progress, done: int, total: int) -> int:
+    """Stream ``fname`` block by block, verifying CRC32s; route piece bytes to the writer."""
+    rec = plan.records[fname]
+    fd, where = plan.fd(fname)
+    bsz = rec["block_bytes"]
+    buf = bytearray(bsz)
+    j = 0
+    for k, expected in enumerate(rec["crc32"]):
+        lo, hi = k * bsz, min((k + 1) * bsz, rec["bytes"])
+        view = memoryview(buf)[: hi - lo]
+        preadv_all(fd, [view], lo, where)
+        if zlib.crc32(view) != expected:
+            raise CorruptCheckpointError(f"{where}: block {k} (bytes {lo:,}-{hi:,}) fails its CRC32 check: the file "
+                                         "is corrupted")
+        while j < len(spans) and spans[j][1] <= lo:
+            j += 1
+        i = j
+        while i < len(spans) and spans[i][0] < hi:
+            b0, b1, name, a = spans[i]
+            s, e = max(b0, lo), min(b1, hi)
+            isz = _format.itemsize(writer.place[name].dtype)
+            writer.pwrite(name, a + (s - b0) // isz, view[s - lo:e - lo])
+            i += 1
+        done += hi - lo
+        if progress:
+            progress(done, total)
+    return done
