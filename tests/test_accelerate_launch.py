@@ -17,7 +17,7 @@ import pytest
 import torch
 
 pytest.importorskip("accelerate")
-import fsdp_plugin as fp  # noqa: E402
+import fsdp_plugin.checkpoint as ckpt  # noqa: E402
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +27,7 @@ STEPS, SAVE_AT = 8, 4
 _DROP = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "NODE_RANK",
          "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED", "STANDALONE_PORT")
 _DROP_PREFIX = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_", "SLURM_", "PMI_", "OMPI_")
-needs_checkpoint = pytest.mark.skipif(not hasattr(fp, "save_checkpoint"),
+needs_checkpoint = pytest.mark.skipif(not hasattr(ckpt, "save_checkpoint"),
                                       reason="fp.save_checkpoint/load_checkpoint not available yet")
 
 
@@ -94,7 +94,7 @@ def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("acc")
     (tmp / "out").mkdir()
     args = [tmp / "out", "--steps", STEPS, "--save-model", tmp / "model"]
-    if hasattr(fp, "save_checkpoint"):
+    if hasattr(ckpt, "save_checkpoint"):
         args += ["--save-at", SAVE_AT, tmp / "state"]
     launch(SCRIPT, args)
     return tmp, reports(tmp / "out", 2)

@@ -169,12 +169,10 @@ class Accelerator(accelerate.Accelerator):
         if not self._fp_active:
             return super().save_model(model, save_directory, max_shard_size=max_shard_size,
                                       safe_serialization=safe_serialization)
-        import fsdp_plugin as fp
-
         if not safe_serialization:
             warnings.warn("save_model: fsdp_plugin always writes safetensors (safe_serialization=False ignored)",
                           stacklevel=2)
-        save_pretrained = getattr(fp, "save_pretrained", None)
+        save_pretrained = _checkpoint_function("save_pretrained")
         if save_pretrained is None:  # accelerate's writer on top of our get_state_dict (rank 0 holds it all)
             return super().save_model(model, save_directory, max_shard_size=max_shard_size, safe_serialization=True)
         save_pretrained(self.unwrap_model(model), os.fspath(save_directory), max_shard_size=max_shard_size)
@@ -239,6 +237,16 @@ class Accelerator(accelerate.Accelerator):
         if not folders:
             raise ValueError(f"load_state: no checkpoint_<n> folder in {root}")
         return os.path.join(root, folders[-1])
+
+
+def _checkpoint_function(name: str):
+    """``fsdp_plugin.checkpoint.<name>`` or None while it is not available."""
+    try:
+        import fsdp_plugin.checkpoint as ckpt
+
+        return getattr(ckpt, name)
+    except (ImportError, AttributeError):
+        return None
 
 
 def _iteration(folder: str) -> int | None:

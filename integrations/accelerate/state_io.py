@@ -46,21 +46,21 @@ def _inner(optimizer: Any) -> Any:
 
 def save_models(directory: str, models: list, optimizers: list) -> None:
     """Collective: one sharded checkpoint per model, with its optimizer."""
-    import fsdp_plugin as fp
+    from fsdp_plugin.checkpoint import save_checkpoint
 
     for i, model in enumerate(models):
-        fp.save_checkpoint(model_dir(directory, i), model, optimizer_for(model, optimizers))
+        save_checkpoint(model_dir(directory, i), model, optimizer_for(model, optimizers))
 
 
 def load_models(directory: str, models: list, optimizers: list) -> None:
     """Collective: inverse of :func:`save_models`, at any process count."""
-    import fsdp_plugin as fp
+    from fsdp_plugin.checkpoint import load_checkpoint
 
     for i, model in enumerate(models):
         path = model_dir(directory, i)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"load_state: {path} is missing (the state has fewer models than were prepared)")
-        fp.load_checkpoint(path, model, optimizer_for(model, optimizers))
+        load_checkpoint(path, model, optimizer_for(model, optimizers))
 
 
 def accelerator_state(acc: Any) -> dict[str, Any]:
