@@ -22,6 +22,29 @@ class RankFailure(AssertionError):
     pass
 
 
+class _WireTensor:
+    """Tensors cross the queue as bytes: torch's shared-memory reduction can hang when a rank exits."""
+
+    def __init__(self, t: torch.Tensor):
+        t = t.detach().cpu().contiguous()
+        self.dtype, self.shape = t.dtype, tuple(t.shape)
+        self.data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+    def restore(self) -> torch.Tensor:
+        flat = torch.frombuffer(bytearray(self.data), dtype=torch.uint8) if self.data else torch.empty(0, dtype=torch.uint8)
+        return flat.view(self.dtype).reshape(self.shape)
+
+
+def _to_wire(x):
+    from torch.utils._pytree import tree_map
+    return tree_map(lambda v: _WireTensor(v) if isinstance(v, torch.Tensor) else v, x)
+
+
+def _from_wire(x):
+    from torch.utils._pytree import tree_map
+    return tree_map(lambda v: v.restore() if isinstance(v, _WireTensor) else v, x)
+
+
 def _worker(rank, world_size, store_path, fn, args, env, queue):
     try:
         os.environ.update(env)
@@ -32,7 +55,7 @@ def _worker(rank, world_size, store_path, fn, args, env, queue):
             result = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        queue.put((rank, True, result))
+        queue.put((rank, True, _to_wire(result)))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -86,7 +109,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, env: dict | No
                     continue
                 if not ok:
                     raise RankFailure(_collect_failures(queue, rank, payload))
-                results[rank] = payload
+                results[rank] = _from_wire(payload)
         finally:
             for p in procs:
                 if p.is_alive():

@@ -8,7 +8,7 @@ class Block(nn.Module):
     def __init__(self, d, n_head=2):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.attn = nn.Linear(d, 3 * d)
+        self.attn = nn.Linear(d, 3 * d, bias=False)  # a key bias has an exactly-zero gradient: Adam would amplify noise
         self.proj = nn.Linear(d, d)
         self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
         self.n_head = n_head
@@ -31,6 +31,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.tok.weight
+        nn.init.normal_(self.tok.weight, std=0.02)
 
     def forward(self, idx, targets=None):
         x = self.tok(idx) + self.pos[: idx.shape[1]]

@@ -1,0 +1,85 @@
+"""Parity protocol: same seed, different data per rank; every step compared against single-process
+training on the global batch (and against DDP)."""
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import fsdp_plugin as fp
+from models import GPT, Block, gpt_batch
+
+STEPS = 10
+
+
+def make_optimizer(name, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    # Adam turns float noise in near-zero gradients into +-lr steps (DDP drifts from one process
+    # just as much), so its learning rate stays small enough for the 1e-5 parameter check to be fair.
+    return torch.optim.AdamW(params, lr=2e-3, eps=1e-6, weight_decay=0.1)
+
+
+def single_process(world, optim, steps=STEPS, model_fn=GPT, batch_fn=gpt_batch):
+    """Losses and final state of one process training on the concatenation of every rank's batch."""
+    torch.manual_seed(0)
+    model = model_fn()
+    opt = make_optimizer(optim, model.parameters())
+    losses = []
+    for s in range(steps):
+        xs, ys = zip(*[batch_fn(s, r) for r in range(world)])
+        loss = model(torch.cat(xs), torch.cat(ys))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _global_mean(loss, world):
+    t = loss.detach().clone()
+    dist.all_reduce(t)
+    return t.item() / world
+
+
+def sharded_worker(rank, world, strategy, optim, mesh=None, steps=STEPS, model_fn=GPT, batch_fn=gpt_batch,
+                   policy=(Block,)):
+    torch.manual_seed(0)
+    model = model_fn()
+    kwargs = {"device_mesh": mesh} if mesh else {}
+    fp.shard(model, auto_wrap_policy=set(policy), sharding_strategy=strategy, **kwargs)
+    opt = make_optimizer(optim, model.parameters())
+    losses = []
+    for s in range(steps):
+        x, y = batch_fn(s, rank)
+        loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(_global_mean(loss, world))
+    return losses, fp.full_state_dict(model)
+
+
+def ddp_worker(rank, world, optim, steps=STEPS):
+    torch.manual_seed(0)
+    model = DistributedDataParallel(GPT())
+    opt = make_optimizer(optim, model.parameters())
+    losses = []
+    for s in range(steps):
+        x, y = gpt_batch(s, rank)
+        loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(_global_mean(loss, world))
+    return losses
+
+
+def assert_close_losses(got, want, tol=1e-5):
+    diffs = [abs(a - b) for a, b in zip(got, want)]
+    assert len(got) == len(want) and max(diffs) <= tol, f"loss drift {max(diffs):.3e} > {tol}: {got} vs {want}"
+
+
+def assert_close_state(got, want, tol=1e-5):
+    assert list(got) == list(want), f"keys differ: {set(got) ^ set(want)}"
+    for k in want:
+        diff = (got[k].float() - want[k].float()).abs().max().item() if want[k].numel() else 0.0
+        assert diff <= tol, f"{k}: max diff {diff:.3e}"
