@@ -40,7 +40,6 @@ readable yet.
 from __future__ import annotations
 
 import contextlib
-import gc
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -213,6 +212,16 @@ def _is_random(func) -> bool:
     return torch.Tag.nondeterministic_seeded in func.tags or _schema_index(func, "generator") is not None
 
 
+def _returns_self(func) -> bool:
+    """`func(self, ...) -> Tensor(a!)`: an in-place op returning its (mutated) first argument."""
+    schema = func._schema
+    if len(schema.returns) != 1 or not schema.arguments:
+        return False
+    first, ret = schema.arguments[0], schema.returns[0]
+    return (first.alias_info is not None and first.alias_info.is_write and ret.alias_info is not None
+            and ret.alias_info.before_set == first.alias_info.before_set)
+
+
 def _schema_index(func, name: str) -> int | None:
     for i, arg in enumerate(func._schema.arguments):
         if arg.name == name:
@@ -262,6 +271,12 @@ def _with_generator(func, args, kwargs, gen):
 
 class _RecordMode(TorchDispatchMode):
     """Records every non-view op that touches a fake tensor (or creates one on meta)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps __torch_dispatch__ in dynamo.disable, whose first call imports torch._dynamo
+        # (seconds). Model construction is never torch.compile'd, so the wrapper buys nothing here.
+        return False
 
     def __init__(self, rec: _Recording, data_reads: bool):
         super().__init__()
@@ -314,15 +329,20 @@ class _RecordMode(TorchDispatchMode):
             return self._read_now(func, args, kwargs)
         if func.is_view:
             return func(*args, **kwargs)  # views share the storage; arguments are described by layout
-        try:
-            out = func(*args, **kwargs)
-        except Exception as e:
-            raise DeferredInitError(
-                f"deferred_init: `{func}` cannot run on deferred (fake) tensors: {e}. " + _HINT
-            ) from e
-        rng_state = None
-        if _is_random(func):
-            rng_state = self._advance_rng(func, args, kwargs)
+        random = _is_random(func)
+        if random and _returns_self(func):
+            # In-place sampling (normal_, uniform_...) leaves the metadata unchanged, and the real run on
+            # scratch below validates the arguments like eager. Skipping the meta kernel matters: for
+            # normal_ it is a Python ref whose first call imports torch._dynamo (seconds).
+            out = args[0]
+        else:
+            try:
+                out = func(*args, **kwargs)
+            except Exception as e:
+                raise DeferredInitError(
+                    f"deferred_init: `{func}` cannot run on deferred (fake) tensors: {e}. " + _HINT
+                ) from e
+        rng_state = self._advance_rng(func, args, kwargs) if random else None
         self._record(func, args, kwargs, out, rng_state)
         return out
 
@@ -507,7 +527,8 @@ def deferred_init(data_reads: bool = True):
 
 def _keep_roots(rec: _Recording) -> None:
     """After recording: keep only storages still referenced outside the recording, and their ops."""
-    gc.collect()  # temporaries caught in reference cycles must not count as roots
+    # No gc.collect() (it costs ~1 s in a large process): a temporary kept alive only by a reference
+    # cycle counts as a root for now, which is conservative; _collect() drops it once it is freed.
     rec.roots = {k for k, s in rec.storages.items() if _use_count(s) > 1}
     _drop(rec, set(rec.storages) - rec.roots)
 
