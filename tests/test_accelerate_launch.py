@@ -166,3 +166,18 @@ def test_load_state_continues_exactly(trained, tmp_path, nproc):
     assert max(abs(a - b) for a, b in zip(resumed["losses"], r0["losses"][SAVE_AT:])) <= tol
     assert max(abs(a - b) for a, b in zip(resumed["norms"], r0["norms"][SAVE_AT // 2:])) <= max(tol, 1e-5) * 10
     assert resumed["lrs"] == pytest.approx(r0["lrs"][SAVE_AT:], rel=1e-12)
+
+
+HF_YAML = YAML.read_text().replace("  fsdp_transformer_layer_cls_to_wrap: Block  # one unit per Block (comma-separated class names)\n", "")
+
+
+def test_hf_transformers_model_trains(tmp_path):
+    pytest.importorskip("transformers")
+    cfg = tmp_path / "hf.yaml"
+    cfg.write_text(HF_YAML)  # no class names: the model's _no_split_modules (GPT2Block) are wrapped
+    assert "fsdp_transformer_layer_cls_to_wrap" not in HF_YAML
+    launch(ROOT / "tests" / "scripts" / "accelerate_hf_check.py", [tmp_path], config=cfg, timeout=200)
+    r0, r1 = reports(tmp_path, 2)
+    assert r0["is_sharded"] and r0["wrap"] == ["GPT2Block"]
+    assert r0["scatter_matches_rank0"], "rank 0's real weights did not reach the meta ranks"
+    assert r0["losses"] == r1["losses"] and all(torch.isfinite(torch.tensor(r0["losses"])))
