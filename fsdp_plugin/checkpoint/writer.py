@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from . import _format
-from .fsio import BLOCK_BYTES, BlockCrc, byte_view, write_all
+from . import fsio
+from .fsio import BlockCrc, byte_view, write_all
 
 
 @dataclass(frozen=True)
@@ -39,11 +40,13 @@ def flat_cpu(t: torch.Tensor) -> torch.Tensor:
 
 
 def write_safetensors(path: str, tensors: list[tuple[str, torch.Tensor, tuple[int, ...]]],
-                      metadata: dict[str, str] | None = None, block_bytes: int = BLOCK_BYTES) -> FileRecord:
+                      metadata: dict[str, str] | None = None, block_bytes: int | None = None) -> FileRecord:
     """Write ``(name, tensor, stored_shape)`` triples, in that order, to a new file at ``path``.
 
     ``stored_shape`` must have ``tensor.numel()`` elements (a 1-D piece is stored as ``(numel,)``).
+    ``block_bytes``: CRC32 block size (default :data:`fsio.BLOCK_BYTES`, read at call time).
     """
+    block_bytes = block_bytes or fsio.BLOCK_BYTES
     spec = []
     for name, t, shape in tensors:
         assert _format.numel(shape) == t.numel(), f"{name}: shape {shape} vs {t.numel()} elements"
