@@ -134,6 +134,15 @@ def mean_over_ranks(value: float, device) -> float:
     return t.item() / dist.get_world_size()
 
 
+def checkpoint_api():
+    """(fp.save_checkpoint, fp.load_checkpoint), also where they are only in fsdp_plugin.checkpoint; None if absent."""
+    try:
+        import fsdp_plugin.checkpoint as ckpt
+    except ImportError:
+        ckpt = None
+    return tuple(getattr(fp, name, None) or getattr(ckpt, name, None) for name in ("save_checkpoint", "load_checkpoint"))
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=300, help="train up to this step (total, across resumes)")
@@ -162,9 +171,9 @@ def parse_args(argv=None):
 # ---------------------------------------------------------------------------------------------- main
 def main(argv=None) -> None:
     args = parse_args(argv)
-    for flag, name in ((args.save, "save_checkpoint"), (args.resume, "load_checkpoint")):
-        if flag and not hasattr(fp, name):
-            sys.exit(f"this fsdp_plugin build has no fp.{name}; run without --save/--resume")
+    save_checkpoint, load_checkpoint = checkpoint_api()
+    if (args.save and save_checkpoint is None) or (args.resume and load_checkpoint is None):
+        sys.exit("this fsdp_plugin build has no fp.save_checkpoint / fp.load_checkpoint; run without --save/--resume")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))
     rank, world, device = init_distributed()
@@ -200,7 +209,7 @@ def main(argv=None) -> None:
     start = 0
     if args.resume:
         t = time.perf_counter()
-        extra = fp.load_checkpoint(args.resume, model, opt) or {}
+        extra = load_checkpoint(args.resume, model, opt) or {}
         start = int(extra.get("step", 0))
         log(f"resumed from {args.resume} at step {start} ({time.perf_counter() - t:.2f} s)")
 
@@ -259,7 +268,7 @@ def main(argv=None) -> None:
 
     if args.save:
         t = time.perf_counter()
-        fp.save_checkpoint(args.save, model, opt, extra={"step": max(args.steps, start)})
+        save_checkpoint(args.save, model, opt, extra={"step": max(args.steps, start)})
         log(f"saved sharded checkpoint to {args.save} at step {max(args.steps, start)} "
             f"({time.perf_counter() - t:.2f} s)")
     dist.barrier()
