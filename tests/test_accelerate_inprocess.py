@@ -1,0 +1,99 @@
+"""The Accelerator subclass in this process (world 1, no launcher): selection paths, errors, no-pickle load."""
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("accelerate")
+import fsdp_plugin as fp  # noqa: E402
+
+from fsdp_plugin.integrations.accelerate import AccelerateConfigError, Accelerator  # noqa: E402
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x))
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), Block(), Block(), nn.Linear(6, 1))
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate(monkeypatch):
+    """Isolate accelerate's singletons and the env variables our Accelerator/plugins set."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    for name in ("ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING", "ACCELERATE_MIXED_PRECISION"):
+        monkeypatch.setenv(name, "false" if name != "ACCELERATE_MIXED_PRECISION" else "no")
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def test_unsupported_env_value_fails_before_accelerate_starts(monkeypatch):
+    from accelerate.state import PartialState
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_ACTIVATION_CHECKPOINTING", "true")
+    monkeypatch.setenv("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "true")
+    with pytest.raises(AccelerateConfigError, match=r"fsdp_config\.fsdp_activation_checkpointing_offload"):
+        Accelerator()
+    assert not PartialState._shared_state  # nothing was initialized
+
+
+def test_plugin_object_in_code_shards_with_our_engine():
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=False,
+                                            auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["Block"], cpu_ram_efficient_loading=False)
+    acc = Accelerator(fsdp_plugin=plugin)
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    assert fp.is_sharded(model) and getattr(acc.state, "fsdp_plugin", None) is None  # torch FSDP never built
+    cfg = acc.sharding_configs[0]
+    assert cfg.sharding_strategy == "shard_grad_op" and cfg.auto_wrap_policy == {Block}
+    loss = model(torch.randn(3, 4)).sum()
+    acc.backward(loss)
+    assert torch.isfinite(acc.clip_grad_norm_(model.parameters(), 1.0))
+    acc.clip_grad_value_(model.parameters(), 0.01)
+    assert max(p.grad.abs().max().item() for p in model.parameters()) <= 0.01
+
+
+def test_sharding_config_in_code_and_no_pickle_on_load(tmp_path, monkeypatch):
+    acc = Accelerator(sharding_config=fp.ShardingConfig(sharding_strategy="no_shard"))
+    model = net()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model, opt, sched = acc.prepare(model, opt, sched)
+    acc.backward(model(torch.randn(3, 4)).sum())
+    opt.step()
+    sched.step()
+    acc.save_state(tmp_path / "s")
+    expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    sched.step()
+
+    def refuse(*a, **k):
+        raise AssertionError("pickle used on a load path")
+
+    monkeypatch.setattr(pickle, "Unpickler", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    acc.load_state(tmp_path / "s")
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), expected[n])
+    assert sched.get_last_lr() == [0.05] and acc.step == 0
+    assert not [p for p in (tmp_path / "s").rglob("*") if p.suffix in (".bin", ".pkl", ".pt")]
