@@ -9,8 +9,10 @@ This is the paper's (torchdistX-style) recorded deferred init::
 
 How it works
 ------------
-Inside the context, factory functions default to ``torch.device("meta")`` and a ``TorchDispatchMode``
-records every non-view aten op that touches a fake tensor. Tensors are identified by their *storage*:
+Inside the context, factory functions (``torch.empty``, ``randn``, ``arange``...) called without a
+device create meta tensors, and a ``TorchDispatchMode`` records every non-view aten op that touches a
+fake tensor. Tensors built from Python data (``torch.tensor([...])``) or with an explicit device stay
+real, as in eager construction; when they meet fake tensors, they are captured by value. Tensors are identified by their *storage*:
 views, ``detach()``, ``.data`` and ``nn.Parameter`` all share the StorageImpl of the tensor they come
 from, so an op argument is described as ``(storage key, size, stride, storage_offset, dtype)`` and view
 ops never need to be recorded. ``param.data = other`` rebinding is handled for free for the same reason.
@@ -47,6 +49,7 @@ from typing import Any, Iterable
 import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
@@ -84,8 +87,14 @@ _METADATA_ONLY_SELF = {
     "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full",
 }
 
-# Python-level constructors that take *data*: on meta the data would be silently lost.
+# Python-level factory functions that allocate (no data argument): these become fake when no device is
+# given. Constructors from data (torch.tensor, as_tensor, asarray) and sparse/nested ones stay real.
 _DATA_CONSTRUCTORS = {torch.tensor, torch.as_tensor, torch.asarray}
+_FACTORIES = {
+    f for f in _device_constructors()
+    if getattr(f, "__name__", "") not in {"tensor", "as_tensor", "asarray", "nested_tensor", "empty_quantized"}
+    and not getattr(f, "__name__", "").startswith("sparse_")
+}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -210,6 +219,12 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 def _is_random(func) -> bool:
     return torch.Tag.nondeterministic_seeded in func.tags or _schema_index(func, "generator") is not None
+
+
+def _meta_copy(a):
+    if isinstance(a, torch.Tensor) and a.device.type != "meta":
+        return a.to("meta")
+    return a
 
 
 def _returns_self(func) -> bool:
@@ -337,7 +352,9 @@ class _RecordMode(TorchDispatchMode):
             out = args[0]
         else:
             try:
-                out = func(*args, **kwargs)
+                # real tensors meeting fake ones (e.g. `fake.add_(torch.tensor([...]))`) join them on
+                # meta for the shape computation; the recording captures their values
+                out = func(*tree_map(_meta_copy, args), **tree_map(_meta_copy, kwargs))
             except Exception as e:
                 raise DeferredInitError(
                     f"deferred_init: `{func}` cannot run on deferred (fake) tensors: {e}. " + _HINT
@@ -450,25 +467,36 @@ class _RecordMode(TorchDispatchMode):
         ))
 
 
-class _ConstructorMode(TorchFunctionMode):
-    """Keeps the data of ``torch.tensor([...])`` & co, which on meta would silently be dropped.
+class _FactoryMode(TorchFunctionMode):
+    """Factory functions without an explicit ``device=`` create fake (meta) tensors.
 
-    The tensor is built on CPU (real) and then moved to meta through the dispatch mode, which records
-    that copy with the CPU tensor captured by value.
+    Unlike ``with torch.device("meta")``, the default device stays CPU for everything else, as in
+    eager construction: ``torch.get_default_device()`` and ``torch.tensor([]).device`` say CPU (Hugging
+    Face skips ``_init_weights`` when they say meta), and tensors built from Python data
+    (``torch.tensor([...])``, ``as_tensor``) stay real, so their values are never lost.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _DATA_CONSTRUCTORS or func is torch.Tensor.new_tensor:
-            data = args[1] if func is torch.Tensor.new_tensor else (args[0] if args else kwargs.get("data"))
-            if not isinstance(data, torch.Tensor):
-                target = kwargs.get("device")
-                if target is None:
-                    target = args[0].device if func is torch.Tensor.new_tensor else torch.get_default_device()
-                if torch.device(target).type == "meta":
-                    real = func(*args, **{**kwargs, "device": "cpu"})
-                    return real.to("meta")
+        if func in _FACTORIES and kwargs.get("device") is None:
+            kwargs = {**kwargs, "device": torch.device("meta")}
+        elif func in _DATA_CONSTRUCTORS or func is torch.Tensor.new_tensor:
+            return _from_data(func, args, kwargs)
         return func(*args, **kwargs)
+
+
+def _from_data(func, args, kwargs):
+    """``torch.tensor(data, device=fake.device)``, ``fake.new_tensor(data)``: on meta the data would be
+    dropped silently. Build the tensor on CPU, then move it to meta through the dispatch mode, which
+    records that copy with the CPU tensor captured by value."""
+    is_method = func is torch.Tensor.new_tensor
+    data = args[1] if is_method else (args[0] if args else kwargs.get("data"))
+    device = kwargs.get("device")
+    if device is None and is_method:
+        device = args[0].device
+    if isinstance(data, torch.Tensor) or device is None or torch.device(device).type != "meta":
+        return func(*args, **kwargs)
+    return func(*args, **{**kwargs, "device": torch.device("cpu")}).to("meta")
 
 
 _ORIG_IS_META = torch._C.TensorBase.is_meta
@@ -512,7 +540,7 @@ def deferred_init(data_reads: bool = True):
     _state.recording = rec
     ok = False
     try:
-        with torch.device("meta"), _ConstructorMode(), _RecordMode(rec, data_reads), _is_meta_patched():
+        with _FactoryMode(), _RecordMode(rec, data_reads), _is_meta_patched():
             yield
         ok = True
     finally:
@@ -598,6 +626,8 @@ def _plan(tensors: list[torch.Tensor]) -> list[_Op]:
 def _group(tensors: list[torch.Tensor]) -> dict[_Recording, set[int]]:
     groups: dict[int, tuple[_Recording, set[int]]] = {}
     for i, t in enumerate(tensors):
+        if not t.is_meta:
+            continue  # real already (torch.tensor(data), explicit device): materialize passes it through
         if not is_deferred(t):
             raise ValueError(
                 f"materialize: tensor #{i} (shape {tuple(t.shape)}, device {t.device}) is not deferred: "
@@ -733,6 +763,9 @@ def materialize(tensors: list[torch.Tensor], device=torch.device("cpu")) -> list
     Inputs that share a fake storage (tied parameters, a parameter and a view of it) get views of ONE
     real storage in the same call; separate calls give separate (equal) copies. Results do not
     require grad; the caller wraps them (e.g. ``nn.Parameter``) and re-ties as needed.
+    Inputs that are already real (built from data, e.g. ``torch.tensor(0)``, or with an explicit
+    device inside the block) come back detached, moved to `device` (no copy if already there).
+    A meta tensor that is not deferred (or was released) raises ``ValueError``.
     """
     if _active() is not None:
         raise DeferredInitError("materialize() cannot be called inside deferred_init()")
@@ -748,7 +781,8 @@ def materialize(tensors: list[torch.Tensor], device=torch.device("cpu")) -> list
             real[k] = storages[k]
     if device.type != "cpu":
         real = {k: s.to(device=device) for k, s in real.items()}
-    return [_view(real[_storage_key(t)], _FakeRef.of(t)) for t in tensors]
+    return [_view(real[_storage_key(t)], _FakeRef.of(t)) if t.is_meta else t.detach().to(device)
+            for t in tensors]
 
 
 def release(module_or_tensors) -> None:
