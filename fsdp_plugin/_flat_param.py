@@ -19,6 +19,16 @@ from . import _collectives as comm
 from ._mesh import Mesh
 
 
+def set_param_data(param: nn.Parameter, tensor: torch.Tensor) -> None:
+    """``param.data = tensor`` that also works from the meta device (identity and attributes kept)."""
+    if param.device.type == tensor.device.type:
+        param.data = tensor
+        return
+    attrs = dict(param.__dict__)
+    torch.utils.swap_tensors(param, nn.Parameter(tensor, requires_grad=param.requires_grad))
+    param.__dict__.update(attrs)
+
+
 @dataclass
 class ParamSlot:
     """One original parameter inside a flat buffer."""
@@ -87,7 +97,7 @@ class FlatParamHandle:
             hi = min(max(self.chunk_start + self.chunk - s.offset, 0), s.numel)
             s.local_start, s.local_end = lo, max(lo, hi)
             a = s.offset + s.local_start - self.chunk_start
-            s.param.data = self.flat_shard[a:a + (s.local_end - s.local_start)]
+            set_param_data(s.param, self.flat_shard[a:a + (s.local_end - s.local_start)])
             s.param._fp_handle = self
 
     def local_slice(self, slot: ParamSlot) -> slice:

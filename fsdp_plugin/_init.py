@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from . import _collectives as comm
+from ._flat_param import set_param_data
 from .config import SKIP_INIT
 from .errors import ShardingError
 
@@ -70,7 +71,7 @@ class Materializer:
         if deferred:
             values = _deferred().materialize(list(deferred), self.device)
             for p, v in zip(deferred, values):
-                p.data = v
+                set_param_data(p, v)
         for p in params:
             if p.is_meta:
                 for m in self._owner_modules[id(p)]:
@@ -95,7 +96,7 @@ class Materializer:
         own = [(n, p) for n, p in m._parameters.items() if p is not None and p.is_meta]
         bufs = [(n, b) for n, b in m._buffers.items() if b is not None and b.is_meta]
         for _, p in own:
-            p.data = torch.empty_like(p, device=self.device)
+            set_param_data(p, torch.empty_like(p, device=self.device))
         for n, b in bufs:
             m._buffers[n] = torch.empty_like(b, device=self.device)
         if self.param_init_fn == SKIP_INIT:

@@ -5,3 +5,7 @@ import torch
 
 torch.set_num_threads(1)
 sys.path.insert(0, os.path.dirname(__file__))
+
+# Meta-tensor arithmetic under fp.deferred_init() imports torch._dynamo once (~8 s on this machine);
+# importing it here lets every forked rank inherit it instead of paying it again.
+import torch._dynamo  # noqa: E402,F401
