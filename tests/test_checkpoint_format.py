@@ -45,7 +45,8 @@ def _fresh(seed=1):
 
 EXTRA = {"step": 7, "t": (1, 2.5, float("nan"), -math.inf), "rng": torch.get_rng_state(), "d": {3: "x"},
          "dtype": torch.bfloat16, "path": pathlib.Path("/a/b"), "nested": [{"__type__": "user"}, None, True],
-         "big": 2**70, "small": torch.tensor([1.5, 2.5], dtype=torch.bfloat16)}
+         "big": 2**70, "small": torch.tensor([1.5, 2.5], dtype=torch.bfloat16), "m": torch.arange(6.).view(2, 3),
+         "zero_d": torch.tensor(3), "empty": torch.zeros(0, 4)}
 
 
 @pytest.fixture
@@ -62,6 +63,8 @@ def _assert_extra(extra):
     assert torch.equal(extra["rng"], EXTRA["rng"]) and torch.equal(extra["small"], EXTRA["small"])
     assert extra["dtype"] is torch.bfloat16 and extra["path"] == pathlib.Path("/a/b")
     assert extra["nested"] == [{"__type__": "user"}, None, True]
+    for k in ("m", "zero_d", "empty"):
+        assert torch.equal(extra[k], EXTRA[k]) and extra[k].shape == EXTRA[k].shape, k
 
 
 def test_roundtrip_tied_frozen_buffers_two_optimizers(saved):

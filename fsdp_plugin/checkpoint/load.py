@@ -56,7 +56,7 @@ def _load_local(path, model, optimizers, strict, out_report):
     with ReadPlan(path, doc["files"]) as plan:
         for act in actions + opt_actions:
             act(plan, copy_back)
-        extra = _plan_extra(plan, doc)
+        extra = _plan_extra(plan, doc, path)
         plan.execute()
     for dst, src in copy_back:
         dst.copy_(src)
@@ -162,17 +162,27 @@ def _finish_optimizer(opt, pairs, saved, i) -> None:
     optim.restore_scalars(opt, pairs, saved, i)
 
 
-def _plan_extra(plan, doc):
+def _plan_extra(plan, doc, path=""):
     extras, me = doc.get("extra", {}), _comm.rank()
     src = str(me) if str(me) in extras else "0"
     if src not in extras:
         return None
 
     def source(node: dict, where: str) -> torch.Tensor:
-        shape, dtype = [int(d) for d in node["shape"]], _format.to_dtype(node["dtype"])
-        t = torch.empty(shape, dtype=dtype)
-        n = t.numel()
+        """Allocate an ``extra`` tensor (after checking the file header agrees) and queue its read."""
+        shape = node.get("shape")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+                and _format.known_dtype(node.get("dtype")) and isinstance(node.get("key"), str)):
+            raise CorruptCheckpointError(f"{path}: invalid tensor reference at {where!r}")
+        n = _format.numel(shape)
         entry = {"dtype": node["dtype"], "shape": shape, "pieces": [[int(src), 0, n]] if n else []}
+        if n:  # check the file header agrees before allocating anything
+            fname = manifest.file_name(int(src), "extra")
+            e = plan.header(fname).entries.get(node["key"])
+            if e is None or e.dtype != node["dtype"] or e.shape != (n,):
+                raise CorruptCheckpointError(f"{os.path.join(path, fname)}: tensor {node['key']!r} does not match "
+                                             f"manifest.json ({node['dtype']} {shape})")
+        t = torch.empty(shape, dtype=_format.to_dtype(node["dtype"]))
         if n:
             add_reads(plan, entry, "extra", node["key"], t.view(-1), 0, f"extra {where}")
         return t

@@ -118,7 +118,7 @@ def _param_meta(sh) -> dict:
 
 def _extra_sink(out: list):
     def sink(path: str, t: torch.Tensor) -> dict:
-        out.append((path, t, tuple(t.shape)))
+        out.append((path, t, (t.numel(),)))  # stored 1-D, like every piece; the shape is in the manifest
         return {codec.TAG: "tensor_ref", "key": path, "dtype": _format.dtype_name(t.dtype), "shape": list(t.shape)}
 
     return sink
