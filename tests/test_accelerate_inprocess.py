@@ -97,3 +97,17 @@ def test_sharding_config_in_code_and_no_pickle_on_load(tmp_path, monkeypatch):
         torch.testing.assert_close(p.detach(), expected[n])
     assert sched.get_last_lr() == [0.05] and acc.step == 0
     assert not [p for p in (tmp_path / "s").rglob("*") if p.suffix in (".bin", ".pkl", ".pt")]
+
+
+def test_bf16_flag_gives_bf16_params_fp32_reduction_on_cpu():
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, cpu_ram_efficient_loading=False)
+    acc = Accelerator(mixed_precision="bf16", fsdp_plugin=plugin)
+    model = acc.prepare(net())
+    mp = acc.sharding_configs[0].mixed_precision
+    assert (mp.param_dtype, mp.reduce_dtype) == (torch.bfloat16, torch.float32)
+    out = model(torch.randn(3, 4))
+    assert out.dtype == torch.float32  # accelerate's autocast wrapper returns fp32 outputs
+    acc.backward(out.sum())
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
