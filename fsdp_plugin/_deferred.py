@@ -51,7 +51,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = ["DeferredInitError", "deferred_init", "is_deferred", "materialize", "release"]
 
@@ -67,7 +67,8 @@ _HINT = (
     "reset_parameters() that initializes it without reading tensor values."
 )
 
-# Ops that read tensor *values* into Python: they can never work on a fake tensor.
+# Ops that read tensor *values* into Python. On a fake tensor they are answered by replaying what the
+# value depends on (deferred_init(data_reads=True), the default), or raise (data_reads=False).
 _DATA_DEPENDENT = {
     aten._local_scalar_dense.default: "Tensor.item() / .tolist() / bool(tensor) / `if tensor:`",
     aten.equal.default: "torch.equal()",
@@ -131,7 +132,7 @@ class _FakeRef:
         numel = 1
         for s in self.size:
             numel *= s
-        if numel * _itemsize(self.dtype) != nbytes:
+        if numel * self.dtype.itemsize != nbytes:
             return False
         expected = 1
         for size, stride in sorted(zip(self.size, self.stride), key=lambda p: p[1]):
@@ -213,12 +214,14 @@ def _use_count(storage: torch.UntypedStorage) -> int:
     return counter(storage._cdata) if counter is not None else 2  # unknown: assume referenced
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
-
-
 def _is_random(func) -> bool:
     return torch.Tag.nondeterministic_seeded in func.tags or _schema_index(func, "generator") is not None
+
+
+def _copies_out(func, kwargs) -> bool:
+    """``fake.to("cpu")`` (also behind ``.tolist()``): a real tensor from fake values, a data read."""
+    device = kwargs.get("device")
+    return func is aten._to_copy.default and device is not None and torch.device(device).type != "meta"
 
 
 def _meta_copy(a):
@@ -335,10 +338,11 @@ class _RecordMode(TorchDispatchMode):
         to_meta = any(isinstance(a, torch.device) and a.type == "meta" for a in flat)
         if not fake and not to_meta:
             return func(*args, **kwargs)  # purely real op: eager semantics, nothing to record
-        if func in _DATA_DEPENDENT:
+        if func in _DATA_DEPENDENT or _copies_out(func, kwargs):
             if not self.data_reads:
+                what = _DATA_DEPENDENT.get(func, "tensor.to(real device) / .cpu() / .tolist()")
                 raise DeferredInitError(
-                    f"deferred_init: `{func}` ({_DATA_DEPENDENT[func]}) reads the values of a deferred "
+                    f"deferred_init: `{func}` ({what}) reads the values of a deferred "
                     "(fake) tensor, which do not exist until materialize(), and data_reads=False. " + _HINT
                 )
             return self._read_now(func, args, kwargs)
@@ -511,13 +515,25 @@ def _is_meta_while_recording(self) -> bool:
     return meta
 
 
+_patch_lock = threading.Lock()
+_patch_users = 0  # recordings (threads) currently relying on the is_meta override
+
+
 @contextlib.contextmanager
 def _is_meta_patched():
-    torch.Tensor.is_meta = property(_is_meta_while_recording, doc=_ORIG_IS_META.__doc__)
+    """Install the is_meta override on torch.Tensor while at least one thread records."""
+    global _patch_users
+    with _patch_lock:
+        if _patch_users == 0:
+            torch.Tensor.is_meta = property(_is_meta_while_recording, doc=_ORIG_IS_META.__doc__)
+        _patch_users += 1
     try:
         yield
     finally:
-        del torch.Tensor.is_meta  # back to TensorBase's getter
+        with _patch_lock:
+            _patch_users -= 1
+            if _patch_users == 0:
+                del torch.Tensor.is_meta  # back to TensorBase's getter
 
 
 @contextlib.contextmanager
@@ -637,6 +653,11 @@ def _group(tensors: list[torch.Tensor]) -> dict[_Recording, set[int]]:
         rec = _REGISTRY[key]
         groups.setdefault(id(rec), (rec, set()))[1].add(key)
     return {rec: keys for rec, keys in groups.values()}
+
+
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """The whole storage as a 1-D uint8 tensor."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 def _view(storage: torch.UntypedStorage, ref: _FakeRef) -> torch.Tensor:
@@ -779,8 +800,8 @@ def materialize(tensors: list[torch.Tensor], device=torch.device("cpu")) -> list
             if k not in storages:  # created by an op that was never recorded: cannot happen for roots
                 raise DeferredInitError("materialize: no recorded op creates this tensor's storage")
             real[k] = storages[k]
-    if device.type != "cpu":
-        real = {k: s.to(device=device) for k, s in real.items()}
+    if device.type != "cpu":  # move each storage once, so ties and views stay shared on `device`
+        real = {k: _bytes(s).to(device).untyped_storage() for k, s in real.items()}
     return [_view(real[_storage_key(t)], _FakeRef.of(t)) if t.is_meta else t.detach().to(device)
             for t in tensors]
 
@@ -805,4 +826,6 @@ def release(module_or_tensors) -> None:
             by_rec.setdefault(id(rec), (rec, set()))[1].add(key)
     for rec, keys in by_rec.values():
         _drop(rec, keys)
+    # parameters the engine already swapped for real ones are no longer reachable: free their ops too
+    for rec in {id(r): r for r in _REGISTRY.values()}.values():
         _collect(rec)
