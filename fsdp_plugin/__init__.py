@@ -9,6 +9,7 @@ from ._shard import shard
 from .api import (clip_grad_norm_, full_params, full_state_dict, is_sharded, no_sync,
                   register_forward_method)
 from .config import MixedPrecision, ShardingConfig, size_policy
+from .grad_scaler import GradScaler
 from .errors import (CollectiveError, ConfigError, FSDPPluginError, OptimizerError, ShardingError,
                      StateDictError)
 
@@ -21,6 +22,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ShardingConfig", "MixedPrecision", "size_policy", "shard", "deferred_init", "no_sync", "full_params",
-    "clip_grad_norm_", "full_state_dict", "is_sharded", "register_forward_method", "comm_stats",
+    "clip_grad_norm_", "full_state_dict", "GradScaler", "is_sharded", "register_forward_method", "comm_stats",
     "FSDPPluginError", "ConfigError", "ShardingError", "OptimizerError", "StateDictError", "CollectiveError",
 ]
