@@ -10,33 +10,50 @@ This is the paper's (torchdistX-style) recorded deferred init::
 How it works
 ------------
 Inside the context, factory functions (``torch.empty``, ``randn``, ``arange``...) called without a
-device create meta tensors, and a ``TorchDispatchMode`` records every non-view aten op that touches a
-fake tensor. Tensors built from Python data (``torch.tensor([...])``) or with an explicit device stay
-real, as in eager construction; when they meet fake tensors, they are captured by value. Tensors are identified by their *storage*:
-views, ``detach()``, ``.data`` and ``nn.Parameter`` all share the StorageImpl of the tensor they come
-from, so an op argument is described as ``(storage key, size, stride, storage_offset, dtype)`` and view
-ops never need to be recorded. ``param.data = other`` rebinding is handled for free for the same reason.
+device create meta tensors ("fake"), and a ``TorchDispatchMode`` records every non-view aten op that
+touches one. Tensors built from Python data (``torch.tensor([...])``) or with an explicit device stay
+real, as in eager construction; when they meet fake tensors they are captured by value. The default
+device stays CPU (``torch.get_default_device()``, ``torch.tensor([]).device``): Hugging Face skips
+``_init_weights`` when it detects a meta-device context, eager construction would not.
+
+Tensors are identified by their *storage*: views, ``detach()``, ``.data`` and ``nn.Parameter`` share
+the StorageImpl of the tensor they come from, so an op argument is described as
+``(storage key, size, stride, storage_offset, dtype)`` and view ops need not be recorded;
+``param.data = other`` and tied weights need nothing special for the same reason.
+:func:`materialize` replays the backward slice of the requested storages (ops that create or write
+them, transitively their inputs; an op that overwrites a whole storage without reading it, like the
+``normal_`` of ``_init_weights`` after a default ``kaiming_uniform_``, makes the earlier writes dead).
 
 Invariants
 ----------
 * Storage keys are StorageImpl addresses. While recording, the recording holds a strong reference to
-  every fake storage, so no address can be reused by another storage of the same recording.
-  When the ``with`` block exits, storages that nobody else references any more (temporaries) are
-  dropped; the surviving ones ("roots") stay referenced until :func:`release`, which keeps their keys
-  unique for as long as :func:`is_deferred` may be asked about them.
-* Random ops (``torch.Tag.nondeterministic_seeded`` or a ``generator`` argument) save the generator
-  state they start from, and advance the real generator exactly as eager construction would, by running
-  the same op on a real scratch tensor of the same size/stride/offset (freed at once). So the RNG state
-  after the ``with`` block equals the eager one, and replay (which passes a private generator restored
-  to the saved state) draws the same numbers without touching the caller's global RNG.
-* Real (non-fake) tensor arguments are captured by value (cloned) when the op is recorded.
-* Replay runs on CPU, the device of eager construction, so the values are bit-equal to eager CPU
+  every fake storage, so no address is reused within a recording. When the ``with`` block exits,
+  storages nobody else references (temporaries) are dropped; the others ("roots") stay referenced until
+  :func:`release` (or until the caller drops every tensor on them), so :func:`is_deferred` stays exact.
+* Random ops (``torch.Tag.nondeterministic_seeded`` or a ``generator`` argument) save the state of the
+  generator they draw from, and advance the real generator exactly as eager construction would, by
+  running the same op on real scratch memory with the same size/stride/offset. So the RNG state after
+  the ``with`` block equals the eager one, and replay (a private generator restored to the saved state)
+  draws the same numbers without touching the caller's global RNG.
+* Real tensor arguments are captured by value (cloned) when the op is recorded.
+* Replay runs on CPU, the device of eager construction, so values are bit-equal to eager CPU
   construction; :func:`materialize` moves the result to ``device`` afterwards.
+* Model code that reads values (``.item()``, ``bool(t)``, ``.tolist()``; the rejection loop of
+  ``nn.init.trunc_normal_`` in torch 2.13) is answered by replaying, then and there, what the value
+  depends on, so control flow matches eager (``deferred_init(data_reads=False)`` raises instead).
+* ``nn.init`` skips meta tensors (``trunc_normal_``, ``orthogonal_``...: "sampling is a no-op"); eager
+  construction does not. While recording, ``Tensor.is_meta`` answers ``False`` for fake tensors of the
+  active recording (a property installed on ``torch.Tensor`` for the duration of the block).
 
-``nn.init`` in recent torch skips meta tensors (``trunc_normal_``, ``orthogonal_``, ...: "sampling is a
-no-op"). Eager construction does run them, so while recording, ``Tensor.is_meta`` answers ``False`` for
-fake tensors of the active recording: to the model's code they are real tensors whose values are not
-readable yet.
+Limitations
+-----------
+* Only what runs *inside* the block is recorded: ``model.apply(init)`` after the block changes nothing.
+* Ops with data-dependent output shapes (``nonzero``, boolean-mask indexing, ``unique``) on fake
+  tensors raise :class:`DeferredInitError` (naming the op); meta tensors created outside the block
+  cannot be used inside it.
+* Random ops draw from the CPU generator, as eager construction on CPU does (a CUDA default device is
+  not reproduced). Recording needs scratch memory of the largest randomly initialized tensor.
+* The first use in a process may import ``torch._dynamo`` (meta kernels written as Python refs).
 """
 
 from __future__ import annotations
