@@ -70,15 +70,17 @@ def test_load_pretrained_into_sharded_model(tmp_path, world, dtype, sharded):
         assert torch.equal(full[k], expect), k
 
 
-def _save_hf(rank, world, path):
+def _save_hf(rank, world, path, gather):
     model = _gpt(0)
     fp.shard(model, sharding_strategy="full_shard", auto_wrap_policy={Block})
-    save_pretrained(model, path, max_shard_size="20KB")
+    save_pretrained(model, path, max_shard_size="20KB", gather=gather)
 
 
-def test_save_pretrained_sharded_streams_without_gather(tmp_path):
+@pytest.mark.parametrize("gather", [None, True])
+def test_save_pretrained_sharded(tmp_path, gather):
+    """Default: each rank pwrites its own pieces (no gather); gather=True: the no-shared-filesystem fallback."""
     out = tmp_path / "out"
-    run_ranks(_save_hf, 3, str(out), timeout=120)
+    run_ranks(_save_hf, 3, str(out), gather, timeout=120)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 1 and sorted(os.listdir(out)) == sorted(files + ["model.safetensors.index.json"])

@@ -18,6 +18,7 @@ import torch
 from . import _comm, _format, _model
 from .errors import CheckpointError, CheckpointMismatchError, MismatchReport
 from .fsio import byte_view, check_plain_name, open_in_dir
+from .hf_gather import gather_write
 from .hf_out import INDEX_NAME, HFWriter
 from .reader import ReadPlan
 from .writer import flat_cpu
@@ -136,11 +137,14 @@ def _allowed_roots(directory: str) -> tuple[str, ...]:
 
 
 # -- save ----------------------------------------------------------------------------------------------------
-def save_pretrained(model, path, max_shard_size="5GB", dtype: torch.dtype | None = None) -> None:
+def save_pretrained(model, path, max_shard_size="5GB", dtype: torch.dtype | None = None,
+                    gather: bool | None = None) -> None:
     """Write ``model`` as HF safetensors (+ index when split) into directory ``path``. Collective.
 
     Tied parameters are written once, under their first name. ``dtype`` casts floating tensors (in
-    chunks of ``_CAST_CHUNK`` elements). Memory: O(chunk); no gather (see module docstring).
+    chunks of ``_CAST_CHUNK`` elements). By default every rank writes its own pieces (no gather, O(chunk)
+    memory); when some rank cannot see the files rank 0 created (no shared filesystem), or with
+    ``gather=True``, pieces are sent to rank 0 one parameter at a time instead (:mod:`.hf_gather`).
     """
     path = os.path.abspath(os.fspath(path))
     rank = _comm.rank()
@@ -153,7 +157,12 @@ def save_pretrained(model, path, max_shard_size="5GB", dtype: torch.dtype | None
     if rank == 0:
         err = _attempt(writer.create)
     _comm.raise_if_any_failed(err)
-    err = _attempt(lambda: _write_pieces(writer, shards, buffers if rank == 0 else [], dtype))
+    if gather is None:
+        gather = not _comm.all_true(os.path.exists(writer.tmp_path(0)))
+    if gather:
+        err = _attempt(lambda: _gather_pieces(writer, shards, buffers, dtype))
+    else:
+        err = _attempt(lambda: _write_pieces(writer, shards, buffers if rank == 0 else [], dtype))
     try:
         _comm.raise_if_any_failed(err)
     except BaseException:
@@ -190,6 +199,13 @@ def _write_pieces(writer: HFWriter, shards, buffers, dtype) -> None:
                 _write_tensor(writer, sh.fqn, sh.param, sh.start, dtype)
         for name, buf in buffers:
             _write_tensor(writer, name, buf, 0, dtype)
+    finally:
+        writer.sync_close()
+
+
+def _gather_pieces(writer: HFWriter, shards, buffers, dtype) -> None:
+    try:
+        gather_write(writer, shards, buffers, lambda name, t, start: _write_tensor(writer, name, t, start, dtype))
     finally:
         writer.sync_close()
 
