@@ -16,6 +16,7 @@ Columns (train)
               with --repeats, the median over repeats, and [min-max] of it
   best s      fastest single step seen
   /fsdp2 /ddp ratio of step s to FSDP2's / DDP's
+  cpu s       median per-step CPU time of the busiest rank (all its threads): less sensitive to other load
   heap MB     peak live heap per rank during the timed steps minus the heap before the model was built (exact
               malloc accounting through an LD_PRELOAD counter: every CPU tensor is a malloc block); max over ranks
   setup MB    the same for build + wrap
@@ -111,7 +112,7 @@ def train_table(results: dict[str, list[dict]]) -> str:
 
     ref = {"fsdp2": med("fsdp2"), "ddp": med("ddp")}
     head = (f"{'backend':<11}{'step s':>8} {'[min-max]':>15}{'best s':>8}{'/fsdp2':>7}{'/ddp':>6}{'tok/s':>7}"
-            f"{'heap MB':>9}{'setup MB':>9}{'rssHWM MB':>10}{'state MB':>9}{'sent MB':>8}{'count MB':>9}"
+            f"{'cpu s':>7}{'heap MB':>9}{'setup MB':>9}{'rssHWM MB':>10}{'state MB':>9}{'sent MB':>8}{'count MB':>9}"
             f"{'foreign':>8}{'loss':>8}{'max|dL|':>9}")
     lines = [head, "-" * len(head)]
     for backend, runs in results.items():
@@ -136,13 +137,15 @@ def train_table(results: dict[str, list[dict]]) -> str:
             counted = max(sum(v for k, v in r["ours_bytes_per_step"].items() if k != "control")
                           for r in rec["ranks"])
         foreign = max((x["foreign_cores"] or 0.0) for x in ok)
+        cpu = statistics.median([statistics.median([max(r["step_cpu_s"][i] for r in x["ranks"])
+                                                    for i in range(len(x["ranks"][0]["step_cpu_s"]))]) for x in ok])
         dl = None
         if single:
             dl = max(abs(a - b) for a, b in zip(rec["losses"], single["losses"]))
         lines.append(
             f"{backend:<11}{m:>8.4f} {spread:>15}{best:>8.4f}"
             f"{fmt(m / ref['fsdp2'] if ref['fsdp2'] else None, '.2f'):>7}{fmt(m / ref['ddp'] if ref['ddp'] else None, '.2f'):>6}"
-            f"{rec['tokens_per_step'] / m:>7.0f}{fmt(heap, '.1f', MB):>9}{fmt(setup, '.1f', MB):>9}{fmt(rss, '.1f', MB):>10}"
+            f"{rec['tokens_per_step'] / m:>7.0f}{cpu:>7.3f}{fmt(heap, '.1f', MB):>9}{fmt(setup, '.1f', MB):>9}{fmt(rss, '.1f', MB):>10}"
             f"{state / MB:>9.1f}{fmt(sent, '.2f', MB):>8}{fmt(counted, '.2f', MB):>9}{foreign:>8.2f}"
             f"{rec['losses'][-1]:>8.4f}{fmt(dl, '.2e'):>9}")
     return "\n".join(lines)
@@ -202,8 +205,16 @@ def main(argv=None):
     ap.add_argument("--no-heap", action="store_true", help="do not preload the malloc counter")
     ap.add_argument("--out", help="append each run's JSON to this .jsonl file")
     ap.add_argument("--logdir", help="per-run logs (default: a temp folder)")
+    ap.add_argument("--table-from", metavar="JSONL", help="only print the train table of runs recorded by --out")
     a = ap.parse_args(argv)
 
+    if a.table_from:
+        results: dict[str, list] = {}
+        for line in Path(a.table_from).read_text().splitlines():
+            rec = json.loads(line)
+            results.setdefault(rec["backend"], []).append({"rec": rec, "rc": 0, "log": ""})
+        print(train_table(results))
+        return 0
     big = a.scenario == "big"
     preset = a.preset or ("big" if big else "small")
     warmup = a.warmup if a.warmup is not None else (1 if big else 3)

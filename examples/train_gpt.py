@@ -1,4 +1,4 @@
-"""Train a small GPT on real text with fsdp_plugin, on CPU (gloo) or GPU (nccl).
+"""Train a small GPT on real text with fsdp_plugin, on CPU (gloo; nccl where CUDA exists, untested).
 
     torchrun --nproc_per_node 2 examples/train_gpt.py --steps 300 --save /tmp/ckpt
     torchrun --nproc_per_node 2 examples/train_gpt.py --steps 400 --resume /tmp/ckpt
