@@ -95,6 +95,7 @@ class RootState:
         for unit in self.units:
             unit.reshard()
             unit.backward_started = False
+            unit.inputs_grad_done = False
         self.in_backward = False
         self._callback_queued = False
 

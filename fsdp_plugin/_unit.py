@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ._flat_param import FlatParamHandle
 
@@ -26,6 +26,8 @@ class Unit:
         self.reshard_after_forward = reshard_after_forward
         self.depth = 0                       # nesting of forward calls (methods calling forward)
         self.backward_started = False
+        self.inputs_grad_done = False         # gradients w.r.t. the unit's inputs exist (backward is past it)
+        self._frozen = [h for h in handles if not h.requires_grad]
         self._views_on: set[int] = set()      # ids of handles whose views are registered
         self._hooks = [
             module.register_forward_pre_hook(self._nn_pre_forward, with_kwargs=True),
@@ -85,7 +87,28 @@ class Unit:
         self.unshard()
         self.wait_and_use_views()
         self.root.after_unshard_in_forward(self)
+        if self._frozen and torch.is_grad_enabled() and self.reshard_after_forward:
+            args, kwargs = self._hook_inputs(args, kwargs)
         return args, kwargs
+
+    def _hook_inputs(self, args, kwargs):
+        """Frozen handles have no gradient hook: free them once backward has passed the unit's inputs."""
+        flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not flat:
+            return args, kwargs
+        outs = _InputsBackward.apply(self, *flat)
+        mapping = dict(zip(map(id, flat), outs if isinstance(outs, tuple) else (outs,)))
+        return tree_map(lambda t: mapping.get(id(t), t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
+
+    def on_inputs_backward(self) -> None:
+        self.inputs_grad_done = True
+        self._maybe_free_frozen()
+
+    def _maybe_free_frozen(self) -> None:
+        trainable_busy = any(h.is_unsharded and h.requires_grad and not h._aliases_shard for h in self.handles)
+        if self.inputs_grad_done and not trainable_busy:
+            for h in self._frozen:
+                self._reshard_handle(h)
 
     def post_forward(self, output):
         self.depth -= 1
@@ -124,8 +147,23 @@ class Unit:
                 if grad is not None:
                     self.root.enqueue_reduce(h, grad)
             self._reshard_handle(h)
+            self._maybe_free_frozen()
         return post_backward
 
     def remove_hooks(self) -> None:
         for hook in self._hooks:
             hook.remove()
+
+
+class _InputsBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward tells the unit that its own backward is done."""
+
+    @staticmethod
+    def forward(ctx, unit, *tensors):
+        ctx.unit = unit
+        return tensors[0].view_as(tensors[0]) if len(tensors) == 1 else tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.unit.on_inputs_backward()
+        return (None, *grads)

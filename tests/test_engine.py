@@ -312,3 +312,48 @@ def test_bytes_per_step_match_formula(world, strategy, mesh):
         psi = sum(p for _, p, _ in handles) * 4
         root = sum(p for f, p, _ in handles if f == "") * 4
         assert sum(got.values()) - got.get("control", 0) == pytest.approx((3 * psi - root) * (world - 1) / world, abs=8)
+
+
+# ------------------------------------------------------ frozen units (LoRA-like)
+class Adapter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Linear(16, 16)
+        self.base.requires_grad_(False)
+        self.lora = nn.Linear(16, 16, bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.lora(x)
+
+
+class Stack(nn.Module):
+    def __init__(self, n=4):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.layers = nn.ModuleList(Adapter() for _ in range(n))
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return F.mse_loss(h, y)
+
+
+def _frozen_freed_in_backward(rank, world):
+    torch.manual_seed(0)
+    model = fp.shard(Stack(), auto_wrap_policy={Adapter})
+    alive = []
+    units = model._fp_root.units[1:]
+    for u in units:     # when a layer's inputs get their gradient, the layer above must already be free
+        u.module.register_full_backward_pre_hook(
+            lambda m, g: alive.append(sum(h.is_unsharded for v in units for h in v._frozen)))
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    loss = model(*zoo_batch(0, rank))
+    loss.backward()
+    opt.step()
+    return max(alive), fp.full_state_dict(model)
+
+
+def test_frozen_handles_are_freed_during_backward():
+    peak, _ = run_ranks(_frozen_freed_in_backward, 2)[0]
+    assert peak <= 2, f"{peak} frozen layers unsharded at once; expected at most 2 of 4"
