@@ -377,6 +377,18 @@ def test_materialize_to_device_and_default_dtype_independence():
     release([t])
 
 
+def test_materialize_to_another_device_keeps_ties_and_views():
+    # "meta" stands in for an accelerator here: the storage is moved once, views keep sharing it
+    with deferred_init():
+        w = torch.randn(4, 4)
+        row = w[2]
+    real_w, real_row, again = materialize([w, row, w], device="meta")
+    assert real_w.device.type == "meta" and real_row.storage_offset() == 8
+    assert real_w.untyped_storage()._cdata == real_row.untyped_storage()._cdata == again.untyped_storage()._cdata
+    release([w])
+    assert not is_deferred(row)
+
+
 # ----------------------------------------------------------------------------------------- errors
 
 
@@ -388,6 +400,7 @@ def test_data_reads_are_answered_by_partial_replay():
             if self.w.sum().item() > 0:  # eager code that looks at values
                 self.w.data.mul_(-1)
             self.n = nn.Parameter(torch.randn(int(self.w.abs().max() * 10) + 1))
+            self.m = nn.Parameter(torch.randn(2) * max(self.w.tolist()))  # .tolist(): a copy to CPU
 
     eager, eager_rng, fake, fake_rng = _build_both(Flip)
     assert torch.equal(eager_rng, fake_rng)
