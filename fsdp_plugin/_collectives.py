@@ -6,12 +6,16 @@ rank moves nothing and no call is issued.
 """
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from .errors import CollectiveError
 
 
 @dataclass
@@ -75,6 +79,27 @@ def scatter(out: torch.Tensor, chunks: Optional[list], src: int, group) -> None:
     dist.scatter(out, chunks, src=src, group=group)
 
 
-def wait(work) -> None:
-    if work is not None:
-        work.wait()
+def wait(work, what: str = "collective", timeout_s: Optional[float] = None) -> None:
+    """Wait for ``work``; a peer that died or diverged becomes a CollectiveError within ``timeout_s``."""
+    if work is None:
+        return
+    try:
+        ok = work.wait(timeout=timedelta(seconds=timeout_s)) if timeout_s else work.wait()
+    except RuntimeError as e:
+        raise _collective_error(what, timeout_s, e) from e
+    if ok is False:
+        raise _collective_error(what, timeout_s, None)
+
+
+def _collective_error(what: str, timeout_s, cause) -> CollectiveError:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    detail = f": {str(cause).splitlines()[0][:300]}" if cause else ""
+    return CollectiveError(
+        f"rank {rank}: {what} did not complete within {timeout_s:.0f}s{detail}. Another rank probably failed, "
+        "was killed or ran different units; check its log. The limit is ShardingConfig(timeout_s=...) or "
+        "FSDP_PLUGIN_TIMEOUT_S (default 600 s)." if timeout_s else
+        f"rank {rank}: {what} failed{detail}. Another rank probably failed or was killed; check its log.")
+
+
+def default_timeout_s(configured: Optional[float]) -> float:
+    return float(configured if configured is not None else os.environ.get("FSDP_PLUGIN_TIMEOUT_S", 600))

@@ -58,8 +58,9 @@ class FlatParamHandle:
 
     def __init__(self, slots: list[ParamSlot], mesh: Mesh, dtype: torch.dtype, requires_grad: bool,
                  device: torch.device, compute_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                 shard_device: torch.device):
+                 shard_device: torch.device, label: str = "", timeout_s: Optional[float] = None):
         self.slots, self.mesh, self.dtype, self.requires_grad = slots, mesh, dtype, requires_grad
+        self.label, self.timeout_s = label, timeout_s
         self.device, self.compute_dtype, self.reduce_dtype = device, compute_dtype, reduce_dtype
         self.shard_device = shard_device
         self.total = sum(s.numel for s in slots)
@@ -127,15 +128,13 @@ class FlatParamHandle:
             self.is_unsharded = True
             return
         self._gather_src = src
-        self._gather_work = comm.all_gather(self._full, src, self.mesh.shard_group, async_op=async_op)
+        self._gather_work = comm.all_gather(self._full, src, self.mesh.shard_group, async_op=True)
         if not async_op:
-            self._gather_work = None
-            self._gather_src = None
-            self.is_unsharded = True
+            self.wait_unshard()
 
     def wait_unshard(self) -> None:
         if self._gather_work is not None:
-            self._gather_work.wait()
+            comm.wait(self._gather_work, f"all-gather of unit {self.label!r}", self.timeout_s)
             self._gather_work = None
             self._gather_src = None
             self.is_unsharded = True
@@ -189,10 +188,11 @@ class FlatParamHandle:
         pending, self.pending_reduce = self.pending_reduce, None
         if pending is None:
             return
-        comm.wait(pending.work)
+        comm.wait(pending.work, f"gradient reduction of unit {self.label!r}", self.timeout_s)
         out = pending.out
         if self.mesh.shard_size > 1 and self.mesh.replicate_size > 1:
-            comm.all_reduce(out, self.mesh.replicate_group)
+            work = comm.all_reduce(out, self.mesh.replicate_group, async_op=True)
+            comm.wait(work, f"cross-replica all-reduce of unit {self.label!r}", self.timeout_s)
         if self.mesh.reduce_world > 1:
             out.div_(self.mesh.reduce_world)
         self._accumulate_shard_grad(out)

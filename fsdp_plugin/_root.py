@@ -9,7 +9,9 @@ import torch
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
+from . import _collectives as comm
 from .config import ShardingConfig
+from .errors import CollectiveError
 from ._mesh import Mesh
 
 # Reductions in flight at once: each holds a full unsharded gradient, so this bounds gradient memory.
@@ -38,9 +40,27 @@ class RootState:
         if unit is self.root_unit:
             self._in_root_forward = True
             args, kwargs = self._cast_inputs(args, kwargs)
-        if not self._order_frozen and unit not in self.exec_order:
-            self.exec_order.append(unit)
+        if not self._order_frozen:
+            self._verify_same_unit_everywhere(unit)
+            if unit not in self.exec_order:
+                self.exec_order.append(unit)
         return args, kwargs
+
+    def _verify_same_unit_everywhere(self, unit) -> None:
+        """First forward only: all ranks must enter the same unit, else their collectives would mismatch
+        (a hang, or silently wrong data when sizes happen to agree). One tiny all-gather per unit, once."""
+        if self.mesh.world_size == 1:
+            return
+        mine = torch.tensor([self.units.index(unit)], dtype=torch.int64)
+        everyone = torch.empty(self.mesh.world_size, dtype=torch.int64)
+        work = comm.all_gather(everyone, mine, None, async_op=True, kind="control")
+        comm.wait(work, f"execution-order check before unit {unit.name!r}", unit.handles[0].timeout_s
+                  if unit.handles else None)
+        seen = everyone.tolist()
+        if len(set(seen)) > 1:
+            names = ", ".join(f"rank {r} runs {self.units[i].name!r}" for r, i in enumerate(seen))
+            raise CollectiveError(f"ranks diverged in their first forward ({names}): every rank must run the same "
+                                  "units in the same order (no rank-dependent branches around sharded modules)")
 
     def after_unshard_in_forward(self, unit) -> None:
         if self.config.forward_prefetch and self._order_frozen and torch.is_grad_enabled():

@@ -110,7 +110,7 @@ def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: Ro
             mat.materialize_buffers(buffer_sites[fqn])
         else:
             _empty_meta_buffers(buffer_sites[fqn], device)
-        handles = [_build_handle(group, sites, names, mesh, cfg, device, mat, scatter)
+        handles = [_build_handle(group, sites, names, mesh, cfg, device, mat, scatter, fqn or "<root>")
                    for group in _group_params(owned[fqn]).values()]
         keep = cfg.sharding_strategy in ("full_shard", "hybrid_shard") and fqn != ""
         root.units.append(Unit(fqn, module, handles, root, reshard_after_forward=keep))
@@ -141,7 +141,7 @@ def _group_params(params: list) -> "OrderedDict[tuple, list]":
 
 
 def _build_handle(params, sites, names, mesh: Mesh, cfg: ShardingConfig, device, mat: Materializer,
-                  scatter: bool) -> FlatParamHandle:
+                  scatter: bool, label: str) -> FlatParamHandle:
     dtype, requires_grad = params[0].dtype, params[0].requires_grad
     values = mat.param_values(params) if (not scatter or mesh.rank == 0) else None
     slots, offset = [], 0
@@ -153,7 +153,8 @@ def _build_handle(params, sites, names, mesh: Mesh, cfg: ShardingConfig, device,
     compute = (mp.param_dtype or dtype) if (mp and floating) else dtype
     reduce = mp.effective_reduce_dtype(dtype) if (mp and floating) else dtype
     shard_device = torch.device("cpu") if cfg.cpu_offload else device
-    handle = FlatParamHandle(slots, mesh, dtype, requires_grad, device, compute, reduce, shard_device)
+    handle = FlatParamHandle(slots, mesh, dtype, requires_grad, device, compute, reduce, shard_device,
+                             label=label, timeout_s=comm.default_timeout_s(cfg.timeout_s))
     if scatter:
         _scatter_from_rank0(handle, values, mesh)
     else:

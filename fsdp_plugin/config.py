@@ -87,6 +87,9 @@ class ShardingConfig:
     cpu_offload: keep shards, gradients and optimizer state on CPU (a no-op on CPU-only machines).
     activation_checkpointing: module classes or callable selecting modules to recompute in backward.
     ignored_modules: modules whose parameters stay unsharded and unmanaged.
+    timeout_s: seconds a collective may wait for the other ranks before raising CollectiveError (naming
+        the rank, unit and collective) instead of hanging; None reads FSDP_PLUGIN_TIMEOUT_S, default 600.
+    device: where unsharded parameters live (default: cuda:LOCAL_RANK under NCCL, else the model's device).
     """
 
     sharding_strategy: str = "full_shard"
@@ -100,6 +103,7 @@ class ShardingConfig:
     cpu_offload: bool = False
     activation_checkpointing: WrapPolicy = None
     ignored_modules: Iterable[nn.Module] = field(default_factory=tuple)
+    timeout_s: Optional[float] = None
     device: Optional[torch.device] = None
 
     def __post_init__(self):
