@@ -13,15 +13,17 @@ from .grad_scaler import GradScaler
 from .errors import (CollectiveError, ConfigError, FSDPPluginError, OptimizerError, ShardingError,
                      StateDictError)
 
-try:  # deferred init lands in its own module
-    from ._deferred import deferred_init
-except ImportError:  # pragma: no cover
-    pass
+from ._deferred import deferred_init
+from .checkpoint import (CheckpointError, CheckpointMismatchError, CorruptCheckpointError,
+                         IncompleteCheckpointError, load_checkpoint, load_pretrained, save_checkpoint,
+                         save_pretrained)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ShardingConfig", "MixedPrecision", "size_policy", "shard", "deferred_init", "no_sync", "full_params",
     "clip_grad_norm_", "full_state_dict", "GradScaler", "is_sharded", "register_forward_method", "comm_stats",
+    "save_checkpoint", "load_checkpoint", "load_pretrained", "save_pretrained", "CheckpointError",
+    "CheckpointMismatchError", "CorruptCheckpointError", "IncompleteCheckpointError",
     "FSDPPluginError", "ConfigError", "ShardingError", "OptimizerError", "StateDictError", "CollectiveError",
 ]
