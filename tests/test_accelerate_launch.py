@@ -111,6 +111,7 @@ def test_really_our_engine_on_two_ranks(trained):
         assert r["settings"]["sharding_strategy"] == r["strategy"] == "full_shard"
         assert r["settings"]["auto_wrap"] == r["wrap"] == ["Block"]
     assert r0["local_numel"] + r1["local_numel"] >= r0["total_numel"]
+    assert r0["gathered"] == r1["gathered"] == [0, 1]  # gather_for_metrics still works
 
 
 def test_loss_and_clipped_norm_match_single_process(trained):

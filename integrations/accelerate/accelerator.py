@@ -66,11 +66,11 @@ class Accelerator(accelerate.Accelerator):
             raise RuntimeError(f"accelerate sees {self.num_processes} process(es) but the process group has "
                                f"{dist.get_world_size()}: launch with `accelerate launch` (or torchrun) and the "
                                "same process count")
-        if self.scaler is not None:
-            from fsdp_plugin.integrations.lightning._scaler import ShardedGradScaler
+        if self.scaler is not None:  # fp16: every rank must agree on skipping a step (sharded grads)
+            import fsdp_plugin as fp
 
             kwargs = self.scaler_handler.to_kwargs() if self.scaler_handler is not None else {}
-            self.scaler = ShardedGradScaler(self.device.type, **kwargs)
+            self.scaler = fp.GradScaler(self.device.type, **kwargs)
         self.sharding_configs: list = []
         self._fp_active = True
 

@@ -143,6 +143,7 @@ def describe(accelerator, model, opt, total_numel, fp) -> dict:
         "wrap": sorted(c.__name__ for c in wrap) if isinstance(wrap, set) else repr(wrap),
         "opt_params_are_model_params": [id(p) for g in inner.param_groups for p in g["params"]]
         == [id(p) for p in model.parameters()],
+        "gathered": accelerator.gather_for_metrics(torch.tensor([accelerator.process_index])).tolist(),
     }
 
 
