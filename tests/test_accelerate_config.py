@@ -13,8 +13,8 @@ from torch import nn
 
 pytest.importorskip("accelerate")
 
-from fsdp_plugin.integrations.accelerate import AccelerateConfigError, settings_from_env  # noqa: E402
-from fsdp_plugin.integrations.accelerate.resolve import sharding_kwargs  # noqa: E402
+from fsdp_plugin.integrations.accelerate import AccelerateConfigError, settings_from_env
+from fsdp_plugin.integrations.accelerate.resolve import sharding_kwargs
 
 HEAD = """\
 compute_environment: LOCAL_MACHINE
@@ -167,7 +167,6 @@ def test_shipped_example_yaml_is_accepted():
 
 def test_plugin_object_translation():
     from accelerate.utils import FullyShardedDataParallelPlugin
-
     from fsdp_plugin.integrations.accelerate import settings_from_plugin
 
     plugin = FullyShardedDataParallelPlugin(

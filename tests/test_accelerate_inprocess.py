@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 pytest.importorskip("accelerate")
-import fsdp_plugin as fp  # noqa: E402
+from fsdp_plugin.integrations.accelerate import AccelerateConfigError, Accelerator
 
-from fsdp_plugin.integrations.accelerate import AccelerateConfigError, Accelerator  # noqa: E402
+import fsdp_plugin as fp
 
 
 class Block(nn.Module):

@@ -11,8 +11,15 @@ from .from_env import settings_from_env
 from .resolve import sharding_config, sharding_kwargs
 from .settings import AccelerateConfigError, FsdpSettings
 
-__all__ = ["Accelerator", "AccelerateConfigError", "FsdpSettings", "settings_from_env", "settings_from_plugin",
-           "sharding_config", "sharding_kwargs"]
+__all__ = [
+    "AccelerateConfigError",
+    "Accelerator",
+    "FsdpSettings",
+    "settings_from_env",
+    "settings_from_plugin",
+    "sharding_config",
+    "sharding_kwargs",
+]
 
 
 def __getattr__(name: str):

@@ -10,9 +10,8 @@ import json
 import os
 from typing import Any
 
-from safetensors.torch import load_file, save_file
-
 from fsdp_plugin.integrations.lightning.codec import decode, encode
+from safetensors.torch import load_file, save_file
 
 
 def write_blob(directory: str, name: str, obj: Any) -> None:

@@ -8,7 +8,7 @@ CLI defaults for absent keys, except where noted in the research notes), the top
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 from . import parse
 from .settings import FsdpSettings, WrapSpec, config_error
@@ -42,7 +42,7 @@ def fsdp_requested(env: Mapping[str, str] | None = None) -> bool:
 def settings_from_env(env: Mapping[str, str] | None = None) -> FsdpSettings:
     """Read ``FSDP_*``, ``ACCELERATE_MIXED_PRECISION`` and ``PARALLELISM_CONFIG_*`` into settings."""
     env = dict(os.environ if env is None else env)
-    get = lambda suffix: env.get("FSDP_" + suffix)  # noqa: E731 - tiny local accessor
+    get = lambda suffix: env.get("FSDP_" + suffix)
     s = FsdpSettings(keys={name: yaml_key(sfx) for name, sfx in _FIELD_KEYS.items()})
     s.keys["mixed_precision"] = "mixed_precision"
     s.strategy = _strategy(get("VERSION"), get("RESHARD_AFTER_FORWARD"), get("SHARDING_STRATEGY"))

@@ -8,8 +8,9 @@ unsupported value fails with an error naming that key.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
 
@@ -65,7 +66,8 @@ class FsdpSettings:
     def describe(self) -> dict[str, Any]:
         """A JSON-friendly summary, echoed by scripts and tests."""
         wrap = self.wrap
-        wrap_desc = {"default": "default", "none": "NO_WRAP", "transformer": list(wrap.class_names or [c.__name__ for c in wrap.classes]),
+        names = list(wrap.class_names or [c.__name__ for c in wrap.classes])
+        wrap_desc = {"default": "default", "none": "NO_WRAP", "transformer": names,
                      "size": f"min_params={wrap.min_params}", "callable": "callable"}[wrap.kind]
         return {
             "sharding_strategy": self.strategy, "auto_wrap": wrap_desc, "mesh": self.mesh,

@@ -28,9 +28,9 @@ def build_model(real: bool):
 
 
 def main() -> None:
-    import fsdp_plugin as fp
-
     from fsdp_plugin.integrations.accelerate import Accelerator
+
+    import fsdp_plugin as fp
 
     out = sys.argv[1]
     accelerator = Accelerator()

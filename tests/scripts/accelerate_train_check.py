@@ -93,11 +93,11 @@ def main() -> None:
     ap.add_argument("--save-model")
     args = ap.parse_args()
 
-    import fsdp_plugin as fp
     from accelerate import DataLoaderConfiguration
     from accelerate.utils import set_seed
-
     from fsdp_plugin.integrations.accelerate import Accelerator
+
+    import fsdp_plugin as fp
 
     accelerator = Accelerator(gradient_accumulation_steps=ACCUM,
                               dataloader_config=DataLoaderConfiguration(split_batches=True))
