@@ -10,11 +10,10 @@ import time
 
 import pytest
 import torch
+from _dist import RankFailure, run_ranks
 from torch import nn
 
-from _dist import RankFailure, run_ranks
-from fsdp_plugin.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, verify_checkpoint
-from fsdp_plugin.checkpoint import _publish
+from fsdp_plugin.checkpoint import CheckpointError, _publish, load_checkpoint, save_checkpoint, verify_checkpoint
 from fsdp_plugin.checkpoint import save as save_mod
 
 

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import torch
+from _dist import run_ranks
+from models import GPT, Block
 
 import fsdp_plugin as fp
-from _dist import run_ranks
 from fsdp_plugin.checkpoint import fsio, load_checkpoint, reader, save_checkpoint
-from models import GPT, Block
 
 torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # import torch._dynamo once, before forking ranks
 

@@ -10,15 +10,25 @@ import struct
 
 import pytest
 import torch
+from test_checkpoint_support import TiedNet
 from torch import nn
 
-from fsdp_plugin.checkpoint import (CheckpointError, CheckpointMismatchError, CheckpointMismatchWarning,
-                                    CorruptCheckpointError, IncompleteCheckpointError, MismatchReport,
-                                    consolidate, load_checkpoint, load_pretrained, save_checkpoint,
-                                    save_pretrained, verify_checkpoint)
+from fsdp_plugin.checkpoint import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointMismatchWarning,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    MismatchReport,
+    consolidate,
+    load_checkpoint,
+    load_pretrained,
+    save_checkpoint,
+    save_pretrained,
+    verify_checkpoint,
+)
 from fsdp_plugin.checkpoint import manifest as mf
 from fsdp_plugin.checkpoint.writer import write_safetensors
-from test_checkpoint_support import TiedNet
 
 
 def _trained(seed=0):
@@ -264,11 +274,11 @@ def test_hostile_manifest(saved, hostile, exc, match):
 def test_manifest_duplicate_keys_and_nan_rejected(saved):
     path, _, _ = saved
     p = os.path.join(path, mf.NAME)
-    text = open(p).read()
-    open(p, "w").write(text[:-1] + ', "world_size": 1}')
+    text = pathlib.Path(p).read_text()
+    pathlib.Path(p).write_text(text[:-1] + ', "world_size": 1}')
     with pytest.raises(CorruptCheckpointError, match="duplicate key"):
         load_checkpoint(path, TiedNet())
-    open(p, "w").write(text[:-1] + ', "x": NaN}')
+    pathlib.Path(p).write_text(text[:-1] + ', "x": NaN}')
     with pytest.raises(CorruptCheckpointError, match="non-finite"):
         load_checkpoint(path, TiedNet())
 

@@ -11,11 +11,11 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
+from _dist import run_ranks
+from models import GPT, Block
 
 import fsdp_plugin as fp
-from _dist import run_ranks
 from fsdp_plugin.checkpoint import load_checkpoint, save_checkpoint
-from models import GPT, Block
 
 torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # import torch._dynamo once, before forking ranks
 

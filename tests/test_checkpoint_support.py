@@ -39,7 +39,7 @@ class ShardingInfo:
     replicate_size: int
 
 
-_REG: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_REG: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _REAL = None
 
 

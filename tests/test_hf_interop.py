@@ -8,15 +8,20 @@ import resource
 
 import pytest
 import torch
+from _dist import run_ranks
+from models import GPT, Block
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import fsdp_plugin as fp
-from _dist import run_ranks
-from fsdp_plugin.checkpoint import CheckpointError, CheckpointMismatchError, load_pretrained, save_checkpoint
-from fsdp_plugin.checkpoint import save_pretrained
+from fsdp_plugin.checkpoint import (
+    CheckpointError,
+    CheckpointMismatchError,
+    load_pretrained,
+    save_checkpoint,
+    save_pretrained,
+)
 from fsdp_plugin.checkpoint.cli import main as cli
-from models import GPT, Block
 
 torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # import torch._dynamo once, before forking ranks
 

@@ -6,6 +6,7 @@
 * :func:`save_pretrained` / :func:`load_pretrained`: Hugging Face safetensors (+ index) in and out.
 * :func:`consolidate`: offline export of a checkpoint to Hugging Face safetensors (CLI ``fsdp-plugin``).
 """
+from .consolidate import consolidate
 from .errors import (
     CheckpointError,
     CheckpointMismatchError,
@@ -13,15 +14,24 @@ from .errors import (
     IncompleteCheckpointError,
     MismatchReport,
 )
-from .consolidate import consolidate
 from .hf import load_pretrained, save_pretrained
 from .load import CheckpointMismatchWarning, load_checkpoint
 from .save import save_checkpoint
 from .tools import inspect_checkpoint, verify_checkpoint
 
 __all__ = [
-    "save_checkpoint", "load_checkpoint", "load_pretrained", "save_pretrained", "consolidate",
-    "CheckpointError", "CorruptCheckpointError", "IncompleteCheckpointError", "CheckpointMismatchError",
-    "CheckpointMismatchWarning", "MismatchReport", "inspect_checkpoint", "verify_checkpoint",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CheckpointMismatchWarning",
+    "CorruptCheckpointError",
+    "IncompleteCheckpointError",
+    "MismatchReport",
+    "consolidate",
+    "inspect_checkpoint",
+    "load_checkpoint",
+    "load_pretrained",
+    "save_checkpoint",
+    "save_pretrained",
+    "verify_checkpoint",
 ]
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import math
 import pathlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -135,7 +136,7 @@ def _decode_tag(tag: str, node: dict, tensor_source, path: str):
 def _dtype(name: str) -> torch.dtype:
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
+        raise TypeError(f"unknown dtype {name!r}")
     return dt
 
 

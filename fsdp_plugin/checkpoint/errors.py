@@ -30,7 +30,7 @@ class CheckpointMismatchError(CheckpointError):
     ``report`` is a :class:`MismatchReport` with the missing, unexpected and mismatched names.
     """
 
-    def __init__(self, message: str, report: "MismatchReport | None" = None):
+    def __init__(self, message: str, report: MismatchReport | None = None):
         super().__init__(message)
         self.report = report
 
@@ -64,7 +64,7 @@ class MismatchReport:
             parts.append("shape/dtype mismatch: " + ", ".join(items))
         return "; ".join(parts)
 
-    def extend(self, other: "MismatchReport", prefix: str = "") -> None:
+    def extend(self, other: MismatchReport, prefix: str = "") -> None:
         """Merge ``other`` into this report, prefixing its names with ``prefix``."""
         self.missing += [prefix + n for n in other.missing]
         self.unexpected += [prefix + n for n in other.unexpected]

@@ -107,7 +107,7 @@ def _match_model(doc, shards, buffers, report) -> list:
         if hit is None:
             report.missing.append(sh.fqn)
             continue
-        stored = params[hit]["alias_of"] if "alias_of" in params[hit] else hit
+        stored = params[hit].get("alias_of", hit)
         entry = params[stored]
         if list(entry["shape"]) != list(sh.shape):
             report.mismatched[sh.fqn] = f"checkpoint {entry['shape']} vs model {list(sh.shape)}"

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _format
-from . import fsio
+from . import _format, fsio
 from .fsio import BlockCrc, byte_view, write_all
 
 
