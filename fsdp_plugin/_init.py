@@ -36,12 +36,12 @@ def model_kind(model: nn.Module) -> int:
     return max(kinds) if kinds else REAL
 
 
-def decide_scatter(model: nn.Module, world_size: int) -> bool:
+def decide_scatter(model: nn.Module, world_size: int, device: torch.device) -> bool:
     """True when rank 0 holds real values that every rank must take (rank 0 wins)."""
     if world_size == 1:
         return False
-    kinds = torch.tensor([model_kind(model)], dtype=torch.int64)
-    gathered = torch.zeros(world_size, dtype=torch.int64)
+    kinds = torch.tensor([model_kind(model)], dtype=torch.int64, device=device)
+    gathered = torch.zeros(world_size, dtype=torch.int64, device=device)
     comm.all_gather(gathered, kinds, None, kind="control")
     kinds = gathered.tolist()
     if kinds[0] == REAL:

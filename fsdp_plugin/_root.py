@@ -51,8 +51,8 @@ class RootState:
         (a hang, or silently wrong data when sizes happen to agree). One tiny all-gather per unit, once."""
         if self.mesh.world_size == 1:
             return
-        mine = torch.tensor([self.units.index(unit)], dtype=torch.int64)
-        everyone = torch.empty(self.mesh.world_size, dtype=torch.int64)
+        mine = torch.tensor([self.units.index(unit)], dtype=torch.int64, device=self.device)
+        everyone = torch.empty(self.mesh.world_size, dtype=torch.int64, device=self.device)
         work = comm.all_gather(everyone, mine, None, async_op=True, kind="control")
         comm.wait(work, f"execution-order check before unit {unit.name!r}", unit.handles[0].timeout_s
                   if unit.handles else None)

@@ -102,7 +102,7 @@ def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: Ro
     owned: dict[str, list] = {f: [] for f in unit_fqns}
     for pid in names:
         owned[owner_unit([s[0] for s in sites[pid]], unit_fqns)].append(by_id[pid])
-    scatter = decide_scatter(model, mesh.world_size)
+    scatter = decide_scatter(model, mesh.world_size, device)
     mat = Materializer(model, device, cfg.param_init_fn)
     buffer_sites = _buffer_sites_by_unit(model, unit_fqns)
     for fqn, module in units:
@@ -167,12 +167,15 @@ def _scatter_from_rank0(handle: FlatParamHandle, values, mesh: Mesh) -> None:
     """Rank 0's full values win: it sends each rank the chunk that rank keeps."""
     chunks = None
     if mesh.rank == 0:
-        flat = torch.zeros(handle.padded, dtype=handle.dtype, device=handle.shard_device)
+        flat = torch.zeros(handle.padded, dtype=handle.dtype, device=handle.device)
         for slot, v in zip(handle.slots, values):
             flat[slot.offset:slot.offset + slot.numel].copy_(v.detach().reshape(-1))
         pieces = flat.split(handle.chunk)
         chunks = [pieces[r].contiguous() for r in mesh.shard_rank_of]
-    comm.scatter(handle.flat_shard, chunks, src=0, group=None)
+    # Received on the compute device (NCCL cannot scatter host memory), then moved to the shard's home.
+    mine = torch.empty(handle.chunk, dtype=handle.dtype, device=handle.device)
+    comm.scatter(mine, chunks, src=0, group=None)
+    handle.flat_shard.copy_(mine)
 
 
 def _finish_buffers(model: nn.Module, cfg: ShardingConfig, mesh: Mesh, device) -> None:

@@ -144,7 +144,7 @@ def clip_grad_norm_(parameters: Union[nn.Module, Iterable[torch.Tensor]], max_no
     handle = next((p._fp_handle for p in params if getattr(p, "_fp_handle", None) is not None), None)
     group = handle.mesh.shard_group if handle is not None else None
     first_in_group = handle is None or handle.mesh.shard_rank == 0
-    device = grads[0].device if grads else torch.device("cpu")
+    device = handle.device if handle is not None else (grads[0].device if grads else torch.device("cpu"))
     local = _local_norm_term(sharded, norm_type, device)
     if first_in_group:
         local = _combine(local, _local_norm_term(plain, norm_type, device), norm_type)
