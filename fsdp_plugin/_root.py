@@ -62,11 +62,18 @@ class RootState:
             raise CollectiveError(f"ranks diverged in their first forward ({names}): every rank must run the same "
                                   "units in the same order (no rank-dependent branches around sharded modules)")
 
+    @property
+    def prefetch_depth(self) -> int:
+        """Units all-gathered ahead of use. limit_all_gathers bounds unsharded units to the one in use
+        plus one in flight (besides the root); without it two are prefetched (more overlap, more memory)."""
+        return 1 if self.config.limit_all_gathers else 2
+
     def after_unshard_in_forward(self, unit) -> None:
         if self.config.forward_prefetch and self._order_frozen and torch.is_grad_enabled():
-            nxt = self._neighbour(unit, +1)
-            if nxt is not None:
-                nxt.unshard()
+            for k in range(1, self.prefetch_depth + 1):
+                nxt = self._neighbour(unit, +k)
+                if nxt is not None:
+                    nxt.unshard()
 
     def after_unit_forward(self, unit) -> None:
         if unit is self.root_unit:
@@ -99,9 +106,10 @@ class RootState:
 
     def prefetch_backward(self, unit) -> None:
         if self.config.backward_prefetch:
-            nxt = self._neighbour(unit, -1)
-            if nxt is not None and not nxt.backward_started:
-                nxt.unshard()
+            for k in range(1, self.prefetch_depth + 1):
+                nxt = self._neighbour(unit, -k)
+                if nxt is not None and not nxt.backward_started:
+                    nxt.unshard()
 
     def enqueue_reduce(self, handle, grad: torch.Tensor) -> None:
         handle.start_reduce(grad)

@@ -46,9 +46,16 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
     root = RootState(cfg, mesh, device)
     _build_units(model, units, cfg, mesh, device, root)
     _finish_buffers(model, cfg, mesh, device)
+    _release_recording(model)
     model._fp_root = root
     install_guards(model, root)
     return model
+
+
+def _release_recording(model: nn.Module) -> None:
+    """Everything is real now: drop what fp.deferred_init recorded for this model."""
+    from . import _deferred
+    _deferred.release(model)
 
 
 def _pick_device(model: nn.Module, cfg: ShardingConfig) -> torch.device:

@@ -357,3 +357,27 @@ def _frozen_freed_in_backward(rank, world):
 def test_frozen_handles_are_freed_during_backward():
     peak, _ = run_ranks(_frozen_freed_in_backward, 2)[0]
     assert peak <= 2, f"{peak} frozen layers unsharded at once; expected at most 2 of 4"
+
+
+# ---------------------------------------------------------------- rate limiter
+def _max_unsharded(rank, world, limit, forward_prefetch):
+    torch.manual_seed(0)
+    model = fp.shard(GPT(n_layer=6), auto_wrap_policy={Block}, limit_all_gathers=limit,
+                     forward_prefetch=forward_prefetch)
+    blocks = model._fp_root.units[1:]
+    seen = []
+
+    def count(*_):
+        seen.append(sum(h.is_unsharded or h._gather_work is not None for u in blocks for h in u.handles))
+    for u in blocks:
+        u.module.register_forward_hook(count)
+        u.module.register_full_backward_hook(count)
+    for s in range(2):
+        model(*gpt_batch(s, rank)).backward()
+    return max(seen)
+
+
+@pytest.mark.parametrize("forward_prefetch", [False, True])
+def test_limit_all_gathers_bounds_unsharded_units(forward_prefetch):
+    assert run_ranks(_max_unsharded, 2, True, forward_prefetch)[0] <= 2
+    assert run_ranks(_max_unsharded, 2, False, forward_prefetch)[0] == 3, "the test must be able to fail"
