@@ -1,0 +1,138 @@
+"""Lightning checkpoints on the fsdp_plugin engine, pickle-free, in two layouts.
+
+* ``sharded`` (default): ``path`` is the engine's checkpoint directory (``fp.save_checkpoint``: per-rank
+  safetensors + ``manifest.json``). Lightning's other state (loops, callbacks, schedulers, hparams,
+  precision state, ...) goes through :mod:`.codec` into the manifest's ``extra``. Loadable at any world size.
+* ``full``: ``path`` is one safetensors file holding the plain model ``state_dict`` under its usual keys,
+  so ``module.load_state_dict(safetensors.torch.load_file(path))`` works on an unsharded module. The
+  Lightning state is JSON in the header's ``__metadata__`` (its few tensors inline, base64). The
+  optimizer state is not stored in this layout (resuming from it restarts the optimizer, with a warning).
+
+Every function here is collective: call it on every rank. Encoding happens first, so an unsupported
+value raises the same :class:`~.codec.CodecError` on every rank before any communication.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import fsdp_plugin as fp
+from fsdp_plugin.integrations.lightning.codec import decode, encode
+
+EXTRA_KEY = "lightning"
+EXTRA_TENSORS_KEY = "lightning_tensors"
+FULL_META_KEY = "fsdp_plugin.lightning"
+MODEL_STATE_KEYS = ("state_dict", "optimizer_states")
+
+
+def split_state(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """Lightning's checkpoint dict without the model/optimizer state; and whether optimizers were dumped."""
+    meta = {k: v for k, v in checkpoint.items() if k not in MODEL_STATE_KEYS}
+    return meta, "optimizer_states" in checkpoint
+
+
+def _optim_arg(optimizers: Sequence[Any]) -> Any:
+    """The engine takes one optimizer (or None); several are passed as a list."""
+    opts = [getattr(o, "_optimizer", o) for o in optimizers]  # unwrap LightningOptimizer
+    if not opts:
+        return None
+    return opts[0] if len(opts) == 1 else opts
+
+
+def save_sharded(path: Path, model: torch.nn.Module, optimizers: Sequence[Any], meta: dict[str, Any]) -> None:
+    """Write the engine's sharded directory at ``path`` with Lightning's state in ``extra``."""
+    tree, tensors = encode(meta)
+    fp.save_checkpoint(str(path), model, _optim_arg(optimizers), extra={EXTRA_KEY: tree, EXTRA_TENSORS_KEY: tensors})
+
+
+def load_sharded(path: Path, model: torch.nn.Module, optimizers: Sequence[Any]) -> dict[str, Any]:
+    """Load model (and optimizers, if given) from a sharded directory; return Lightning's decoded state."""
+    extra = fp.load_checkpoint(str(path), model, _optim_arg(optimizers)) or {}
+    if EXTRA_KEY not in extra:
+        raise ValueError(f"{path} is an fsdp_plugin checkpoint without Lightning state (saved outside Lightning?)")
+    return decode(extra[EXTRA_KEY], extra.get(EXTRA_TENSORS_KEY) or {})
+
+
+def save_full(path: Path, model: torch.nn.Module, meta: dict[str, Any]) -> None:
+    """Gather the full model state to rank 0 and write one safetensors file (header: Lightning state)."""
+    header = json.dumps(_inline_tensors(*encode(meta)), allow_nan=False)
+    state = fp.full_state_dict(model)  # collective: rank 0 gets the plain state dict, others {}
+    if _rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        save_file(_unshared(state), str(tmp), metadata={"format": "pt", FULL_META_KEY: header})
+        os.replace(tmp, path)
+    _barrier()
+
+
+def load_full(path: Path, model: torch.nn.Module) -> dict[str, Any]:
+    """Load a ``full`` file into a (sharded) model on every rank; return Lightning's decoded state."""
+    with safe_open(str(path), framework="pt") as f:
+        header = (f.metadata() or {}).get(FULL_META_KEY)
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    if header is None:
+        raise ValueError(f"{path} is a safetensors file without fsdp_plugin's Lightning state; it holds only weights")
+    with fp.full_params(model):
+        model.load_state_dict(state, strict=True)
+    return decode(*_outline_tensors(json.loads(header)))
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    """An fsdp_plugin checkpoint directory (committed: its manifest exists)."""
+    return path.is_dir() and (path / "manifest.json").is_file()
+
+
+def _inline_tensors(tree: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Pack the codec's tensors into JSON (exact bytes, base64): they are a few scalars."""
+    packed = {k: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                  "b64": base64.b64encode(_raw_bytes(t)).decode("ascii")} for k, t in tensors.items()}
+    return {"tree": tree, "tensors": packed}
+
+
+def _outline_tensors(doc: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
+    tensors = {}
+    for key, t in doc.get("tensors", {}).items():
+        dtype = getattr(torch, t["dtype"])
+        raw = bytearray(base64.b64decode(t["b64"]))
+        flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        tensors[key] = flat.view(dtype).reshape(t["shape"]).clone()
+    return doc["tree"], tensors
+
+
+def _raw_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors sharing memory (tied weights): store independent copies."""
+    seen: set[int] = set()
+    out = {}
+    for k, v in state.items():
+        ptr = v.untyped_storage().data_ptr() if v.numel() else -1
+        out[k] = v.detach().cpu().contiguous() if ptr not in seen else v.detach().cpu().clone()
+        seen.add(ptr)
+    return out
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def checkpoint_kind(path: Path) -> Optional[str]:
+    """"sharded", "full", or None when ``path`` is neither."""
+    if is_sharded_checkpoint(path):
+        return "sharded"
+    return "full" if path.is_file() else None

@@ -1,0 +1,102 @@
+"""Pieces shared by the Trainer and Fabric strategies: config, process group, sharding, precision plugins."""
+from __future__ import annotations
+
+import dataclasses
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
+
+import torch
+from lightning.fabric.plugins.precision import HalfPrecision as FabricHalf
+from lightning.fabric.plugins.precision import MixedPrecision as FabricMixed
+from lightning.fabric.plugins.precision import Precision as FabricPrecision
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+
+import fsdp_plugin as fp
+from fsdp_plugin.integrations.lightning._precision_map import unsupported_message
+from fsdp_plugin.integrations.lightning.precision import _PrecisionCore, flag_of
+
+FORWARD_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+_CONVERTIBLE = (Precision, MixedPrecision, HalfPrecision, FabricPrecision, FabricMixed, FabricHalf)
+
+
+def sharding_config(kwargs: dict[str, Any]) -> Any:
+    """Build and validate ``fp.ShardingConfig`` from strategy kwargs; unknown keys name the valid fields."""
+    valid = [f.name for f in dataclasses.fields(fp.ShardingConfig)]
+    unknown = sorted(set(kwargs) - set(valid))
+    if unknown:
+        raise TypeError(
+            f"FSDPPluginStrategy got unknown argument(s) {unknown}. It accepts the fp.ShardingConfig fields "
+            f"{valid}, plus state_dict_type, process_group_backend and timeout."
+        )
+    return fp.ShardingConfig(**kwargs)
+
+
+def with_precision(cfg: Any, plugin: Any) -> Any:
+    """Fill ``cfg.mixed_precision`` from the precision flag unless the user set it explicitly."""
+    if getattr(cfg, "mixed_precision", None) is not None or not isinstance(plugin, _PrecisionCore):
+        return cfg
+    policy = plugin.mixed_precision()
+    if policy is None:
+        return cfg
+    if dataclasses.is_dataclass(cfg):
+        return dataclasses.replace(cfg, mixed_precision=policy)
+    cfg.mixed_precision = policy
+    return cfg
+
+
+def convert_precision(plugin: Optional[Any], plugin_cls: type) -> Optional[Any]:
+    """Replace a plugin built by Lightning's connector with ``plugin_cls`` for the same flag; refuse others."""
+    if plugin is None or isinstance(plugin, _PrecisionCore):
+        return plugin
+    if type(plugin) not in _CONVERTIBLE:
+        flag = getattr(plugin, "precision", None)
+        raise TypeError(unsupported_message(f"{type(plugin).__name__}({flag!r})", source="precision plugin"))
+    return plugin_cls(flag_of(plugin), device_type=getattr(plugin, "device", "cpu"))
+
+
+def init_process_group(env: Any, root_device: torch.device, backend: Optional[str], timeout: Any, cpu_offload: bool) -> str:
+    """Create the default process group (a no-op if one exists); return the backend used."""
+    if backend is None:
+        backend = _get_default_process_group_backend_for_device(root_device)
+        if cpu_offload and backend == "nccl":
+            backend = "cuda:nccl,cpu:gloo"
+    kwargs: dict[str, Any] = {"timeout": timeout}
+    if root_device.type != "cpu":
+        kwargs["device_id"] = root_device
+    _init_dist_connection(env, backend, **kwargs)
+    return backend
+
+
+def shard_module(module: torch.nn.Module, cfg: Any, root_device: torch.device) -> torch.nn.Module:
+    """Shard ``module`` in place (idempotent): materialize deferred/meta params, wire the step methods."""
+    if fp.is_sharded(module):
+        return module
+    move_torchmetrics(module, root_device)
+    if getattr(cfg, "device", None) is None and any(f.name == "device" for f in dataclasses.fields(cfg)):
+        cfg = dataclasses.replace(cfg, device=root_device)
+    fp.shard(module, cfg)
+    for name in FORWARD_METHODS:
+        if callable(getattr(module, name, None)):
+            fp.register_forward_method(module, name)
+    return module
+
+
+def move_torchmetrics(module: torch.nn.Module, device: torch.device) -> None:
+    """torchmetrics ``Metric`` modules have state but no parameters: put them on the root device."""
+    try:
+        from torchmetrics import Metric
+    except ImportError:
+        return
+    for metric in (m for m in module.modules() if isinstance(m, Metric)):
+        metric.to(device)
+
+
+@contextmanager
+def deferred_init_context(enabled: bool) -> Iterator[None]:
+    """``fp.deferred_init()`` when enabled: modules built inside are materialized, sharded, by ``fp.shard``."""
+    if not enabled:
+        yield
+        return
+    with fp.deferred_init():
+        yield

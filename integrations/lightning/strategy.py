@@ -1,0 +1,264 @@
+"""``FSDPPluginStrategy``: the Lightning Trainer strategy ``"fsdp_plugin"`` on the fsdp_plugin engine.
+
+Usage: ``import fsdp_plugin`` then ``Trainer(strategy="fsdp_plugin")`` (or
+``Trainer(strategy=FSDPPluginStrategy(auto_wrap_policy={Block}, state_dict_type="full"))``).
+Works on CPU (gloo) and CUDA (NCCL), with Lightning's launcher or torchrun.
+
+It is a ``ParallelStrategy`` (not Lightning's FSDPStrategy): the LightningModule itself is sharded in
+place by ``fp.shard`` (no wrapper), its step methods run through the root unit's hooks
+(``fp.register_forward_method``), ``configure_model`` runs under ``fp.deferred_init()`` and checkpoints
+are pickle-free (see ``_checkpoint``).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Generator, Literal, Optional, Union
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+
+import fsdp_plugin as fp
+from fsdp_plugin.integrations.lightning import _checkpoint as ckpt
+from fsdp_plugin.integrations.lightning import _common as common
+from fsdp_plugin.integrations.lightning._register import STRATEGY_NAME
+from fsdp_plugin.integrations.lightning.precision import FSDPPluginPrecision
+
+_STATE_DICT_TYPES = ("sharded", "full")
+_ACCUMULATION = ("sharded", "no_sync")
+
+
+class FSDPPluginStrategy(ParallelStrategy):
+    """Fully sharded data parallel training on the fsdp_plugin engine.
+
+    Args:
+        state_dict_type: ``"sharded"`` (default): checkpoints are engine directories, loadable at any world
+            size; ``"full"``: one safetensors file with the plain model weights (loadable by an unsharded
+            module) plus Lightning's state, without optimizer state.
+        accumulate_grads: ``"sharded"`` (default): during ``accumulate_grad_batches`` every micro-batch
+            reduce-scatters into the sharded gradient (memory of one shard); ``"no_sync"``: keep full
+            unsharded gradients locally and communicate once per optimizer step (``fp.no_sync``).
+        process_group_backend: default ``gloo`` on CPU, ``nccl`` on CUDA.
+        timeout: process group timeout.
+        **sharding: ``fp.ShardingConfig`` fields (``sharding_strategy``, ``auto_wrap_policy``,
+            ``mixed_precision``, ``activation_checkpointing``, ``cpu_offload``, ...). An explicit
+            ``mixed_precision`` overrides the one derived from the Trainer's ``precision`` flag.
+    """
+
+    def __init__(
+        self,
+        accelerator: Any = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        state_dict_type: Literal["sharded", "full"] = "sharded",
+        accumulate_grads: Literal["sharded", "no_sync"] = "sharded",
+        **sharding: Any,
+    ) -> None:
+        _check_choice("state_dict_type", state_dict_type, _STATE_DICT_TYPES)
+        _check_choice("accumulate_grads", accumulate_grads, _ACCUMULATION)
+        self.sharding_config = common.sharding_config(sharding)  # eager validation
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self.state_dict_type = state_dict_type
+        self.accumulate_grads = accumulate_grads
+        self.num_nodes = 1
+
+    # ----------------------------------------------------------------- registry and plumbing
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(STRATEGY_NAME, cls, description="fsdp_plugin fully sharded data parallel",
+                                   override=True)
+
+    @property
+    def precision_plugin(self) -> Any:
+        return self._precision_plugin if self._precision_plugin is not None else FSDPPluginPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Any) -> None:
+        self._precision_plugin = common.convert_precision(plugin, FSDPPluginPrecision)
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        from lightning.fabric.utilities.seed import reset_seed
+
+        reset_seed()
+        self.set_world_ranks()
+        assert self.cluster_environment is not None
+        self._process_group_backend = common.init_process_group(
+            self.cluster_environment, self.root_device, self._process_group_backend, self._timeout,
+            bool(getattr(self.sharding_config, "cpu_offload", False)))
+
+    # ----------------------------------------------------------------- model construction and sharding
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """``empty_init=True`` (``trainer.init_module(empty_init=True)``): build under ``fp.deferred_init()``."""
+        with common.deferred_init_context(bool(empty_init)), self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``configure_model`` runs under ``fp.deferred_init()``; ``setup`` materializes it sharded."""
+        with common.deferred_init_context(True):
+            yield
+
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        if not fp.is_sharded(self.model):
+            if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
+                self.model = self._layer_sync.apply(self.model)
+            self.model = self.precision_plugin.convert_module(self.model)
+            cfg = common.with_precision(self.sharding_config, self.precision_plugin)
+            self.model = common.shard_module(self.model, cfg, self.root_device)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._reset_optimizers_and_schedulers()
+            self.setup_optimizers(trainer)  # built from the sharded parameters
+        self.setup_precision_plugin()
+
+    def model_to_device(self) -> None:
+        """The engine places the shards; nothing to move."""
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulation steps: sharded reduce-scatter each micro-batch, or ``fp.no_sync`` when asked."""
+        context = fp.no_sync(self.model) if self.accumulate_grads == "no_sync" else nullcontext()
+        with context:
+            yield None
+
+    # ----------------------------------------------------------------- collectives
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
+               reduce_op: Optional[Union[Any, str]] = "mean") -> Union[Tensor, Any]:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ----------------------------------------------------------------- checkpoints
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Model state is written by the engine in ``save_checkpoint``; nothing to gather here."""
+        return {}
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Tensor]:
+        """Optimizer state is written by the engine in ``save_checkpoint``; nothing to gather here."""
+        return {}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Collective. ``sharded``: an engine directory at ``filepath``; ``full``: one safetensors file."""
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options (they are for "
+                            "CheckpointIO plugins, which this strategy does not use).")
+        path = Path(self.broadcast(str(filepath)))
+        meta, with_optimizers = ckpt.split_state(checkpoint)  # encoded first, on every rank
+        assert self.model is not None
+        if self.state_dict_type == "full":
+            ckpt.save_full(path, self.model, meta)
+        else:
+            ckpt.save_sharded(path, self.model, self.optimizers if with_optimizers else [], meta)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Collective. Loads model (+ optimizers when fitting) in place; returns Lightning's other state."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        kind = ckpt.checkpoint_kind(path)
+        assert self.model is not None and self.lightning_module is not None
+        if kind is None:
+            raise ValueError(f"{path} is not an fsdp_plugin Lightning checkpoint: give a checkpoint directory (with "
+                             "manifest.json, state_dict_type='sharded') or a .ckpt safetensors file ('full').")
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if kind == "sharded":
+            return ckpt.load_sharded(path, self.model, self.optimizers if fitting else [])
+        if fitting and self.optimizers:
+            rank_zero_warn(f"{path} is a 'full' checkpoint: it holds no optimizer state; the optimizer restarts.")
+        return ckpt.load_full(path, self.model)
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Already loaded by ``load_checkpoint``."""
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Already loaded by ``load_checkpoint``."""
+
+    def teardown(self) -> None:
+        """Like FSDPStrategy: no ``.cpu()`` of a sharded model."""
+        module = self.lightning_module
+        if (module is not None and module._trainer is not None and self._layer_sync
+                and module._trainer.state.fn == TrainerFn.FITTING):
+            self.model = self._layer_sync.revert(self.model)
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"FSDPPluginStrategy({name}={value!r}): use one of {', '.join(repr(c) for c in choices)}")

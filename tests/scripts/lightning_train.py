@@ -1,0 +1,218 @@
+"""Lightning training script driven by tests/test_lightning_integration.py (run as a subprocess).
+
+    python lightning_train.py --out OUT.json [--strategy fsdp_plugin|auto] [--devices N] [--max-steps N]
+        [--deferred] [--precision FLAG] [--accumulate N] [--clip-val V --clip-algo norm|value]
+        [--ckpt-dir DIR] [--save PATH] [--resume PATH] [--state-dict-type sharded|full] [--save-weights F]
+
+Regression on a fixed synthetic dataset (32 samples, global batch 8 -> 4 steps per epoch, RankSampler), so
+that any number of devices sees the same global batch. Rank 0 writes OUT.json with the global mean loss
+of every micro-batch, keyed by global step, and facts about the strategy.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+from torch import nn
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+GLOBAL_BATCH = 8
+DIM = 16
+
+
+class Net(nn.Module):
+    """Stem, a ModuleList of repeated blocks (the default wrap units), head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(DIM, 32)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+class Regressor(pl.LightningModule):
+    """``deferred=True`` builds the network in ``configure_model`` (deferred init); else in ``__init__``."""
+
+    def __init__(self, deferred: bool = False, lr: float = 3e-3) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = None if deferred else self._build()
+
+    @staticmethod
+    def _build() -> Net:
+        torch.manual_seed(1234)  # same values whether built eagerly or deferred
+        return Net()
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = self._build()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x).float(), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, betas=(0.9, 0.95), weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def dataset() -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, DIM, generator=g)
+    y = x @ torch.randn(DIM, 1, generator=g) + 0.1 * torch.randn(32, 1, generator=g)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+class LossRecorder(Callback):
+    """Records the global mean loss of each micro-batch (a collective: every rank runs it)."""
+
+    def __init__(self) -> None:
+        self.losses: list[tuple[int, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        loss = trainer.strategy.reduce(outputs["loss"].detach().float(), reduce_op="mean")
+        lr = trainer.optimizers[0].param_groups[0]["lr"]
+        self.losses.append((trainer.global_step, float(loss), lr, batch_idx, float(batch[0].sum())))
+
+
+class ResumeSampler(Callback):
+    """On a resumed epoch, make the sampler skip the batches the checkpoint says were consumed."""
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        loop = trainer.fit_loop.epoch_loop
+        done = loop.batch_progress.current.ready if loop.restarting else 0
+        print(f"EPOCHSTART {trainer.current_epoch} skip={done}", file=sys.stderr)
+        trainer.train_dataloader.sampler.skip = done * trainer.train_dataloader.batch_size
+
+
+def build_strategy(args: argparse.Namespace):
+    if args.strategy != "fsdp_plugin":
+        return args.strategy
+    if args.state_dict_type == "sharded":
+        return "fsdp_plugin"  # the registered name: `import fsdp_plugin` is the only change
+    from fsdp_plugin.integrations.lightning import FSDPPluginStrategy
+
+    return FSDPPluginStrategy(state_dict_type=args.state_dict_type)
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--strategy", default="fsdp_plugin")
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--max-steps", type=int, default=8)
+    p.add_argument("--deferred", action="store_true")
+    p.add_argument("--precision", default="32-true")
+    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--clip-val", type=float, default=None)
+    p.add_argument("--clip-algo", default="norm")
+    p.add_argument("--ckpt-dir", default=None)
+    p.add_argument("--save", default=None)
+    p.add_argument("--resume", default=None)
+    p.add_argument("--state-dict-type", default="sharded")
+    p.add_argument("--save-weights", default=None)
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse()
+    import fsdp_plugin  # noqa: F401  - registers "fsdp_plugin" with Lightning
+
+    pl.seed_everything(0, verbose=False)
+    recorder = LossRecorder()
+    callbacks = [recorder, ResumeSampler()]
+    if args.ckpt_dir:
+        callbacks.append(ModelCheckpoint(f"{args.ckpt_dir}/top", monitor="train_loss", save_top_k=1, save_last=True))
+        callbacks.append(ModelCheckpoint(f"{args.ckpt_dir}/all", save_top_k=-1, every_n_epochs=1))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=args.devices, strategy=build_strategy(args), precision=args.precision,
+        max_steps=args.max_steps, accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip_val,
+        gradient_clip_algorithm=args.clip_algo, callbacks=callbacks, logger=False,
+        enable_checkpointing=bool(args.ckpt_dir), enable_progress_bar=False, use_distributed_sampler=False, enable_model_summary=False,
+    )
+    model = Regressor(deferred=args.deferred)
+    per_rank = GLOBAL_BATCH // args.devices // args.accumulate
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=per_rank, sampler=RankSampler(32))
+    trainer.fit(model, loader, ckpt_path=args.resume)
+    if args.save:
+        trainer.save_checkpoint(args.save)
+    weights = _full_weights(trainer, model) if args.save_weights else None
+    if trainer.is_global_zero:
+        _report(args, trainer, model, recorder, weights)
+
+
+class RankSampler(torch.utils.data.Sampler):
+    """Rank r takes samples r, r+W, ... in order, every epoch: any world size sees the same global batches
+    (Lightning's own DistributedSampler reshuffles per epoch, which makes resumed runs diverge)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.skip = 0  # samples to skip once (resuming mid-epoch, as a stateful loader would)
+
+    def _rank_world(self) -> tuple[int, int]:
+        dist = torch.distributed
+        return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+    def __iter__(self):
+        rank, world = self._rank_world()
+        skip, self.skip = self.skip, 0
+        return iter(range(rank, self.n, world)[skip:])
+
+    def __len__(self) -> int:
+        return self.n // self._rank_world()[1]
+
+
+def _full_weights(trainer, model) -> dict:
+    if args_strategy_is_ours(trainer):
+        import fsdp_plugin as fp
+
+        return fp.full_state_dict(model)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def args_strategy_is_ours(trainer) -> bool:
+    return type(trainer.strategy).__name__ == "FSDPPluginStrategy"
+
+
+def _report(args, trainer, model, recorder, weights) -> None:
+    if weights is not None:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in weights.items()}, args.save_weights)
+    opt = trainer.optimizers[0]
+    info = {
+        "losses": recorder.losses,
+        "global_step": trainer.global_step,
+        "world_size": trainer.world_size,
+        "strategy": type(trainer.strategy).__name__,
+        "precision_plugin": type(trainer.precision_plugin).__name__,
+        "lr": opt.param_groups[0]["lr"],
+        "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "launched_by": "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "lightning",
+    }
+    mp = getattr(getattr(trainer.strategy, "precision_plugin", None), "mixed_precision", None)
+    info["param_dtype"] = str(getattr(mp() if callable(mp) else None, "param_dtype", None))
+    with open(args.out, "w") as f:
+        json.dump(info, f)
+    print("REPORT", json.dumps(info), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
