@@ -170,7 +170,9 @@ def test_load_state_continues_exactly(trained, tmp_path, nproc):
 
 
 HF_YAML = "".join(line for line in YAML.read_text().splitlines(keepends=True)
-                  if "fsdp_transformer_layer_cls_to_wrap" not in line)
+                  if "fsdp_transformer_layer_cls_to_wrap" not in line).replace(
+    "fsdp_cpu_ram_efficient_loading: false", "fsdp_cpu_ram_efficient_loading: true").replace(
+    "fsdp_sync_module_states: false", "fsdp_sync_module_states: true")
 
 
 def test_hf_transformers_model_trains(tmp_path):
@@ -181,5 +183,6 @@ def test_hf_transformers_model_trains(tmp_path):
     launch(ROOT / "tests" / "scripts" / "accelerate_hf_check.py", [tmp_path], config=cfg, timeout=200)
     r0, r1 = reports(tmp_path, 2)
     assert r0["is_sharded"] and r0["wrap"] == ["GPT2Block"]
+    assert (r0["loaded_on_meta"], r1["loaded_on_meta"]) == (False, True)  # rank 0 real, rank 1 meta
     assert r0["scatter_matches_rank0"], "rank 0's real weights did not reach the meta ranks"
     assert r0["losses"] == r1["losses"] and all(torch.isfinite(torch.tensor(r0["losses"])))

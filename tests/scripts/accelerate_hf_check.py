@@ -1,8 +1,9 @@
 """A Hugging Face transformers model under ``accelerate launch`` with fsdp_plugin's Accelerator.
 
-Random init from a tiny GPT-2 config (nothing downloaded). Rank 0 builds real weights and the other
-ranks build on the meta device (what transformers' ``cpu_ram_efficient_loading`` does), so ``prepare``
-must scatter rank 0's weights. Wrapping comes from the model's ``_no_split_modules`` (GPT2Block).
+A tiny GPT-2 (random init, nothing downloaded) is written by rank 0 with ``save_pretrained`` and read
+back with ``from_pretrained`` on rank 0; the other ranks build it on the meta device (the shape that
+``fsdp_cpu_ram_efficient_loading`` gives with older transformers), so ``prepare`` must scatter rank 0's
+weights. Wrapping comes from the model's ``_no_split_modules`` (GPT2Block).
 
     accelerate launch --config_file CFG tests/scripts/accelerate_hf_check.py OUT
 """
@@ -32,9 +33,19 @@ def main() -> None:
 
     import fsdp_plugin as fp
 
+    from transformers import GPT2LMHeadModel
+
     out = sys.argv[1]
     accelerator = Accelerator()
-    model = build_model(real=accelerator.is_main_process)
+    pretrained = os.path.join(out, "pretrained")
+    if accelerator.is_main_process:
+        build_model(real=True).save_pretrained(pretrained)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        model = GPT2LMHeadModel.from_pretrained(pretrained)
+    else:  # what cpu_ram_efficient_loading does with stock FSDP (transformers 5 loads real weights everywhere)
+        model = build_model(real=False)
+    loaded_on_meta = any(p.is_meta for p in model.parameters())
     original = {k: v.clone() for k, v in model.state_dict().items()} if accelerator.is_main_process else {}
     model = accelerator.prepare(model)
     full = accelerator.get_state_dict(model)
@@ -52,6 +63,7 @@ def main() -> None:
         losses.append(float(accelerator.reduce(loss.detach(), "mean")))
     wrap = accelerator.sharding_configs[0].auto_wrap_policy
     report = {"is_sharded": fp.is_sharded(model), "scatter_matches_rank0": same, "losses": losses,
+              "loaded_on_meta": loaded_on_meta,
               "wrap": sorted(c.__name__ for c in wrap), "local_numel": sum(p.numel() for p in model.parameters())}
     with open(os.path.join(out, f"rank{accelerator.process_index}.json"), "w") as f:
         json.dump(report, f)
