@@ -155,11 +155,23 @@ def test_strict_mismatch_touches_nothing(saved):
     assert torch.equal(m2.emb.weight, before) and not opts2[0].state and opts2[0].param_groups[0]["lr"] == 5.0
 
 
-def test_optimizer_count_mismatch(saved):
-    path, _, _ = saved
+def test_optimizer_count_mismatch(saved, tmp_path):
+    path, m, _ = saved
     m2, opts2 = _fresh()
     with pytest.raises(CheckpointMismatchError, match="2 optimizer"):
         load_checkpoint(path, m2, opts2[:1])
+    save_checkpoint(tmp_path / "model_only", m)
+    with pytest.warns(CheckpointMismatchWarning, match=r"optimizer\[0\]"):
+        load_checkpoint(tmp_path / "model_only", m2, opts2[0], strict=False)
+    assert torch.equal(m2.l1.weight, m.l1.weight) and not opts2[0].state
+
+
+def test_meta_model_is_refused(saved):
+    path, _, _ = saved
+    with torch.device("meta"):
+        m = TiedNet()
+    with pytest.raises(CheckpointError, match="meta device"):
+        load_checkpoint(path, m)
 
 
 # -- damaged files ------------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ import importlib
 import torch
 from torch import nn
 
+from .errors import CheckpointError
+
 
 def _layout():
     return importlib.import_module("fsdp_plugin._layout")
@@ -54,6 +56,9 @@ def flat_dest(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     copies back into ``t`` after reading.
     """
     t = t.detach()
+    if t.is_meta:
+        raise CheckpointError("cannot load into a tensor on the meta device: shard the model with "
+                              "param_init_fn='skip' (or materialize it) before loading")
     if t.is_contiguous():
         return t.view(-1), None
     tmp = t.contiguous()

@@ -48,7 +48,7 @@ def _load_local(path, model, optimizers, strict, out_report):
     shards = _model.param_shards(model)
     # Phase 1 only matches names (no side effects); phase 2 queues reads and creates optimizer state.
     actions = _match_model(doc, shards, _model.persistent_buffers(model), report)
-    opt_actions, finishers = _match_optimizers(path, doc, shards, optimizers, report)
+    opt_actions, finishers = _match_optimizers(path, doc, shards, optimizers, report, strict)
     if report and strict:
         raise CheckpointMismatchError(f"{path} does not match the model: {report.describe()} "
                                       "(pass strict=False to load the intersection)", report)
@@ -128,10 +128,13 @@ def _match_model(doc, shards, buffers, report) -> list:
     return actions
 
 
-def _match_optimizers(path, doc, shards, optimizers, report) -> tuple[list, list]:
+def _match_optimizers(path, doc, shards, optimizers, report, strict) -> tuple[list, list]:
     saved_opts = doc.get("optimizers", [])
     if optimizers and len(saved_opts) != len(optimizers):
-        raise CheckpointMismatchError(f"{path} holds {len(saved_opts)} optimizer(s); {len(optimizers)} given")
+        if strict:
+            raise CheckpointMismatchError(f"{path} holds {len(saved_opts)} optimizer(s); {len(optimizers)} given")
+        report.missing += [f"optimizer[{i}]" for i in range(len(saved_opts), len(optimizers))]
+        report.unexpected += [f"optimizer[{i}]" for i in range(len(optimizers), len(saved_opts))]
     names_of = {id(sh.param): (sh.fqn, *sh.aliases) for sh in shards}
     shard_of = {id(sh.param): sh for sh in shards}
     actions, finishers = [], []
