@@ -52,3 +52,67 @@ def test_extra_per_rank_and_exact_range_reads(tmp_path, monkeypatch):
         # widening to CRC blocks costs <= 2 blocks per run (a few runs per file), plus the small extra file
         assert needed <= got <= needed + 8 * 4096 + 8192, (got, needed)
         assert got < 0.6 * total
+
+
+def _frozen_model(seed):
+    from test_checkpoint_support import TiedNet
+
+    torch.manual_seed(seed)
+    model = TiedNet(vocab=37, d=10)
+    fp.shard(model, sharding_strategy="full_shard")
+    opts = [torch.optim.AdamW([model.emb.weight, model.l1.weight], lr=1e-2),
+            torch.optim.SGD([model.l1.bias], lr=0.1, momentum=0.9)]
+    return model, opts
+
+
+def _opt_pieces(model, opts):
+    from fsdp_plugin._layout import param_shards
+
+    out = {}
+    for i, o in enumerate(opts):
+        for sh in param_shards(model):
+            for k, v in o.state.get(sh.param, {}).items():
+                out[(i, sh.fqn, k)] = (sh.start, v.detach().clone())
+    return out
+
+
+def _save_frozen(rank, world, path):
+    model, opts = _frozen_model(0)
+    x = torch.randint(0, 37, (2, 5), generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):
+        model(x).sum().backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    save_checkpoint(path, model, opts)
+    return fp.full_state_dict(model), _opt_pieces(model, opts)
+
+
+def _load_frozen(rank, world, path):
+    model, opts = _frozen_model(1)
+    load_checkpoint(path, model, opts)
+    assert model.head.weight is model.emb.weight
+    return fp.full_state_dict(model), _opt_pieces(model, opts)
+
+
+def _assemble(per_rank):
+    out = {}
+    for _, pieces in per_rank:
+        for key, (start, v) in pieces.items():
+            if v.dim() == 0 or v.numel():  # empty pieces carry nothing (and may share a start)
+                out.setdefault(key, {})[start] = v
+    return {k: torch.cat([d[s].reshape(-1) for s in sorted(d)]) if d[min(d)].dim() else d[min(d)]
+            for k, d in out.items()}
+
+
+def test_tied_frozen_two_optimizers_reshard(tmp_path):
+    path = str(tmp_path / "ck")
+    saved = run_ranks(_save_frozen, 2, path, timeout=120)
+    loaded = run_ranks(_load_frozen, 3, path, timeout=120)
+    assert saved[0][0].keys() == loaded[0][0].keys()
+    for k, v in saved[0][0].items():
+        assert torch.equal(v, loaded[0][0][k]), k
+    a, b = _assemble(saved), _assemble(loaded)
+    assert a.keys() == b.keys() and any(k[0] == 1 for k in a)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
