@@ -130,11 +130,12 @@ def register_forward_method(model: nn.Module, name: str) -> None:
 
 
 def clip_grad_norm_(parameters: Union[nn.Module, Iterable[torch.Tensor]], max_norm: float,
-                    norm_type: float = 2.0) -> torch.Tensor:
+                    norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
     """Scale gradients so their global norm is at most ``max_norm``; return the global norm (every rank).
 
     Equals ``torch.nn.utils.clip_grad_norm_`` on the unsharded model: each element is counted once
     (shard pieces summed across the shard group; replicated parameters counted on one rank only).
+    Collective over the shard group: call it on every rank.
     """
     params = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
     grads = [p.grad for p in params if p.grad is not None]
@@ -152,6 +153,11 @@ def clip_grad_norm_(parameters: Union[nn.Module, Iterable[torch.Tensor]], max_no
         op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
         comm.all_reduce(local, group, op=op, kind="control")
     total = local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise FloatingPointError(
+            f"the total norm of order {norm_type} of the gradients is {total.item()}: some gradient is NaN or inf, "
+            "so clipping cannot make the step safe. Skip this step (or use fp.GradScaler, which skips it for you), "
+            "lower the learning rate, or check the loss for overflow; pass error_if_nonfinite=False to clip anyway")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coef.to(g.device, g.dtype))
