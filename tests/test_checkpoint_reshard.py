@@ -106,9 +106,8 @@ def _gather_opt(per_rank):
             for key, v in st.items():
                 if v.dim() == 0:
                     out.setdefault((fqn, key), v)
-                else:
-                    buf = out.setdefault((fqn, key), {})
-                    buf[a] = v.reshape(-1)
+                elif v.numel():  # empty pieces carry nothing (and may share a start)
+                    out.setdefault((fqn, key), {})[a] = v.reshape(-1)
     return {k: (v if isinstance(v, torch.Tensor) else torch.cat([v[s] for s in sorted(v)])) for k, v in out.items()}
 
 
