@@ -118,7 +118,7 @@ def test_consolidate_cli_inspect_verify(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "world size 3" in text and "full_shard" in text and "tok.weight: F32" in text and '"epoch": 3' in text
     assert cli(["verify", "-q", str(ck)]) == 0
-    assert cli(["consolidate", str(ck), str(out), "--max-shard-size", "30KB", "--keep-tied"]) == 0
+    assert cli(["consolidate", str(ck), str(out), "--max-shard-size", "30KB"]) == 0
     sd = {}
     for f in os.listdir(out):
         if f.endswith(".safetensors"):
@@ -127,6 +127,9 @@ def test_consolidate_cli_inspect_verify(tmp_path, capsys):
     plain.load_state_dict(sd)  # strict: every name, tied alias included
     for k, v in _gpt(0).state_dict().items():
         assert torch.equal(plain.state_dict()[k], v)
+    assert cli(["consolidate", "-q", str(ck), str(tmp_path / "hub"), "--drop-tied"]) == 0
+    hub = load_file(tmp_path / "hub" / "model.safetensors")
+    assert "head.weight" not in hub and hub.keys() == _reference().keys()
     f = ck / "rank00001.model.safetensors"
     data = bytearray(f.read_bytes())
     data[-5] ^= 0xFF

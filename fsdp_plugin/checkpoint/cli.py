@@ -72,7 +72,7 @@ def _consolidate(args) -> int:
     from .consolidate import consolidate
 
     names = consolidate(args.ckpt, args.out, args.max_shard_size, None if args.quiet else Progress("consolidate"),
-                        keep_tied=args.keep_tied)
+                        keep_tied=not args.drop_tied)
     print(f"wrote {len(names)} file(s) to {args.out}")
     return 0
 
@@ -92,8 +92,9 @@ def main(argv=None) -> int:
     p.add_argument("ckpt")
     p.add_argument("out")
     p.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 5GB, 500MB (default 5GB)")
-    p.add_argument("--keep-tied", action="store_true",
-                   help="also write tied parameters under their alias names (strict load_state_dict)")
+    p.add_argument("--drop-tied", action="store_true",
+                   help="write tied parameters once, under their first name (HF hub convention); by default "
+                        "they are written under every name so a strict load_state_dict works")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(fn=_consolidate)
     args = parser.parse_args(argv)

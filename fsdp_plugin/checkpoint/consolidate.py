@@ -3,7 +3,7 @@
 Each rank model file is read once, sequentially, in CRC32 blocks (one reused block buffer: memory is
 O(block), 8 MiB by default); each block is checked against the manifest and the bytes of the pieces it
 holds are ``pwrite``-n to their precomputed offsets in the output files. Outputs are fsynced and renamed
-into place, the index last. Tied aliases are written once (or, on request, under every name); optimizer state and extras are not exported.
+into place, the index last. Tied aliases are written under every name (or, on request, once); optimizer state and extras are not exported.
 """
 from __future__ import annotations
 
@@ -18,11 +18,12 @@ from .hf_out import HFWriter
 from .reader import ReadPlan
 
 
-def consolidate(ckpt, out, max_shard_size="5GB", progress=None, keep_tied: bool = False) -> list[str]:
+def consolidate(ckpt, out, max_shard_size="5GB", progress=None, keep_tied: bool = True) -> list[str]:
     """Export checkpoint ``ckpt`` to HF safetensors in directory ``out``; return the output file names.
 
-    Tied aliases are dropped (HF convention: the model re-ties them) unless ``keep_tied``, which writes
-    a copy under every name so that a strict ``load_state_dict`` of the plain model works.
+    With ``keep_tied`` (default) a tied parameter is written under every name, so the output loads into
+    the plain model with a strict ``load_state_dict`` (HF loaders re-tie it anyway); ``keep_tied=False``
+    drops the aliases like ``save_pretrained`` and the hub do.
     ``progress(done_bytes, total_bytes)`` is called after every block when given.
     """
     ckpt, out = os.fspath(ckpt), os.fspath(out)
