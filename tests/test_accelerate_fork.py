@@ -87,7 +87,8 @@ def _train(rank, world, env):
             loss = nn.functional.mse_loss(model(xs[i][mine]), ys[i][mine])
             acc.backward(loss)
             after = fp.comm_stats.snapshot()["calls"]
-            comm.append((acc.sync_gradients, {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}))
+            delta = {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
+            comm.append((acc.sync_gradients, delta))
             if acc.sync_gradients:
                 acc.clip_grad_norm_(model.parameters(), 0.5)
             opt.step()

@@ -111,3 +111,12 @@ def test_bf16_flag_gives_bf16_params_fp32_reduction_on_cpu():
     assert out.dtype == torch.float32  # accelerate's autocast wrapper returns fp32 outputs
     acc.backward(out.sum())
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_save_state_rejects_an_optimizer_of_an_unprepared_model(tmp_path):
+    acc = Accelerator(sharding_config=fp.ShardingConfig())
+    model = acc.prepare(net())
+    stray = acc.prepare(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+    assert fp.is_sharded(model) and stray is not None
+    with pytest.raises(ValueError, match="SGD.*hold no parameter of a prepared model"):
+        acc.save_state(tmp_path / "s")

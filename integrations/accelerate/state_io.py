@@ -44,10 +44,20 @@ def _inner(optimizer: Any) -> Any:
     return getattr(optimizer, "optimizer", optimizer)
 
 
+def check_optimizers(models: list, optimizers: list) -> None:
+    """Every prepared optimizer must belong to a prepared model (its state is saved with that model)."""
+    owned = {id(_inner(optimizer_for(m, optimizers))) for m in models if optimizer_for(m, optimizers) is not None}
+    orphans = [type(_inner(o)).__name__ for o in optimizers if id(_inner(o)) not in owned]
+    if orphans:
+        raise ValueError(f"save_state/load_state: optimizer(s) {orphans} hold no parameter of a prepared model; "
+                         "prepare the model they optimize with the same Accelerator")
+
+
 def save_models(directory: str, models: list, optimizers: list) -> None:
     """Collective: one sharded checkpoint per model, with its optimizer."""
     from fsdp_plugin.checkpoint import save_checkpoint
 
+    check_optimizers(models, optimizers)
     for i, model in enumerate(models):
         save_checkpoint(model_dir(directory, i), model, optimizer_for(model, optimizers))
 
@@ -56,6 +66,7 @@ def load_models(directory: str, models: list, optimizers: list) -> None:
     """Collective: inverse of :func:`save_models`, at any process count."""
     from fsdp_plugin.checkpoint import load_checkpoint
 
+    check_optimizers(models, optimizers)
     for i, model in enumerate(models):
         path = model_dir(directory, i)
         if not os.path.isdir(path):
