@@ -120,3 +120,15 @@ def test_save_state_rejects_an_optimizer_of_an_unprepared_model(tmp_path):
     assert fp.is_sharded(model) and stray is not None
     with pytest.raises(ValueError, match="SGD.*hold no parameter of a prepared model"):
         acc.save_state(tmp_path / "s")
+
+
+def test_automatic_checkpoint_naming_and_total_limit(tmp_path):
+    from accelerate.utils import ProjectConfiguration
+
+    project = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=2)
+    acc = Accelerator(sharding_config=fp.ShardingConfig(), project_config=project)
+    model = acc.prepare(net())
+    for _ in range(3):
+        acc.save_state()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["checkpoint_1", "checkpoint_2"]
+    acc.load_state()  # the newest

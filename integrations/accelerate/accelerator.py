@@ -20,13 +20,12 @@ import torch
 import torch.distributed as dist
 from accelerate.utils import DistributedType
 
-from . import state_io
+from . import state_dirs, state_io
 from .env import hidden_env, needs_cpu_flag
-from .from_env import fsdp_requested, mesh_from_sizes, settings_from_env
-from .from_plugin import settings_from_plugin
 from .parse import parse_mixed_precision
 from .resolve import sharding_config as resolve_config
-from .settings import FsdpSettings, config_error
+from .selection import check_precision_flag, select_settings
+from .settings import FsdpSettings
 
 _PARENT_SIGNATURE = inspect.signature(accelerate.Accelerator.__init__)
 
@@ -41,19 +40,20 @@ class Accelerator(accelerate.Accelerator):
     def __init__(self, *args: Any, sharding_config: Any = None, **kwargs: Any):
         bound = _PARENT_SIGNATURE.bind(None, *args, **kwargs).arguments
         bound.pop("self", None)
-        settings = _select_settings(bound, sharding_config)
+        plugin_given = bound.get("fsdp_plugin") is not None
+        settings = select_settings(bound, sharding_config)
         self._fp_settings: FsdpSettings | None = settings
         self._fp_user_config = sharding_config
         self._fp_active = False
         if settings is None and sharding_config is None:
             super().__init__(**bound)
             return
-        _check_precision_flag(bound.get("mixed_precision"))
+        check_precision_flag(bound.get("mixed_precision"))
         if needs_cpu_flag():
             bound["cpu"] = True
         with hidden_env():
             super().__init__(**bound)
-        self._finish_init(plugin_given=bound.get("fsdp_plugin") is not None)
+        self._finish_init(plugin_given=plugin_given)
 
     # ------------------------------------------------------------------ setup
     def _finish_init(self, plugin_given: bool) -> None:
@@ -181,7 +181,7 @@ class Accelerator(accelerate.Accelerator):
         """Collective: models + optimizers in fsdp_plugin's sharded format, the rest as JSON/safetensors."""
         if not self._fp_active:
             return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
-        output_dir = self._state_output_dir(output_dir)
+        output_dir = state_dirs.output_dir(self, output_dir)
         os.makedirs(output_dir, exist_ok=True)
         self.wait_for_everyone()
         for hook in self._save_model_state_pre_hook.values():
@@ -196,47 +196,12 @@ class Accelerator(accelerate.Accelerator):
         """Collective: inverse of :meth:`save_state`, at any process count."""
         if not self._fp_active:
             return super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
-        input_dir = self._state_input_dir(input_dir)
+        input_dir = state_dirs.input_dir(self, input_dir)
         for hook in self._load_model_state_pre_hook.values():
             hook(self._models, input_dir)
         state_io.load_models(input_dir, self._models, self._optimizers)
         state_io.load_small_state(input_dir, self)
         self.wait_for_everyone()
-
-    def _state_output_dir(self, output_dir: str | None) -> str:
-        """accelerate's automatic checkpoint naming and ``total_limit`` rotation."""
-        cfg = self.project_configuration
-        if not cfg.automatic_checkpoint_naming:
-            if output_dir is None:
-                raise ValueError("save_state: give output_dir or enable automatic checkpoint naming")
-            return os.fspath(output_dir)
-        root = os.path.join(self.project_dir, "checkpoints")
-        os.makedirs(root, exist_ok=True)
-        folders = sorted((f for f in os.listdir(root) if _iteration(f) is not None), key=_iteration)
-        if cfg.total_limit is not None and len(folders) + 1 > cfg.total_limit and self.is_main_process:
-            import shutil
-
-            for folder in folders[: len(folders) + 1 - cfg.total_limit]:
-                shutil.rmtree(os.path.join(root, folder))
-        path = os.path.join(root, f"checkpoint_{self.save_iteration}")
-        if os.path.exists(path):
-            raise ValueError(f"Checkpoint directory {path} already exists; set `save_iteration` to continue")
-        return path
-
-    def _state_input_dir(self, input_dir: str | None) -> str:
-        """An explicit directory, or the newest automatic checkpoint."""
-        if input_dir is not None:
-            input_dir = os.path.expanduser(os.fspath(input_dir))
-            if not os.path.isdir(input_dir):
-                raise ValueError(f"load_state: {input_dir} does not exist")
-            return input_dir
-        if not self.project_configuration.automatic_checkpoint_naming:
-            raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
-        root = os.path.join(self.project_dir, "checkpoints")
-        folders = sorted((f for f in os.listdir(root) if _iteration(f) is not None), key=_iteration)
-        if not folders:
-            raise ValueError(f"load_state: no checkpoint_<n> folder in {root}")
-        return os.path.join(root, folders[-1])
 
 
 def _checkpoint_function(name: str):
@@ -249,54 +214,6 @@ def _checkpoint_function(name: str):
         return None
 
 
-def _iteration(folder: str) -> int | None:
-    """``checkpoint_12`` → 12."""
-    head, _, tail = folder.rpartition("_")
-    return int(tail) if head and tail.isdigit() else None
-
-
-def _select_settings(bound: dict, sharding_config: Any) -> FsdpSettings | None:
-    """Settings from ``fsdp_plugin=`` or the launcher env; pops what stock accelerate must not see."""
-    plugin = bound.pop("fsdp_plugin", None)
-    if plugin is not None and not isinstance(plugin, accelerate.utils.FullyShardedDataParallelPlugin):
-        raise TypeError("`fsdp_plugin` must be an accelerate FullyShardedDataParallelPlugin")
-    if sharding_config is not None:
-        if plugin is not None:
-            raise TypeError("pass either sharding_config= or fsdp_plugin=, not both")
-        _reject_parallelism(bound)
-        return None
-    if plugin is not None:
-        settings = settings_from_plugin(plugin)
-    elif fsdp_requested():
-        settings = settings_from_env()
-    else:
-        return None
-    _apply_parallelism(settings, bound)
-    return settings
-
-
-def _apply_parallelism(settings: FsdpSettings, bound: dict) -> None:
-    """A ``ParallelismConfig`` passed in code: dp_replicate/dp_shard → hybrid mesh; others unsupported."""
-    pc = bound.pop("parallelism_config", None)
-    if pc is None:
-        return
-    for name in ("tp_size", "cp_size", "sp_size"):
-        if (getattr(pc, name, 1) or 1) > 1:
-            raise config_error(f"ParallelismConfig.{name}", getattr(pc, name), "only dp_replicate/dp_shard")
-    settings.mesh, settings.strategy = mesh_from_sizes(pc.dp_replicate_size or 1, pc.dp_shard_size or 1,
-                                                       settings.strategy, settings.key("strategy"))
-
-
-def _reject_parallelism(bound: dict) -> None:
-    """``sharding_config=`` carries its own mesh; a ParallelismConfig would be ambiguous."""
-    if bound.get("parallelism_config") is not None:
-        raise TypeError("pass either sharding_config= (with device_mesh) or parallelism_config=, not both")
-
-
-def _check_precision_flag(flag: Any) -> None:
-    """Reject fp8 before accelerate tries to set it up."""
-    value = flag if flag is not None else os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    parse_mixed_precision(value, "mixed_precision")
 
 
 def _wrap_forward_in_autocast(model: torch.nn.Module, native_amp: bool, handler: Any) -> None:

@@ -1,0 +1,60 @@
+"""Which accelerate FSDP settings apply: ``fsdp_plugin=``, the launcher's env, or ``sharding_config=``.
+
+Pops from the parent's bound arguments what stock accelerate must not see (the plugin, and a
+``ParallelismConfig`` that we translate into a hybrid mesh).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import accelerate
+
+from .from_env import fsdp_requested, mesh_from_sizes, settings_from_env
+from .from_plugin import settings_from_plugin
+from .parse import parse_mixed_precision
+from .settings import FsdpSettings, config_error
+
+
+def select_settings(bound: dict, sharding_config: Any) -> FsdpSettings | None:
+    """Settings from ``fsdp_plugin=`` or the launcher env; pops what stock accelerate must not see."""
+    plugin = bound.pop("fsdp_plugin", None)
+    if plugin is not None and not isinstance(plugin, accelerate.utils.FullyShardedDataParallelPlugin):
+        raise TypeError("`fsdp_plugin` must be an accelerate FullyShardedDataParallelPlugin")
+    if sharding_config is not None:
+        if plugin is not None:
+            raise TypeError("pass either sharding_config= or fsdp_plugin=, not both")
+        _reject_parallelism(bound)
+        return None
+    if plugin is not None:
+        settings = settings_from_plugin(plugin)
+    elif fsdp_requested():
+        settings = settings_from_env()
+    else:
+        return None
+    _apply_parallelism(settings, bound)
+    return settings
+
+
+def _apply_parallelism(settings: FsdpSettings, bound: dict) -> None:
+    """A ``ParallelismConfig`` passed in code: dp_replicate/dp_shard → hybrid mesh; others unsupported."""
+    pc = bound.pop("parallelism_config", None)
+    if pc is None:
+        return
+    for name in ("tp_size", "cp_size", "sp_size"):
+        if (getattr(pc, name, 1) or 1) > 1:
+            raise config_error(f"ParallelismConfig.{name}", getattr(pc, name), "only dp_replicate/dp_shard")
+    settings.mesh, settings.strategy = mesh_from_sizes(pc.dp_replicate_size or 1, pc.dp_shard_size or 1,
+                                                       settings.strategy, settings.key("strategy"))
+
+
+def _reject_parallelism(bound: dict) -> None:
+    """``sharding_config=`` carries its own mesh; a ParallelismConfig would be ambiguous."""
+    if bound.get("parallelism_config") is not None:
+        raise TypeError("pass either sharding_config= (with device_mesh) or parallelism_config=, not both")
+
+
+def check_precision_flag(flag: Any) -> None:
+    """Reject fp8 before accelerate tries to set it up."""
+    value = flag if flag is not None else os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    parse_mixed_precision(value, "mixed_precision")
