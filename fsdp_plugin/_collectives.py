@@ -93,12 +93,14 @@ def wait(work, what: str = "collective", timeout_s: Optional[float] = None) -> N
 
 def _collective_error(what: str, timeout_s, cause) -> CollectiveError:
     rank = dist.get_rank() if dist.is_initialized() else 0
-    detail = f": {str(cause).splitlines()[0][:300]}" if cause else ""
-    return CollectiveError(
-        f"rank {rank}: {what} did not complete within {timeout_s:.0f}s{detail}. Another rank probably failed, "
-        "was killed or ran different units; check its log. The limit is ShardingConfig(timeout_s=...) or "
-        "FSDP_PLUGIN_TIMEOUT_S (default 600 s)." if timeout_s else
-        f"rank {rank}: {what} failed{detail}. Another rank probably failed or was killed; check its log.")
+    text = str(cause).splitlines()[0][:300] if cause else ""
+    if cause is None or "timed out" in text.lower() or "timeout" in text.lower():
+        return CollectiveError(
+            f"rank {rank}: {what} did not complete within {timeout_s:.0f}s. Another rank probably failed, is stuck "
+            "or ran different units; check its log. The limit is ShardingConfig(timeout_s=...) or the "
+            "FSDP_PLUGIN_TIMEOUT_S environment variable (default 600 s).")
+    return CollectiveError(f"rank {rank}: {what} failed ({text}). Another rank probably died or was killed; "
+                           "check its log.")
 
 
 def default_timeout_s(configured: Optional[float]) -> float:
