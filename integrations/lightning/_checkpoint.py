@@ -69,6 +69,7 @@ def save_full(path: Path, model: torch.nn.Module, meta: dict[str, Any]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         save_file(_unshared(state), str(tmp), metadata={"format": "pt", FULL_META_KEY: header})
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     _barrier()
 

@@ -1,0 +1,184 @@
+"""``FSDPPluginFabricStrategy``: ``Fabric(strategy="fsdp_plugin")`` on the fsdp_plugin engine.
+
+Shares config, process group, sharding, precision and codec with the Trainer strategy. ``setup`` shards the
+module in place (parameters keep their identity, so optimizers made before or after ``setup`` both work);
+``no_backward_sync`` is ``fp.no_sync``; ``clip_gradients`` uses ``fp.clip_grad_norm_``; ``save``/``load``
+write/read the engine's sharded directory (loadable at any world size), the non-tensor state going through
+the pickle-free codec.
+"""
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.parallel import ParallelStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+
+import fsdp_plugin as fp
+from fsdp_plugin.integrations.lightning import _common as common
+from fsdp_plugin.integrations.lightning import _fabric_state as fstate
+from fsdp_plugin.integrations.lightning._register import STRATEGY_NAME
+from fsdp_plugin.integrations.lightning.precision import FSDPPluginFabricPrecision
+
+
+class _NoSync(_BackwardSyncControl):
+    """``fabric.no_backward_sync(module)`` → ``fp.no_sync(module)``."""
+
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        return fp.no_sync(module) if enabled else nullcontext()
+
+
+class FSDPPluginFabricStrategy(ParallelStrategy, _Sharded):
+    """Fully sharded data parallel Fabric strategy. Keyword arguments: the ``fp.ShardingConfig`` fields."""
+
+    def __init__(
+        self,
+        accelerator: Any = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Any = None,
+        precision: Any = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        **sharding: Any,
+    ) -> None:
+        self.sharding_config = common.sharding_config(sharding)
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, precision=precision)
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._num_nodes = 1
+        self._backward_sync_control = _NoSync()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(STRATEGY_NAME, cls, description="fsdp_plugin fully sharded data parallel",
+                                   override=True)
+
+    # ----------------------------------------------------------------- plumbing
+    @property
+    def precision(self) -> Any:
+        return self._precision if self._precision is not None else FSDPPluginFabricPrecision()
+
+    @precision.setter
+    def precision(self, precision: Any) -> None:
+        self._precision = common.convert_precision(precision, FSDPPluginFabricPrecision)
+
+    @property
+    def checkpoint_io(self) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} saves through the fsdp_plugin engine, not CheckpointIO")
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Any) -> None:
+        if io is not None:
+            raise NotImplementedError(f"{type(self).__name__} does not use CheckpointIO plugins")
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        assert self.cluster_environment is not None
+        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+        self._process_group_backend = common.init_process_group(
+            self.cluster_environment, self.root_device, self._process_group_backend, self._timeout,
+            bool(getattr(self.sharding_config, "cpu_offload", False)))
+
+    # ----------------------------------------------------------------- modules
+    def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
+        """``fabric.init_module(empty_init=True)``: build under ``fp.deferred_init()`` (materialized in setup)."""
+        stack = ExitStack()
+        stack.enter_context(common.deferred_init_context(bool(empty_init)))
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    def module_sharded_context(self) -> AbstractContextManager:
+        return common.deferred_init_context(True)
+
+    def setup_module(self, module: Module) -> Module:
+        module = self.precision.convert_module(module) if not fp.is_sharded(module) else module
+        cfg = common.with_precision(self.sharding_config, self.precision)
+        return common.shard_module(module, cfg, self.root_device)
+
+    def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer],
+                                    scheduler: Any = None) -> tuple[Module, list[Optimizer], Any]:
+        """Parameters keep their identity through sharding: optimizers need no rebuilding."""
+        return self.setup_module(module), optimizers, scheduler
+
+    def module_to_device(self, module: Module) -> None:
+        """The engine places the shards."""
+
+    def clip_gradients_norm(self, module: Module, optimizer: Optimizer, max_norm: Union[float, int],
+                            norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> Tensor:
+        self.precision.unscale_gradients(optimizer)
+        return self.precision.clip_norm(self.precision.main_params(optimizer), max_norm, norm_type, error_if_nonfinite)
+
+    # ----------------------------------------------------------------- collectives
+    def all_reduce(self, tensor: Tensor, group: Optional[Any] = None,
+                   reduce_op: Optional[Union[Any, str]] = "mean") -> Tensor:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    # ----------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Optional[Any] = None,
+                        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
+        """Collective: the engine's sharded directory at ``path`` (one module, its optimizer(s), other state)."""
+        if storage_options is not None or filter:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes neither storage_options nor filter")
+        fstate.save(Path(self.broadcast(str(path))), state)
+
+    def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Collective: restores modules/optimizers/stateful objects in ``state`` in place; returns the rest."""
+        return fstate.load(Path(self.broadcast(str(path))), state, strict)
