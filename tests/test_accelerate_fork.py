@@ -71,8 +71,9 @@ def _train(rank, world, env):
 
     AcceleratorState._reset_state(True)  # the forked parent may hold accelerate singletons
     GradientState._reset_state()
-    import fsdp_plugin as fp
     from fsdp_plugin.integrations.accelerate import Accelerator
+
+    import fsdp_plugin as fp
 
     acc = Accelerator(gradient_accumulation_steps=ACCUM)
     model, opt = build()

@@ -127,7 +127,7 @@ def test_automatic_checkpoint_naming_and_total_limit(tmp_path):
 
     project = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=2)
     acc = Accelerator(sharding_config=fp.ShardingConfig(), project_config=project)
-    model = acc.prepare(net())
+    assert fp.is_sharded(acc.prepare(net()))
     for _ in range(3):
         acc.save_state()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["checkpoint_1", "checkpoint_2"]

@@ -21,14 +21,14 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def sharding_kwargs(s: FsdpSettings, model: nn.Module, device: torch.device | None = None) -> dict[str, Any]:
     """``ShardingConfig`` keyword arguments for ``model`` (the engine validates them further)."""
     wrap = wrap_policy(s.wrap, model, s.key("wrap"))
-    kwargs = dict(
-        sharding_strategy=s.strategy, auto_wrap_policy=wrap, mixed_precision=mixed_precision(s),
-        device_mesh=s.mesh, backward_prefetch=s.backward_prefetch, forward_prefetch=s.forward_prefetch,
-        limit_all_gathers=s.limit_all_gathers, cpu_offload=s.cpu_offload,
-        activation_checkpointing=checkpoint_policy(s, wrap, model),
-        ignored_modules=ignored_modules(s.ignored_modules, model, s.key("ignored_modules")),
-        param_init_fn=s.param_init_fn,
-    )
+    kwargs = {
+        "sharding_strategy": s.strategy, "auto_wrap_policy": wrap, "mixed_precision": mixed_precision(s),
+        "device_mesh": s.mesh, "backward_prefetch": s.backward_prefetch, "forward_prefetch": s.forward_prefetch,
+        "limit_all_gathers": s.limit_all_gathers, "cpu_offload": s.cpu_offload,
+        "activation_checkpointing": checkpoint_policy(s, wrap, model),
+        "ignored_modules": ignored_modules(s.ignored_modules, model, s.key("ignored_modules")),
+        "param_init_fn": s.param_init_fn,
+    }
     if device is not None:
         kwargs["device"] = device
     return kwargs

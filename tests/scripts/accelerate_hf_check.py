@@ -30,10 +30,9 @@ def build_model(real: bool):
 
 def main() -> None:
     from fsdp_plugin.integrations.accelerate import Accelerator
+    from transformers import GPT2LMHeadModel
 
     import fsdp_plugin as fp
-
-    from transformers import GPT2LMHeadModel
 
     out = sys.argv[1]
     accelerator = Accelerator()
