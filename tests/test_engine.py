@@ -381,3 +381,25 @@ def _max_unsharded(rank, world, limit, forward_prefetch):
 def test_limit_all_gathers_bounds_unsharded_units(forward_prefetch):
     assert run_ranks(_max_unsharded, 2, True, forward_prefetch)[0] <= 2
     assert run_ranks(_max_unsharded, 2, False, forward_prefetch)[0] == 3, "the test must be able to fail"
+
+
+# ----------------------------------------------------------------- CPU offload
+def _offload(rank, world):
+    torch.manual_seed(0)
+    model = fp.shard(GPT(), auto_wrap_policy={Block}, cpu_offload=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for s in range(4):
+        loss = model(*gpt_batch(s, rank))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+    assert all(p.device.type == "cpu" and p.grad.device.type == "cpu" for p in model.parameters())
+    return losses
+
+
+def test_cpu_offload_is_a_correct_no_op_on_cpu():
+    assert_close_losses(run_ranks(_offload, 2)[0], single_process(2, "sgd", steps=4)[0])
