@@ -80,6 +80,32 @@ def dataset() -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, y)
 
 
+def reference_run(steps: int, accumulate: int = 1, clip: float | None = None) -> tuple[list, dict]:
+    """Plain single-process PyTorch doing what the Trainer does on the same global batches.
+
+    Returns the loss of every micro-batch (as ``LossRecorder`` records them: divided by ``accumulate``) and
+    the final state dict.
+    """
+    model = Regressor()
+    cfg = model.configure_optimizers()
+    opt, sched = cfg["optimizer"], cfg["lr_scheduler"]["scheduler"]
+    x, y = dataset().tensors
+    micro = GLOBAL_BATCH // accumulate
+    losses, n = [], len(x) // micro
+    for i in range(steps * accumulate):
+        sl = slice((i % n) * micro, (i % n + 1) * micro)
+        loss = nn.functional.mse_loss(model(x[sl]), y[sl])
+        (loss / accumulate).backward()
+        if (i + 1) % accumulate == 0:
+            if clip:
+                nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        losses.append(float(loss.detach()) / accumulate)  # Lightning reports the normalized loss
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 class LossRecorder(Callback):
     """Records the global mean loss of each micro-batch (a collective: every rank runs it)."""
 
@@ -100,6 +126,28 @@ class ResumeSampler(Callback):
         done = loop.batch_progress.current.ready if loop.restarting else 0
         print(f"EPOCHSTART {trainer.current_epoch} skip={done}", file=sys.stderr)
         trainer.train_dataloader.sampler.skip = done * trainer.train_dataloader.batch_size
+
+
+class SaveAt(Callback):
+    """``trainer.save_checkpoint(path)`` once, after optimizer step ``step`` (mid-fit)."""
+
+    def __init__(self, step: int, path: str) -> None:
+        self.step, self.path, self.done = step, path, False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step and not self.done:
+            self.done = True
+            trainer.save_checkpoint(self.path)
+
+
+def forbid_pickle_loads() -> None:
+    """Make every pickle-based checkpoint read fail: resuming must not need it."""
+    import lightning.fabric.utilities.cloud_io as cloud_io
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a checkpoint was read through torch.load/pickle")
+
+    torch.load = cloud_io._load = refuse
 
 
 def build_strategy(args: argparse.Namespace):
@@ -128,6 +176,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--resume", default=None)
     p.add_argument("--state-dict-type", default="sharded")
     p.add_argument("--save-weights", default=None)
+    p.add_argument("--save-at", nargs=2, default=None, metavar=("STEP", "PATH"))
+    p.add_argument("--forbid-pickle", action="store_true")
     return p.parse_args()
 
 
@@ -135,12 +185,16 @@ def main() -> None:
     args = parse()
     import fsdp_plugin  # noqa: F401  - registers "fsdp_plugin" with Lightning
 
+    if args.forbid_pickle:
+        forbid_pickle_loads()
     pl.seed_everything(0, verbose=False)
     recorder = LossRecorder()
     callbacks = [recorder, ResumeSampler()]
     if args.ckpt_dir:
         callbacks.append(ModelCheckpoint(f"{args.ckpt_dir}/top", monitor="train_loss", save_top_k=1, save_last=True))
         callbacks.append(ModelCheckpoint(f"{args.ckpt_dir}/all", save_top_k=-1, every_n_epochs=1))
+    if args.save_at:
+        callbacks.append(SaveAt(int(args.save_at[0]), args.save_at[1]))
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.devices, strategy=build_strategy(args), precision=args.precision,
         max_steps=args.max_steps, accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip_val,

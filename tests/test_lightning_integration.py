@@ -1,0 +1,117 @@
+"""Real multi-process Lightning Trainer / Fabric runs on CPU (gloo), each a subprocess script.
+
+Lightning's launcher re-runs the command line for the other ranks, so nothing here starts a multi-device
+Trainer inside pytest: ``scripts/lightning_launch.py`` runs the scripts with a clean environment and kills
+the whole process group on timeout. References are plain single-process PyTorch on the same global batches
+(``lightning_train.reference_run``), so parity is against PyTorch, not against another Lightning strategy.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+import lightning_launch as launch  # noqa: E402
+
+pytest.importorskip("lightning")
+import lightning_train as lt  # noqa: E402
+
+pytestmark = pytest.mark.integration
+TOL = 1e-5
+
+
+def _losses(report: dict) -> list[float]:
+    return [entry[1] for entry in report["losses"]]
+
+
+def _close(got: list[float], want: list[float], tol: float = TOL) -> None:
+    assert len(got) == len(want), (got, want)
+    diff = max(abs(a - b) for a, b in zip(got, want))
+    assert diff <= tol * max(1.0, max(abs(w) for w in want)), f"max diff {diff}\n got {got}\nwant {want}"
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[float]:
+    return lt.reference_run(8)[0]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict:
+    """2 ranks, Lightning's launcher, model built in configure_model (deferred init), 8 steps, ModelCheckpoint
+    (top-1 + last, and every epoch) and a mid-fit ``trainer.save_checkpoint`` after step 4."""
+    d = tmp_path_factory.mktemp("trainer")
+    launch.python("lightning_train.py", "--out", d / "out.json", "--devices", 2, "--deferred",
+                  "--ckpt-dir", d / "ck", "--save-at", 4, d / "step4.ckpt", timeout=240)
+    return {"dir": d, "report": launch.report(d / "out.json")}
+
+
+def test_two_ranks_deferred_init_match_single_process(trained, reference):
+    report = trained["report"]
+    assert report["strategy"] == "FSDPPluginStrategy" and report["world_size"] == 2
+    assert report["precision_plugin"] == "FSDPPluginPrecision"
+    _close(_losses(report), reference)
+
+
+def test_model_checkpoint_writes_pickle_free_directories(trained):
+    top, every = trained["dir"] / "ck" / "top", trained["dir"] / "ck" / "all"
+    assert sorted(p.name for p in every.iterdir()) == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt"]
+    names = sorted(p.name for p in top.iterdir())
+    assert len(names) == 2 and "last.ckpt" in names, names  # top-1 deleted the worse directory
+    for ckpt in [*top.iterdir(), *every.iterdir(), trained["dir"] / "step4.ckpt"]:
+        assert (ckpt / "manifest.json").is_file()
+        assert all(f.suffix in (".json", ".safetensors") for f in ckpt.iterdir()), list(ckpt.iterdir())
+
+
+def test_resume_on_one_device_continues_exactly(trained, reference):
+    out = trained["dir"] / "resume1.json"
+    launch.python("lightning_train.py", "--out", out, "--devices", 1, "--resume", trained["dir"] / "step4.ckpt",
+                  "--forbid-pickle", timeout=180)
+    report = launch.report(out)
+    assert [e[0] for e in report["losses"]] == [5, 6, 7, 8] and report["world_size"] == 1
+    _close(_losses(report), reference[4:])
+    assert report["lr"] == pytest.approx(3e-3 * 0.25)  # StepLR restored
+
+
+def test_resume_on_two_devices_with_torchrun(trained, reference):
+    out = trained["dir"] / "resume2.json"
+    launch.torchrun("lightning_train.py", "--out", out, "--devices", 2, "--resume", trained["dir"] / "step4.ckpt",
+                    "--forbid-pickle", timeout=240)
+    report = launch.report(out)
+    assert report["launched_by"] == "torchrun" and report["world_size"] == 2
+    _close(_losses(report), reference[4:])
+
+
+def test_clip_norm_accumulate_and_full_checkpoint(tmp_path):
+    want, want_state = lt.reference_run(4, accumulate=2, clip=0.05)
+    launch.python("lightning_train.py", "--out", tmp_path / "out.json", "--devices", 2, "--max-steps", 4,
+                  "--accumulate", 2, "--clip-val", 0.05, "--state-dict-type", "full",
+                  "--save", tmp_path / "full.ckpt", timeout=240)
+    _close(_losses(launch.report(tmp_path / "out.json")), want)
+    plain = lt.Regressor()  # an unsharded LightningModule loads the file directly
+    plain.load_state_dict(load_file(tmp_path / "full.ckpt"), strict=True)
+    for k, v in plain.state_dict().items():
+        torch.testing.assert_close(v, want_state[k], atol=1e-5, rtol=1e-5)
+    with safe_open(tmp_path / "full.ckpt", "pt") as f:
+        assert "fsdp_plugin.lightning" in f.metadata()
+
+
+def test_bf16_mixed_keeps_fp32_master_and_trains(tmp_path, reference):
+    launch.python("lightning_train.py", "--out", tmp_path / "out.json", "--devices", 2, "--max-steps", 2,
+                  "--precision", "bf16-mixed", timeout=180)
+    report = launch.report(tmp_path / "out.json")
+    assert report["param_dtype"] == "torch.bfloat16" and report["param_dtypes"] == ["torch.float32"]
+    _close(_losses(report), reference[:2], tol=2e-2)
+
+
+def test_fabric_deferred_init_accumulate_clip_save_load(tmp_path):
+    launch.python("lightning_fabric.py", tmp_path / "out.json", tmp_path / "ckpt", 2, timeout=240)
+    report = launch.report(tmp_path / "out.json")
+    assert report["strategy"] == "FSDPPluginFabricStrategy" and report["world_size"] == 2
+    _close(report["losses"], report["reference"])
+    _close(report["resumed"], report["losses"][4:])
+    assert report["step"] == 4 and report["note"] == ["tuple", float("inf")]

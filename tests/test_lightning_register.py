@@ -1,0 +1,50 @@
+"""``import fsdp_plugin`` registers "fsdp_plugin" with Lightning (Trainer and Fabric), lazily, in any order.
+
+Each check runs in a fresh interpreter (registration is process-global import state).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+import lightning_launch as launch  # noqa: E402
+
+pytest.importorskip("lightning")
+
+_CHECK = """
+import sys
+{first}
+assert "lightning" not in sys.modules, "registration imported Lightning eagerly"
+{second}
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+assert "fsdp_plugin" in StrategyRegistry and "fsdp_plugin" in STRATEGY_REGISTRY
+assert "fsdp_plugin.integrations.lightning.strategy" not in sys.modules, "strategy imported before it was asked for"
+s = StrategyRegistry.get("fsdp_plugin")
+f = STRATEGY_REGISTRY.get("fsdp_plugin")
+print("OK", type(s).__name__, type(f).__name__)
+"""
+
+
+def _run(first: str, second: str) -> str:
+    return launch.run([sys.executable, "-c", _CHECK.format(first=first, second=second)], timeout=120)
+
+
+def test_register_hook_then_lightning_import():
+    out = _run("from fsdp_plugin.integrations.lightning._register import register_if_lightning_present\n"
+               "register_if_lightning_present()", "import lightning.pytorch, lightning.fabric")
+    assert "OK FSDPPluginStrategy FSDPPluginFabricStrategy" in out
+
+
+def test_import_fsdp_plugin_registers_in_any_order():
+    """Needs ``fsdp_plugin/__init__.py`` to call ``register_if_lightning_present()``."""
+    out = _run("import fsdp_plugin", "import lightning.pytorch, lightning.fabric")
+    assert "OK FSDPPluginStrategy FSDPPluginFabricStrategy" in out
+    check_after = ("import lightning.pytorch\nimport fsdp_plugin\n"
+                   "from lightning.pytorch.strategies import StrategyRegistry\n"
+                   "from lightning.fabric.strategies import STRATEGY_REGISTRY\n"
+                   "assert 'fsdp_plugin' in StrategyRegistry and 'fsdp_plugin' in STRATEGY_REGISTRY\nprint('OK')")
+    assert "OK" in launch.run([sys.executable, "-c", check_after], timeout=120)
