@@ -9,7 +9,7 @@ sharded and refilled by the all-gather, so tensors saved for backward see the re
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch

@@ -3,7 +3,6 @@ the end-of-backward callback that waits for reductions and reshards whatever is 
 from __future__ import annotations
 
 from collections import deque
-from typing import Optional
 
 import torch
 from torch.autograd import Variable

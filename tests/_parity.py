@@ -34,10 +34,25 @@ def single_process(world, optim, steps=STEPS, model_fn=GPT, batch_fn=gpt_batch):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _global_mean(loss, world):
-    t = loss.detach().clone()
+def global_mean(loss, world):
+    """The loss averaged over ranks (every rank's batch has the same size)."""
+    t = loss.detach().float().clone()
     dist.all_reduce(t)
     return t.item() / world
+
+
+def train(model, opt, rank, world, steps, batch_fn=gpt_batch, first=0, each=None):
+    """Run ``steps`` optimizer steps on this rank's batches; return the global mean loss of each step."""
+    losses = []
+    for s in range(first, first + steps):
+        loss = model(*batch_fn(s, rank))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(global_mean(loss, world))
+        if each is not None:
+            each(s, loss)
+    return losses
 
 
 def sharded_worker(rank, world, strategy, optim, mesh=None, steps=STEPS, model_fn=GPT, batch_fn=gpt_batch,
@@ -47,30 +62,14 @@ def sharded_worker(rank, world, strategy, optim, mesh=None, steps=STEPS, model_f
     kwargs = {"device_mesh": mesh} if mesh else {}
     fp.shard(model, auto_wrap_policy=set(policy), sharding_strategy=strategy, **kwargs)
     opt = make_optimizer(optim, model.parameters())
-    losses = []
-    for s in range(steps):
-        x, y = batch_fn(s, rank)
-        loss = model(x, y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(_global_mean(loss, world))
+    losses = train(model, opt, rank, world, steps, batch_fn)
     return losses, fp.full_state_dict(model)
 
 
 def ddp_worker(rank, world, optim, steps=STEPS):
     torch.manual_seed(0)
     model = DistributedDataParallel(GPT())
-    opt = make_optimizer(optim, model.parameters())
-    losses = []
-    for s in range(steps):
-        x, y = gpt_batch(s, rank)
-        loss = model(x, y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(_global_mean(loss, world))
-    return losses
+    return train(model, make_optimizer(optim, model.parameters()), rank, world, steps)
 
 
 def assert_close_losses(got, want, tol=1e-5):

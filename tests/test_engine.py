@@ -4,13 +4,12 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 import fsdp_plugin as fp
 from _dist import run_ranks
-from _parity import assert_close_losses, assert_close_state, single_process
+from _parity import assert_close_losses, assert_close_state, single_process, train
 from models import GPT, Block, gpt_batch
 
 
@@ -107,18 +106,17 @@ def _zoo_sharded(rank, world, strategy, steps):
     torch.manual_seed(0)
     model = fp.shard(Zoo(), auto_wrap_policy=set(ZOO_UNITS), sharding_strategy=strategy)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
-    losses = []
-    for s in range(steps):
+
+    def batch(s, r):
         model.use_branch = s % 3 != 1
-        loss = model(*zoo_batch(s, rank))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
-        assert model.frozen.weight.grad is None
+        return zoo_batch(s, r)
+    losses = train(model, opt, rank, world, steps, batch,
+                   each=lambda s, loss: _assert(model.frozen.weight.grad is None))
     return losses, fp.full_state_dict(model)
+
+
+def _assert(condition):
+    assert condition
 
 
 @pytest.mark.parametrize("world,strategy", [(2, "full_shard"), (3, "full_shard"), (3, "shard_grad_op"),
@@ -224,18 +222,10 @@ def _ac_worker(rank, world, use_ac):
     torch.manual_seed(0)
     model = fp.shard(GPT(), auto_wrap_policy={Block}, activation_checkpointing={Block} if use_ac else None)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses, gathers = [], []
-    for s in range(3):
-        before = fp.comm_stats.calls["all_gather"]
-        loss = model(*gpt_batch(s, rank))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        gathers.append(fp.comm_stats.calls["all_gather"] - before)
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
-    return losses, gathers
+    fp.comm_stats.reset()
+    counts = []
+    losses = train(model, opt, rank, world, 3, each=lambda s, loss: counts.append(fp.comm_stats.calls["all_gather"]))
+    return losses, [b - a for a, b in zip([0] + counts, counts)]
 
 
 def test_activation_checkpointing_reuses_backward_unshard():
@@ -258,16 +248,7 @@ def _forward_method(rank, world):
     model = fp.shard(StepModule(), auto_wrap_policy={Block})
     fp.register_forward_method(model, "training_step")
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses = []
-    for s in range(3):
-        loss = model.training_step(gpt_batch(s, rank))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
-    return losses
+    return train(lambda *batch: model.training_step(batch), opt, rank, world, 3)
 
 
 def test_register_forward_method():
@@ -387,16 +368,7 @@ def test_limit_all_gathers_bounds_unsharded_units(forward_prefetch):
 def _offload(rank, world):
     torch.manual_seed(0)
     model = fp.shard(GPT(), auto_wrap_policy={Block}, cpu_offload=True)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses = []
-    for s in range(4):
-        loss = model(*gpt_batch(s, rank))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
+    losses = train(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), rank, world, 4)
     assert all(p.device.type == "cpu" and p.grad.device.type == "cpu" for p in model.parameters())
     return losses
 

@@ -4,13 +4,12 @@ Regenerate after changing a message: FSDP_PLUGIN_WRITE_ERROR_DOCS=1 python -m py
 """
 import os
 
-import pytest
 import torch
 from torch import nn
 
 import fsdp_plugin as fp
 from _dist import RankFailure, run_ranks
-from models import GPT, Block, gpt_batch
+from models import GPT, Block
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "errors.md")
 

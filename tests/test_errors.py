@@ -1,5 +1,4 @@
 """Bad input ends in a specific exception whose message names the fix."""
-import warnings
 
 import pytest
 import torch

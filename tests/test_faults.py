@@ -1,7 +1,6 @@
 """No silent hangs: failures and divergence become errors naming the rank, unit and collective."""
 import time
 
-import pytest
 import torch
 
 import fsdp_plugin as fp

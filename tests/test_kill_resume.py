@@ -6,10 +6,10 @@ import signal
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import fsdp_plugin as fp
 from _dist import RankFailure, run_ranks
+from _parity import train
 from models import GPT, Block, gpt_batch
 
 STEPS, EVERY = 16, 4
@@ -23,20 +23,16 @@ def _train(rank, world, root, kill_at, resume):
     if resume:
         last = sorted(os.listdir(root))[-1]
         start = fp.load_checkpoint(os.path.join(root, last), model, opt)["step"]
-    losses = {}
-    for step in range(start + 1, STEPS + 1):
+    def batch(step, r):
         if step == kill_at and rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
-        loss = model(*gpt_batch(step, rank))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses[step] = t.item()
+        return gpt_batch(step, r)
+
+    def after(step, loss):
         if root and step % EVERY == 0:
             fp.save_checkpoint(os.path.join(root, f"step{step:03d}"), model, opt, extra={"step": step})
-    return losses
+    losses = train(model, opt, rank, world, STEPS - start, batch, first=start + 1, each=after)
+    return dict(zip(range(start + 1, STEPS + 1), losses))
 
 
 @pytest.mark.parametrize("seed", [0, 1])

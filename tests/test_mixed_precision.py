@@ -1,13 +1,11 @@
 """Mixed precision against a one-process reference that applies the same casts (not looser tolerances)."""
 import copy
 
-import pytest
 import torch
-import torch.distributed as dist
 
 import fsdp_plugin as fp
 from _dist import run_ranks
-from _parity import assert_close_losses, assert_close_state
+from _parity import assert_close_losses, assert_close_state, train
 from models import GPT, Block, gpt_batch
 
 BF16 = fp.MixedPrecision(param_dtype=torch.bfloat16)
@@ -41,17 +39,10 @@ def _sharded(rank, world, steps):
     torch.manual_seed(0)
     model = fp.shard(GPT(), auto_wrap_policy={Block}, mixed_precision=BF16)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses = []
     fp.comm_stats.reset()
-    for s in range(steps):
-        loss = model(*gpt_batch(s, rank))
-        assert loss.dtype == torch.bfloat16
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        t = loss.detach().float()
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
+    dtypes = []
+    losses = train(model, opt, rank, world, steps, each=lambda s, loss: dtypes.append(loss.dtype))
+    assert set(dtypes) == {torch.bfloat16}
     assert all(p.dtype == torch.float32 for p in model.parameters()), "master shards stay fp32"
     return losses, fp.full_state_dict(model), dict(fp.comm_stats.bytes)
 

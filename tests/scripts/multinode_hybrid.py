@@ -8,8 +8,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import fsdp_plugin as fp  # noqa: E402
-from _parity import assert_close_losses, assert_close_state, single_process  # noqa: E402
-from models import GPT, Block, gpt_batch  # noqa: E402
+from _parity import assert_close_losses, assert_close_state, single_process, train  # noqa: E402
+from models import GPT, Block  # noqa: E402
 
 
 def main():
@@ -23,16 +23,7 @@ def main():
     node = rank // local
     assert dist.get_process_group_ranks(mesh.shard_group) == list(range(node * local, (node + 1) * local))
     assert dist.get_process_group_ranks(mesh.replicate_group) == list(range(rank % local, world, local))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses = []
-    for s in range(6):
-        loss = model(*gpt_batch(s, rank))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
+    losses = train(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), rank, world, 6)
     state = fp.full_state_dict(model)
     if rank == 0:
         want_losses, want_state = single_process(world, "sgd", steps=6)
