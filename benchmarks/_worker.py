@@ -154,6 +154,7 @@ def main(argv=None):
            "heap_peak_setup": heap.peak(), "heap_after_setup": heap.live(), "rss_peak_setup": _mem.rss_peak()}
 
     losses, times, cpu = [], [], []
+    phase_peak = {"fwd": -1, "bwd": -1, "opt": -1}  # heap peak per phase over the timed steps
     sent0 = comm0 = region0 = None
     for step in range(a.warmup + a.steps):
         timed = step >= a.warmup
@@ -165,12 +166,20 @@ def main(argv=None):
             sent0, comm0 = _mem.bytes_sent(), ours_comm()
             region0 = (time.perf_counter(), time.process_time(), _mem.cpu_jiffies())
         x, y = get_batch(step, a, cfg, rank, world)
+        heap.reset_peak()
         c0, s0 = time.process_time(), time.perf_counter()
         loss = model(x, y)
+        p_fwd = heap.peak()
+        heap.reset_peak()
         loss.backward()
+        p_bwd = heap.peak()
+        heap.reset_peak()
         opt.step()
         opt.zero_grad(set_to_none=True)
         s1, c1 = time.perf_counter(), time.process_time()
+        if timed:
+            for k, v in (("fwd", p_fwd), ("bwd", p_bwd), ("opt", heap.peak())):
+                phase_peak[k] = max(phase_peak[k], v)
         sent_step = _mem.bytes_sent()  # the loss all-reduce below is not part of the step
         lt = loss.detach().clone()
         if distributed:
@@ -189,7 +198,8 @@ def main(argv=None):
               "machine_busy_s": (jif1[0] - region0[2][0]) / hz} if region0 else None
     params = list(model.parameters())
     opt_state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
-    mem.update({"heap_peak_steps": heap.peak(), "heap_end": heap.live(), "rss_peak_steps": _mem.rss_peak(),
+    mem.update({"heap_peak_steps": max(phase_peak.values()), **{f"heap_peak_{k}": v for k, v in phase_peak.items()},
+                "heap_end": heap.live(), "rss_peak_steps": _mem.rss_peak(),
                 "rss_end": _mem.rss(), "param_bytes": local_bytes(params),
                 "optim_state_bytes": local_bytes(opt_state)})
     comm_logical = None

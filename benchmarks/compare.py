@@ -8,7 +8,7 @@ Scenario ``train`` (default) runs every backend one after another (CPU, gloo, on
 ``torchrun --standalone`` for the distributed ones, plain python for ``single``, which takes the whole global
 batch) and prints one table. Scenario ``big`` trains a model whose replicated training state (fp32 params,
 grads, AdamW moments: 16 bytes/param) does not fit twice in 24 GiB, built with ``fp.deferred_init()`` and
-sharded with full_shard, at each world size in ``--worlds`` (world sizes whose shard would not fit in the
+sharded with full_shard, at each world size in ``--worlds`` (one sequence per rank; world sizes whose shard would not fit in the
 available memory are skipped), and prints the memory per rank.
 
 Columns (train)
@@ -258,7 +258,10 @@ def main(argv=None):
             if a.wait_quiet:
                 wait_quiet(a.wait_quiet)
             print(f"world {w}: running ...", flush=True)
-            res = run_worker("ours", w, [*wargs, "--init", "deferred"], env, a.timeout, logdir / f"big.w{w}.log")
+            bargs = [*wargs, "--init", "deferred"]
+            if not a.global_batch:  # one sequence per rank: activations per rank stay the same across worlds
+                bargs += ["--global-batch", str(w)]
+            res = run_worker("ours", w, bargs, env, a.timeout, logdir / f"big.w{w}.log")
             res["world"] = w
             record(res)
             results.append(res)
