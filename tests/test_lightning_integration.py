@@ -86,12 +86,19 @@ def test_resume_on_two_devices_with_torchrun(trained, reference):
     _close(_losses(report), reference[4:])
 
 
-def test_clip_norm_accumulate_and_full_checkpoint(tmp_path):
+def test_clip_norm_accumulate_init_module_full_checkpoint_validate(tmp_path):
+    """trainer.init_module(empty_init=True) model, clip by norm + accumulation, a 'full' checkpoint, validate."""
     want, want_state = lt.reference_run(4, accumulate=2, clip=0.05)
     launch.python("lightning_train.py", "--out", tmp_path / "out.json", "--devices", 2, "--max-steps", 4,
-                  "--accumulate", 2, "--clip-val", 0.05, "--state-dict-type", "full",
-                  "--save", tmp_path / "full.ckpt", timeout=240)
-    _close(_losses(launch.report(tmp_path / "out.json")), want)
+                  "--accumulate", 2, "--clip-val", 0.05, "--state-dict-type", "full", "--init-module",
+                  "--save", tmp_path / "full.ckpt", "--validate", timeout=240)
+    report = launch.report(tmp_path / "out.json")
+    _close(_losses(report), want)
+    x, y = lt.dataset().tensors
+    reference_model = lt.Regressor()
+    reference_model.load_state_dict(want_state)
+    with torch.no_grad():
+        _close([report["val_loss"]], [float(torch.nn.functional.mse_loss(reference_model(x), y))])
     plain = lt.Regressor()  # an unsharded LightningModule loads the file directly
     plain.load_state_dict(load_file(tmp_path / "full.ckpt"), strict=True)
     for k, v in plain.state_dict().items():

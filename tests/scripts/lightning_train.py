@@ -11,6 +11,7 @@ of every micro-batch, keyed by global step, and facts about the strategy.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -66,6 +67,10 @@ class Regressor(pl.LightningModule):
         loss = nn.functional.mse_loss(self(x).float(), y)
         self.log("train_loss", loss)
         return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x).float(), y), sync_dist=True)
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -178,6 +183,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--save-weights", default=None)
     p.add_argument("--save-at", nargs=2, default=None, metavar=("STEP", "PATH"))
     p.add_argument("--forbid-pickle", action="store_true")
+    p.add_argument("--init-module", action="store_true", help="build under trainer.init_module(empty_init=True)")
+    p.add_argument("--validate", action="store_true", help="trainer.validate after fit")
     return p.parse_args()
 
 
@@ -201,12 +208,16 @@ def main() -> None:
         gradient_clip_algorithm=args.clip_algo, callbacks=callbacks, logger=False,
         enable_checkpointing=bool(args.ckpt_dir), enable_progress_bar=False, use_distributed_sampler=False, enable_model_summary=False,
     )
-    model = Regressor(deferred=args.deferred)
+    with trainer.init_module(empty_init=True) if args.init_module else contextlib.nullcontext():
+        model = Regressor(deferred=args.deferred)
     per_rank = GLOBAL_BATCH // args.devices // args.accumulate
     loader = torch.utils.data.DataLoader(dataset(), batch_size=per_rank, sampler=RankSampler(32))
     trainer.fit(model, loader, ckpt_path=args.resume)
     if args.save:
         trainer.save_checkpoint(args.save)
+    if args.validate:
+        val_loader = torch.utils.data.DataLoader(dataset(), batch_size=32 // args.devices, sampler=RankSampler(32))
+        args.val_loss = trainer.validate(model, val_loader, verbose=False)[0]["val_loss"]
     weights = _full_weights(trainer, model) if args.save_weights else None
     if trainer.is_global_zero:
         _report(args, trainer, model, recorder, weights)
@@ -260,6 +271,7 @@ def _report(args, trainer, model, recorder, weights) -> None:
         "lr": opt.param_groups[0]["lr"],
         "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
         "launched_by": "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "lightning",
+        "val_loss": getattr(args, "val_loss", None),
     }
     mp = getattr(getattr(trainer.strategy, "precision_plugin", None), "mixed_precision", None)
     info["param_dtype"] = str(getattr(mp() if callable(mp) else None, "param_dtype", None))
