@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import math
 
+import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.nn import functional as F
-
-import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint
 
 import fsdp_plugin  # noqa: F401  - the one-line change: registers strategy="fsdp_plugin" with Lightning
 

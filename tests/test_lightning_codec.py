@@ -6,9 +6,8 @@ import pathlib
 
 import pytest
 import torch
-from safetensors.torch import load, save
-
 from fsdp_plugin.integrations.lightning.codec import CodecError, decode, encode
+from safetensors.torch import load, save
 
 
 def _roundtrip(obj):
@@ -21,7 +20,7 @@ def _roundtrip(obj):
 def test_shared_tensor_is_stored_once_and_stays_shared():
     score = torch.tensor(0.25)
     ckpt = {"best_model_score": score, "current_score": score, "best_k_models": {"/a/b.ckpt": score}}
-    tree, tensors = encode(ckpt)
+    _, tensors = encode(ckpt)
     assert len(tensors) == 1
     out = _roundtrip(ckpt)
     assert out["best_model_score"] is out["current_score"] is out["best_k_models"]["/a/b.ckpt"]

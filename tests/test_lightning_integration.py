@@ -16,10 +16,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-import lightning_launch as launch  # noqa: E402
+import lightning_launch as launch
 
 pytest.importorskip("lightning")
-import lightning_train as lt  # noqa: E402
+import lightning_train as lt
 
 pytestmark = pytest.mark.integration
 TOL = 1e-5

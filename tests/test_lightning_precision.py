@@ -5,11 +5,14 @@ import pytest
 import torch
 
 pytest.importorskip("lightning")
-import lightning.pytorch as pl  # noqa: E402
+import lightning.pytorch as pl
+from fsdp_plugin.integrations.lightning import FSDPPluginPrecision, FSDPPluginStrategy
+from fsdp_plugin.integrations.lightning._precision_map import (
+    SUPPORTED_FLAGS,
+    precision_spec,
+)
 
-import fsdp_plugin as fp  # noqa: E402
-from fsdp_plugin.integrations.lightning import FSDPPluginPrecision, FSDPPluginStrategy  # noqa: E402
-from fsdp_plugin.integrations.lightning._precision_map import SUPPORTED_FLAGS, precision_spec  # noqa: E402
+import fsdp_plugin as fp
 
 
 def _plugin(flag: str) -> FSDPPluginPrecision:
@@ -74,3 +77,17 @@ def test_strategy_arguments_are_validated_eagerly():
     with pytest.raises(ValueError, match="sharding_strategy"):
         FSDPPluginStrategy(sharding_strategy="zero3")
     assert FSDPPluginStrategy(sharding_strategy="shard_grad_op").sharding_config.sharding_strategy == "shard_grad_op"
+
+
+def test_unsupported_checkpoint_value_fails_before_any_collective(tmp_path):
+    from fsdp_plugin.integrations.lightning.codec import CodecError
+
+    strategy = FSDPPluginStrategy()
+
+    def no_collective(*args, **kwargs):
+        raise AssertionError("a collective ran before the checkpoint state was validated")
+
+    strategy.broadcast = no_collective
+    with pytest.raises(CodecError, match=r"hyper_parameters\.cfg.*object"):
+        strategy.save_checkpoint({"epoch": 0, "hyper_parameters": {"cfg": object()}}, tmp_path / "x.ckpt")
+    assert not (tmp_path / "x.ckpt").exists()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-import lightning_launch as launch  # noqa: E402
+import lightning_launch as launch
 
 pytest.importorskip("lightning")
 

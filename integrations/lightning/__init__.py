@@ -17,7 +17,13 @@ _LAZY = {
     "FSDPPluginFabricPrecision": "precision",
 }
 
-__all__ = [*_LAZY, "register_if_lightning_present"]
+__all__ = [
+    "FSDPPluginFabricPrecision",
+    "FSDPPluginFabricStrategy",
+    "FSDPPluginPrecision",
+    "FSDPPluginStrategy",
+    "register_if_lightning_present",
+]
 
 
 def __getattr__(name: str) -> Any:

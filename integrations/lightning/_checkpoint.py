@@ -8,24 +8,25 @@
   Lightning state is JSON in the header's ``__metadata__`` (its few tensors inline, base64). The
   optimizer state is not stored in this layout (resuming from it restarts the optimizer, with a warning).
 
-Every function here is collective: call it on every rank. Encoding happens first, so an unsupported
-value raises the same :class:`~.codec.CodecError` on every rank before any communication.
+Save/load are collective: call them on every rank. Callers run :func:`encode_meta` first, so an
+unsupported value raises the same :class:`~.codec.CodecError` on every rank before any communication.
 """
 from __future__ import annotations
 
 import base64
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from fsdp_plugin.integrations.lightning.codec import decode, encode
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 import fsdp_plugin as fp
-from fsdp_plugin.integrations.lightning.codec import decode, encode
 
 EXTRA_KEY = "lightning"
 EXTRA_TENSORS_KEY = "lightning_tensors"
@@ -47,9 +48,14 @@ def _optim_arg(optimizers: Sequence[Any]) -> Any:
     return opts[0] if len(opts) == 1 else opts
 
 
-def save_sharded(path: Path, model: torch.nn.Module, optimizers: Sequence[Any], meta: dict[str, Any]) -> None:
-    """Write the engine's sharded directory at ``path`` with Lightning's state in ``extra``."""
-    tree, tensors = encode(meta)
+def encode_meta(meta: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Encode Lightning's state. Call on every rank before any collective: a bad value fails everywhere."""
+    return encode(meta)
+
+
+def save_sharded(path: Path, model: torch.nn.Module, optimizers: Sequence[Any], encoded: tuple) -> None:
+    """Write the engine's sharded directory at ``path`` with Lightning's encoded state in ``extra``."""
+    tree, tensors = encoded
     fp.save_checkpoint(str(path), model, _optim_arg(optimizers), extra={EXTRA_KEY: tree, EXTRA_TENSORS_KEY: tensors})
 
 
@@ -61,9 +67,9 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizers: Sequence[Any]) 
     return decode(extra[EXTRA_KEY], extra.get(EXTRA_TENSORS_KEY) or {})
 
 
-def save_full(path: Path, model: torch.nn.Module, meta: dict[str, Any]) -> None:
+def save_full(path: Path, model: torch.nn.Module, encoded: tuple) -> None:
     """Gather the full model state to rank 0 and write one safetensors file (header: Lightning state)."""
-    header = json.dumps(_inline_tensors(*encode(meta)), allow_nan=False)
+    header = json.dumps(_inline_tensors(*encoded), allow_nan=False)
     state = fp.full_state_dict(model)  # collective: rank 0 gets the plain state dict, others {}
     if _rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -78,7 +84,7 @@ def load_full(path: Path, model: torch.nn.Module) -> dict[str, Any]:
     """Load a ``full`` file into a (sharded) model on every rank; return Lightning's decoded state."""
     with safe_open(str(path), framework="pt") as f:
         header = (f.metadata() or {}).get(FULL_META_KEY)
-        state = {k: f.get_tensor(k) for k in f.keys()}
+        state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a dict
     if header is None:
         raise ValueError(f"{path} is a safetensors file without fsdp_plugin's Lightning state; it holds only weights")
     with fp.full_params(model):
@@ -132,7 +138,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def checkpoint_kind(path: Path) -> Optional[str]:
+def checkpoint_kind(path: Path) -> str | None:
     """"sharded", "full", or None when ``path`` is neither."""
     if is_sharded_checkpoint(path):
         return "sharded"

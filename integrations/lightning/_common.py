@@ -2,19 +2,23 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import torch
+from fsdp_plugin.integrations.lightning._precision_map import unsupported_message
+from fsdp_plugin.integrations.lightning.precision import _PrecisionCore, flag_of
 from lightning.fabric.plugins.precision import HalfPrecision as FabricHalf
 from lightning.fabric.plugins.precision import MixedPrecision as FabricMixed
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+)
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 
 import fsdp_plugin as fp
-from fsdp_plugin.integrations.lightning._precision_map import unsupported_message
-from fsdp_plugin.integrations.lightning.precision import _PrecisionCore, flag_of
 
 FORWARD_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 _CONVERTIBLE = (Precision, MixedPrecision, HalfPrecision, FabricPrecision, FabricMixed, FabricHalf)
@@ -45,7 +49,7 @@ def with_precision(cfg: Any, plugin: Any) -> Any:
     return cfg
 
 
-def convert_precision(plugin: Optional[Any], plugin_cls: type) -> Optional[Any]:
+def convert_precision(plugin: Any | None, plugin_cls: type) -> Any | None:
     """Replace a plugin built by Lightning's connector with ``plugin_cls`` for the same flag; refuse others."""
     if plugin is None or isinstance(plugin, _PrecisionCore):
         return plugin
@@ -55,7 +59,9 @@ def convert_precision(plugin: Optional[Any], plugin_cls: type) -> Optional[Any]:
     return plugin_cls(flag_of(plugin), device_type=getattr(plugin, "device", "cpu"))
 
 
-def init_process_group(env: Any, root_device: torch.device, backend: Optional[str], timeout: Any, cpu_offload: bool) -> str:
+def init_process_group(
+    env: Any, root_device: torch.device, backend: str | None, timeout: Any, cpu_offload: bool
+) -> str:
     """Create the default process group (a no-op if one exists); return the backend used."""
     if backend is None:
         backend = _get_default_process_group_backend_for_device(root_device)

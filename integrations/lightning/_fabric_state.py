@@ -6,20 +6,21 @@ have one) goes through the pickle-free codec into the checkpoint's ``extra``.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Optional
-
-from torch.nn import Module
-from torch.optim import Optimizer
+from typing import Any
 
 from fsdp_plugin.integrations.lightning import _checkpoint as ckpt
+from torch.nn import Module
+from torch.optim import Optimizer
 
 
 def _split(state: dict[str, Any]) -> tuple[str, Module, list[str], dict[str, Any]]:
     """(module key, module, optimizer keys in order, other entries)."""
     modules = [k for k, v in state.items() if isinstance(v, Module)]
     if len(modules) != 1:
-        raise ValueError(f"fsdp_plugin's Fabric checkpoints hold exactly one module; the state has {modules or 'none'}. "
+        raise ValueError(f"fsdp_plugin's Fabric checkpoints hold exactly one module; the state has {modules or 'none'}."
+                         " "
                          "Save several modules in separate checkpoints.")
     optimizers = [k for k, v in state.items() if isinstance(v, Optimizer)]
     rest = {k: v for k, v in state.items() if k not in modules and k not in optimizers}
@@ -30,20 +31,24 @@ def _stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
-def save(path: Path, state: dict[str, Any]) -> None:
-    """Collective: write ``state`` as an engine checkpoint directory at ``path``."""
+def save(resolve_path: Callable[[], Path], state: dict[str, Any]) -> None:
+    """Collective: write ``state`` as an engine checkpoint directory at ``resolve_path()``.
+
+    The state is encoded before ``resolve_path`` (a broadcast) runs, so bad values fail on every rank."""
     module_key, module, opt_keys, rest = _split(state)
     meta = {"module": module_key, "optimizers": opt_keys,
             "state": {k: (v.state_dict() if _stateful(v) else v) for k, v in rest.items()}}
-    ckpt.save_sharded(path, module, [state[k] for k in opt_keys], meta)
+    encoded = ckpt.encode_meta(meta)
+    ckpt.save_sharded(resolve_path(), module, [state[k] for k in opt_keys], encoded)
 
 
-def load(path: Path, state: Optional[Any], strict: bool) -> dict[str, Any]:
+def load(path: Path, state: Any | None, strict: bool) -> dict[str, Any]:
     """Collective: restore ``state``'s objects in place from ``path``; return saved entries not in ``state``."""
     if isinstance(state, Module):
         state = {"model": state}
     if not state:
-        raise ValueError("fsdp_plugin's Fabric checkpoints load in place: pass the state dict with the (set up) module, "
+        raise ValueError("fsdp_plugin's Fabric checkpoints load in place: pass the state dict with the (set up) "
+                         "module, "
                          "e.g. fabric.load(path, {'model': model, 'optimizer': optimizer}).")
     if not ckpt.is_sharded_checkpoint(path):
         raise FileNotFoundError(f"{path} is not an fsdp_plugin checkpoint directory (no manifest.json)")
@@ -64,6 +69,7 @@ def load(path: Path, state: Optional[Any], strict: bool) -> dict[str, Any]:
 def _check_keys(saved: dict, saved_opts: list, opt_keys: list, rest: dict, strict: bool) -> None:
     missing = [k for k in rest if k not in saved]
     if strict and missing:
-        raise KeyError(f"checkpoint has no entry for {missing}; saved entries: {sorted(saved)} (or load with strict=False)")
+        raise KeyError(f"checkpoint has no entry for {missing}; saved entries: {sorted(saved)} "
+                       "(or load with strict=False)")
     if strict and len(opt_keys) != len(saved_opts):
         raise KeyError(f"checkpoint holds optimizers {saved_opts}, the state to load has {opt_keys}")

@@ -12,7 +12,7 @@ Any other flag is refused with a message listing these.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -25,10 +25,10 @@ class PrecisionSpec:
     """What one flag means: dtypes for the engine policy, autocast, module cast, and whether it needs a scaler."""
 
     flag: str
-    param_dtype: Optional[torch.dtype]  # all-gather/compute dtype given to fp.MixedPrecision (None: as stored)
-    reduce_dtype: Optional[torch.dtype]
-    autocast_dtype: Optional[torch.dtype]  # torch.autocast dtype for "*-mixed"
-    module_dtype: Optional[torch.dtype]  # "*-true": module cast before sharding (no fp32 master)
+    param_dtype: torch.dtype | None  # all-gather/compute dtype given to fp.MixedPrecision (None: as stored)
+    reduce_dtype: torch.dtype | None
+    autocast_dtype: torch.dtype | None  # torch.autocast dtype for "*-mixed"
+    module_dtype: torch.dtype | None  # "*-true": module cast before sharding (no fp32 master)
     scaler: bool = False
 
     def mixed_precision(self) -> Any:

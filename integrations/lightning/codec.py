@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CodecError", "encode", "decode"]
+__all__ = ["CodecError", "decode", "encode"]
 
 _TAGS = frozenset(
     {"__tensor__", "__float__", "__tuple__", "__dict__", "__dtype__", "__device__", "__size__",

@@ -8,17 +8,27 @@ the pickle-free codec.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 import torch
+from fsdp_plugin.integrations.lightning import _common as common
+from fsdp_plugin.integrations.lightning import _fabric_state as fstate
+from fsdp_plugin.integrations.lightning._register import STRATEGY_NAME
+from fsdp_plugin.integrations.lightning.precision import FSDPPluginFabricPrecision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher,
+)
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _sync_ddp_if_available,
+)
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import Tensor
@@ -26,10 +36,6 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 import fsdp_plugin as fp
-from fsdp_plugin.integrations.lightning import _common as common
-from fsdp_plugin.integrations.lightning import _fabric_state as fstate
-from fsdp_plugin.integrations.lightning._register import STRATEGY_NAME
-from fsdp_plugin.integrations.lightning.precision import FSDPPluginFabricPrecision
 
 
 class _NoSync(_BackwardSyncControl):
@@ -45,11 +51,11 @@ class FSDPPluginFabricStrategy(ParallelStrategy, _Sharded):
     def __init__(
         self,
         accelerator: Any = None,
-        parallel_devices: Optional[list[torch.device]] = None,
+        parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
         precision: Any = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
         **sharding: Any,
     ) -> None:
         self.sharding_config = common.sharding_config(sharding)
@@ -120,7 +126,7 @@ class FSDPPluginFabricStrategy(ParallelStrategy, _Sharded):
             bool(getattr(self.sharding_config, "cpu_offload", False)))
 
     # ----------------------------------------------------------------- modules
-    def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
         """``fabric.init_module(empty_init=True)``: build under ``fp.deferred_init()`` (materialized in setup)."""
         stack = ExitStack()
         stack.enter_context(common.deferred_init_context(bool(empty_init)))
@@ -143,14 +149,14 @@ class FSDPPluginFabricStrategy(ParallelStrategy, _Sharded):
     def module_to_device(self, module: Module) -> None:
         """The engine places the shards."""
 
-    def clip_gradients_norm(self, module: Module, optimizer: Optimizer, max_norm: Union[float, int],
-                            norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> Tensor:
+    def clip_gradients_norm(self, module: Module, optimizer: Optimizer, max_norm: float,
+                            norm_type: float = 2.0, error_if_nonfinite: bool = True) -> Tensor:
         self.precision.unscale_gradients(optimizer)
         return self.precision.clip_norm(self.precision.main_params(optimizer), max_norm, norm_type, error_if_nonfinite)
 
     # ----------------------------------------------------------------- collectives
-    def all_reduce(self, tensor: Tensor, group: Optional[Any] = None,
-                   reduce_op: Optional[Union[Any, str]] = "mean") -> Tensor:
+    def all_reduce(self, tensor: Tensor, group: Any | None = None,
+                   reduce_op: Any | str | None = "mean") -> Tensor:
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
@@ -171,14 +177,14 @@ class FSDPPluginFabricStrategy(ParallelStrategy, _Sharded):
         return box[0]
 
     # ----------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Optional[Any] = None,
-                        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
+    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any | None = None,
+                        filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
         """Collective: the engine's sharded directory at ``path`` (one module, its optimizer(s), other state)."""
         if storage_options is not None or filter:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes neither storage_options nor filter")
-        fstate.save(Path(self.broadcast(str(path))), state)
+        fstate.save(lambda: Path(self.broadcast(str(path))), state)
 
-    def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
-                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, path: Any, state: Any | None = None, strict: bool = True,
+                        weights_only: bool | None = None) -> dict[str, Any]:
         """Collective: restores modules/optimizers/stateful objects in ``state`` in place; returns the rest."""
         return fstate.load(Path(self.broadcast(str(path))), state, strict)

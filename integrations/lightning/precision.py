@@ -7,17 +7,23 @@ sharded gradients), and the fp16 loss scaler (``fp.GradScaler``) agrees on inf/n
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
+from fsdp_plugin.integrations.lightning._precision_map import (
+    PrecisionSpec,
+    precision_spec,
+)
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
-from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
+from lightning.fabric.plugins.precision.utils import (
+    _convert_fp_tensor,
+    _DtypeContextManager,
+)
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
 from torch import Tensor
-
-from fsdp_plugin.integrations.lightning._precision_map import PrecisionSpec, precision_spec
 
 
 class _PrecisionCore:
@@ -27,7 +33,7 @@ class _PrecisionCore:
         self.spec: PrecisionSpec = precision_spec(precision, device_type)
         self.precision = self.spec.flag
         self.device_type = device_type
-        self.scaler: Optional[Any] = _sharded_scaler(device_type) if self.spec.scaler else None
+        self.scaler: Any | None = _sharded_scaler(device_type) if self.spec.scaler else None
 
     def mixed_precision(self) -> Any:
         """The ``fp.MixedPrecision`` policy for the engine (None for pure fp32)."""
@@ -62,7 +68,8 @@ class _PrecisionCore:
         if self.scaler is not None and state_dict:
             self.scaler.load_state_dict(state_dict)
 
-    def clip_norm(self, parameters: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> Tensor:
+    def clip_norm(self, parameters: Any, max_norm: float, norm_type: float = 2.0,
+                  error_if_nonfinite: bool = False) -> Tensor:
         """Clip by the global norm of the (sharded) gradients; the same norm on every rank."""
         import fsdp_plugin as fp
 

@@ -11,16 +11,26 @@ are pickle-free (see ``_checkpoint``).
 """
 from __future__ import annotations
 
+from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Generator, Literal, Optional, Union
+from typing import Any, Literal
 
 import torch
+from fsdp_plugin.integrations.lightning import _checkpoint as ckpt
+from fsdp_plugin.integrations.lightning import _common as common
+from fsdp_plugin.integrations.lightning._register import STRATEGY_NAME
+from fsdp_plugin.integrations.lightning.precision import FSDPPluginPrecision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _sync_ddp_if_available,
+)
 from lightning.fabric.utilities.distributed import group as _group
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher,
+)
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
@@ -28,10 +38,6 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 
 import fsdp_plugin as fp
-from fsdp_plugin.integrations.lightning import _checkpoint as ckpt
-from fsdp_plugin.integrations.lightning import _common as common
-from fsdp_plugin.integrations.lightning._register import STRATEGY_NAME
-from fsdp_plugin.integrations.lightning.precision import FSDPPluginPrecision
 
 _STATE_DICT_TYPES = ("sharded", "full")
 _ACCUMULATION = ("sharded", "no_sync")
@@ -57,12 +63,12 @@ class FSDPPluginStrategy(ParallelStrategy):
     def __init__(
         self,
         accelerator: Any = None,
-        parallel_devices: Optional[list[torch.device]] = None,
+        parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
         state_dict_type: Literal["sharded", "full"] = "sharded",
         accumulate_grads: Literal["sharded", "no_sync"] = "sharded",
         **sharding: Any,
@@ -119,7 +125,7 @@ class FSDPPluginStrategy(ParallelStrategy):
         return False
 
     @property
-    def process_group_backend(self) -> Optional[str]:
+    def process_group_backend(self) -> str | None:
         return self._process_group_backend
 
     def _configure_launcher(self) -> None:
@@ -146,7 +152,7 @@ class FSDPPluginStrategy(ParallelStrategy):
 
     # ----------------------------------------------------------------- model construction and sharding
     @contextmanager
-    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """``empty_init=True`` (``trainer.init_module(empty_init=True)``): build under ``fp.deferred_init()``."""
         with common.deferred_init_context(bool(empty_init)), self.precision_plugin.tensor_init_context():
             yield
@@ -183,7 +189,7 @@ class FSDPPluginStrategy(ParallelStrategy):
             yield None
 
     # ----------------------------------------------------------------- collectives
-    def barrier(self, name: Optional[str] = None) -> None:
+    def barrier(self, name: str | None = None) -> None:
         if not _distributed_is_initialized():
             return
         if torch.distributed.get_backend() == "nccl":
@@ -198,8 +204,8 @@ class FSDPPluginStrategy(ParallelStrategy):
         torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
         return box[0]
 
-    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
-               reduce_op: Optional[Union[Any, str]] = "mean") -> Union[Tensor, Any]:
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None,
+               reduce_op: Any | str | None = "mean") -> Tensor | Any:
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
@@ -213,20 +219,21 @@ class FSDPPluginStrategy(ParallelStrategy):
         """Optimizer state is written by the engine in ``save_checkpoint``; nothing to gather here."""
         return {}
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Collective. ``sharded``: an engine directory at ``filepath``; ``full``: one safetensors file."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options (they are for "
                             "CheckpointIO plugins, which this strategy does not use).")
+        meta, with_optimizers = ckpt.split_state(checkpoint)
+        encoded = ckpt.encode_meta(meta)  # every rank, before any collective: a bad value fails everywhere
         path = Path(self.broadcast(str(filepath)))
-        meta, with_optimizers = ckpt.split_state(checkpoint)  # encoded first, on every rank
         assert self.model is not None
         if self.state_dict_type == "full":
-            ckpt.save_full(path, self.model, meta)
+            ckpt.save_full(path, self.model, encoded)
         else:
-            ckpt.save_sharded(path, self.model, self.optimizers if with_optimizers else [], meta)
+            ckpt.save_sharded(path, self.model, self.optimizers if with_optimizers else [], encoded)
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Collective. Loads model (+ optimizers when fitting) in place; returns Lightning's other state."""
         path = Path(self.broadcast(str(checkpoint_path)))
         kind = ckpt.checkpoint_kind(path)

@@ -16,7 +16,7 @@ import torch
 from lightning.fabric import Fabric
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from lightning_train import GLOBAL_BATCH, Net, dataset  # noqa: E402
+from lightning_train import GLOBAL_BATCH, Net, dataset
 
 ACCUM, CLIP, LR = 2, 0.05, 3e-3
 

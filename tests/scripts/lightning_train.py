@@ -16,11 +16,10 @@ import json
 import os
 import sys
 
-import torch
-from torch import nn
-
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import nn
 
 GLOBAL_BATCH = 8
 DIM = 16
@@ -129,7 +128,6 @@ class ResumeSampler(Callback):
     def on_train_epoch_start(self, trainer, pl_module):
         loop = trainer.fit_loop.epoch_loop
         done = loop.batch_progress.current.ready if loop.restarting else 0
-        print(f"EPOCHSTART {trainer.current_epoch} skip={done}", file=sys.stderr)
         trainer.train_dataloader.sampler.skip = done * trainer.train_dataloader.batch_size
 
 
@@ -147,7 +145,7 @@ class SaveAt(Callback):
 
 def forbid_pickle_loads() -> None:
     """Make every pickle-based checkpoint read fail: resuming must not need it."""
-    import lightning.fabric.utilities.cloud_io as cloud_io
+    from lightning.fabric.utilities import cloud_io
 
     def refuse(*args, **kwargs):
         raise AssertionError("a checkpoint was read through torch.load/pickle")
@@ -206,7 +204,8 @@ def main() -> None:
         accelerator="cpu", devices=args.devices, strategy=build_strategy(args), precision=args.precision,
         max_steps=args.max_steps, accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip_val,
         gradient_clip_algorithm=args.clip_algo, callbacks=callbacks, logger=False,
-        enable_checkpointing=bool(args.ckpt_dir), enable_progress_bar=False, use_distributed_sampler=False, enable_model_summary=False,
+        enable_checkpointing=bool(args.ckpt_dir), enable_progress_bar=False,
+        use_distributed_sampler=False, enable_model_summary=False,
     )
     with trainer.init_module(empty_init=True) if args.init_module else contextlib.nullcontext():
         model = Regressor(deferred=args.deferred)
