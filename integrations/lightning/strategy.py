@@ -8,6 +8,18 @@ It is a ``ParallelStrategy`` (not Lightning's FSDPStrategy): the LightningModule
 place by ``fp.shard`` (no wrapper), its step methods run through the root unit's hooks
 (``fp.register_forward_method``), ``configure_model`` runs under ``fp.deferred_init()`` and checkpoints
 are pickle-free (see ``_checkpoint``).
+
+Limitations:
+
+* Lightning code that reads checkpoints without this strategy (``LightningModule.load_from_checkpoint``,
+  ``torch.load``) cannot read the sharded directories: use ``fsdp-plugin consolidate CKPT OUT`` or
+  ``state_dict_type="full"`` (then ``module.load_state_dict(safetensors.torch.load_file(path))``).
+* In sharded mode the engine writes the weights: edits to ``checkpoint["state_dict"]`` made in
+  ``on_save_checkpoint`` are ignored (as with FSDPStrategy's distributed checkpoints).
+* ``state_dict_type="full"`` stores no optimizer state; resuming from it restarts the optimizer.
+* Weights loaded inside ``configure_model`` are deferred (recorded, not real): load pretrained weights
+  after setup with ``fp.load_pretrained``, or build the model outside ``configure_model``.
+* ``sync_batchnorm=True`` (torch's SyncBatchNorm needs CUDA) is not reverted after ``fit``.
 """
 from __future__ import annotations
 
@@ -255,11 +267,8 @@ class FSDPPluginStrategy(ParallelStrategy):
         """Already loaded by ``load_checkpoint``."""
 
     def teardown(self) -> None:
-        """Like FSDPStrategy: no ``.cpu()`` of a sharded model."""
-        module = self.lightning_module
-        if (module is not None and module._trainer is not None and self._layer_sync
-                and module._trainer.state.fn == TrainerFn.FITTING):
-            self.model = self._layer_sync.revert(self.model)
+        """Like FSDPStrategy, but no ``.cpu()`` and no SyncBatchNorm revert: the model stays sharded in place
+        (reverting would replace modules whose parameters the engine owns)."""
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
