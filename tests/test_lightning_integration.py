@@ -99,6 +99,13 @@ def test_clip_norm_accumulate_init_module_full_checkpoint_validate(tmp_path):
     reference_model.load_state_dict(want_state)
     with torch.no_grad():
         _close([report["val_loss"]], [float(torch.nn.functional.mse_loss(reference_model(x), y))])
+    # resume from the 'full' file on 1 device: weights and lr continue (Adam moments restart by design)
+    launch.python("lightning_train.py", "--out", tmp_path / "resume.json", "--devices", 1, "--max-steps", 5,
+                  "--accumulate", 2, "--clip-val", 0.05, "--resume", tmp_path / "full.ckpt", "--forbid-pickle",
+                  timeout=180)
+    resumed = launch.report(tmp_path / "resume.json")["losses"]
+    _close([e[1] for e in resumed], lt.reference_run(5, accumulate=2, clip=0.05)[0][8:])
+    assert [e[2] for e in resumed] == [3e-3 * 0.5] * 2
     plain = lt.Regressor()  # an unsharded LightningModule loads the file directly
     plain.load_state_dict(load_file(tmp_path / "full.ckpt"), strict=True)
     for k, v in plain.state_dict().items():

@@ -5,8 +5,8 @@
   precision state, ...) goes through :mod:`.codec` into the manifest's ``extra``. Loadable at any world size.
 * ``full``: ``path`` is one safetensors file holding the plain model ``state_dict`` under its usual keys,
   so ``module.load_state_dict(safetensors.torch.load_file(path))`` works on an unsharded module. The
-  Lightning state is JSON in the header's ``__metadata__`` (its few tensors inline, base64). The
-  optimizer state is not stored in this layout (resuming from it restarts the optimizer, with a warning).
+  Lightning state is JSON in the header's ``__metadata__`` (its few tensors inline, base64), with the
+  optimizers' param-group hyper-parameters; their per-parameter state (Adam moments) is not stored.
 
 Save/load are collective: call them on every rank. Callers run :func:`encode_meta` first, so an
 unsupported value raises the same :class:`~.codec.CodecError` on every rank before any communication.
@@ -32,6 +32,26 @@ EXTRA_KEY = "lightning"
 EXTRA_TENSORS_KEY = "lightning_tensors"
 FULL_META_KEY = "fsdp_plugin.lightning"
 MODEL_STATE_KEYS = ("state_dict", "optimizer_states")
+
+
+PARAM_GROUPS_KEY = "fsdp_plugin_optimizer_param_groups"
+
+
+def param_group_hypers(optimizers: Sequence[Any]) -> list[list[dict[str, Any]]]:
+    """Each optimizer's param-group hyper-parameters (lr, betas, ...), without the parameters."""
+    opts = [getattr(o, "_optimizer", o) for o in optimizers]
+    return [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in opts]
+
+
+def apply_param_group_hypers(optimizers: Sequence[Any], saved: Any) -> None:
+    """Restore what :func:`param_group_hypers` saved, when the group structure matches."""
+    opts = [getattr(o, "_optimizer", o) for o in optimizers]
+    if not saved or len(saved) != len(opts):
+        return
+    for opt, groups in zip(opts, saved, strict=True):
+        if len(groups) == len(opt.param_groups):
+            for group, hypers in zip(opt.param_groups, groups, strict=True):
+                group.update(hypers)
 
 
 def split_state(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], bool]:

@@ -16,8 +16,9 @@ Limitations:
   ``state_dict_type="full"`` (then ``module.load_state_dict(safetensors.torch.load_file(path))``).
 * In sharded mode the engine writes the weights: edits to ``checkpoint["state_dict"]`` made in
   ``on_save_checkpoint`` are ignored (as with FSDPStrategy's distributed checkpoints).
-* ``state_dict_type="full"`` stores no optimizer state; resuming from it restarts the optimizer.
-* Weights loaded inside ``configure_model`` are deferred (recorded, not real): load pretrained weights
+* ``state_dict_type="full"`` stores the optimizers' param-group hyper-parameters but not their
+  per-parameter state: resuming from it restarts e.g. Adam's moments.
+* Weights loaded inside ``configure_model`` go through deferred init; prefer loading pretrained weights
   after setup with ``fp.load_pretrained``, or build the model outside ``configure_model``.
 * ``sync_batchnorm=True`` (torch's SyncBatchNorm needs CUDA) is not reverted after ``fit``.
 """
@@ -237,6 +238,8 @@ class FSDPPluginStrategy(ParallelStrategy):
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options (they are for "
                             "CheckpointIO plugins, which this strategy does not use).")
         meta, with_optimizers = ckpt.split_state(checkpoint)
+        if self.state_dict_type == "full" and with_optimizers:
+            meta[ckpt.PARAM_GROUPS_KEY] = ckpt.param_group_hypers(self.optimizers)
         encoded = ckpt.encode_meta(meta)  # every rank, before any collective: a bad value fails everywhere
         path = Path(self.broadcast(str(filepath)))
         assert self.model is not None
@@ -256,9 +259,13 @@ class FSDPPluginStrategy(ParallelStrategy):
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         if kind == "sharded":
             return ckpt.load_sharded(path, self.model, self.optimizers if fitting else [])
+        meta = ckpt.load_full(path, self.model)
+        groups = meta.pop(ckpt.PARAM_GROUPS_KEY, None)
         if fitting and self.optimizers:
-            rank_zero_warn(f"{path} is a 'full' checkpoint: it holds no optimizer state; the optimizer restarts.")
-        return ckpt.load_full(path, self.model)
+            rank_zero_warn(f"{path} is a 'full' checkpoint: it holds the optimizers' hyper-parameters (lr, ...) but "
+                           "not their per-parameter state (e.g. Adam moments), which restarts from zero.")
+            ckpt.apply_param_group_hypers(self.optimizers, groups)
+        return meta
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         """Already loaded by ``load_checkpoint``."""
