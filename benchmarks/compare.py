@@ -248,7 +248,9 @@ def main(argv=None):
     if big:
         results = []
         for w in [int(x) for x in a.worlds.split(",") if x]:
-            need = (16 * cfg.num_params() / w * 1.1 + 0.6e9) * w  # shards + ~0.6 GB runtime per rank
+            # per rank: the training-state shard, plus (measured at world 1 and 2) ~1 GB of runtime, units and
+            # activations, ~2 GB with communication buffers and the kept flat gradient shard
+            need = (16 * cfg.num_params() / w * 1.1 + (2.0e9 if w > 1 else 1.0e9)) * w
             avail = _mem.mem_available()
             if need > avail:
                 results.append({"world": w, "skipped": f"needs ~{need / 1e9:.1f} GB in all, "
