@@ -40,8 +40,15 @@ class _PrecisionCore:
         return self.spec.mixed_precision()
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        """``*-true``: cast the module before sharding, so shards and optimizer state are half precision."""
-        return module.to(self.spec.module_dtype) if self.spec.module_dtype is not None else module
+        """``*-true``: cast the module before sharding, so shards and optimizer state are half precision.
+
+        A module already in that dtype (built under ``module_init_context``, e.g. in ``configure_model``)
+        is left alone: ``.to()`` on deferred-init tensors would detach them from their recorded init."""
+        dtype = self.spec.module_dtype
+        tensors = [*module.parameters(), *module.buffers()]
+        if dtype is None or all(t.dtype == dtype for t in tensors if t.is_floating_point()):
+            return module
+        return module.to(dtype)
 
     def tensor_init_context(self) -> Any:
         dtype = self.spec.module_dtype
