@@ -197,6 +197,12 @@ class FlatParamHandle:
             out.div_(self.mesh.reduce_world)
         self._accumulate_shard_grad(out)
 
+    def release_stale_grad(self) -> None:
+        """Drop ``shard_grad`` once the user has zeroed every ``p.grad`` (``zero_grad(set_to_none=True)``), so
+        last step's gradient is not alive while this step's is being reduced."""
+        if self.shard_grad is not None and all(s.param.grad is None for s in self.slots):
+            self.shard_grad = None
+
     def _accumulate_shard_grad(self, reduced: torch.Tensor) -> None:
         reduced = reduced.to(self.shard_device, self.dtype)
         if self.shard_grad is None or all(s.param.grad is None for s in self.slots):
