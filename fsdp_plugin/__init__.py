@@ -27,3 +27,7 @@ __all__ = [
     "CheckpointMismatchError", "CorruptCheckpointError", "IncompleteCheckpointError",
     "FSDPPluginError", "ConfigError", "ShardingError", "OptimizerError", "StateDictError", "CollectiveError",
 ]
+
+from .integrations.lightning._register import register_if_lightning_present as _register_lightning  # noqa: E402
+
+_register_lightning()  # "fsdp_plugin" in Lightning's Trainer and Fabric registries; never imports Lightning itself

@@ -32,7 +32,14 @@ def tensor_kind(t: torch.Tensor) -> int:
 
 
 def model_kind(model: nn.Module) -> int:
-    kinds = {tensor_kind(t) for t in list(model.parameters()) + list(model.buffers())}
+    kinds = {}
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        kinds.setdefault(tensor_kind(t), name)
+    if DEFERRED in kinds and META in kinds:
+        raise ShardingError(
+            f"{kinds[META]!r} is on the meta device but was not recorded by fp.deferred_init(), while "
+            f"{kinds[DEFERRED]!r} was: the model was changed after the deferred_init block (e.g. model.to(dtype)), "
+            "which cannot be replayed. Do it inside the block, or use fp.MixedPrecision / the dtype at construction")
     return max(kinds) if kinds else REAL
 
 

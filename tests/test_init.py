@@ -161,3 +161,11 @@ def test_rank0_values_win(worker):
     for got in run_ranks(worker, 3):
         for k in want:
             assert torch.equal(got[k], want[k]), k
+
+
+def test_changes_after_deferred_init_are_refused():
+    with fp.deferred_init():
+        model = Plain()
+    model.layers[0].to(torch.bfloat16)   # its tensors are now plain meta tensors with no recorded history
+    with pytest.raises(fp.ShardingError, match=r"changed after the deferred_init block \(e.g. model.to\(dtype\)\)"):
+        fp.shard(model, auto_wrap_policy={nn.Linear})
