@@ -13,7 +13,7 @@ from torch import nn
 from . import _collectives as comm
 from ._flat_param import FlatParamHandle, ParamSlot
 from ._guards import install_guards
-from ._init import Materializer, decide_scatter
+from ._init import Materializer, decide_scatter, model_kind
 from ._mesh import Mesh, build_mesh
 from ._root import RootState
 from ._unit import Unit
@@ -109,6 +109,7 @@ def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: Ro
     owned: dict[str, list] = {f: [] for f in unit_fqns}
     for pid in names:
         owned[owner_unit([s[0] for s in sites[pid]], unit_fqns)].append(by_id[pid])
+    model_kind(model)   # refuses a model partly changed after fp.deferred_init()
     scatter = decide_scatter(model, mesh.world_size, device)
     mat = Materializer(model, device, cfg.param_init_fn)
     buffer_sites = _buffer_sites_by_unit(model, unit_fqns)
