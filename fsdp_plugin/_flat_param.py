@@ -4,7 +4,7 @@ Layout (unsharded, ``padded`` elements): ``[p0 | p1 | ... | pk | pad]``, padded 
 ``n`` ranks divides it; shard rank ``r`` keeps elements ``[r*chunk, (r+1)*chunk)`` in ``flat_shard``
 (the master copy, original dtype). Every original ``nn.Parameter`` keeps its identity; its ``.data`` is
 always its 1-D local piece, a view into ``flat_shard``, and its ``.grad`` the matching view into
-``shard_grad``. Forward and backward use views of ``leaf``, an autograd leaf whose storage is freed while
+the flat sharded gradient. Forward and backward use views of ``leaf``, an autograd leaf whose storage is freed while
 sharded and refilled by the all-gather, so tensors saved for backward see the refilled values.
 """
 from __future__ import annotations
@@ -69,7 +69,6 @@ class FlatParamHandle:
         self.chunk = self.padded // n
         self.chunk_start = mesh.shard_rank * self.chunk
         self.flat_shard = torch.zeros(self.chunk, dtype=dtype, device=shard_device)
-        self.shard_grad: Optional[torch.Tensor] = None
         self._aliases_shard = n == 1 and compute_dtype == dtype and shard_device == device
         self._init_leaf()
         self._bind_local_pieces()
@@ -197,17 +196,24 @@ class FlatParamHandle:
             out.div_(self.mesh.reduce_world)
         self._accumulate_shard_grad(out)
 
-    def release_stale_grad(self) -> None:
-        """Drop ``shard_grad`` once the user has zeroed every ``p.grad`` (``zero_grad(set_to_none=True)``), so
-        last step's gradient is not alive while this step's is being reduced."""
-        if self.shard_grad is not None and all(s.param.grad is None for s in self.slots):
-            self.shard_grad = None
+    def _grad_base(self) -> Optional[torch.Tensor]:
+        """The flat sharded gradient, found through the slots' ``p.grad`` views.
+
+        The handle keeps no reference of its own: once the user drops every ``p.grad``
+        (``zero_grad(set_to_none=True)``) the buffer is freed at once, not at the next backward.
+        """
+        grads = [s.param.grad for s in self.slots]
+        if any(g is None for g in grads):
+            return None
+        base = grads[0]._base
+        return base if base is not None and all(g._base is base for g in grads) else None
 
     def _accumulate_shard_grad(self, reduced: torch.Tensor) -> None:
         reduced = reduced.to(self.shard_device, self.dtype)
-        if self.shard_grad is None or all(s.param.grad is None for s in self.slots):
-            self.shard_grad = reduced
+        base = self._grad_base()
+        if base is None:
+            base = reduced
         else:
-            self.shard_grad.add_(reduced)
+            base.add_(reduced)
         for s in self.slots:
-            s.param.grad = self.shard_grad[self.local_slice(s)]
+            s.param.grad = base[self.local_slice(s)]

@@ -84,8 +84,6 @@ class Unit:
         if self.depth > 1:
             return args, kwargs
         args, kwargs = self.root.before_unit_forward(self, args, kwargs)
-        for h in self.handles:
-            h.release_stale_grad()
         self.unshard()
         self.wait_and_use_views()
         self.root.after_unshard_in_forward(self)
