@@ -13,8 +13,9 @@ from .config import ShardingConfig
 from .errors import CollectiveError
 from ._mesh import Mesh
 
-# Reductions in flight at once: each holds a full unsharded gradient, so this bounds gradient memory.
-_MAX_PENDING_REDUCES = 2
+# Reductions left in flight: each holds a unit's full unsharded gradient until it completes, and the next
+# unit's backward compute is enough to hide one reduce-scatter, so only the newest stays pending.
+_MAX_PENDING_REDUCES = 1
 
 
 class RootState:
