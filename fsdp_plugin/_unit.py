@@ -1,6 +1,7 @@
 """A unit: one wrapped module, its flat handles, and the hooks that schedule unshard/reshard/reduce."""
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,7 +32,7 @@ class Unit:
         self._views_on: set[int] = set()      # ids of handles whose views are registered
         self._hooks = [
             module.register_forward_pre_hook(self._nn_pre_forward, with_kwargs=True),
-            module.register_forward_hook(self._nn_post_forward),
+            module.register_forward_hook(self._nn_post_forward, always_call=True),  # also after an exception
         ]
         for h in handles:
             if h.requires_grad:
@@ -112,6 +113,11 @@ class Unit:
 
     def post_forward(self, output):
         self.depth -= 1
+        if output is None and sys.exc_info()[1] is not None:
+            # The forward raised (this hook is always called): no backward will come for it.
+            self.reshard()
+            self.root.after_unit_forward(self)
+            return output
         if self.depth > 0 or self.root.in_backward:
             # Nested call, or recomputation under activation checkpointing: backward needs the views.
             return output

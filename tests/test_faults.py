@@ -51,3 +51,27 @@ def _diverged(rank, world):
 def test_divergent_unit_order_is_caught_on_the_first_step():
     for message in run_ranks(_diverged, 2, timeout=60):
         assert "ranks diverged" in message and "'blocks.0'" in message and "'blocks.2'" in message, message
+
+
+class FailsOnce(GPT):
+    fail = True
+
+    def forward(self, idx, targets=None):
+        out = super().forward(idx, targets)
+        if FailsOnce.fail:
+            FailsOnce.fail = False
+            raise RuntimeError("bad batch")
+        return out
+
+
+def test_a_forward_that_raises_leaves_the_model_usable():
+    torch.manual_seed(0)
+    model = fp.shard(FailsOnce(), auto_wrap_policy={Block})
+    x, y = gpt_batch(0, 0)
+    try:
+        model(x, y)
+    except RuntimeError:
+        pass
+    assert all(p.dim() == 1 for p in model.parameters()), "the root is resharded after the exception"
+    model(x, y).backward()
+    assert all(p.grad is not None for p in model.parameters())
