@@ -1,10 +1,10 @@
-"""Deferred init, part 1: the recorded graph (fake-tensor references, ops, recordings) and the
-schema helpers that recording and replay share. See ``_deferred`` for the whole picture."""
+"""Deferred init, part 1: the recorded graph (fake-tensor references, ops, recordings, which ops a set of
+storages needs) and the schema helpers that recording (``_deferred``) and replay (``_deferred_replay``) share."""
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch.utils._device import _device_constructors
@@ -235,3 +235,53 @@ def _with_generator(func, args, kwargs, gen):
     kwargs = dict(kwargs)
     kwargs["generator"] = gen
     return args, kwargs
+
+
+def _keep_roots(rec: _Recording) -> None:
+    """After recording: keep only storages still referenced outside the recording, and their ops."""
+    # No gc.collect() (it costs ~1 s in a large process): a temporary kept alive only by a reference
+    # cycle counts as a root for now, which is conservative; _collect() drops it once it is freed.
+    rec.roots = {k for k, s in rec.storages.items() if _use_count(s) > 1}
+    _drop(rec, set(rec.storages) - rec.roots)
+
+
+def _collect(rec: _Recording) -> None:
+    """Drop roots that nothing outside the recording references any more.
+
+    E.g. after the engine replaced ``p.data`` by the materialized tensor, the fake storage is only held
+    by the recording: its ops are dead. Keeps memory bounded even without explicit :func:`release`.
+    """
+    dead = {k for k in rec.roots if _use_count(rec.storages[k]) <= 1}
+    if dead:
+        _drop(rec, dead)
+
+
+def _drop(rec: _Recording, keys: set[int]) -> None:
+    """Forget `keys` (no longer deferred) and every op that no remaining root needs."""
+    for k in keys:
+        rec.storages.pop(k, None)
+        rec.roots.discard(k)
+        if _REGISTRY.get(k) is rec:
+            del _REGISTRY[k]
+    rec.ops = _slice(rec, rec.roots)
+
+
+
+def _slice(rec: _Recording, keys: Iterable[int]) -> list[_Op]:
+    """The recorded ops needed to compute storages `keys`, in recording order.
+
+    Backward pass: an op is needed if it creates or writes a live storage; its inputs become live.
+    An op that overwrites a whole storage without reading it ends that storage's liveness (earlier
+    writes are dead), which e.g. skips a default kaiming init that `_init_weights` replaces.
+    """
+    live = set(keys)
+    needed: list[_Op] = []
+    for op in reversed(rec.ops):
+        if live.isdisjoint(op.writes) and live.isdisjoint(op.creates):
+            continue
+        needed.append(op)
+        live -= op.kills.keys()
+        live -= op.creates.keys()
+        live |= op.reads
+    needed.reverse()
+    return needed
