@@ -11,7 +11,7 @@ Prints one JSON line per check and a summary table; exit code 1 if a parity chec
 """
 from __future__ import annotations
 
-import copy
+import functools
 import json
 import os
 import statistics
@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import fsdp_plugin as fp  # noqa: E402
+from _parity import same_casts_reference  # noqa: E402
 from models import GPT, Block, gpt_batch  # noqa: E402
 
 STEPS = 10
@@ -32,31 +33,17 @@ SIZE = dict(vocab=512, d=256, n_layer=4, seq=64)
 
 
 def batch(step, rank, device):
-    x, y = gpt_batch(step, rank, batch=4, seq=SIZE["seq"], vocab=SIZE["vocab"])
+    x, y = _cpu_batch(step, rank)
     return x.to(device), y.to(device)
 
 
 def reference(world, device, dtype=None):
-    torch.manual_seed(0)
-    master = GPT(**SIZE).to(device)
-    opt = torch.optim.SGD(master.parameters(), lr=0.05, momentum=0.9)
-    losses = []
-    for s in range(STEPS):
-        low = copy.deepcopy(master).to(dtype) if dtype else master
-        grads = [torch.zeros_like(p) for p in master.parameters()]
-        total = 0.0
-        for r in range(world):
-            low.zero_grad()
-            loss = low(*batch(s, r, device))
-            loss.backward()
-            for g, p in zip(grads, low.parameters()):
-                g.add_(p.grad.float())
-            total += loss.float().item() / world
-        for p, g in zip(master.parameters(), grads):
-            p.grad = g / world
-        opt.step()
-        losses.append(total)
-    return losses
+    model = functools.partial(GPT, **SIZE)
+    return same_casts_reference(world, STEPS, dtype, model_fn=model, batch_fn=_cpu_batch, device=device)[0]
+
+
+def _cpu_batch(step, rank):
+    return gpt_batch(step, rank, batch=4, seq=SIZE["seq"], vocab=SIZE["vocab"])
 
 
 def run(rank, world, device, **cfg):

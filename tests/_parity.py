@@ -1,5 +1,7 @@
 """Parity protocol: same seed, different data per rank; every step compared against single-process
 training on the global batch (and against DDP)."""
+import copy
+
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -82,3 +84,28 @@ def assert_close_state(got, want, tol=1e-5):
     for k in want:
         diff = (got[k].float() - want[k].float()).abs().max().item() if want[k].numel() else 0.0
         assert diff <= tol, f"{k}: max diff {diff:.3e}"
+
+
+def same_casts_reference(world, steps, dtype=None, model_fn=GPT, batch_fn=gpt_batch, device="cpu"):
+    """Mixed-precision reference in one process: fp32 master, each rank's batch run forward/backward on a
+    ``dtype`` copy (None: the master itself), gradients averaged in fp32, SGD with momentum."""
+    torch.manual_seed(0)
+    master = model_fn().to(device)
+    opt = make_optimizer("sgd", master.parameters())
+    losses = []
+    for s in range(steps):
+        low = copy.deepcopy(master).to(dtype) if dtype else master
+        total = [torch.zeros_like(p) for p in master.parameters()]
+        step_loss = 0.0
+        for r in range(world):
+            low.zero_grad()
+            loss = low(*(t.to(device) for t in batch_fn(s, r)))
+            loss.backward()
+            for acc, p in zip(total, low.parameters()):
+                acc.add_(p.grad.float())
+            step_loss += loss.float().item() / world
+        for p, acc in zip(master.parameters(), total):
+            p.grad = acc / world
+        opt.step()
+        losses.append(step_loss)
+    return losses, master.state_dict()

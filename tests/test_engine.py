@@ -9,7 +9,7 @@ from torch import nn
 
 import fsdp_plugin as fp
 from _dist import run_ranks
-from _parity import assert_close_losses, assert_close_state, single_process, train
+from _parity import assert_close_losses, assert_close_state, make_optimizer, single_process, train
 from models import GPT, Block, gpt_batch
 
 
@@ -54,6 +54,8 @@ class Zoo(nn.Module):
     """Ties across units, a frozen unit, a unit called twice, a conditional unit, nested units,
     a parameter with a prime number of elements and a 0-d parameter."""
 
+    use_branch = True   # set per step by zoo_step_batch, the same on every rank
+
     def __init__(self):
         super().__init__()
         self.inp = nn.Linear(8, 16)
@@ -66,7 +68,6 @@ class Zoo(nn.Module):
         self.head = Head(self.shared.weight)
         self.prime = nn.Parameter(torch.randn(13) * 0.1)
         self.register_buffer("offset", torch.linspace(-1, 1, 16))
-        self.use_branch = True
 
     def forward(self, x, y):
         h = self.inp(x) * self.scale + self.offset
@@ -86,31 +87,17 @@ def zoo_batch(step, rank, batch=4):
     return torch.randn(batch, 8, generator=g), torch.randn(batch, 16, generator=g)
 
 
-def _zoo_single(world, steps):
-    torch.manual_seed(0)
-    model = Zoo()
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
-    losses = []
-    for s in range(steps):
-        model.use_branch = s % 3 != 1
-        xs, ys = zip(*[zoo_batch(s, r) for r in range(world)])
-        loss = model(torch.cat(xs), torch.cat(ys))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+def zoo_step_batch(step, rank):
+    """The step's batch; every third step skips the conditional unit."""
+    Zoo.use_branch = step % 3 != 1
+    return zoo_batch(step, rank)
 
 
 def _zoo_sharded(rank, world, strategy, steps):
     torch.manual_seed(0)
     model = fp.shard(Zoo(), auto_wrap_policy=set(ZOO_UNITS), sharding_strategy=strategy)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
-
-    def batch(s, r):
-        model.use_branch = s % 3 != 1
-        return zoo_batch(s, r)
-    losses = train(model, opt, rank, world, steps, batch,
+    opt = make_optimizer("sgd", model.parameters())
+    losses = train(model, opt, rank, world, steps, zoo_step_batch,
                    each=lambda s, loss: _assert(model.frozen.weight.grad is None))
     return losses, fp.full_state_dict(model)
 
@@ -122,7 +109,7 @@ def _assert(condition):
 @pytest.mark.parametrize("world,strategy", [(2, "full_shard"), (3, "full_shard"), (3, "shard_grad_op"),
                                             (2, "no_shard")])
 def test_model_zoo_parity(world, strategy):
-    want_losses, want_state = _zoo_single(world, 8)
+    want_losses, want_state = single_process(world, "sgd", steps=8, model_fn=Zoo, batch_fn=zoo_step_batch)
     got = run_ranks(_zoo_sharded, world, strategy, 8)
     assert_close_losses(got[0][0], want_losses)
     assert_close_state(got[0][1], want_state)

@@ -1,38 +1,12 @@
 """Mixed precision against a one-process reference that applies the same casts (not looser tolerances)."""
-import copy
-
 import torch
 
 import fsdp_plugin as fp
 from _dist import run_ranks
-from _parity import assert_close_losses, assert_close_state, train
+from _parity import assert_close_losses, assert_close_state, same_casts_reference, train
 from models import GPT, Block, gpt_batch
 
 BF16 = fp.MixedPrecision(param_dtype=torch.bfloat16)
-
-
-def _reference(world, steps):
-    """fp32 master; each rank's batch in bf16 forward/backward; gradients averaged in fp32."""
-    torch.manual_seed(0)
-    master = GPT()
-    opt = torch.optim.SGD(master.parameters(), lr=0.05, momentum=0.9)
-    losses = []
-    for s in range(steps):
-        low = copy.deepcopy(master).to(torch.bfloat16)
-        total = [torch.zeros_like(p) for p in master.parameters()]
-        step_loss = 0.0
-        for r in range(world):
-            low.zero_grad()
-            loss = low(*gpt_batch(s, r))
-            loss.backward()
-            for acc, p in zip(total, low.parameters()):
-                acc.add_(p.grad.float())
-            step_loss += loss.float().item() / world
-        for p, acc in zip(master.parameters(), total):
-            p.grad = acc / world
-        opt.step()
-        losses.append(step_loss)
-    return losses, master.state_dict()
 
 
 def _sharded(rank, world, steps):
@@ -48,7 +22,7 @@ def _sharded(rank, world, steps):
 
 
 def test_bf16_matches_reference_with_same_casts():
-    want_losses, want_state = _reference(2, 4)
+    want_losses, want_state = same_casts_reference(2, 4, torch.bfloat16)
     losses, state, _ = run_ranks(_sharded, 2, 4)[0]
     assert_close_losses(losses, want_losses)
     assert_close_state(state, want_state)
