@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from _launch import run
 
 pytest.importorskip("accelerate")
 import fsdp_plugin.checkpoint as ckpt
@@ -24,34 +23,16 @@ ROOT = Path(__file__).resolve().parents[1]
 YAML = ROOT / "examples" / "accelerate_fsdp_cpu.yaml"
 SCRIPT = ROOT / "tests" / "scripts" / "accelerate_train_check.py"
 STEPS, SAVE_AT = 8, 4
-_DROP = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "NODE_RANK",
-         "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED", "STANDALONE_PORT")
-_DROP_PREFIX = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_", "SLURM_", "PMI_", "OMPI_")
 needs_checkpoint = pytest.mark.skipif(not hasattr(ckpt, "save_checkpoint"),
                                       reason="fp.save_checkpoint/load_checkpoint not available yet")
-
-
-def clean_env() -> dict:
-    """The parent's env without launcher/cluster variables, one thread per rank."""
-    env = {k: v for k, v in os.environ.items() if k not in _DROP and not k.startswith(_DROP_PREFIX)}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return env
 
 
 def launch(script: Path, args: list, nproc: int = 2, config: Path = YAML, timeout: float = 150) -> str:
     """``accelerate launch`` ``script``; returns the output, raises with its tail on failure/timeout."""
     cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(config),
            "--num_processes", str(nproc), "--main_process_port", "0", str(script), *map(str, args)]
-    proc = subprocess.Popen(cmd, env=clean_env(), cwd=ROOT, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"accelerate launch timed out after {timeout}s:\n{out[-4000:]}") from None
-    if proc.returncode != 0 or "ACCELERATE_CHECK_DONE" not in out:
-        raise AssertionError(f"accelerate launch failed (rc={proc.returncode}):\n{out[-6000:]}")
+    out = run(cmd, timeout=timeout, cwd=ROOT)
+    assert "ACCELERATE_CHECK_DONE" in out, out[-6000:]
     return out
 
 

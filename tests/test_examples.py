@@ -1,16 +1,13 @@
 """The example scripts, run the way a user runs them: real torchrun, 2 ranks, in a subprocess."""
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import fsdp_plugin as fp
+from _launch import run, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_GPT = ROOT / "examples" / "train_gpt.py"
@@ -26,32 +23,9 @@ SMALL = ["--dim", "64", "--layers", "2", "--heads", "2", "--batch", "8", "--seq"
          "--lr", "3e-3", "--warmup", "5", "--log-every", "10", "--eval-batches", "1"]
 
 
-def _clean_env() -> dict[str, str]:
-    """The parent's environment minus anything a launcher or an outer distributed job may have left."""
-    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "NODE_RANK",
-            "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "PYTHONPATH", "CUDA_VISIBLE_DEVICES")
-    env = {k: v for k, v in os.environ.items()
-           if k not in drop and not k.startswith(("TORCHELASTIC_", "TORCH_ELASTIC", "PL_", "LIGHTNING_"))}
-    env["PYTHONUNBUFFERED"] = "1"
-    env["CUDA_VISIBLE_DEVICES"] = ""  # CPU/gloo even where a GPU exists
-    return env
-
-
 def _torchrun(*args: str, nproc: int = 2, timeout: float = 240) -> str:
-    exe = Path(sys.executable).with_name("torchrun")
-    launcher = [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    cmd = [*launcher, "--standalone", f"--nproc_per_node={nproc}", str(TRAIN_GPT), *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank it started
-        out, _ = proc.communicate()
-        pytest.fail(f"timed out after {timeout:.0f}s: {' '.join(cmd)}\n{out[-4000:]}")
-    if proc.returncode != 0:
-        pytest.fail(f"exit code {proc.returncode}: {' '.join(cmd)}\n{out[-6000:]}")
-    return out
+    cmd = torchrun("--standalone", f"--nproc_per_node={nproc}", TRAIN_GPT, *args)
+    return run(cmd, timeout=timeout, env={"PYTHONPATH": ""})
 
 
 def _losses(out: str) -> dict[int, float]:
