@@ -12,6 +12,7 @@ from torch import nn
 from . import _collectives as comm
 from ._flat_param import set_param_data
 from .config import SKIP_INIT
+from ._init_hf import HFInit
 from .errors import ShardingError
 
 REAL, META, DEFERRED = 0, 1, 2
@@ -71,6 +72,7 @@ class Materializer:
             for p in m._parameters.values():
                 if p is not None:
                     self._owner_modules.setdefault(id(p), []).append(m)
+        self._hf = HFInit(model)   # transformers' own init rules, when the model is a PreTrainedModel
 
     def param_values(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
         """Full real values for ``params`` (same order); meta modules are initialized on the way."""
@@ -96,30 +98,78 @@ class Materializer:
             if m._buffers[n].is_meta:
                 self._init_module(m)
 
+    def close(self) -> None:
+        """Called once every unit is built: drop the bookkeeping flags left on tensors."""
+        self._hf.close()
+
     def _init_module(self, m: nn.Module) -> None:
         if id(m) in self._initialized:
             return
         self._initialized.add(id(m))
-        own = [(n, p) for n, p in m._parameters.items() if p is not None and p.is_meta]
-        bufs = [(n, b) for n, b in m._buffers.items() if b is not None and b.is_meta]
-        for _, p in own:
+        own = [p for p in m._parameters.values() if p is not None and p.is_meta]
+        bufs = [n for n, b in m._buffers.items() if b is not None and b.is_meta]
+        for p in own:
             set_param_data(p, torch.empty_like(p, device=self.device))
-        for n, b in bufs:
-            m._buffers[n] = torch.empty_like(b, device=self.device)
-        if self.param_init_fn == SKIP_INIT:
-            for _, p in own:
-                p.data.zero_()
-            for n, _ in bufs:
-                m._buffers[n].zero_()
-            return
+        for n in bufs:
+            m._buffers[n] = torch.empty_like(m._buffers[n], device=self.device)
+        fresh_bufs = [m._buffers[n] for n in bufs]
         with torch.no_grad():
-            if self.param_init_fn is not None:
+            if self.param_init_fn == SKIP_INIT:
+                self._skip_init(m, own, bufs)
+            elif self.param_init_fn is not None:
                 self.param_init_fn(m)
+            elif self._hf.covers(m):
+                self._hf_init(m, own + fresh_bufs)
             elif hasattr(m, "reset_parameters"):
                 m.reset_parameters()
             else:
-                names = [n for n, _ in own] + [n for n, _ in bufs]
-                raise ShardingError(
-                    f"module {type(m).__name__} (fields {names}) is on the meta device and has no reset_parameters(): "
-                    "give ShardingConfig(param_init_fn=...) that initializes it, build the model under "
-                    "fp.deferred_init() instead of torch.device('meta'), or build it on a real device")
+                self._refuse(m, own, bufs)
+        if self._hf.active:
+            for t in own + [m._buffers[n] for n in bufs]:
+                self._hf.mark_done(t)
+
+    def _hf_init(self, m: nn.Module, fresh: list) -> None:
+        """transformers' own rules (``_init_weights``); a module they leave unset falls back to reset_parameters."""
+        left = self._hf.run(m, fresh)
+        if not left:
+            return
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+            return
+        names = [n for n, t in list(m._parameters.items()) + list(m._buffers.items()) if any(t is u for u in left)]
+        raise ShardingError(
+            f"module {type(m).__name__} (fields {names}) is on the meta device and neither transformers' "
+            "_init_weights of its model nor a reset_parameters() initializes it: give ShardingConfig(param_init_fn=...) "
+            "that initializes it, build the model under fp.deferred_init(), or build it on a real device")
+
+    def _skip_init(self, m: nn.Module, own: list, bufs: list) -> None:
+        """"skip": parameters and persistent buffers stay zero for a checkpoint to fill; non-persistent buffers
+        are in no checkpoint, so they are computed (transformers' rules) or refused, never left zero."""
+        for p in own:
+            p.data.zero_()
+        if self._hf.covers(m):
+            for p in own:
+                self._hf.mark_done(p)   # only the buffers are computed
+            left = self._hf.run(m, [m._buffers[n] for n in bufs])
+        else:
+            left = [m._buffers[n] for n in bufs]
+        missing = []
+        for n in bufs:
+            b = m._buffers[n]
+            if any(b is u for u in left):
+                b.zero_()
+                if n in m._non_persistent_buffers_set:
+                    missing.append(n)
+        if missing:
+            raise ShardingError(
+                f"module {type(m).__name__}: non-persistent buffer(s) {missing} are on the meta device and "
+                "param_init_fn='skip' cannot fill them (no checkpoint holds them): keep buffers real when building "
+                "(accelerate's init_empty_weights() does), build under fp.deferred_init(), or give "
+                "param_init_fn=... that computes them")
+
+    def _refuse(self, m: nn.Module, own: list, bufs: list) -> None:
+        names = [n for n, p in m._parameters.items() if any(p is q for q in own)] + bufs
+        raise ShardingError(
+            f"module {type(m).__name__} (fields {names}) is on the meta device and has no reset_parameters(): "
+            "give ShardingConfig(param_init_fn=...) that initializes it, build the model under "
+            "fp.deferred_init() instead of torch.device('meta'), or build it on a real device")

@@ -113,15 +113,18 @@ def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: Ro
     scatter = decide_scatter(model, mesh.world_size, device)
     mat = Materializer(model, device, cfg.param_init_fn)
     buffer_sites = _buffer_sites_by_unit(model, unit_fqns)
-    for fqn, module in units:
-        if not scatter or mesh.rank == 0:
-            mat.materialize_buffers(buffer_sites[fqn])
-        else:
-            _empty_meta_buffers(buffer_sites[fqn], device)
-        handles = [_build_handle(group, sites, names, mesh, cfg, device, mat, scatter, fqn or "<root>")
-                   for group in _group_params(owned[fqn]).values()]
-        keep = cfg.sharding_strategy in ("full_shard", "hybrid_shard") and fqn != ""
-        root.units.append(Unit(fqn, module, handles, root, reshard_after_forward=keep))
+    try:
+        for fqn, module in units:
+            if not scatter or mesh.rank == 0:
+                mat.materialize_buffers(buffer_sites[fqn])
+            else:
+                _empty_meta_buffers(buffer_sites[fqn], device)
+            handles = [_build_handle(group, sites, names, mesh, cfg, device, mat, scatter, fqn or "<root>")
+                       for group in _group_params(owned[fqn]).values()]
+            keep = cfg.sharding_strategy in ("full_shard", "hybrid_shard") and fqn != ""
+            root.units.append(Unit(fqn, module, handles, root, reshard_after_forward=keep))
+    finally:
+        mat.close()
 
 
 def _buffer_sites_by_unit(model: nn.Module, unit_fqns: list) -> dict:
