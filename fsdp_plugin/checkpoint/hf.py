@@ -10,15 +10,16 @@
 """
 from __future__ import annotations
 
+import copy
 import os
 import uuid
 
 import torch
 
-from . import _comm, _format, _model
+from . import _comm, _format, _model, hf_convert
 from .errors import CheckpointError, CheckpointMismatchError, MismatchReport
 from .fsio import byte_view, check_plain_name, open_in_dir
-from .hf_gather import gather_write
+from .hf_gather import gather_full, gather_write, piece_table
 from .hf_out import INDEX_NAME, HFWriter
 from .reader import ReadPlan
 from .writer import flat_cpu
@@ -52,7 +53,7 @@ def _load_local(model, path: str, strict: bool, report: MismatchReport) -> None:
         for f in files:
             for name, e in plan.header(f).entries.items():
                 stored[name] = (f, e)
-        reads = _match(model, stored, report)
+        reads, converted = _match(model, stored, report)
         if report and strict:
             raise CheckpointMismatchError(f"{path} does not match the model: {report.describe()} "
                                           "(pass strict=False to load the intersection)", report)
@@ -64,32 +65,57 @@ def _load_local(model, path: str, strict: bool, report: MismatchReport) -> None:
             src = _format.to_dtype(e.dtype)
             plan.add(f, e.begin + start * src.itemsize, src, dest, e.name)
         plan.execute()
+        for group, targets in converted:
+            _load_group(model, plan, stored, group, targets)
     for dst, src in copy_back:
         dst.copy_(src)
 
 
-def _match(model, stored: dict, report: MismatchReport) -> list:
-    reads, known = [], set()
-    for sh in _model.param_shards(model):
-        names = (sh.fqn, *sh.aliases)
-        known.update(names)
-        hit = next((n for n in names if n in stored), None)
+def _load_group(model, plan: ReadPlan, stored: dict, group, targets: list) -> None:
+    """A converted group (e.g. per-expert tensors fused into one): its sources are read whole, converted by
+    transformers' converter, and each target keeps its own slice. Ranks holding no element of it read nothing."""
+    if not any(t.numel() for t, _, _ in targets):
+        return
+    full = {}
+    for _, name in group.sources:
+        f, e = stored[name]
+        src = _format.to_dtype(e.dtype)
+        full[name] = torch.empty(tuple(e.shape), dtype=src)
+        plan.add(f, e.begin, src, full[name].view(-1), name)
+    plan.execute()
+    outs = hf_convert.run(model, group, full)
+    del full
+    for target, name, start in targets:
+        dest, tmp = _model.flat_dest(target)
+        dest.copy_(outs[name].reshape(-1)[start:start + dest.numel()])
+        if tmp is not None:
+            target.detach().copy_(tmp)
+
+
+def _match(model, stored: dict, report: MismatchReport) -> tuple[list, list]:
+    """Plan what to read: ``reads`` (one-to-one, ranged) and ``converted`` ((group, [(tensor, name, start)]))."""
+    targets = [((sh.fqn, *sh.aliases), sh.param, tuple(sh.shape), sh.start) for sh in _model.param_shards(model)]
+    targets += [((n,), b, tuple(b.shape), 0) for n, b in _model.persistent_buffers(model)]
+    known = {n for names, *_ in targets for n in names}
+    renames, groups = hf_convert.plan_load(
+        model, {n: (tuple(e.shape), _format.to_dtype(e.dtype)) for n, (_, e) in stored.items()}, known)
+    by_output = {o: g for g in groups for o in g.outputs}
+    reads, converted = [], {}
+    for names, t, shape, start in targets:
+        hit = next((n for n in names if n in renames or n in by_output), None)
         if hit is None:
-            report.missing.append(sh.fqn)
-        elif tuple(stored[hit][1].shape) != tuple(sh.shape):
-            report.mismatched[sh.fqn] = f"file {list(stored[hit][1].shape)} vs model {list(sh.shape)}"
+            report.missing.append(names[0])
+            continue
+        have = tuple(stored[renames[hit]][1].shape) if hit in renames else by_output[hit].outputs[hit]
+        if tuple(have) != shape:
+            report.mismatched[names[0]] = f"file {list(have)} vs model {list(shape)}"
+        elif hit in renames:
+            reads.append((t, *stored[renames[hit]], start))
         else:
-            reads.append((sh.param, *stored[hit], sh.start))
-    for name, buf in _model.persistent_buffers(model):
-        known.add(name)
-        if name not in stored:
-            report.missing.append(name)
-        elif tuple(stored[name][1].shape) != tuple(buf.shape):
-            report.mismatched[name] = f"file {list(stored[name][1].shape)} vs model {list(buf.shape)}"
-        else:
-            reads.append((buf, *stored[name], 0))
-    report.unexpected += sorted(n for n in stored if n not in known)
-    return reads
+            converted.setdefault(id(by_output[hit]), (by_output[hit], []))[1].append((t, hit, start))
+    report.unexpected += sorted([s for m, s in renames.items() if m not in known]
+                                + [s for g in groups if not known.intersection(g.outputs) for _, s in g.sources])
+    return reads, list(converted.values())
 
 
 def _resolve(path: str) -> tuple[str, list[str]]:
@@ -145,24 +171,23 @@ def save_pretrained(model, path, max_shard_size="5GB", dtype: torch.dtype | None
     chunks of ``_CAST_CHUNK`` elements). By default every rank writes its own pieces (no gather, O(chunk)
     memory); when some rank cannot see the files rank 0 created (no shared filesystem), or with
     ``gather=True``, pieces are sent to rank 0 one parameter at a time instead (:mod:`.hf_gather`).
+    A transformers model is written the way its own ``save_pretrained`` writes it: names and tensors that
+    transformers converts on load are converted back (those tensors are gathered whole on rank 0, one
+    group at a time), and ``config.json`` (+ ``generation_config.json``) are written, so
+    ``from_pretrained(path)`` reads it back.
     """
     path = os.path.abspath(os.fspath(path))
     rank = _comm.rank()
-    shards = _model.param_shards(model)
-    buffers = _model.persistent_buffers(model)
-    entries = _entries(shards, buffers, dtype)
+    out = _SaveLayout(model, dtype)
     uid = _comm.broadcast_bytes(uuid.uuid4().hex.encode() if rank == 0 else None).decode()
-    writer = HFWriter(path, entries, max_shard_size, uid)
+    writer = HFWriter(path, out.entries, max_shard_size, uid)
     err = None
     if rank == 0:
         err = _attempt(writer.create)
     _comm.raise_if_any_failed(err)
     if gather is None:
         gather = not _comm.all_true(os.path.exists(writer.tmp_path(0)))
-    if gather:
-        err = _attempt(lambda: _gather_pieces(writer, shards, buffers, dtype))
-    else:
-        err = _attempt(lambda: _write_pieces(writer, shards, buffers if rank == 0 else [], dtype))
+    err = _attempt(lambda: _write_all(writer, out, gather, dtype))
     try:
         _comm.raise_if_any_failed(err)
     except BaseException:
@@ -170,8 +195,82 @@ def save_pretrained(model, path, max_shard_size="5GB", dtype: torch.dtype | None
             writer.abort()
         raise
     if rank == 0:
-        err = _attempt(writer.publish)
+        err = _attempt(lambda: (writer.publish(), _write_config(model, path, out.saved_dtype)))
     _comm.raise_if_any_failed(err)
+
+
+class _SaveLayout:
+    """What goes into the files: ``direct`` shards/buffers (renamed, written piece by piece) and converted
+    ``groups`` (gathered whole, converted by transformers); ``entries`` = (name, dtype, shape) in file order."""
+
+    def __init__(self, model, dtype):
+        self.model = model
+        self.shards = _model.param_shards(model)
+        self.buffers = _model.persistent_buffers(model)
+        names = [sh.fqn for sh in self.shards] + [n for n, _ in self.buffers]
+        self.renames, self.groups = hf_convert.plan_save(model, names)
+        in_group = {n for g in self.groups for _, n in g.sources}
+        self.direct = [sh for sh in self.shards if sh.fqn not in in_group]
+        self.direct_buffers = [(self.renames[n], b) for n, b in self.buffers if n not in in_group]
+        shapes = {sh.fqn: tuple(sh.shape) for sh in self.shards} | {n: tuple(b.shape) for n, b in self.buffers}
+        dtypes = {sh.fqn: sh.dtype for sh in self.shards} | {n: b.dtype for n, b in self.buffers}
+        self.entries = [(self.renames[sh.fqn], _format.dtype_name(_out_dtype(sh.dtype, dtype)), tuple(sh.shape))
+                        for sh in self.direct]
+        self.entries += [(n, _format.dtype_name(_out_dtype(b.dtype, dtype)), tuple(b.shape))
+                         for n, b in self.direct_buffers]
+        for g in self.groups:
+            hf_convert.save_group_shapes(model, g, shapes, dtypes)
+            gdtype = _out_dtype(dtypes[g.sources[0][1]], dtype)
+            self.entries += [(n, _format.dtype_name(gdtype), shape) for n, shape in g.outputs.items()]
+        floating = [d for d in dtypes.values() if d.is_floating_point]
+        self.saved_dtype = dtype or (floating[0] if floating else None)
+
+
+def _write_all(writer: HFWriter, out: _SaveLayout, gather: bool, dtype) -> None:
+    rank = _comm.rank()
+    try:
+        if gather:
+            gather_write(writer, out.direct, out.direct_buffers,
+                         lambda name, t, start: _write_tensor(writer, out.renames.get(name, name), t, start, dtype))
+        else:
+            for sh in out.direct:
+                if sh.writer and sh.end > sh.start:
+                    _write_tensor(writer, out.renames[sh.fqn], sh.param, sh.start, dtype)
+            for name, buf in out.direct_buffers if rank == 0 else []:
+                _write_tensor(writer, name, buf, 0, dtype)
+        if out.groups:
+            _write_groups(writer, out, dtype)
+    finally:
+        writer.sync_close()
+
+
+def _write_groups(writer: HFWriter, out: _SaveLayout, dtype) -> None:
+    """Tensors transformers converts back when saving: gathered whole on rank 0, converted, written there."""
+    index = {sh.fqn: i for i, sh in enumerate(out.shards)}
+    buffers = dict(out.buffers)
+    table = piece_table(out.shards)
+    for g in out.groups:
+        full = {}
+        for _, name in g.sources:
+            full[name] = gather_full(out.shards[index[name]], index[name], table) if name in index else buffers[name]
+        if _comm.rank() == 0:
+            for name, t in hf_convert.run(out.model, g, full).items():
+                _write_tensor(writer, name, t.contiguous(), 0, dtype)
+
+
+def _write_config(model, path: str, saved_dtype) -> None:
+    """``config.json`` (+ ``generation_config.json``) as transformers' ``save_pretrained`` writes them."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "save_pretrained"):
+        return
+    config = copy.deepcopy(config)
+    if saved_dtype is not None:
+        config.dtype = str(saved_dtype).split(".")[1]
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(path)
+    can_generate = getattr(model, "can_generate", None)
+    if callable(can_generate) and can_generate() and getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(path)
 
 
 def _attempt(fn):
@@ -184,30 +283,6 @@ def _attempt(fn):
 
 def _out_dtype(t_dtype: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
     return dtype if dtype is not None and t_dtype.is_floating_point else t_dtype
-
-
-def _entries(shards, buffers, dtype) -> list[tuple[str, str, tuple]]:
-    out = [(sh.fqn, _format.dtype_name(_out_dtype(sh.dtype, dtype)), tuple(sh.shape)) for sh in shards]
-    out += [(n, _format.dtype_name(_out_dtype(b.dtype, dtype)), tuple(b.shape)) for n, b in buffers]
-    return out
-
-
-def _write_pieces(writer: HFWriter, shards, buffers, dtype) -> None:
-    try:
-        for sh in shards:
-            if sh.writer and sh.end > sh.start:
-                _write_tensor(writer, sh.fqn, sh.param, sh.start, dtype)
-        for name, buf in buffers:
-            _write_tensor(writer, name, buf, 0, dtype)
-    finally:
-        writer.sync_close()
-
-
-def _gather_pieces(writer: HFWriter, shards, buffers, dtype) -> None:
-    try:
-        gather_write(writer, shards, buffers, lambda name, t, start: _write_tensor(writer, name, t, start, dtype))
-    finally:
-        writer.sync_close()
 
 
 def _write_tensor(writer: HFWriter, name: str, t: torch.Tensor, start: int, dtype) -> None:

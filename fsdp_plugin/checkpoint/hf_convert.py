@@ -1,0 +1,148 @@
+"""Checkpoint names that differ from the module tree: transformers' own conversion mapping.
+
+transformers 5 renames and converts some checkpoints while loading (Mixtral: ``block_sparse_moe.`` ->
+``mlp.``, per-expert ``experts.N.w1/w3`` fused into ``experts.gate_up_proj``, ...) and reverts that when
+saving (``save_pretrained(save_original_format=True)``, the default). We reuse its objects
+(``get_model_conversion_mapping``, ``WeightRenaming``/``WeightConverter``, ``rename_source_key``, the
+converters' ``convert``) and do only the bookkeeping here:
+
+* a *rename* maps one stored tensor to one model tensor, byte for byte: ranged reads/writes stay possible;
+* a *group* (one converter instance) turns several stored tensors into model tensors (or back): its
+  inputs are needed whole, so loading reads every source tensor of the group in full, and saving gathers
+  the group's full parameters on one rank before converting and writing them.
+
+Output names and shapes of a group are found by running the converter on meta tensors, so mismatches are
+reported before any byte is read. Nothing here imports transformers unless the model is a
+``PreTrainedModel`` (its module is then already loaded).
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Group:
+    """One converter application: stored ``sources`` (pattern, name) in order -> ``outputs`` (name -> shape)."""
+
+    converter: object
+    target: str
+    sources: list = field(default_factory=list)
+    outputs: dict = field(default_factory=dict)
+    renamings: list | None = None        # saving: applied to the converter's outputs (as transformers does)
+
+
+def _core():
+    return importlib.import_module("transformers.core_model_loading")
+
+
+def _is_pretrained(model) -> bool:
+    mu = sys.modules.get("transformers.modeling_utils")
+    return mu is not None and isinstance(model, mu.PreTrainedModel)
+
+
+def _split(transforms) -> tuple[list, list]:
+    core = _core()
+    return ([t for t in transforms if isinstance(t, core.WeightRenaming)],
+            [t for t in transforms if isinstance(t, core.WeightConverter)])
+
+
+def load_transforms(model) -> tuple[list, list] | None:
+    """(renamings, converters) that ``from_pretrained`` applies to ``model``'s checkpoints, or None."""
+    if not _is_pretrained(model):
+        return None
+    cm = importlib.import_module("transformers.conversion_mapping")
+    transforms = cm.get_model_conversion_mapping(model)
+    return _split(transforms) if transforms else None
+
+
+def save_transforms(model) -> tuple[list, list] | None:
+    """(renamings, converters) that ``save_pretrained`` applies (reversed load mapping), as in
+    ``core_model_loading.revert_weight_conversion``; None when names are written as they are."""
+    if not _is_pretrained(model):
+        return None
+    transforms = getattr(model, "_weight_conversions", None)
+    if transforms is None:
+        cm = importlib.import_module("transformers.conversion_mapping")
+        transforms = [t for t in cm.get_model_conversion_mapping(model, add_legacy=False)
+                      if not isinstance(t, _core().PrefixChange)]
+    if not transforms:
+        return None
+    return _split([t.reverse_transform() for t in transforms[::-1]])
+
+
+def _natural(names):
+    return sorted(names, key=_core().dot_natural_key)
+
+
+def plan_load(model, stored: dict, known: set) -> tuple[dict, list]:
+    """Map stored names (-> ``(shape, torch dtype)``) to model names the way ``from_pretrained`` does.
+
+    Returns ``(renames, groups)``: ``renames[model_name] = stored_name`` for one-to-one tensors, and the
+    converter groups (``outputs`` = model names and shapes). Stored names matching nothing keep their name.
+    """
+    transforms = load_transforms(model)
+    if transforms is None:
+        return {n: n for n in stored}, []
+    renamings, converters = transforms
+    core, by_pattern = _core(), {p: c for c in converters for p in c.source_patterns}
+    lookup = dict.fromkeys(known, True)
+    renames, groups = {}, {}
+    for name in _natural(stored):
+        new, pattern = core.rename_source_key(name, renamings, converters, model.base_model_prefix, lookup)
+        if new not in known and name in known:
+            new, pattern = name, None
+        if pattern is None:
+            renames.setdefault(new, name)
+        else:
+            g = groups.setdefault(new, Group(copy.deepcopy(by_pattern[pattern]), new))
+            g.sources.append((pattern, name))
+    for g in groups.values():
+        metas = {n: torch.empty(stored[n][0], dtype=stored[n][1], device="meta") for _, n in g.sources}
+        g.outputs = {k: tuple(v.shape) for k, v in run(model, g, metas).items()}
+    return renames, list(groups.values())
+
+
+def plan_save(model, names: list) -> tuple[dict, list]:
+    """Map model names to the names ``save_pretrained`` writes: ``(renames, groups)`` with
+    ``renames[model_name] = written_name`` and groups whose ``outputs`` are written names and shapes."""
+    transforms = save_transforms(model)
+    if transforms is None:
+        return {n: n for n in names}, []
+    renamings, converters = transforms
+    core, by_pattern = _core(), {p: c for c in converters for p in c.source_patterns}
+    renames, groups = {}, {}
+    for name in _natural(names):
+        new, pattern = core.apply_converters(name, converters)
+        if pattern is None:
+            renames[name] = core.apply_renamings(name, renamings)
+        else:
+            g = groups.setdefault(new, Group(copy.deepcopy(by_pattern[pattern]), new))
+            g.sources.append((pattern, name))
+    for g in groups.values():
+        g.renamings = renamings
+    return renames, list(groups.values())
+
+
+def run(model, group: Group, tensors: dict) -> dict:
+    """Apply ``group``'s converter to ``tensors`` (source name -> tensor); return output name -> tensor."""
+    conv = copy.deepcopy(group.converter)
+    for pattern, name in group.sources:
+        conv.add_tensor(group.target, name, pattern, tensors[name])
+    out = conv.convert(group.target, model=model, config=getattr(model, "config", None))
+    renamings, core = group.renamings, _core()
+    result = {}
+    for k, v in out.items():
+        v = v[0] if isinstance(v, list) else v
+        result[core.apply_renamings(k, renamings) if renamings else k] = v
+    return result
+
+
+def save_group_shapes(model, group: Group, shapes: dict, dtypes: dict) -> None:
+    """Fill ``group.outputs`` (written name -> shape) by converting meta tensors of the model's shapes."""
+    metas = {n: torch.empty(shapes[n], dtype=dtypes[n], device="meta") for _, n in group.sources}
+    group.outputs = {k: tuple(v.shape) for k, v in run(model, group, metas).items()}
