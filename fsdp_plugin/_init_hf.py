@@ -110,3 +110,15 @@ class HFInit:
             except AttributeError:
                 pass
         self._flagged.clear()
+
+
+def retie(model: nn.Module) -> None:
+    """Restore a transformers model's tied weights before its parameters are collected.
+
+    accelerate's ``init_empty_weights()`` re-creates every parameter as it is registered, which undoes the
+    ties transformers made in ``__init__`` (T5's embedding shared by both stacks, tied LM heads);
+    ``from_pretrained`` re-ties after loading with ``tie_weights()``, and so do we, for meta-built models only.
+    """
+    ptm = _pretrained_class()
+    if ptm is not None and isinstance(model, ptm) and any(p.is_meta for p in model.parameters()):
+        model.tie_weights()

@@ -14,6 +14,7 @@ from . import _collectives as comm
 from ._flat_param import FlatParamHandle, ParamSlot
 from ._guards import install_guards
 from ._init import Materializer, decide_scatter, model_kind
+from ._init_hf import retie
 from ._mesh import Mesh, build_mesh
 from ._root import RootState
 from ._unit import Unit
@@ -42,6 +43,7 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
     _check_reducible(model, cfg)
     if cfg.activation_checkpointing is not None:
         _apply_activation_checkpointing(model, cfg.activation_checkpointing)
+    retie(model)
     units = select_unit_modules(model, cfg.auto_wrap_policy, cfg.ignored_modules)
     root = RootState(cfg, mesh, device)
     _build_units(model, units, cfg, mesh, device, root)

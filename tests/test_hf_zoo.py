@@ -26,29 +26,29 @@ import fsdp_plugin as fp
 torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # import torch._dynamo once, before forking ranks
 
 VOCAB, SEQ, BATCH, STEPS = 96, 8, 2, 4
-_ATTN = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+_ATTN = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
 
 ZOO = {
-    "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, dict(_ATTN)),
+    "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, _ATTN),
     "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel,
-             dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0,
-                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)),
-    "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, dict(_ATTN)),
-    "mistral": (tf.MistralConfig, tf.MistralForCausalLM, dict(_ATTN, head_dim=8)),
-    "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM, dict(_ATTN, head_dim=8)),
+             {"vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 32, "resid_pdrop": 0.0,
+              "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 0, "eos_token_id": 0}),
+    "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, _ATTN),
+    "mistral": (tf.MistralConfig, tf.MistralForCausalLM, {**_ATTN, "head_dim": 8}),
+    "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM, {**_ATTN, "head_dim": 8}),
     "bert": (tf.BertConfig, tf.BertForMaskedLM,
-             dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, max_position_embeddings=32, hidden_dropout_prob=0.0,
-                  attention_probs_dropout_prob=0.0)),
+             {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "max_position_embeddings": 32, "hidden_dropout_prob": 0.0,
+              "attention_probs_dropout_prob": 0.0}),
     "t5": (tf.T5Config, tf.T5ForConditionalGeneration,
-           dict(vocab_size=VOCAB, d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4, dropout_rate=0.0,
-                decoder_start_token_id=0, pad_token_id=0)),
-    "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM,
-                dict(_ATTN, num_local_experts=4, num_experts_per_tok=4)),
+           {"vocab_size": VOCAB, "d_model": 32, "d_ff": 64, "d_kv": 8, "num_layers": 2, "num_heads": 4,
+            "dropout_rate": 0.0, "decoder_start_token_id": 0, "pad_token_id": 0}),
+    # every token goes to every expert, so each expert gets tokens on every rank in every step
+    "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, {**_ATTN, "num_local_experts": 4, "num_experts_per_tok": 4}),
     "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM,
-                  dict(_ATTN, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
-                       num_experts_per_tok=4)),
+                  {**_ATTN, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 4,
+                   "num_experts_per_tok": 4}),
 }
 
 
@@ -168,3 +168,41 @@ SLOW = ([(n, w, o, "full_shard", None, "meta") for n in ZOO for w in (2, 3) for 
                          ids=[f"{c[0]}-w{c[1]}-{c[2]}-{c[3]}-{c[5]}" for c in SLOW])
 def test_zoo_slow(tmp_path, name, world, optim, strategy, mesh, build):
     _check(tmp_path, name, world, optim, strategy, mesh, build)
+
+
+@pytest.mark.parametrize("init", [None, "skip"])
+def test_meta_init_uses_transformers_rules(init):
+    """Built on meta and sharded alone: every buffer (rotary inv_freq, position_ids, embed_scale, ...) equals
+    the eagerly built model's, parameters are initialized by the model's own _init_weights (or zero under
+    "skip"), and no bookkeeping flag is left behind."""
+    for name in ZOO:
+        torch.manual_seed(0)
+        eager = _build(name)
+        model = fp.shard(_build(name, "meta"), param_init_fn=init)
+        for n, b in model.named_buffers():
+            assert torch.equal(b, eager.get_buffer(n)), f"{name} {n}"
+        params = dict(eager.named_parameters())
+        for n, v in fp.full_state_dict(model).items():
+            if n not in params:
+                continue
+            if init == "skip":
+                assert not v.any(), f"{name} {n}"
+            elif v.numel() >= 256:   # same distribution as transformers' own init (not e.g. kaiming)
+                ratio = (v.std() / params[n].std()).item()
+                assert 0.6 < ratio < 1.6 and abs(v.mean() - params[n].mean()) < 0.05, f"{name} {n}: {ratio}"
+        assert not any(hasattr(t, "_is_hf_initialized") for t in model.parameters()), name
+
+
+def test_load_tolerates_what_transformers_tolerates(tmp_path):
+    """Older checkpoints still hold buffers that are non-persistent today (BERT's position_ids): transformers
+    ignores them on load, and so does fp.load_pretrained (strict)."""
+    from safetensors.torch import save_file
+    torch.manual_seed(0)
+    eager = _build("bert")
+    sd = {k: v.clone() for k, v in eager.state_dict().items()}
+    sd["bert.embeddings.position_ids"] = torch.arange(32).unsqueeze(0)
+    save_file(sd, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    model = fp.shard(_build("bert", "meta"), param_init_fn="skip")
+    assert not fp.load_pretrained(model, tmp_path)
+    for k, v in fp.full_state_dict(model).items():
+        assert torch.equal(v, eager.state_dict()[k]), k

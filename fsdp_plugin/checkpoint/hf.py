@@ -113,8 +113,10 @@ def _match(model, stored: dict, report: MismatchReport) -> tuple[list, list]:
             reads.append((t, *stored[renames[hit]], start))
         else:
             converted.setdefault(id(by_output[hit]), (by_output[hit], []))[1].append((t, hit, start))
-    report.unexpected += sorted([s for m, s in renames.items() if m not in known]
-                                + [s for g in groups if not known.intersection(g.outputs) for _, s in g.sources])
+    unexpected = sorted([s for m, s in renames.items() if m not in known]
+                        + [s for g in groups if not known.intersection(g.outputs) for _, s in g.sources])
+    report.missing[:], unexpected = hf_convert.drop_ignored(model, report.missing, unexpected)
+    report.unexpected += unexpected
     return reads, list(converted.values())
 
 

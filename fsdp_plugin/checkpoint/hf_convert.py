@@ -21,6 +21,7 @@ import copy
 import importlib
 import sys
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
@@ -146,3 +147,14 @@ def save_group_shapes(model, group: Group, shapes: dict, dtypes: dict) -> None:
     """Fill ``group.outputs`` (written name -> shape) by converting meta tensors of the model's shapes."""
     metas = {n: torch.empty(shapes[n], dtype=dtypes[n], device="meta") for _, n in group.sources}
     group.outputs = {k: tuple(v.shape) for k, v in run(model, group, metas).items()}
+
+
+def drop_ignored(model, missing: list, unexpected: list) -> tuple[list, list]:
+    """Remove the names transformers itself tolerates when loading (``_keys_to_ignore_on_load_*``, the
+    ``rotary_emb.inv_freq`` / ``position_ids`` buffers older checkpoints still hold)."""
+    adjust = getattr(model, "_adjust_missing_and_unexpected_keys", None)
+    if not _is_pretrained(model) or adjust is None:
+        return missing, unexpected
+    info = SimpleNamespace(missing_keys=set(missing), unexpected_keys=set(unexpected))
+    adjust(info)
+    return [n for n in missing if n in info.missing_keys], [n for n in unexpected if n in info.unexpected_keys]
