@@ -58,12 +58,13 @@ def _load_local(model, path: str, strict: bool, report: MismatchReport) -> None:
             raise CheckpointMismatchError(f"{path} does not match the model: {report.describe()} "
                                           "(pass strict=False to load the intersection)", report)
         copy_back = []
-        for target, f, e, start in reads:
+        for target, start, parts in reads:
             dest, tmp = _model.flat_dest(target)
             if tmp is not None:
                 copy_back.append((target.detach(), tmp))
-            src = _format.to_dtype(e.dtype)
-            plan.add(f, e.begin + start * src.itemsize, src, dest, e.name)
+            for (f, e), src_start, lo, hi in parts:
+                src = _format.to_dtype(e.dtype)
+                plan.add(f, e.begin + src_start * src.itemsize, src, dest[lo:hi], e.name)
         plan.execute()
         for group, targets in converted:
             _load_group(model, plan, stored, group, targets)
@@ -93,26 +94,33 @@ def _load_group(model, plan: ReadPlan, stored: dict, group, targets: list) -> No
 
 
 def _match(model, stored: dict, report: MismatchReport) -> tuple[list, list]:
-    """Plan what to read: ``reads`` (one-to-one, ranged) and ``converted`` ((group, [(tensor, name, start)]))."""
+    """Plan what to read. ``reads``: ``(tensor, start, [((file, entry), source_start, lo, hi)])``, ranged
+    reads of stored elements into ``tensor``'s local piece ``[lo, hi)`` (one-to-one names, and converted
+    tensors whose layout is known); ``converted``: ``(group, [(tensor, name, start)])``, read whole."""
     targets = [((sh.fqn, *sh.aliases), sh.param, tuple(sh.shape), sh.start) for sh in _model.param_shards(model)]
     targets += [((n,), b, tuple(b.shape), 0) for n, b in _model.persistent_buffers(model)]
     known = {n for names, *_ in targets for n in names}
-    renames, groups = hf_convert.plan_load(
-        model, {n: (tuple(e.shape), _format.to_dtype(e.dtype)) for n, (_, e) in stored.items()}, known)
+    shapes = {n: (tuple(e.shape), _format.to_dtype(e.dtype)) for n, (_, e) in stored.items()}
+    renames, groups = hf_convert.plan_load(model, shapes, known)
     by_output = {o: g for g in groups for o in g.outputs}
+    layouts = {id(g): hf_convert.fused_layout(g, {n: s for n, (s, _) in shapes.items()}) for g in groups}
     reads, converted = [], {}
     for names, t, shape, start in targets:
         hit = next((n for n in names if n in renames or n in by_output), None)
         if hit is None:
             report.missing.append(names[0])
             continue
-        have = tuple(stored[renames[hit]][1].shape) if hit in renames else by_output[hit].outputs[hit]
+        g = by_output.get(hit) if hit not in renames else None
+        have = tuple(stored[renames[hit]][1].shape) if g is None else g.outputs[hit]
         if tuple(have) != shape:
             report.mismatched[names[0]] = f"file {list(have)} vs model {list(shape)}"
-        elif hit in renames:
-            reads.append((t, *stored[renames[hit]], start))
+        elif g is None:
+            reads.append((t, start, [(stored[renames[hit]], start, 0, t.numel())]))
+        elif layouts[id(g)] is not None:
+            parts = hf_convert.overlaps(layouts[id(g)], start, start + t.numel())
+            reads.append((t, start, [(stored[n], s0, lo, hi) for n, s0, lo, hi in parts]))
         else:
-            converted.setdefault(id(by_output[hit]), (by_output[hit], []))[1].append((t, hit, start))
+            converted.setdefault(id(g), (g, []))[1].append((t, hit, start))
     unexpected = sorted([s for m, s in renames.items() if m not in known]
                         + [s for g in groups if not known.intersection(g.outputs) for _, s in g.sources])
     report.missing[:], unexpected = hf_convert.drop_ignored(model, report.missing, unexpected)
@@ -202,44 +210,76 @@ def save_pretrained(model, path, max_shard_size="5GB", dtype: torch.dtype | None
 
 
 class _SaveLayout:
-    """What goes into the files: ``direct`` shards/buffers (renamed, written piece by piece) and converted
-    ``groups`` (gathered whole, converted by transformers); ``entries`` = (name, dtype, shape) in file order."""
+    """What goes into the files: ``entries`` = (name, dtype, shape) in file order. Shards in ``pieces`` are
+    written piece by piece by whichever rank holds them (renamed, or split by a known fused layout into the
+    per-expert tensors transformers writes); ``groups`` are converted by transformers after a gather."""
 
     def __init__(self, model, dtype):
-        self.model = model
+        self.model, self.dtype = model, dtype
         self.shards = _model.param_shards(model)
         self.buffers = _model.persistent_buffers(model)
         names = [sh.fqn for sh in self.shards] + [n for n, _ in self.buffers]
-        self.renames, self.groups = hf_convert.plan_save(model, names)
-        in_group = {n for g in self.groups for _, n in g.sources}
-        self.direct = [sh for sh in self.shards if sh.fqn not in in_group]
-        self.direct_buffers = [(self.renames[n], b) for n, b in self.buffers if n not in in_group]
+        self.renames, groups = hf_convert.plan_save(model, names)
         shapes = {sh.fqn: tuple(sh.shape) for sh in self.shards} | {n: tuple(b.shape) for n, b in self.buffers}
         dtypes = {sh.fqn: sh.dtype for sh in self.shards} | {n: b.dtype for n, b in self.buffers}
-        self.entries = [(self.renames[sh.fqn], _format.dtype_name(_out_dtype(sh.dtype, dtype)), tuple(sh.shape))
-                        for sh in self.direct]
-        self.entries += [(n, _format.dtype_name(_out_dtype(b.dtype, dtype)), tuple(b.shape))
-                         for n, b in self.direct_buffers]
-        for g in self.groups:
+        self.layouts, self.groups, fused = {}, [], []
+        for g in groups:
             hf_convert.save_group_shapes(model, g, shapes, dtypes)
-            gdtype = _out_dtype(dtypes[g.sources[0][1]], dtype)
-            self.entries += [(n, _format.dtype_name(gdtype), shape) for n, shape in g.outputs.items()]
+            layout = self._layout(g, set(names), dtypes)
+            if layout is not None:
+                self.layouts[g.sources[0][1]] = layout
+                fused.append(g)
+            else:
+                self.groups.append(g)
+        in_group = {n for g in self.groups for _, n in g.sources}
+        self.pieces = [sh for sh in self.shards if sh.fqn not in in_group]
+        self.direct_buffers = [(n, b) for n, b in self.buffers if n not in in_group]
+        self.entries = [(self.renames[sh.fqn], _out(sh.dtype, dtype), tuple(sh.shape))
+                        for sh in self.pieces if sh.fqn in self.renames]
+        self.entries += [(self.renames[n], _out(b.dtype, dtype), tuple(b.shape)) for n, b in self.direct_buffers]
+        for g in fused + self.groups:
+            gdtype = _out(dtypes[g.sources[0][1]], dtype)
+            self.entries += [(n, gdtype, shape) for n, shape in g.outputs.items()]
         floating = [d for d in dtypes.values() if d.is_floating_point]
         self.saved_dtype = dtype or (floating[0] if floating else None)
+
+    def _layout(self, g, names: set, dtypes: dict):
+        """The fused layout of a one-parameter group, found by planning how transformers would load its outputs."""
+        if len(g.sources) != 1:
+            return None
+        fqn = g.sources[0][1]
+        _, back = hf_convert.plan_load(self.model, {n: (s, dtypes[fqn]) for n, s in g.outputs.items()}, names)
+        if len(back) != 1 or set(back[0].outputs) != {fqn}:
+            return None
+        return hf_convert.fused_layout(back[0], g.outputs)
+
+    def write_piece(self, writer: HFWriter, fqn: str, t: torch.Tensor, start: int) -> None:
+        """Write elements ``[start, start + t.numel())`` of model tensor ``fqn`` where the files hold them."""
+        layout = self.layouts.get(fqn)
+        if layout is None:
+            _write_tensor(writer, self.renames[fqn], t, start, self.dtype)
+            return
+        flat = t.detach().reshape(-1)
+        for name, src_start, lo, hi in hf_convert.overlaps(layout, start, start + flat.numel()):
+            _write_tensor(writer, name, flat[lo:hi], src_start, self.dtype)
+
+
+def _out(t_dtype, dtype) -> str:
+    return _format.dtype_name(_out_dtype(t_dtype, dtype))
 
 
 def _write_all(writer: HFWriter, out: _SaveLayout, gather: bool, dtype) -> None:
     rank = _comm.rank()
     try:
         if gather:
-            gather_write(writer, out.direct, out.direct_buffers,
-                         lambda name, t, start: _write_tensor(writer, out.renames.get(name, name), t, start, dtype))
+            gather_write(writer, out.pieces, out.direct_buffers,
+                         lambda name, t, start: out.write_piece(writer, name, t, start))
         else:
-            for sh in out.direct:
+            for sh in out.pieces:
                 if sh.writer and sh.end > sh.start:
-                    _write_tensor(writer, out.renames[sh.fqn], sh.param, sh.start, dtype)
+                    out.write_piece(writer, sh.fqn, sh.param, sh.start)
             for name, buf in out.direct_buffers if rank == 0 else []:
-                _write_tensor(writer, name, buf, 0, dtype)
+                out.write_piece(writer, name, buf, 0)
         if out.groups:
             _write_groups(writer, out, dtype)
     finally:

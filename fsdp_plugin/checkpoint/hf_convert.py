@@ -158,3 +158,48 @@ def drop_ignored(model, missing: list, unexpected: list) -> tuple[list, list]:
     info = SimpleNamespace(missing_keys=set(missing), unexpected_keys=set(unexpected))
     adjust(info)
     return [n for n in missing if n in info.missing_keys], [n for n in unexpected if n in info.unexpected_keys]
+
+
+def fused_layout(group: Group, shapes: dict) -> list | None:
+    """Where each source lies in the single output, when that is a plain byte layout: ``[(name, offset, numel)]``
+    (element offsets into the flattened output), else None.
+
+    The fused-experts converters (``MergeModulelist(dim=0)``, optionally followed by ``Concatenate(dim=1)``,
+    used by Mixtral, Qwen2-MoE and the many models mapped to them) stack per-expert tensors and concatenate
+    the stacks along the next dimension: output row ``e`` is ``cat(source_k[e] for k in source_patterns)``, so
+    every source is one contiguous range of the output and ranged reads/writes stay possible.
+    """
+    core, ops = _core(), getattr(group.converter, "operations", None) or []
+    if len(group.outputs) != 1 or not isinstance(ops[0], core.MergeModulelist) or ops[0].dim != 0:
+        return None
+    if len(ops) > 2 or (len(ops) == 2 and not (isinstance(ops[1], core.Concatenate) and ops[1].dim == 1)):
+        return None
+    by_pattern: dict = {}
+    for pattern, name in group.sources:
+        by_pattern.setdefault(pattern, []).append(name)
+    patterns = [p for p in group.converter.source_patterns if p in by_pattern]
+    counts = {len(v) for v in by_pattern.values()}
+    if len(counts) != 1 or (len(patterns) > 1 and len(ops) == 1):
+        return None
+    layout, offset = [], 0
+    for e in range(counts.pop()):
+        for p in patterns:
+            numel = _numel(shapes[by_pattern[p][e]])
+            layout.append((by_pattern[p][e], offset, numel))
+            offset += numel
+    return layout if offset == _numel(next(iter(group.outputs.values()))) else None
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def overlaps(layout: list, start: int, end: int):
+    """For a piece ``[start, end)`` of the output: ``(name, source_elem_start, piece_lo, piece_hi)`` per overlap."""
+    for name, off, numel in layout:
+        lo, hi = max(start, off), min(end, off + numel)
+        if lo < hi:
+            yield name, lo - off, lo - start, hi - start
