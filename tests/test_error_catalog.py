@@ -78,6 +78,39 @@ def meta_module_without_init():
     fp.shard(model, auto_wrap_policy={Block})
 
 
+def transformers_init_leaves_module_unset():
+    import transformers as tf
+
+    class Scale(nn.Module):   # no reset_parameters(), and transformers' generic _init_weights ignores it
+        def __init__(self):
+            super().__init__()
+            self.alpha = nn.Parameter(torch.ones(4))
+
+    class Tiny(tf.PreTrainedModel):
+        config_class = tf.PretrainedConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.scale = Scale()
+            self.post_init()
+
+    with torch.device("meta"):
+        model = Tiny(tf.PretrainedConfig())
+    fp.shard(model)
+
+
+def skip_cannot_fill_nonpersistent_buffer():
+    class Rotary(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(2, 2)
+            self.register_buffer("inv_freq", torch.ones(2), persistent=False)
+
+    with torch.device("meta"):
+        model = Rotary()
+    fp.shard(model, param_init_fn="skip")
+
+
 def nonfinite_gradients_with_clipping():
     model = fp.shard(nn.Sequential(nn.Linear(2, 2)))
     model(torch.tensor([[float("inf"), 1.0]])).sum().backward()
@@ -91,7 +124,8 @@ def checkpoint_from_another_architecture(tmp_path):
 
 CASES = [unknown_strategy, unknown_option, wrap_policy_matches_nothing, mesh_not_dividing_world, shard_twice,
          optimizer_stepped_before_shard, dtype_backend_cannot_reduce, plain_state_dict_on_sharded_model,
-         not_sharded, meta_module_without_init, nonfinite_gradients_with_clipping,
+         not_sharded, meta_module_without_init, transformers_init_leaves_module_unset,
+         skip_cannot_fill_nonpersistent_buffer, nonfinite_gradients_with_clipping,
          checkpoint_from_another_architecture]
 
 
