@@ -80,8 +80,9 @@ class ShardingConfig:
     device_mesh: None (whole world; hybrid: replicate across nodes, shard inside a node from LOCAL_WORLD_SIZE),
         a (replicate, shard) tuple, or a 2-D DeviceMesh (dims: replicate, shard).
     param_init_fn: for meta-device models: callable(module) that initializes the module's own parameters
-        in place; None calls each module's ``reset_parameters()``; "skip" leaves zero-filled shards (a
-        checkpoint fills them next).
+        in place; None uses a transformers model's own ``_init_weights`` (else each module's
+        ``reset_parameters()``); "skip" leaves zero-filled shards and persistent buffers (a checkpoint fills
+        them next) but still computes non-persistent buffers, which no checkpoint holds.
     backward_prefetch / forward_prefetch: issue the next unit's all-gather early.
     limit_all_gathers: bound the number of unsharded units alive at once (memory).
     cpu_offload: keep shards, gradients and optimizer state on CPU (a no-op on CPU-only machines).
