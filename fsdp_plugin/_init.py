@@ -11,8 +11,8 @@ from torch import nn
 
 from . import _collectives as comm
 from ._flat_param import set_param_data
-from .config import SKIP_INIT
 from ._init_hf import HFInit
+from .config import SKIP_INIT
 from .errors import ShardingError
 
 REAL, META, DEFERRED = 0, 1, 2
