@@ -223,6 +223,7 @@ class _SaveLayout:
         shapes = {sh.fqn: tuple(sh.shape) for sh in self.shards} | {n: tuple(b.shape) for n, b in self.buffers}
         dtypes = {sh.fqn: sh.dtype for sh in self.shards} | {n: b.dtype for n, b in self.buffers}
         self.layouts, self.groups, fused = {}, [], []
+        self._load_transforms = hf_convert.load_transforms(model) if groups else None
         for g in groups:
             hf_convert.save_group_shapes(model, g, shapes, dtypes)
             layout = self._layout(g, set(names), dtypes)
@@ -248,7 +249,8 @@ class _SaveLayout:
         if len(g.sources) != 1:
             return None
         fqn = g.sources[0][1]
-        _, back = hf_convert.plan_load(self.model, {n: (s, dtypes[fqn]) for n, s in g.outputs.items()}, names)
+        _, back = hf_convert.plan_load(self.model, {n: (s, dtypes[fqn]) for n, s in g.outputs.items()}, names,
+                                       self._load_transforms)
         if len(back) != 1 or set(back[0].outputs) != {fqn}:
             return None
         return hf_convert.fused_layout(back[0], g.outputs)

@@ -80,13 +80,15 @@ def _natural(names):
     return sorted(names, key=_core().dot_natural_key)
 
 
-def plan_load(model, stored: dict, known: set) -> tuple[dict, list]:
+def plan_load(model, stored: dict, known: set, transforms=False) -> tuple[dict, list]:
     """Map stored names (-> ``(shape, torch dtype)``) to model names the way ``from_pretrained`` does.
 
     Returns ``(renames, groups)``: ``renames[model_name] = stored_name`` for one-to-one tensors, and the
     converter groups (``outputs`` = model names and shapes). Stored names matching nothing keep their name.
+    ``transforms``: :func:`load_transforms`'s result when the caller already has it.
     """
-    transforms = load_transforms(model)
+    if transforms is False:
+        transforms = load_transforms(model)
     if transforms is None:
         return {n: n for n in stored}, []
     renamings, converters = transforms
