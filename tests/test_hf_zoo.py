@@ -105,7 +105,10 @@ def _worker(rank, world, name, optim, strategy, mesh, build, src, dst, gather=No
     else:
         model = _build(name, build)
     kwargs = {"device_mesh": mesh} if mesh else {}
-    fp.shard(model, sharding_strategy=strategy, param_init_fn="skip" if build != "rank0" else None, **kwargs)
+    # AdamW cases shard with param_init_fn="skip" (the checkpoint fills the zeros), SGD cases with the default
+    # (transformers' own init, then overwritten): both must end up with the checkpoint and right buffers.
+    init = "skip" if optim == "adamw" and build != "rank0" else None
+    fp.shard(model, sharding_strategy=strategy, param_init_fn=init, **kwargs)
     if build != "rank0":
         assert not fp.load_pretrained(model, src)
     opt = make_optimizer(optim, model.parameters())
