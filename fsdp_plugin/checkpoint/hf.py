@@ -7,6 +7,9 @@
 * :func:`save_pretrained` writes HF safetensors + index without any gather: rank 0 creates the files
   at their final size, every rank ``pwrite``\\ s its own pieces at precomputed offsets, rank 0 publishes
   (fsync, rename, index last). The output directory must be visible to all ranks (shared filesystem).
+* transformers models: names follow transformers' own conversion mapping (:mod:`.hf_convert`) both ways;
+  renamed tensors and fused experts keep the ranged reads/writes above, any other converted tensor is read
+  whole (load) or gathered whole on rank 0 (save).
 """
 from __future__ import annotations
 
@@ -182,9 +185,9 @@ def save_pretrained(model, path, max_shard_size="5GB", dtype: torch.dtype | None
     memory); when some rank cannot see the files rank 0 created (no shared filesystem), or with
     ``gather=True``, pieces are sent to rank 0 one parameter at a time instead (:mod:`.hf_gather`).
     A transformers model is written the way its own ``save_pretrained`` writes it: names and tensors that
-    transformers converts on load are converted back (those tensors are gathered whole on rank 0, one
-    group at a time), and ``config.json`` (+ ``generation_config.json``) are written, so
-    ``from_pretrained(path)`` reads it back.
+    transformers converts on load are converted back (fused experts split by ranges; other converted
+    tensors gathered whole on rank 0, one group at a time), and ``config.json`` (+ ``generation_config.json``)
+    are written, so ``from_pretrained(path)`` reads it back.
     """
     path = os.path.abspath(os.fspath(path))
     rank = _comm.rank()
