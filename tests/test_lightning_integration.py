@@ -12,8 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import lightning_launch as launch
@@ -106,12 +104,45 @@ def test_clip_norm_accumulate_init_module_full_checkpoint_validate(tmp_path):
     resumed = launch.report(tmp_path / "resume.json")["losses"]
     _close([e[1] for e in resumed], lt.reference_run(5, accumulate=2, clip=0.05)[0][8:])
     assert [e[2] for e in resumed] == [3e-3 * 0.5] * 2
-    plain = lt.Regressor()  # an unsharded LightningModule loads the file directly
-    plain.load_state_dict(load_file(tmp_path / "full.ckpt"), strict=True)
-    for k, v in plain.state_dict().items():
+    # Lightning's own loader, no process group, torch's safe unpickler (weights_only=True)
+    loaded = lt.Regressor.load_from_checkpoint(tmp_path / "full.ckpt", weights_only=True)
+    assert dict(loaded.hparams) == {"deferred": False, "lr": 3e-3}
+    for k, v in loaded.state_dict().items():
         torch.testing.assert_close(v, want_state[k], atol=1e-5, rtol=1e-5)
-    with safe_open(tmp_path / "full.ckpt", "pt") as f:
-        assert "fsdp_plugin.lightning" in f.metadata()
+    raw = torch.load(tmp_path / "full.ckpt", weights_only=True)
+    assert raw["global_step"] == 4 and set(raw["state_dict"]) == set(want_state)
+
+
+def test_sharded_checkpoint_to_load_from_checkpoint_in_one_command(trained, tmp_path):
+    """`fsdp-plugin consolidate CKPT OUT --format lightning`, then Lightning's loader with weights_only=True."""
+    from fsdp_plugin.checkpoint.cli import main
+
+    out = tmp_path / "model.ckpt"
+    assert main(["consolidate", str(trained["dir"] / "step4.ckpt"), str(out), "--format", "lightning", "-q"]) == 0
+    assert not torch.distributed.is_initialized()
+    model = lt.Regressor.load_from_checkpoint(out, weights_only=True)
+    assert dict(model.hparams) == {"deferred": True, "lr": 3e-3}  # configure_model built the net
+    want = lt.reference_run(4)[1]
+    assert set(model.state_dict()) == set(want)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, want[k], atol=1e-5, rtol=1e-5)
+    raw = torch.load(out, weights_only=True)
+    assert raw["global_step"] == 4 and "loops" in raw and "optimizer_states" not in raw
+    assert main(["consolidate", str(trained["dir"] / "step4.ckpt"), str(tmp_path), "--format", "lightning"]) == 1
+
+
+def test_trainer_test_on_one_device_from_two_device_sharded_checkpoint(trained, tmp_path):
+    out = tmp_path / "test.json"
+    launch.python("lightning_train.py", "--out", out, "--devices", 1, "--deferred", "--test",
+                  trained["dir"] / "step4.ckpt", "--forbid-pickle", timeout=180)
+    model = lt.Regressor()
+    model.load_state_dict(lt.reference_run(4)[1])
+    x, y = lt.dataset().tensors
+    with torch.no_grad():
+        want = float(torch.nn.functional.mse_loss(model(x), y))
+    report = launch.report(out)
+    assert report["world_size"] == 1
+    _close([report["test_loss"]], [want])
 
 
 def test_bf16_mixed_keeps_fp32_master_and_trains(tmp_path, reference):

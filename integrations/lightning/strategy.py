@@ -12,8 +12,8 @@ are pickle-free (see ``_checkpoint``).
 Limitations:
 
 * Lightning code that reads checkpoints without this strategy (``LightningModule.load_from_checkpoint``,
-  ``torch.load``) cannot read the sharded directories: use ``fsdp-plugin consolidate CKPT OUT`` or
-  ``state_dict_type="full"`` (then ``module.load_state_dict(safetensors.torch.load_file(path))``).
+  ``torch.load``) reads ``state_dict_type="full"`` files directly; a sharded directory first goes through
+  ``fsdp-plugin consolidate CKPT OUT.ckpt --format lightning`` (no process group needed).
 * In sharded mode the engine writes the weights: edits to ``checkpoint["state_dict"]`` made in
   ``on_save_checkpoint`` are ignored (as with FSDPStrategy's distributed checkpoints).
 * ``state_dict_type="full"`` stores the optimizers' param-group hyper-parameters but not their
@@ -61,8 +61,9 @@ class FSDPPluginStrategy(ParallelStrategy):
 
     Args:
         state_dict_type: ``"sharded"`` (default): checkpoints are engine directories, loadable at any world
-            size; ``"full"``: one safetensors file with the plain model weights (loadable by an unsharded
-            module) plus Lightning's state, without optimizer state.
+            size; ``"full"``: one file in Lightning's torch format (``MyModule.load_from_checkpoint(path)``
+            and ``torch.load(path, weights_only=True)`` read it) with the plain model weights and Lightning's
+            state, without per-parameter optimizer state.
         accumulate_grads: ``"sharded"`` (default): during ``accumulate_grad_batches`` every micro-batch
             reduce-scatters into the sharded gradient (memory of one shard); ``"no_sync"``: keep full
             unsharded gradients locally and communicate once per optimizer step (``fp.no_sync``).
@@ -233,7 +234,7 @@ class FSDPPluginStrategy(ParallelStrategy):
         return {}
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Collective. ``sharded``: an engine directory at ``filepath``; ``full``: one safetensors file."""
+        """Collective. ``sharded``: an engine directory at ``filepath``; ``full``: one Lightning-format file."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options (they are for "
                             "CheckpointIO plugins, which this strategy does not use).")
@@ -244,7 +245,7 @@ class FSDPPluginStrategy(ParallelStrategy):
         path = Path(self.broadcast(str(filepath)))
         assert self.model is not None
         if self.state_dict_type == "full":
-            ckpt.save_full(path, self.model, encoded)
+            ckpt.save_full(path, self.model, meta, encoded)
         else:
             ckpt.save_sharded(path, self.model, self.optimizers if with_optimizers else [], encoded)
 
@@ -255,7 +256,7 @@ class FSDPPluginStrategy(ParallelStrategy):
         assert self.model is not None and self.lightning_module is not None
         if kind is None:
             raise ValueError(f"{path} is not an fsdp_plugin Lightning checkpoint: give a checkpoint directory (with "
-                             "manifest.json, state_dict_type='sharded') or a .ckpt safetensors file ('full').")
+                             "manifest.json, state_dict_type='sharded') or a 'full' checkpoint file.")
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         if kind == "sharded":
             return ckpt.load_sharded(path, self.model, self.optimizers if fitting else [])

@@ -71,6 +71,10 @@ class Regressor(pl.LightningModule):
         x, y = batch
         self.log("val_loss", nn.functional.mse_loss(self(x).float(), y), sync_dist=True)
 
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", nn.functional.mse_loss(self(x).float(), y), sync_dist=True)
+
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, betas=(0.9, 0.95), weight_decay=0.01)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
@@ -183,6 +187,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--forbid-pickle", action="store_true")
     p.add_argument("--init-module", action="store_true", help="build under trainer.init_module(empty_init=True)")
     p.add_argument("--validate", action="store_true", help="trainer.validate after fit")
+    p.add_argument("--test", default=None, metavar="CKPT", help="only trainer.test(ckpt_path=CKPT), no fit")
     return p.parse_args()
 
 
@@ -209,6 +214,8 @@ def main() -> None:
     )
     with trainer.init_module(empty_init=True) if args.init_module else contextlib.nullcontext():
         model = Regressor(deferred=args.deferred)
+    if args.test:
+        return _test_only(args, trainer, model)
     per_rank = GLOBAL_BATCH // args.devices // args.accumulate
     loader = torch.utils.data.DataLoader(dataset(), batch_size=per_rank, sampler=RankSampler(32))
     trainer.fit(model, loader, ckpt_path=args.resume)
@@ -220,6 +227,15 @@ def main() -> None:
     weights = _full_weights(trainer, model) if args.save_weights else None
     if trainer.is_global_zero:
         _report(args, trainer, model, recorder, weights)
+
+
+def _test_only(args, trainer, model) -> None:
+    """``trainer.test(ckpt_path=...)`` on the whole dataset; rank 0 reports the test loss."""
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=32 // args.devices, sampler=RankSampler(32))
+    loss = trainer.test(model, loader, ckpt_path=args.test, verbose=False)[0]["test_loss"]
+    if trainer.is_global_zero:
+        with open(args.out, "w") as f:
+            json.dump({"test_loss": loss, "world_size": trainer.world_size}, f)
 
 
 class RankSampler(torch.utils.data.Sampler):
