@@ -85,13 +85,23 @@ def test_resume_on_two_devices_with_torchrun(trained, reference):
 
 
 def test_clip_norm_accumulate_init_module_full_checkpoint_validate(tmp_path):
-    """trainer.init_module(empty_init=True) model, clip by norm + accumulation, a 'full' checkpoint, validate."""
+    """trainer.init_module(empty_init=True) model, clip by norm + accumulation, a 'full' checkpoint, validate.
+
+    The strategy gets Lightning FSDPStrategy's arguments as they are (torch enums, ModuleWrapPolicy, a
+    transformer_auto_wrap_policy partial for activation checkpointing, CPUOffload, torch MixedPrecision,
+    state_dict_type="full"; ``lightning_train.fsdp_strategy_kwargs``), and logs fp.comm_stats as metrics."""
     want, want_state = lt.reference_run(4, accumulate=2, clip=0.05)
     launch.python("lightning_train.py", "--out", tmp_path / "out.json", "--devices", 2, "--max-steps", 4,
-                  "--accumulate", 2, "--clip-val", 0.05, "--state-dict-type", "full", "--init-module",
+                  "--accumulate", 2, "--clip-val", 0.05, "--fsdp-kwargs", "--init-module",
                   "--save", tmp_path / "full.ckpt", "--validate", timeout=240)
     report = launch.report(tmp_path / "out.json")
     _close(_losses(report), want)
+    assert report["units"] == 4  # root + the three nn.Sequential blocks that ModuleWrapPolicy selected
+    comm = report["comm"]  # last optimizer step: 2 micro-batches x one reduce-scatter per unit, fp32, N=2
+    assert comm["fsdp_plugin/comm_calls/reduce_scatter"] == 2 * 4
+    numel = sum(p.numel() for p in lt.Net().parameters())
+    assert abs(comm["fsdp_plugin/comm_bytes/reduce_scatter"] - 2 * numel * 4 / 2) <= 2 * 4 * 4
+    assert comm["fsdp_plugin/comm_calls/all_gather"] >= 2 * 4
     x, y = lt.dataset().tensors
     reference_model = lt.Regressor()
     reference_model.load_state_dict(want_state)

@@ -69,9 +69,14 @@ class FSDPPluginStrategy(ParallelStrategy):
             unsharded gradients locally and communicate once per optimizer step (``fp.no_sync``).
         process_group_backend: default ``gloo`` on CPU, ``nccl`` on CUDA.
         timeout: process group timeout.
+        log_comm_stats: log ``fp.comm_stats`` after every optimizer step (``self.log``, on step): metrics
+            ``fsdp_plugin/comm_bytes/<kind>`` (per-rank ring bytes) and ``fsdp_plugin/comm_calls/<kind>`` since
+            the previous step, e.g. ``all_gather``, ``reduce_scatter``.
         **sharding: ``fp.ShardingConfig`` fields (``sharding_strategy``, ``auto_wrap_policy``,
-            ``mixed_precision``, ``activation_checkpointing``, ``cpu_offload``, ...). An explicit
-            ``mixed_precision`` overrides the one derived from the Trainer's ``precision`` flag.
+            ``mixed_precision``, ``activation_checkpointing``, ``cpu_offload``, ...), or Lightning
+            ``FSDPStrategy``'s spellings of them (torch enums, ``MixedPrecision``, ``ModuleWrapPolicy``,
+            ``activation_checkpointing_policy``, ...: see ``_fsdp_kwargs``). An explicit ``mixed_precision``
+            overrides the one derived from the Trainer's ``precision`` flag.
     """
 
     def __init__(
@@ -85,6 +90,7 @@ class FSDPPluginStrategy(ParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         state_dict_type: Literal["sharded", "full"] = "sharded",
         accumulate_grads: Literal["sharded", "no_sync"] = "sharded",
+        log_comm_stats: bool = True,
         **sharding: Any,
     ) -> None:
         _check_choice("state_dict_type", state_dict_type, _STATE_DICT_TYPES)
@@ -97,6 +103,8 @@ class FSDPPluginStrategy(ParallelStrategy):
         self._timeout = timeout
         self.state_dict_type = state_dict_type
         self.accumulate_grads = accumulate_grads
+        self.log_comm_stats = log_comm_stats
+        self._comm_seen: dict[str, dict[str, int]] = {}
         self.num_nodes = 1
 
     # ----------------------------------------------------------------- registry and plumbing
@@ -187,6 +195,7 @@ class FSDPPluginStrategy(ParallelStrategy):
             cfg = common.with_precision(self.sharding_config, self.precision_plugin)
             self.model = common.shard_module(self.model, cfg, self.root_device)
         self.barrier()
+        self._comm_seen = fp.comm_stats.snapshot()
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)  # built from the sharded parameters
@@ -201,6 +210,23 @@ class FSDPPluginStrategy(ParallelStrategy):
         context = fp.no_sync(self.model) if self.accumulate_grads == "no_sync" else nullcontext()
         with context:
             yield None
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.log_comm_stats:
+            self._log_comm_stats()
+        return out
+
+    def _log_comm_stats(self) -> None:
+        """Bytes and calls per collective kind since the previous optimizer step, as on-step metrics."""
+        now = fp.comm_stats.snapshot()
+        before, self._comm_seen = self._comm_seen, now
+        module = self.lightning_module
+        if module is None or module._trainer is None:
+            return
+        metrics = {f"fsdp_plugin/comm_{what}/{kind}": float(n - before.get(what, {}).get(kind, 0))
+                   for what in ("bytes", "calls") for kind, n in now[what].items()}
+        module.log_dict(metrics, on_step=True, on_epoch=False)
 
     # ----------------------------------------------------------------- collectives
     def barrier(self, name: str | None = None) -> None:
