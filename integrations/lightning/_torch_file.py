@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from fsdp_plugin.checkpoint.errors import CorruptCheckpointError
+from fsdp_plugin.checkpoint.errors import CheckpointError, CorruptCheckpointError
 
 INDEX_RECORD = "fsdp_plugin.json"
 FORMAT = "fsdp_plugin.lightning_full"
@@ -75,7 +75,7 @@ def read(path: Path) -> tuple[dict[str, torch.Tensor], Any]:
     with zf:
         prefix = _prefix(zf)
         if prefix + INDEX_RECORD not in zf.namelist():
-            raise CorruptCheckpointError(f"{path} is a torch checkpoint without fsdp_plugin's index ({INDEX_RECORD}): "
+            raise CheckpointError(f"{path} is a torch checkpoint without fsdp_plugin's index ({INDEX_RECORD}): "
                                          "it was not written by FSDPPluginStrategy(state_dict_type='full') or "
                                          "`fsdp-plugin consolidate --format lightning`; load it with Lightning's "
                                          "own strategies instead")
