@@ -7,7 +7,12 @@ import functools
 import pytest
 import torch
 from torch import nn
-from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from torch.distributed.fsdp import (
+    BackwardPrefetch,
+    CPUOffload,
+    MixedPrecision,
+    ShardingStrategy,
+)
 from torch.distributed.fsdp.wrap import (
     CustomPolicy,
     ModuleWrapPolicy,
@@ -17,8 +22,8 @@ from torch.distributed.fsdp.wrap import (
 )
 
 import fsdp_plugin as fp
-from fsdp_plugin.integrations.lightning._fsdp_kwargs import translate
 from fsdp_plugin.integrations.lightning._common import sharding_config
+from fsdp_plugin.integrations.lightning._fsdp_kwargs import translate
 
 pytest.importorskip("lightning")
 

@@ -24,11 +24,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from fsdp_plugin.integrations.lightning import _torch_file as torch_file
-from fsdp_plugin.integrations.lightning.codec import decode, encode
 from safetensors import safe_open
 
 import fsdp_plugin as fp
+from fsdp_plugin.checkpoint._comm import raise_if_any_failed
+from fsdp_plugin.integrations.lightning import _torch_file as torch_file
+from fsdp_plugin.integrations.lightning.codec import decode, encode
 
 EXTRA_KEY = "lightning"
 EXTRA_TENSORS_KEY = "lightning_tensors"
@@ -98,9 +99,13 @@ def save_full(path: Path, model: torch.nn.Module, meta: dict[str, Any], encoded:
     header = inline_tensors(*encoded)
     json.dumps(header, allow_nan=False)  # fail on every rank, before the collective, if it is not strict JSON
     state = fp.full_state_dict(model)  # collective: rank 0 gets the plain state dict, others {}
+    err = None
     if _rank() == 0:
-        torch_file.write(path, state, meta, {FULL_META_KEY: header})
-    _barrier()
+        try:
+            torch_file.write(path, state, meta, {FULL_META_KEY: header})
+        except Exception as e:  # noqa: BLE001 - a failed write (disk full...) must fail every rank, not hang them
+            err = e
+    raise_if_any_failed(err)  # also the barrier: the file exists on return, on every rank
 
 
 def load_full(path: Path, model: torch.nn.Module) -> dict[str, Any]:
@@ -119,7 +124,7 @@ def read_full(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     if torch_file.is_torch_file(path):
         state, extra = torch_file.read(path)
         header = (extra or {}).get(FULL_META_KEY) if isinstance(extra, dict) else None
-    else:  # the safetensors layout of fsdp_plugin <= 0.x: weights + JSON in the header's metadata
+    else:  # earlier versions: safetensors, the Lightning state as JSON in the header metadata
         with safe_open(str(path), framework="pt") as f:
             text = (f.metadata() or {}).get(FULL_META_KEY)
             state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a dict
@@ -158,11 +163,6 @@ def _raw_bytes(t: torch.Tensor) -> bytes:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
 
 
 def checkpoint_kind(path: Path) -> str | None:
