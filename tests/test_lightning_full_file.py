@@ -77,3 +77,12 @@ def test_full_files_of_earlier_versions_still_load(tmp_path):
               metadata={"format": "pt", ckpt.FULL_META_KEY: json.dumps(ckpt.inline_tensors(tree, tensors))})
     got, header = ckpt.read_full(tmp_path / "old.ckpt")
     assert torch.equal(got["w"], state["w"]) and ckpt.decode(*ckpt._outline_tensors(header))["global_step"] == 8
+
+
+def test_consolidate_lightning_refuses_a_checkpoint_without_lightning_state(tmp_path, capsys):
+    import fsdp_plugin as fp
+    from fsdp_plugin.checkpoint.cli import main
+
+    fp.save_checkpoint(str(tmp_path / "ckpt"), fp.shard(torch.nn.Sequential(torch.nn.Linear(2, 2))))
+    assert main(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "out.ckpt"), "--format", "lightning"]) == 1
+    assert "fsdp-plugin consolidate CKPT OUT" in capsys.readouterr().err and not (tmp_path / "out.ckpt").exists()
