@@ -142,3 +142,14 @@ def test_strategy_takes_fsdp_strategy_kwargs_unchanged():
     assert cfg.mixed_precision.param_dtype == torch.bfloat16 and strategy.state_dict_type == "full"
     with pytest.raises(TypeError, match="activation_checkpointing_policy"):
         FSDPPluginStrategy(not_an_option=1)
+
+
+def test_fabric_strategy_takes_them_too():
+    from fsdp_plugin.integrations.lightning import FSDPPluginFabricStrategy
+
+    strategy = FSDPPluginFabricStrategy(sharding_strategy=ShardingStrategy.NO_SHARD, state_dict_type="sharded",
+                                        activation_checkpointing_policy=ModuleWrapPolicy({Block}))
+    assert strategy.sharding_config.sharding_strategy == "no_shard"
+    assert strategy.sharding_config.activation_checkpointing == {Block}
+    with pytest.raises(fp.ConfigError, match="consolidate"):
+        FSDPPluginFabricStrategy(state_dict_type="full")
