@@ -97,6 +97,7 @@ def test_clip_norm_accumulate_init_module_full_checkpoint_validate(tmp_path):
     report = launch.report(tmp_path / "out.json")
     _close(_losses(report), want)
     assert report["units"] == 4  # root + the three nn.Sequential blocks that ModuleWrapPolicy selected
+    assert report["recomputed"] == 3  # activation_checkpointing_policy: the same three blocks
     comm = report["comm"]  # last optimizer step: 2 micro-batches x one reduce-scatter per unit, fp32, N=2
     assert comm["fsdp_plugin/comm_calls/reduce_scatter"] == 2 * 4
     numel = sum(p.numel() for p in lt.Net().parameters())

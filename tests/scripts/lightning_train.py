@@ -312,6 +312,7 @@ def _report(args, trainer, model, recorder, weights) -> None:
         "val_loss": getattr(args, "val_loss", None),
         "comm": args.comm,  # the last optimizer step's fp.comm_stats, logged by the strategy
         "units": len(getattr(getattr(model, "_fp_root", None), "units", ()) or ()),
+        "recomputed": sum("forward" in vars(m) for m in model.modules()),  # activation checkpointing wraps forward
     }
     mp = getattr(getattr(trainer.strategy, "precision_plugin", None), "mixed_precision", None)
     info["param_dtype"] = str(getattr(mp() if callable(mp) else None, "param_dtype", None))
