@@ -122,11 +122,25 @@ def checkpoint_from_another_architecture(tmp_path):
     fp.load_checkpoint(str(tmp_path / "ckpt"), fp.shard(nn.Sequential(nn.Linear(3, 4))))
 
 
+def lightning_fsdp_option_without_equivalent():
+    from fsdp_plugin.integrations.lightning._fsdp_kwargs import translate
+
+    translate({"use_orig_params": False})
+
+
+def lightning_torch_checkpoint_not_ours(tmp_path):
+    from fsdp_plugin.integrations.lightning import _torch_file
+
+    torch.save({"state_dict": {"w": torch.ones(1)}}, tmp_path / "model.ckpt")
+    _torch_file.read(tmp_path / "model.ckpt")
+
+
 CASES = [unknown_strategy, unknown_option, wrap_policy_matches_nothing, mesh_not_dividing_world, shard_twice,
          optimizer_stepped_before_shard, dtype_backend_cannot_reduce, plain_state_dict_on_sharded_model,
          not_sharded, meta_module_without_init, transformers_init_leaves_module_unset,
          skip_cannot_fill_nonpersistent_buffer, nonfinite_gradients_with_clipping,
-         checkpoint_from_another_architecture]
+         checkpoint_from_another_architecture, lightning_fsdp_option_without_equivalent,
+         lightning_torch_checkpoint_not_ours]
 
 
 def _capture(case, tmp_path):

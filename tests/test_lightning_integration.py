@@ -12,8 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import lightning_launch as launch
@@ -87,13 +85,24 @@ def test_resume_on_two_devices_with_torchrun(trained, reference):
 
 
 def test_clip_norm_accumulate_init_module_full_checkpoint_validate(tmp_path):
-    """trainer.init_module(empty_init=True) model, clip by norm + accumulation, a 'full' checkpoint, validate."""
+    """trainer.init_module(empty_init=True) model, clip by norm + accumulation, a 'full' checkpoint, validate.
+
+    The strategy gets Lightning FSDPStrategy's arguments as they are (torch enums, ModuleWrapPolicy, a
+    transformer_auto_wrap_policy partial for activation checkpointing, CPUOffload, torch MixedPrecision,
+    state_dict_type="full"; ``lightning_train.fsdp_strategy_kwargs``), and logs fp.comm_stats as metrics."""
     want, want_state = lt.reference_run(4, accumulate=2, clip=0.05)
     launch.python("lightning_train.py", "--out", tmp_path / "out.json", "--devices", 2, "--max-steps", 4,
-                  "--accumulate", 2, "--clip-val", 0.05, "--state-dict-type", "full", "--init-module",
+                  "--accumulate", 2, "--clip-val", 0.05, "--fsdp-kwargs", "--init-module",
                   "--save", tmp_path / "full.ckpt", "--validate", timeout=240)
     report = launch.report(tmp_path / "out.json")
     _close(_losses(report), want)
+    assert report["units"] == 4  # root + the three nn.Sequential blocks that ModuleWrapPolicy selected
+    assert report["recomputed"] == 3  # activation_checkpointing_policy: the same three blocks
+    comm = report["comm"]  # last optimizer step: 2 micro-batches x one reduce-scatter per unit, fp32, N=2
+    assert comm["fsdp_plugin/comm_calls/reduce_scatter"] == 2 * 4
+    numel = sum(p.numel() for p in lt.Net().parameters())
+    assert abs(comm["fsdp_plugin/comm_bytes/reduce_scatter"] - 2 * numel * 4 / 2) <= 2 * 4 * 4
+    assert comm["fsdp_plugin/comm_calls/all_gather"] >= 2 * 4
     x, y = lt.dataset().tensors
     reference_model = lt.Regressor()
     reference_model.load_state_dict(want_state)
@@ -106,12 +115,45 @@ def test_clip_norm_accumulate_init_module_full_checkpoint_validate(tmp_path):
     resumed = launch.report(tmp_path / "resume.json")["losses"]
     _close([e[1] for e in resumed], lt.reference_run(5, accumulate=2, clip=0.05)[0][8:])
     assert [e[2] for e in resumed] == [3e-3 * 0.5] * 2
-    plain = lt.Regressor()  # an unsharded LightningModule loads the file directly
-    plain.load_state_dict(load_file(tmp_path / "full.ckpt"), strict=True)
-    for k, v in plain.state_dict().items():
+    # Lightning's own loader, no process group, torch's safe unpickler (weights_only=True)
+    loaded = lt.Regressor.load_from_checkpoint(tmp_path / "full.ckpt", weights_only=True)
+    assert dict(loaded.hparams) == {"deferred": False, "lr": 3e-3}
+    for k, v in loaded.state_dict().items():
         torch.testing.assert_close(v, want_state[k], atol=1e-5, rtol=1e-5)
-    with safe_open(tmp_path / "full.ckpt", "pt") as f:
-        assert "fsdp_plugin.lightning" in f.metadata()
+    raw = torch.load(tmp_path / "full.ckpt", weights_only=True)
+    assert raw["global_step"] == 4 and set(raw["state_dict"]) == set(want_state)
+
+
+def test_sharded_checkpoint_to_load_from_checkpoint_in_one_command(trained, tmp_path):
+    """`fsdp-plugin consolidate CKPT OUT --format lightning`, then Lightning's loader with weights_only=True."""
+    from fsdp_plugin.checkpoint.cli import main
+
+    out = tmp_path / "model.ckpt"
+    assert main(["consolidate", str(trained["dir"] / "step4.ckpt"), str(out), "--format", "lightning", "-q"]) == 0
+    assert not torch.distributed.is_initialized()
+    model = lt.Regressor.load_from_checkpoint(out, weights_only=True)
+    assert dict(model.hparams) == {"deferred": True, "lr": 3e-3}  # configure_model built the net
+    want = lt.reference_run(4)[1]
+    assert set(model.state_dict()) == set(want)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, want[k], atol=1e-5, rtol=1e-5)
+    raw = torch.load(out, weights_only=True)
+    assert raw["global_step"] == 4 and "loops" in raw and "optimizer_states" not in raw
+    assert main(["consolidate", str(trained["dir"] / "step4.ckpt"), str(tmp_path), "--format", "lightning"]) == 1
+
+
+def test_trainer_test_on_one_device_from_two_device_sharded_checkpoint(trained, tmp_path):
+    out = tmp_path / "test.json"
+    launch.python("lightning_train.py", "--out", out, "--devices", 1, "--deferred", "--test",
+                  trained["dir"] / "step4.ckpt", "--forbid-pickle", timeout=180)
+    model = lt.Regressor()
+    model.load_state_dict(lt.reference_run(4)[1])
+    x, y = lt.dataset().tensors
+    with torch.no_grad():
+        want = float(torch.nn.functional.mse_loss(model(x), y))
+    report = launch.report(out)
+    assert report["world_size"] == 1
+    _close([report["test_loss"]], [want])
 
 
 def test_bf16_mixed_keeps_fp32_master_and_trains(tmp_path, reference):

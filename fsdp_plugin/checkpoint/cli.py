@@ -1,4 +1,4 @@
-"""``fsdp-plugin`` command line: ``inspect CKPT``, ``verify CKPT``, ``consolidate CKPT OUT``.
+"""``fsdp-plugin`` command line: ``inspect CKPT``, ``verify CKPT``, ``consolidate CKPT OUT [--format lightning]``.
 
 Needs no process group and no GPU. Progress goes to stderr; results to stdout. Exit status: 0 ok,
 1 a checkpoint problem (message on stderr), 2 bad usage.
@@ -71,6 +71,12 @@ def _verify(args) -> int:
 def _consolidate(args) -> int:
     from .consolidate import consolidate
 
+    if args.format == "lightning":
+        from fsdp_plugin.integrations.lightning.convert import consolidate_lightning
+
+        print(f"wrote {consolidate_lightning(args.ckpt, args.out)} (Lightning format: "
+              "MyModule.load_from_checkpoint(path) reads it)")
+        return 0
     names = consolidate(args.ckpt, args.out, args.max_shard_size, None if args.quiet else Progress("consolidate"),
                         keep_tied=not args.drop_tied)
     print(f"wrote {len(names)} file(s) to {args.out}")
@@ -88,9 +94,13 @@ def main(argv=None) -> int:
     p.add_argument("ckpt")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(fn=_verify)
-    p = sub.add_parser("consolidate", help="export to Hugging Face safetensors (+ index), bounded memory")
+    p = sub.add_parser("consolidate", help="export to Hugging Face safetensors (+ index), bounded memory; or, with "
+                                           "--format lightning, to one Lightning checkpoint file")
     p.add_argument("ckpt")
-    p.add_argument("out")
+    p.add_argument("out", help="output directory (hf) or file, e.g. model.ckpt (lightning)")
+    p.add_argument("--format", choices=("hf", "lightning"), default="hf",
+                   help="hf (default): safetensors + index; lightning: one file that "
+                        "LightningModule.load_from_checkpoint reads (weights + Lightning state, full model in memory)")
     p.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 5GB, 500MB (default 5GB)")
     p.add_argument("--drop-tied", action="store_true",
                    help="write tied parameters once, under their first name (HF hub convention); by default "

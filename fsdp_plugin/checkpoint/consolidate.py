@@ -99,3 +99,31 @@ def _copy_file(plan: ReadPlan, fname: str, spans: list, writer: HFWriter, progre
         if progress:
             progress(done, total)
     return done
+
+
+def read_full_state(ckpt) -> tuple[dict, object]:
+    """The whole model state dict (full CPU tensors; tied names share one tensor) and the decoded ``extra``.
+
+    No process group: reads every rank's file (CRC32-checked). Memory: the full model, once. For exports
+    that must hold the weights in memory anyway (e.g. the Lightning format of ``fsdp-plugin consolidate``).
+    """
+    import torch
+
+    from .load import _plan_extra, add_reads
+
+    ckpt = os.fspath(ckpt)
+    doc = manifest.read(ckpt)
+    state: dict = {}
+    with ReadPlan(ckpt, doc["files"]) as plan:
+        for section in ("params", "buffers"):
+            for name, e in doc[section].items():
+                if "alias_of" in e:
+                    continue
+                state[name] = torch.empty(e["shape"], dtype=_format.to_dtype(e["dtype"]))
+                add_reads(plan, e, "model", name, state[name].view(-1), 0, name)
+        extra = _plan_extra(plan, doc, ckpt)
+        plan.execute()
+    for name, e in doc["params"].items():
+        if "alias_of" in e:
+            state[name] = state[e["alias_of"]]
+    return state, extra

@@ -15,6 +15,7 @@ _LAZY = {
     "FSDPPluginFabricStrategy": "fabric",
     "FSDPPluginPrecision": "precision",
     "FSDPPluginFabricPrecision": "precision",
+    "consolidate_lightning": "convert",
 }
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "FSDPPluginFabricStrategy",
     "FSDPPluginPrecision",
     "FSDPPluginStrategy",
+    "consolidate_lightning",
     "register_if_lightning_present",
 ]
 

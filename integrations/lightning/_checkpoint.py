@@ -3,10 +3,13 @@
 * ``sharded`` (default): ``path`` is the engine's checkpoint directory (``fp.save_checkpoint``: per-rank
   safetensors + ``manifest.json``). Lightning's other state (loops, callbacks, schedulers, hparams,
   precision state, ...) goes through :mod:`.codec` into the manifest's ``extra``. Loadable at any world size.
-* ``full``: ``path`` is one safetensors file holding the plain model ``state_dict`` under its usual keys,
-  so ``module.load_state_dict(safetensors.torch.load_file(path))`` works on an unsharded module. The
-  Lightning state is JSON in the header's ``__metadata__`` (its few tensors inline, base64), with the
-  optimizers' param-group hyper-parameters; their per-parameter state (Adam moments) is not stored.
+* ``full``: ``path`` is one file in Lightning's own torch format (see :mod:`._torch_file`):
+  ``{"state_dict": plain weights, **Lightning's state}``, so ``MyModule.load_from_checkpoint(path)`` and
+  ``torch.load(path, weights_only=True)`` read it on a machine without a process group. We read it back
+  without pickle through a JSON index in the same archive, which also carries Lightning's state through
+  the codec (its few tensors inline, base64) and the optimizers' param-group hyper-parameters; their
+  per-parameter state (Adam moments) is not stored. Files written by earlier versions (safetensors, the
+  state in the header's ``__metadata__``) still load.
 
 Save/load are collective: call them on every rank. Callers run :func:`encode_meta` first, so an
 unsupported value raises the same :class:`~.codec.CodecError` on every rank before any communication.
@@ -15,18 +18,18 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from fsdp_plugin.integrations.lightning.codec import decode, encode
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 import fsdp_plugin as fp
+from fsdp_plugin.checkpoint._comm import raise_if_any_failed
+from fsdp_plugin.integrations.lightning import _torch_file as torch_file
+from fsdp_plugin.integrations.lightning.codec import decode, encode
 
 EXTRA_KEY = "lightning"
 EXTRA_TENSORS_KEY = "lightning_tensors"
@@ -87,29 +90,49 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizers: Sequence[Any]) 
     return decode(extra[EXTRA_KEY], extra.get(EXTRA_TENSORS_KEY) or {})
 
 
-def save_full(path: Path, model: torch.nn.Module, encoded: tuple) -> None:
-    """Gather the full model state to rank 0 and write one safetensors file (header: Lightning state)."""
-    header = json.dumps(_inline_tensors(*encoded), allow_nan=False)
+def save_full(path: Path, model: torch.nn.Module, meta: dict[str, Any], encoded: tuple) -> None:
+    """Gather the full weights to rank 0 and write one Lightning-format file (see :mod:`._torch_file`).
+
+    ``meta`` is Lightning's state as Lightning gave it (what ``load_from_checkpoint`` reads); ``encoded`` is
+    the same state through the codec (what :func:`load_full` reads, without pickle).
+    """
+    header = inline_tensors(*encoded)
+    json.dumps(header, allow_nan=False)  # fail on every rank, before the collective, if it is not strict JSON
     state = fp.full_state_dict(model)  # collective: rank 0 gets the plain state dict, others {}
+    err = None
     if _rank() == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        save_file(_unshared(state), str(tmp), metadata={"format": "pt", FULL_META_KEY: header})
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    _barrier()
+        try:
+            torch_file.write(path, state, meta, {FULL_META_KEY: header})
+        except Exception as e:  # noqa: BLE001 - a failed write (disk full...) must fail every rank, not hang them
+            err = e
+    raise_if_any_failed(err)  # also the barrier: the file exists on return, on every rank
 
 
 def load_full(path: Path, model: torch.nn.Module) -> dict[str, Any]:
-    """Load a ``full`` file into a (sharded) model on every rank; return Lightning's decoded state."""
-    with safe_open(str(path), framework="pt") as f:
-        header = (f.metadata() or {}).get(FULL_META_KEY)
-        state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a dict
-    if header is None:
-        raise ValueError(f"{path} is a safetensors file without fsdp_plugin's Lightning state; it holds only weights")
+    """Load a ``full`` file into a (sharded) model on every rank; return Lightning's decoded state.
+
+    Reads the Lightning-format file this version writes and the safetensors file earlier versions wrote.
+    """
+    state, header = read_full(path)
     with fp.full_params(model):
         model.load_state_dict(state, strict=True)
-    return decode(*_outline_tensors(json.loads(header)))
+    return decode(*_outline_tensors(header))
+
+
+def read_full(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A ``full`` file's weights and its codec header (``{"tree", "tensors"}``), without pickle."""
+    if torch_file.is_torch_file(path):
+        state, extra = torch_file.read(path)
+        header = (extra or {}).get(FULL_META_KEY) if isinstance(extra, dict) else None
+    else:  # earlier versions: safetensors, the Lightning state as JSON in the header metadata
+        with safe_open(str(path), framework="pt") as f:
+            text = (f.metadata() or {}).get(FULL_META_KEY)
+            state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a dict
+        header = json.loads(text) if text is not None else None
+    if header is None:
+        raise ValueError(f"{path} holds weights but not fsdp_plugin's Lightning state: it was not written by "
+                         "FSDPPluginStrategy(state_dict_type='full')")
+    return state, header
 
 
 def is_sharded_checkpoint(path: Path) -> bool:
@@ -117,7 +140,7 @@ def is_sharded_checkpoint(path: Path) -> bool:
     return path.is_dir() and (path / "manifest.json").is_file()
 
 
-def _inline_tensors(tree: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+def inline_tensors(tree: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Pack the codec's tensors into JSON (exact bytes, base64): they are a few scalars."""
     packed = {k: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
                   "b64": base64.b64encode(_raw_bytes(t)).decode("ascii")} for k, t in tensors.items()}
@@ -138,28 +161,12 @@ def _raw_bytes(t: torch.Tensor) -> bytes:
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses tensors sharing memory (tied weights): store independent copies."""
-    seen: set[int] = set()
-    out = {}
-    for k, v in state.items():
-        ptr = v.untyped_storage().data_ptr() if v.numel() else -1
-        out[k] = v.detach().cpu().contiguous() if ptr not in seen else v.detach().cpu().clone()
-        seen.add(ptr)
-    return out
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
 def checkpoint_kind(path: Path) -> str | None:
-    """"sharded", "full", or None when ``path`` is neither."""
+    """"sharded" (a checkpoint directory), "full" (a file), or None when ``path`` is neither."""
     if is_sharded_checkpoint(path):
         return "sharded"
     return "full" if path.is_file() else None

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from fsdp_plugin.integrations.lightning._fsdp_kwargs import translate as translate_fsdp_kwargs
 from fsdp_plugin.integrations.lightning._precision_map import unsupported_message
 from fsdp_plugin.integrations.lightning.precision import _PrecisionCore, flag_of
 from lightning.fabric.plugins.precision import HalfPrecision as FabricHalf
@@ -25,13 +26,16 @@ _CONVERTIBLE = (Precision, MixedPrecision, HalfPrecision, FabricPrecision, Fabri
 
 
 def sharding_config(kwargs: dict[str, Any]) -> Any:
-    """Build and validate ``fp.ShardingConfig`` from strategy kwargs; unknown keys name the valid fields."""
+    """Build and validate ``fp.ShardingConfig`` from strategy kwargs (ours, or Lightning ``FSDPStrategy``'s
+    translated by ``_fsdp_kwargs``); unknown keys name the valid fields."""
+    kwargs = translate_fsdp_kwargs(kwargs)
     valid = [f.name for f in dataclasses.fields(fp.ShardingConfig)]
     unknown = sorted(set(kwargs) - set(valid))
     if unknown:
         raise TypeError(
             f"FSDPPluginStrategy got unknown argument(s) {unknown}. It accepts the fp.ShardingConfig fields "
-            f"{valid}, plus state_dict_type, process_group_backend and timeout."
+            f"{valid}, Lightning FSDPStrategy's activation_checkpointing_policy, use_orig_params and "
+            "sync_module_states, plus state_dict_type, process_group_backend and timeout."
         )
     return fp.ShardingConfig(**kwargs)
 

@@ -46,7 +46,12 @@ class _NoSync(_BackwardSyncControl):
 
 
 class FSDPPluginFabricStrategy(ParallelStrategy, _Sharded):
-    """Fully sharded data parallel Fabric strategy. Keyword arguments: the ``fp.ShardingConfig`` fields."""
+    """Fully sharded data parallel Fabric strategy.
+
+    Keyword arguments: the ``fp.ShardingConfig`` fields, or Fabric ``FSDPStrategy``'s spellings of them (see
+    ``_fsdp_kwargs``). ``state_dict_type`` is ``"sharded"`` (Fabric's default; ``"full"`` is refused:
+    ``fabric.save`` writes a sharded directory, which ``fsdp-plugin consolidate`` exports).
+    """
 
     def __init__(
         self,
@@ -56,8 +61,13 @@ class FSDPPluginFabricStrategy(ParallelStrategy, _Sharded):
         precision: Any = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        state_dict_type: str = "sharded",
         **sharding: Any,
     ) -> None:
+        if state_dict_type != "sharded":
+            raise fp.ConfigError(f"FSDPPluginFabricStrategy(state_dict_type={state_dict_type!r}): fabric.save writes "
+                                 "a sharded directory (loadable at any world size); export it with `fsdp-plugin "
+                                 "consolidate CKPT OUT` (or get the weights with fp.full_state_dict(module))")
         self.sharding_config = common.sharding_config(sharding)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision=precision)

@@ -12,8 +12,8 @@ are pickle-free (see ``_checkpoint``).
 Limitations:
 
 * Lightning code that reads checkpoints without this strategy (``LightningModule.load_from_checkpoint``,
-  ``torch.load``) cannot read the sharded directories: use ``fsdp-plugin consolidate CKPT OUT`` or
-  ``state_dict_type="full"`` (then ``module.load_state_dict(safetensors.torch.load_file(path))``).
+  ``torch.load``) reads ``state_dict_type="full"`` files directly; a sharded directory first goes through
+  ``fsdp-plugin consolidate CKPT OUT.ckpt --format lightning`` (no process group needed).
 * In sharded mode the engine writes the weights: edits to ``checkpoint["state_dict"]`` made in
   ``on_save_checkpoint`` are ignored (as with FSDPStrategy's distributed checkpoints).
 * ``state_dict_type="full"`` stores the optimizers' param-group hyper-parameters but not their
@@ -61,16 +61,22 @@ class FSDPPluginStrategy(ParallelStrategy):
 
     Args:
         state_dict_type: ``"sharded"`` (default): checkpoints are engine directories, loadable at any world
-            size; ``"full"``: one safetensors file with the plain model weights (loadable by an unsharded
-            module) plus Lightning's state, without optimizer state.
+            size; ``"full"``: one file in Lightning's torch format (``MyModule.load_from_checkpoint(path)``
+            and ``torch.load(path, weights_only=True)`` read it) with the plain model weights and Lightning's
+            state, without per-parameter optimizer state.
         accumulate_grads: ``"sharded"`` (default): during ``accumulate_grad_batches`` every micro-batch
             reduce-scatters into the sharded gradient (memory of one shard); ``"no_sync"``: keep full
             unsharded gradients locally and communicate once per optimizer step (``fp.no_sync``).
         process_group_backend: default ``gloo`` on CPU, ``nccl`` on CUDA.
         timeout: process group timeout.
+        log_comm_stats: log ``fp.comm_stats`` after every optimizer step (``self.log``, on step): metrics
+            ``fsdp_plugin/comm_bytes/<kind>`` (per-rank ring bytes) and ``fsdp_plugin/comm_calls/<kind>`` since
+            the previous step, e.g. ``all_gather``, ``reduce_scatter``.
         **sharding: ``fp.ShardingConfig`` fields (``sharding_strategy``, ``auto_wrap_policy``,
-            ``mixed_precision``, ``activation_checkpointing``, ``cpu_offload``, ...). An explicit
-            ``mixed_precision`` overrides the one derived from the Trainer's ``precision`` flag.
+            ``mixed_precision``, ``activation_checkpointing``, ``cpu_offload``, ...), or Lightning
+            ``FSDPStrategy``'s spellings of them (torch enums, ``MixedPrecision``, ``ModuleWrapPolicy``,
+            ``activation_checkpointing_policy``, ...: see ``_fsdp_kwargs``). An explicit ``mixed_precision``
+            overrides the one derived from the Trainer's ``precision`` flag.
     """
 
     def __init__(
@@ -84,6 +90,7 @@ class FSDPPluginStrategy(ParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         state_dict_type: Literal["sharded", "full"] = "sharded",
         accumulate_grads: Literal["sharded", "no_sync"] = "sharded",
+        log_comm_stats: bool = True,
         **sharding: Any,
     ) -> None:
         _check_choice("state_dict_type", state_dict_type, _STATE_DICT_TYPES)
@@ -96,6 +103,8 @@ class FSDPPluginStrategy(ParallelStrategy):
         self._timeout = timeout
         self.state_dict_type = state_dict_type
         self.accumulate_grads = accumulate_grads
+        self.log_comm_stats = log_comm_stats
+        self._comm_seen: dict[str, dict[str, int]] = {}
         self.num_nodes = 1
 
     # ----------------------------------------------------------------- registry and plumbing
@@ -186,6 +195,7 @@ class FSDPPluginStrategy(ParallelStrategy):
             cfg = common.with_precision(self.sharding_config, self.precision_plugin)
             self.model = common.shard_module(self.model, cfg, self.root_device)
         self.barrier()
+        self._comm_seen = fp.comm_stats.snapshot()
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)  # built from the sharded parameters
@@ -200,6 +210,23 @@ class FSDPPluginStrategy(ParallelStrategy):
         context = fp.no_sync(self.model) if self.accumulate_grads == "no_sync" else nullcontext()
         with context:
             yield None
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.log_comm_stats:
+            self._log_comm_stats()
+        return out
+
+    def _log_comm_stats(self) -> None:
+        """Bytes and calls per collective kind since the previous optimizer step, as on-step metrics."""
+        now = fp.comm_stats.snapshot()
+        before, self._comm_seen = self._comm_seen, now
+        module = self.lightning_module
+        if module is None or module._trainer is None:
+            return
+        metrics = {f"fsdp_plugin/comm_{what}/{kind}": float(n - before.get(what, {}).get(kind, 0))
+                   for what in ("bytes", "calls") for kind, n in now[what].items()}
+        module.log_dict(metrics, on_step=True, on_epoch=False)
 
     # ----------------------------------------------------------------- collectives
     def barrier(self, name: str | None = None) -> None:
@@ -233,7 +260,7 @@ class FSDPPluginStrategy(ParallelStrategy):
         return {}
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Collective. ``sharded``: an engine directory at ``filepath``; ``full``: one safetensors file."""
+        """Collective. ``sharded``: an engine directory at ``filepath``; ``full``: one Lightning-format file."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options (they are for "
                             "CheckpointIO plugins, which this strategy does not use).")
@@ -244,7 +271,7 @@ class FSDPPluginStrategy(ParallelStrategy):
         path = Path(self.broadcast(str(filepath)))
         assert self.model is not None
         if self.state_dict_type == "full":
-            ckpt.save_full(path, self.model, encoded)
+            ckpt.save_full(path, self.model, meta, encoded)
         else:
             ckpt.save_sharded(path, self.model, self.optimizers if with_optimizers else [], encoded)
 
@@ -255,7 +282,7 @@ class FSDPPluginStrategy(ParallelStrategy):
         assert self.model is not None and self.lightning_module is not None
         if kind is None:
             raise ValueError(f"{path} is not an fsdp_plugin Lightning checkpoint: give a checkpoint directory (with "
-                             "manifest.json, state_dict_type='sharded') or a .ckpt safetensors file ('full').")
+                             "manifest.json, state_dict_type='sharded') or a 'full' checkpoint file.")
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         if kind == "sharded":
             return ckpt.load_sharded(path, self.model, self.optimizers if fitting else [])

@@ -3,6 +3,7 @@
     python lightning_train.py --out OUT.json [--strategy fsdp_plugin|auto] [--devices N] [--max-steps N]
         [--deferred] [--precision FLAG] [--accumulate N] [--clip-val V --clip-algo norm|value]
         [--ckpt-dir DIR] [--save PATH] [--resume PATH] [--state-dict-type sharded|full] [--save-weights F]
+        [--fsdp-kwargs] [--test CKPT]
 
 Regression on a fixed synthetic dataset (32 samples, global batch 8 -> 4 steps per epoch, RankSampler), so
 that any number of devices sees the same global batch. Rank 0 writes OUT.json with the global mean loss
@@ -70,6 +71,10 @@ class Regressor(pl.LightningModule):
     def validation_step(self, batch, batch_idx):
         x, y = batch
         self.log("val_loss", nn.functional.mse_loss(self(x).float(), y), sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", nn.functional.mse_loss(self(x).float(), y), sync_dist=True)
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -153,7 +158,26 @@ def forbid_pickle_loads() -> None:
     torch.load = cloud_io._load = refuse
 
 
+def fsdp_strategy_kwargs() -> dict:
+    """What a Lightning ``FSDPStrategy(...)`` user passes (torch's objects), fp32 so that parity stays 1e-5."""
+    import functools
+
+    from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy, transformer_auto_wrap_policy
+
+    return {"sharding_strategy": ShardingStrategy.FULL_SHARD, "auto_wrap_policy": ModuleWrapPolicy({nn.Sequential}),
+            "activation_checkpointing_policy": functools.partial(transformer_auto_wrap_policy,
+                                                                 transformer_layer_cls={nn.Sequential}),
+            "cpu_offload": CPUOffload(offload_params=False), "backward_prefetch": BackwardPrefetch.BACKWARD_PRE,
+            "mixed_precision": MixedPrecision(param_dtype=torch.float32, reduce_dtype=torch.float32),
+            "limit_all_gathers": True, "use_orig_params": True, "state_dict_type": "full"}
+
+
 def build_strategy(args: argparse.Namespace):
+    if args.fsdp_kwargs:
+        from fsdp_plugin.integrations.lightning import FSDPPluginStrategy
+
+        return FSDPPluginStrategy(**fsdp_strategy_kwargs())  # was: FSDPStrategy(**fsdp_strategy_kwargs())
     if args.strategy != "fsdp_plugin":
         return args.strategy
     if args.state_dict_type == "sharded":
@@ -183,6 +207,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--forbid-pickle", action="store_true")
     p.add_argument("--init-module", action="store_true", help="build under trainer.init_module(empty_init=True)")
     p.add_argument("--validate", action="store_true", help="trainer.validate after fit")
+    p.add_argument("--fsdp-kwargs", action="store_true",
+                   help="FSDPPluginStrategy(**Lightning FSDPStrategy kwargs), state_dict_type='full'")
+    p.add_argument("--test", default=None, metavar="CKPT", help="only trainer.test(ckpt_path=CKPT), no fit")
     return p.parse_args()
 
 
@@ -209,9 +236,12 @@ def main() -> None:
     )
     with trainer.init_module(empty_init=True) if args.init_module else contextlib.nullcontext():
         model = Regressor(deferred=args.deferred)
+    if args.test:
+        return _test_only(args, trainer, model)
     per_rank = GLOBAL_BATCH // args.devices // args.accumulate
     loader = torch.utils.data.DataLoader(dataset(), batch_size=per_rank, sampler=RankSampler(32))
     trainer.fit(model, loader, ckpt_path=args.resume)
+    args.comm = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("fsdp_plugin/")}
     if args.save:
         trainer.save_checkpoint(args.save)
     if args.validate:
@@ -220,6 +250,15 @@ def main() -> None:
     weights = _full_weights(trainer, model) if args.save_weights else None
     if trainer.is_global_zero:
         _report(args, trainer, model, recorder, weights)
+
+
+def _test_only(args, trainer, model) -> None:
+    """``trainer.test(ckpt_path=...)`` on the whole dataset; rank 0 reports the test loss."""
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=32 // args.devices, sampler=RankSampler(32))
+    loss = trainer.test(model, loader, ckpt_path=args.test, verbose=False)[0]["test_loss"]
+    if trainer.is_global_zero:
+        with open(args.out, "w") as f:
+            json.dump({"test_loss": loss, "world_size": trainer.world_size}, f)
 
 
 class RankSampler(torch.utils.data.Sampler):
@@ -271,6 +310,9 @@ def _report(args, trainer, model, recorder, weights) -> None:
         "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
         "launched_by": "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "lightning",
         "val_loss": getattr(args, "val_loss", None),
+        "comm": args.comm,  # the last optimizer step's fp.comm_stats, logged by the strategy
+        "units": len(getattr(getattr(model, "_fp_root", None), "units", ()) or ()),
+        "recomputed": sum("forward" in vars(m) for m in model.modules()),  # activation checkpointing wraps forward
     }
     mp = getattr(getattr(trainer.strategy, "precision_plugin", None), "mixed_precision", None)
     info["param_dtype"] = str(getattr(mp() if callable(mp) else None, "param_dtype", None))

@@ -1,0 +1,168 @@
+"""The ``full`` Lightning checkpoint file: Lightning's own torch format, which we read without unpickling.
+
+Layout: exactly what ``torch.save({"state_dict": weights, **lightning_state})`` writes (a zip archive of
+``data.pkl`` and one raw, uncompressed record per tensor storage), plus one JSON record,
+``fsdp_plugin.json``, that lists every weight's storage record, dtype and shape and carries whatever the
+caller wants to read back (Lightning's state through the pickle-free codec).
+
+* Lightning reads it like any of its checkpoints: ``MyModule.load_from_checkpoint(path)`` or
+  ``torch.load(path, weights_only=True)`` (torch's restricted unpickler: tensors, containers, primitives).
+* fsdp_plugin never unpickles it: :func:`read` opens the zip, parses the JSON record and copies each
+  weight's raw bytes into a fresh tensor (``zipfile`` checks every record's CRC32).
+
+Why the index is exact: ``torch.save`` numbers storages ``0, 1, ...`` in the order the pickler first meets
+them; ``state_dict`` is the payload's first key and every weight gets a storage of its own, so weight ``i``
+is record ``data/i``. :func:`write` checks this against each record's size and CRC32 before publishing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fsdp_plugin.checkpoint.errors import CheckpointError, CorruptCheckpointError
+
+INDEX_RECORD = "fsdp_plugin.json"
+FORMAT = "fsdp_plugin.lightning_full"
+VERSION = 1
+_ZIP_MAGIC = b"PK\x03\x04"
+_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+def is_torch_file(path: Path) -> bool:
+    """Whether ``path`` is a zip archive (torch's format) rather than, e.g., a safetensors file."""
+    with open(path, "rb") as f:
+        return f.read(4) == _ZIP_MAGIC
+
+
+def write(path: Path, state: dict[str, torch.Tensor], lightning_state: dict[str, Any], index_extra: Any) -> None:
+    """Atomically write ``{"state_dict": state, **lightning_state}`` at ``path``, plus our JSON index.
+
+    ``index_extra`` (strict JSON) is stored in the index and returned by :func:`read`. Memory: the weights
+    are written from ``state`` as given (a tensor is copied only if it shares or does not fill its storage).
+    """
+    if "state_dict" in lightning_state:
+        raise ValueError("lightning_state must not hold 'state_dict': the weights are passed separately")
+    own = _own_storages(state)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        torch.save({"state_dict": own, **lightning_state}, tmp)
+        with zipfile.ZipFile(tmp, "a") as zf:
+            prefix = _prefix(zf)
+            index = {"format": FORMAT, "version": VERSION, "tensors": _index(zf, prefix, own), "extra": index_extra}
+            zf.writestr(prefix + INDEX_RECORD, json.dumps(index, allow_nan=False))
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def read(path: Path) -> tuple[dict[str, torch.Tensor], Any]:
+    """The weights and ``index_extra`` of a file :func:`write` wrote; no pickle is executed."""
+    try:
+        zf = zipfile.ZipFile(path)
+    except zipfile.BadZipFile as e:
+        raise CorruptCheckpointError(f"{path}: not a readable zip archive ({e}); the file is damaged") from None
+    with zf:
+        prefix = _prefix(zf)
+        if prefix + INDEX_RECORD not in zf.namelist():
+            raise CheckpointError(f"{path} is a torch checkpoint without fsdp_plugin's index ({INDEX_RECORD}): "
+                                         "it was not written by FSDPPluginStrategy(state_dict_type='full') or "
+                                         "`fsdp-plugin consolidate --format lightning`; load it with Lightning's "
+                                         "own strategies instead")
+        index = _read_index(zf, prefix, path)
+        state = {name: _read_tensor(zf, prefix, entry, path, name) for name, entry in index["tensors"].items()}
+    return state, index.get("extra")
+
+
+def _own_storages(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU tensors, each alone in a storage it fills exactly (copies only where needed: ties, views)."""
+    seen: set[int] = set()
+    out = {}
+    for name, t in state.items():
+        t = t.detach().cpu()
+        storage = t.untyped_storage()
+        alone = (t.is_contiguous() and t.storage_offset() == 0 and storage.nbytes() == t.numel() * t.element_size()
+                 and t.numel() > 0 and storage.data_ptr() not in seen)
+        out[name] = t if alone else t.clone(memory_format=torch.contiguous_format)
+        seen.add(out[name].untyped_storage().data_ptr())
+    return out
+
+
+def _prefix(zf: zipfile.ZipFile) -> str:
+    """The archive's top folder (torch names it after the file), with a trailing slash."""
+    for name in zf.namelist():
+        if name.endswith("/data.pkl") and name.count("/") == 1:
+            return name[: -len("data.pkl")]
+    raise CorruptCheckpointError(f"{zf.filename}: no data.pkl record: not a torch checkpoint")
+
+
+def _index(zf: zipfile.ZipFile, prefix: str, own: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Weight ``i`` is record ``data/i``; prove it by size and CRC32 before the file is published."""
+    out = {}
+    for i, (name, t) in enumerate(own.items()):
+        record = f"data/{i}"
+        info = zf.getinfo(prefix + record)
+        raw = _bytes_of(t)
+        if info.compress_type != zipfile.ZIP_STORED or info.file_size != len(raw) or info.CRC != zlib.crc32(raw):
+            raise RuntimeError(f"torch.save stored weight {name!r} somewhere other than record {record}: "
+                               "fsdp_plugin's index would be wrong (please report this with your torch version)")
+        out[name] = {"record": record, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+    return out
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def _read_index(zf: zipfile.ZipFile, prefix: str, path: Path) -> dict[str, Any]:
+    try:
+        index = json.loads(zf.read(prefix + INDEX_RECORD))
+    except (ValueError, zipfile.BadZipFile) as e:
+        raise CorruptCheckpointError(f"{path}: {INDEX_RECORD} is damaged ({e})") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT or not isinstance(index.get("tensors"), dict):
+        raise CorruptCheckpointError(f"{path}: {INDEX_RECORD} is not an fsdp_plugin Lightning index")
+    if index.get("version") != VERSION:
+        raise CorruptCheckpointError(f"{path}: index version {index.get('version')!r}; this fsdp_plugin reads "
+                                     f"version {VERSION}: upgrade fsdp_plugin")
+    byteorder = prefix + "byteorder"
+    if byteorder in zf.namelist() and zf.read(byteorder) != b"little":
+        raise CorruptCheckpointError(f"{path}: written on a big-endian machine; fsdp_plugin reads little-endian only")
+    return index
+
+
+def _read_tensor(zf: zipfile.ZipFile, prefix: str, entry: Any, path: Path, name: str) -> torch.Tensor:
+    """Copy one stored record into a new tensor after checking dtype, shape and size against the index."""
+    ok = (isinstance(entry, dict) and entry.get("dtype") in _DTYPES and isinstance(entry.get("record"), str)
+          and isinstance(entry.get("shape"), list) and all(type(d) is int and d >= 0 for d in entry["shape"]))
+    if not ok:
+        raise CorruptCheckpointError(f"{path}: invalid index entry for {name!r}")
+    dtype = _DTYPES[entry["dtype"]]
+    out = torch.empty(entry["shape"], dtype=dtype)
+    try:
+        info = zf.getinfo(prefix + entry["record"])
+    except KeyError:
+        raise CorruptCheckpointError(f"{path}: record {entry['record']!r} of {name!r} is missing") from None
+    nbytes = out.numel() * out.element_size()
+    if info.compress_type != zipfile.ZIP_STORED or info.file_size != nbytes:
+        raise CorruptCheckpointError(f"{path}: record {entry['record']!r} holds {info.file_size} bytes; {name!r} "
+                                     f"({entry['dtype']} {entry['shape']}) needs {nbytes}")
+    if nbytes:
+        dest = _bytes_of(out)
+        try:
+            with zf.open(info) as f:  # zipfile verifies the CRC32 once the record is read to its end
+                got = f.readinto(dest)
+                if got != nbytes or f.read(1):
+                    raise CorruptCheckpointError(f"{path}: record {entry['record']!r} is truncated")
+        except zipfile.BadZipFile as e:
+            raise CorruptCheckpointError(f"{path}: record {entry['record']!r} of {name!r}: {e}") from None
+    return out

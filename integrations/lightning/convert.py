@@ -1,0 +1,38 @@
+"""``fsdp-plugin consolidate CKPT OUT.ckpt --format lightning``: a sharded Lightning checkpoint directory
+to one file that Lightning loads like its own (``MyModule.load_from_checkpoint``, ``weights_only=True``).
+
+Needs no process group, no GPU and no Lightning import. The output holds the full weights and Lightning's
+state (hyper-parameters, loops, callbacks, schedulers); like ``state_dict_type="full"``, not the
+optimizers' per-parameter state. Memory: the full model once, on CPU.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from fsdp_plugin.checkpoint.consolidate import read_full_state
+from fsdp_plugin.checkpoint.errors import CheckpointError
+from fsdp_plugin.integrations.lightning import _checkpoint as ckpt
+from fsdp_plugin.integrations.lightning import _torch_file as torch_file
+from fsdp_plugin.integrations.lightning.codec import decode
+
+__all__ = ["consolidate_lightning"]
+
+
+def consolidate_lightning(checkpoint_dir: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """Write the Lightning-format file ``out`` from the sharded directory ``checkpoint_dir``; return ``out``.
+
+    Raises :class:`~fsdp_plugin.checkpoint.CheckpointError` when the directory was not saved by
+    ``FSDPPluginStrategy`` (no Lightning state) or ``out`` is a directory.
+    """
+    out = Path(out)
+    if out.is_dir():
+        raise CheckpointError(f"{out} is a directory: --format lightning writes one file, e.g. {out / 'model.ckpt'}")
+    state, extra = read_full_state(checkpoint_dir)
+    if not isinstance(extra, dict) or ckpt.EXTRA_KEY not in extra:
+        raise CheckpointError(f"{checkpoint_dir} holds no Lightning state (it was not saved by FSDPPluginStrategy): "
+                              "export its weights with `fsdp-plugin consolidate CKPT OUT` (Hugging Face format)")
+    tree, tensors = extra[ckpt.EXTRA_KEY], extra.get(ckpt.EXTRA_TENSORS_KEY) or {}
+    meta = decode(tree, tensors)
+    torch_file.write(out, state, meta, {ckpt.FULL_META_KEY: ckpt.inline_tensors(tree, tensors)})
+    return out
