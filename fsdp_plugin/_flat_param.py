@@ -77,6 +77,7 @@ class FlatParamHandle:
         self.is_unsharded = self._aliases_shard
         self.pending_reduce: Optional[_PendingReduce] = None
         self.unsharded_grad_accum: Optional[torch.Tensor] = None   # no_sync accumulation
+        self.usage = SlotUsage(len(slots))
 
     # ----------------------------------------------------------------- layout
     def _init_leaf(self) -> None:
@@ -147,9 +148,17 @@ class FlatParamHandle:
         self.is_unsharded = False
 
     def views(self) -> list[torch.Tensor]:
-        """Full-shape views of the unsharded leaf, one per slot (autograd-connected in grad mode)."""
+        """Full-shape views of the unsharded leaf, one per slot (autograd-connected in grad mode).
+
+        In grad mode each view gets a hook that marks its slot used: autograd runs a view's backward only
+        if the view reached the loss, so the marks say which parameters got a gradient (``SlotUsage``).
+        """
         pieces = torch.split(self.leaf, self._split_sizes)
-        return [piece.view(s.shape) for piece, s in zip(pieces, self.slots)]
+        views = [piece.view(s.shape) for piece, s in zip(pieces, self.slots)]
+        if views and views[0].requires_grad:
+            for i, v in enumerate(views):
+                v.register_hook(self.usage.marker(i))
+        return views
 
     # ------------------------------------------------------------- gradients
     def take_unsharded_grad(self) -> Optional[torch.Tensor]:
@@ -209,11 +218,57 @@ class FlatParamHandle:
         return base if base is not None and all(g._base is base for g in grads) else None
 
     def _accumulate_shard_grad(self, reduced: torch.Tensor) -> None:
+        """Add the reduced chunk to ``p.grad`` of every slot; remember which slots had no gradient before
+        (``SlotUsage.restore_none`` puts None back for those no rank used)."""
         reduced = reduced.to(self.shard_device, self.dtype)
         base = self._grad_base()
+        self.usage.had_grad = [s.param.grad is not None for s in self.slots]
         if base is None:
             base = reduced
+            for s, had in zip(self.slots, self.usage.had_grad):
+                if had:      # some slots lost their gradient (unused, or set to None by the user)
+                    base[self.local_slice(s)].add_(s.param.grad.reshape(-1))
         else:
             base.add_(reduced)
         for s in self.slots:
             s.param.grad = base[self.local_slice(s)]
+
+    def reduce_now(self) -> None:
+        """Reduce outside backward order (every rank calls it for the same handles, in the same order):
+        this rank's pending no_sync gradient, or zeros if it has none."""
+        grad = self.take_unsharded_grad()
+        if grad is None:
+            grad = torch.zeros(self.padded, dtype=self.compute_dtype, device=self.device)
+        self.start_reduce(grad)
+        self.finish_reduce()
+
+    def restore_none(self, used_anywhere: list[bool]) -> None:
+        """Slots no rank used and that had no gradient before this reduction get ``p.grad = None`` again."""
+        for s, used, had in zip(self.slots, used_anywhere, self.usage.had_grad):
+            if not used and not had:
+                s.param.grad = None
+
+
+class SlotUsage:
+    """Which slots of one handle received a gradient, locally: in the current backward (``now``) and
+    in no_sync backwards whose gradients are not reduced yet (``window``)."""
+
+    def __init__(self, n: int):
+        self.now = bytearray(n)
+        self.window = bytearray(n)
+        self.had_grad: list[bool] = [True] * n
+        self.reduced: Optional[bytes] = None   # local usage sent with this backward's reduction
+
+    def marker(self, i: int):
+        def mark(_grad):
+            self.now[i] = 1
+        return mark
+
+    def close_backward(self, reducing: bool) -> None:
+        """Fold this backward's marks into the window; a reducing backward hands the window over."""
+        merged = bytes(a | b for a, b in zip(self.now, self.window))
+        self.now = bytearray(len(self.now))
+        if reducing:
+            self.reduced, self.window = merged, bytearray(len(merged))
+        else:
+            self.window = bytearray(merged)

@@ -12,6 +12,7 @@ from . import _collectives as comm
 from .config import ShardingConfig
 from .errors import CollectiveError
 from ._mesh import Mesh
+from ._usage import agree_usage
 
 # Reductions left in flight: each holds a unit's full unsharded gradient until it completes, and the next
 # unit's backward compute is enough to hide one reduce-scatter, so only the newest stays pending.
@@ -118,14 +119,18 @@ class RootState:
             self._pending.popleft().finish_reduce()
 
     def _end_of_backward(self) -> None:
-        while self._pending:
-            self._pending.popleft().finish_reduce()
-        for unit in self.units:
-            unit.reshard()
-            unit.backward_started = False
-            unit.inputs_grad_done = False
-        self.in_backward = False
-        self._callback_queued = False
+        try:
+            while self._pending:
+                self._pending.popleft().finish_reduce()
+        finally:
+            for unit in self.units:
+                unit.reshard()
+                unit.backward_started = False
+                unit.inputs_grad_done = False
+            self.in_backward = False
+            self._callback_queued = False
+        if not self.no_sync:
+            agree_usage(self)
 
     def reset_after_error(self) -> None:
         """Return every unit to the sharded state (used when a step is abandoned)."""

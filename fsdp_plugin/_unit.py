@@ -148,9 +148,11 @@ class Unit:
             self.root.on_backward_hook()
             if self.root.no_sync:
                 h.accumulate_without_sync()
+                h.usage.close_backward(reducing=False)
             else:
                 grad = h.take_unsharded_grad()
                 if grad is not None:
+                    h.usage.close_backward(reducing=True)
                     self.root.enqueue_reduce(h, grad)
             self._reshard_handle(h)
             self._maybe_free_frozen()

@@ -1,0 +1,58 @@
+"""Unused parameters with PyTorch's semantics: which slots got a gradient, agreed across ranks.
+
+A flat buffer is reduced whole, so a parameter no rank used in a step would get a zero gradient and the
+optimizer would still move it (momentum, Adam moments, weight decay). Single-process PyTorch and DDP leave
+its ``.grad`` None (or unchanged when accumulating). Each handle records, per slot, whether autograd ran the
+backward of that slot's view on this rank (``SlotUsage``); after a reducing backward every rank all-reduces
+one small uint8 mask for the whole model (one control message per step, ``kind="control"``), then:
+
+* a slot used on some ranks keeps the reduced average (unused ranks added zeros: DDP's rule);
+* a slot used on no rank gets ``p.grad = None`` back if it had no gradient before this backward (its reduced
+  value is exactly zero, so an accumulated gradient is left as it was);
+* a handle whose gradients were accumulated under ``no_sync`` on some rank but that got no gradient in the
+  reducing backward on any rank is reduced now, by every rank in unit order (zeros where nothing is pending),
+  so the accumulation window is never carried silently into the next step.
+
+Contract (as for every collective here): a handle receives a gradient on all ranks or on none in a given
+backward; parameters inside it may be used on some ranks only.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import _collectives as comm
+
+
+def _local_mask(h) -> bytes:
+    """[used per slot..., late]: late = gradients pending from no_sync and no reduction this backward."""
+    if h.usage.reduced is not None:
+        return h.usage.reduced + b"\x00"
+    late = h.unsharded_grad_accum is not None or any(h.usage.window)
+    return bytes(h.usage.window) + (b"\x01" if late else b"\x00")
+
+
+def agree_usage(root) -> None:
+    """Called at the end of every reducing backward, on every rank, after all reductions finished."""
+    handles = [h for u in root.units for h in u.handles if h.requires_grad]
+    if not handles:
+        return
+    masks = [_local_mask(h) for h in handles]
+    if root.mesh.world_size > 1:
+        flat = torch.frombuffer(bytearray(b"".join(masks)), dtype=torch.uint8).to(root.device)
+        work = comm.all_reduce(flat, None, op=dist.ReduceOp.MAX, async_op=True, kind="control")
+        comm.wait(work, "unused-parameter mask all-reduce", handles[0].timeout_s)
+        merged, masks, at = bytes(flat.cpu().tolist()), [], 0
+        for h in handles:
+            masks.append(merged[at:at + len(h.slots) + 1])
+            at += len(h.slots) + 1
+    for h, mask in zip(handles, masks):
+        reduced_here = h.usage.reduced is not None
+        h.usage.reduced = None
+        if not reduced_here and mask[-1]:
+            h.usage.close_backward(reducing=True)
+            h.usage.reduced = None
+            h.reduce_now()
+        elif not reduced_here:
+            continue
+        h.restore_none([bool(b) for b in mask[:-1]])
