@@ -17,6 +17,7 @@ from torch import nn
 
 from . import _collectives as comm
 from ._mesh import Mesh
+from ._states import ShardedState
 
 
 def set_param_data(param: nn.Parameter, tensor: torch.Tensor) -> None:
@@ -72,9 +73,8 @@ class FlatParamHandle:
         self._aliases_shard = n == 1 and compute_dtype == dtype and shard_device == device
         self._init_leaf()
         self._bind_local_pieces()
-        self._gather_work = None
-        self._gather_src = None
-        self.is_unsharded = self._aliases_shard
+        self._gather: Optional[tuple] = None    # (work, source) while UNSHARDING
+        self.state = ShardedState.UNSHARDED if self._aliases_shard else ShardedState.SHARDED
         self.pending_reduce: Optional[_PendingReduce] = None
         self.unsharded_grad_accum: Optional[torch.Tensor] = None   # no_sync accumulation
         self.usage = SlotUsage(len(slots))
@@ -117,35 +117,78 @@ class FlatParamHandle:
         if storage.nbytes() != nbytes:
             storage.resize_(nbytes)
 
+    @property
+    def is_unsharded(self) -> bool:
+        return self.state is ShardedState.UNSHARDED
+
     def unshard(self, async_op: bool = True) -> None:
-        """Start (or finish) materializing the full flat parameter; ``wait_unshard`` before use."""
-        if self.is_unsharded or self._gather_work is not None:
+        """SHARDED -> UNSHARDING (or UNSHARDED without communication); ``wait_unshard`` before use."""
+        if self.state is not ShardedState.SHARDED:
             return
         self._alloc_full()
         src = self.flat_shard.to(self.device, self.compute_dtype, non_blocking=True)
         if self.mesh.shard_size == 1:
             self._full.copy_(src)
-            self.is_unsharded = True
+            self.state = ShardedState.UNSHARDED
             return
-        self._gather_src = src
-        self._gather_work = comm.all_gather(self._full, src, self.mesh.shard_group, async_op=True)
+        self._gather = (comm.all_gather(self._full, src, self.mesh.shard_group, async_op=True), src)
+        self.state = ShardedState.UNSHARDING
         if not async_op:
             self.wait_unshard()
 
     def wait_unshard(self) -> None:
-        if self._gather_work is not None:
-            comm.wait(self._gather_work, f"all-gather of unit {self.label!r}", self.timeout_s)
-            self._gather_work = None
-            self._gather_src = None
-            self.is_unsharded = True
-        elif not self.is_unsharded:
+        """-> UNSHARDED, from either other state."""
+        if self.state is ShardedState.UNSHARDING:
+            work, self._gather = self._gather[0], None
+            self.state = ShardedState.UNSHARDED    # the buffer is ours again even if the wait raises
+            comm.wait(work, f"all-gather of unit {self.label!r}", self.timeout_s)
+        elif self.state is ShardedState.SHARDED:
             self.unshard(async_op=False)
 
     def reshard(self) -> None:
-        if self._aliases_shard or not self.is_unsharded:
+        """UNSHARDED -> SHARDED (frees the full buffer); a handle aliasing its shard stays UNSHARDED."""
+        if self._aliases_shard or self.state is not ShardedState.UNSHARDED:
             return
         self._full.untyped_storage().resize_(0)
-        self.is_unsharded = False
+        self.state = ShardedState.SHARDED
+
+    def abandon_step(self) -> None:
+        """Forget an abandoned step: finish in-flight collectives (every rank issued them), drop unreduced
+        gradients and usage marks, reshard. Raises the first CollectiveError after cleaning up."""
+        error = None
+        for finish in (self.wait_unshard, self._drop_pending_reduce):
+            try:
+                finish()
+            except Exception as e:  # noqa: BLE001 - cleanup goes on; the first error is re-raised
+                error = error or e
+        self.leaf.grad, self.unsharded_grad_accum = None, None
+        self.usage = SlotUsage(len(self.slots))
+        self.reshard()
+        if error is not None:
+            raise error
+
+    def _drop_pending_reduce(self) -> None:
+        pending, self.pending_reduce = self.pending_reduce, None
+        if pending is not None:
+            comm.wait(pending.work, f"gradient reduction of unit {self.label!r}", self.timeout_s)
+
+    def gather_master(self) -> torch.Tensor:
+        """A new padded flat tensor with the full master values (original dtype; not the compute buffer)."""
+        full = torch.empty(self.padded, dtype=self.dtype, device=self.device)
+        src = self.flat_shard.to(self.device)
+        if self.mesh.shard_size == 1:
+            full.copy_(src)
+        else:
+            comm.all_gather(full, src, self.mesh.shard_group, kind="state_dict")
+        return full
+
+    def write_back(self, full: torch.Tensor) -> None:
+        """Copy this rank's chunk of a full padded flat tensor (from ``gather_master``) into the shard."""
+        self.flat_shard.copy_(full[self.chunk_start:self.chunk_start + self.chunk].to(self.flat_shard.device))
+
+    def split_full(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """Full-shape views of a padded flat tensor, one per slot."""
+        return [piece.view(s.shape) for piece, s in zip(full.split(self._split_sizes), self.slots)]
 
     def views(self) -> list[torch.Tensor]:
         """Full-shape views of the unsharded leaf, one per slot (autograd-connected in grad mode).
