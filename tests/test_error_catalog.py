@@ -22,6 +22,10 @@ def unknown_option():
     fp.shard(GPT(), reshard_after_forwards=True)
 
 
+def bad_reshard_after_forward():
+    fp.ShardingConfig(reshard_after_forward="last")
+
+
 def wrap_policy_matches_nothing():
     class Missing(nn.Module):
         pass
@@ -89,7 +93,7 @@ def checkpoint_from_another_architecture(tmp_path):
     fp.load_checkpoint(str(tmp_path / "ckpt"), fp.shard(nn.Sequential(nn.Linear(3, 4))))
 
 
-CASES = [unknown_strategy, unknown_option, wrap_policy_matches_nothing, mesh_not_dividing_world, shard_twice,
+CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_policy_matches_nothing, mesh_not_dividing_world, shard_twice,
          optimizer_stepped_before_shard, dtype_backend_cannot_reduce, plain_state_dict_on_sharded_model,
          not_sharded, meta_module_without_init, nonfinite_gradients_with_clipping,
          checkpoint_from_another_architecture]
