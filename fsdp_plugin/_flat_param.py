@@ -18,6 +18,7 @@ from torch import nn
 from . import _collectives as comm
 from ._mesh import Mesh
 from ._states import ShardedState
+from ._usage import SlotUsage
 
 
 def set_param_data(param: nn.Parameter, tensor: torch.Tensor) -> None:
@@ -291,27 +292,3 @@ class FlatParamHandle:
             if not used and not had:
                 s.param.grad = None
 
-
-class SlotUsage:
-    """Which slots of one handle received a gradient, locally: in the current backward (``now``) and
-    in no_sync backwards whose gradients are not reduced yet (``window``)."""
-
-    def __init__(self, n: int):
-        self.now = bytearray(n)
-        self.window = bytearray(n)
-        self.had_grad: list[bool] = [True] * n
-        self.reduced: Optional[bytes] = None   # local usage sent with this backward's reduction
-
-    def marker(self, i: int):
-        def mark(_grad):
-            self.now[i] = 1
-        return mark
-
-    def close_backward(self, reducing: bool) -> None:
-        """Fold this backward's marks into the window; a reducing backward hands the window over."""
-        merged = bytes(a | b for a, b in zip(self.now, self.window))
-        self.now = bytearray(len(self.now))
-        if reducing:
-            self.reduced, self.window = merged, bytearray(len(merged))
-        else:
-            self.window = bytearray(merged)

@@ -18,10 +18,37 @@ backward; parameters inside it may be used on some ranks only.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
 from . import _collectives as comm
+
+
+class SlotUsage:
+    """Which slots of one handle received a gradient, locally: in the current backward (``now``) and
+    in no_sync backwards whose gradients are not reduced yet (``window``)."""
+
+    def __init__(self, n: int):
+        self.now = bytearray(n)
+        self.window = bytearray(n)
+        self.had_grad: list[bool] = [True] * n
+        self.reduced: Optional[bytes] = None   # local usage sent with this backward's reduction
+
+    def marker(self, i: int):
+        def mark(_grad):
+            self.now[i] = 1
+        return mark
+
+    def close_backward(self, reducing: bool) -> None:
+        """Fold this backward's marks into the window; a reducing backward hands the window over."""
+        merged = bytes(a | b for a, b in zip(self.now, self.window))
+        self.now = bytearray(len(self.now))
+        if reducing:
+            self.reduced, self.window = merged, bytearray(len(merged))
+        else:
+            self.window = bytearray(merged)
 
 
 def _local_mask(h) -> bytes:

@@ -131,12 +131,12 @@ def reference(scenario, world, optim, micro=1):
     return out
 
 
-def sharded(rank, world, scenario, strategy, optim, mesh, micro=1, use_no_sync=False):
+def sharded(rank, world, scenario, strategy, optim, mesh, micro=1, use_no_sync=False, recompute=False):
     model_fn, batch_fn, policy = SCENARIOS[scenario]
     torch.manual_seed(0)
     model = model_fn()
     fp.shard(model, auto_wrap_policy=set(policy), sharding_strategy=strategy,
-             **({"device_mesh": mesh} if mesh else {}))
+             activation_checkpointing=set(policy) if recompute else None, **({"device_mesh": mesh} if mesh else {}))
     opt = make_optimizer(optim, model.parameters())
     out = []
     for s in range(STEPS):
@@ -201,6 +201,12 @@ FAST = [
 def test_unused_parameters_match_single_process(scenario, world, strategy, optim, mesh):
     results = run_ranks(sharded, world, scenario, strategy, optim, mesh, timeout=120)
     check(results, reference(scenario, world, optim))
+
+
+def test_unused_parameters_under_activation_checkpointing():
+    """Recomputed forwards make new views in backward; usage still comes from the views that reached the loss."""
+    results = run_ranks(sharded, 2, "moe", "full_shard", "adamw", None, 1, False, True, timeout=120)
+    check(results, reference("moe", 2, "adamw"))
 
 
 @pytest.mark.parametrize("use_no_sync", [False, True])
