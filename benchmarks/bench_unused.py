@@ -1,0 +1,50 @@
+"""Cost of the unused-parameter bookkeeping (view hooks + one mask all-reduce per backward) on the small
+benchmark model, world 2, gloo: steps alternate with the bookkeeping on and off (interleaved A/B, so machine
+load hits both alike); prints the median step time of each and the time inside the mask agreement.
+
+    PYTHONPATH=. python benchmarks/bench_unused.py [steps]
+"""
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
+import torch
+import fsdp_plugin as fp
+import fsdp_plugin._root as rootmod
+import fsdp_plugin._flat_param as fpm
+from _model import PRESETS, GPTConfig, GPT, Block
+from _dist import run_ranks
+
+def worker(rank, world, steps):
+    cfg = GPTConfig(**PRESETS["small"])
+    model = fp.shard(GPT(cfg), auto_wrap_policy={Block})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    real_agree, real_views = rootmod.agree_usage, fpm.FlatParamHandle.views
+    inside = []
+    def timed_agree(root):
+        t = time.perf_counter(); real_agree(root); inside.append(time.perf_counter() - t)
+    def plain_views(self):
+        pieces = torch.split(self.leaf, self._split_sizes)
+        return [p.view(s.shape) for p, s in zip(pieces, self.slots)]
+    on, off = [], []
+    for s in range(steps):
+        g = torch.Generator().manual_seed(s * 10 + rank)
+        idx = torch.randint(0, cfg.vocab, (4, cfg.seq_len + 1), generator=g)
+        enabled = s % 2 == 0
+        rootmod.agree_usage = timed_agree if enabled else (lambda root: None)
+        fpm.FlatParamHandle.views = real_views if enabled else plain_views
+        torch.distributed.barrier()
+        t = time.perf_counter()
+        loss = model(idx[:, :-1], idx[:, 1:]); opt.zero_grad(); loss.backward(); opt.step()
+        dt = time.perf_counter() - t
+        if s >= 4:
+            (on if enabled else off).append(dt)
+    return statistics.median(on), statistics.median(off), statistics.median(inside), fp.comm_stats.snapshot()
+
+r = run_ranks(worker, 2, int(sys.argv[1]) if len(sys.argv) > 1 else 40, timeout=900)
+for on, off, inside, stats in r:
+    print(f"step on {on*1e3:.1f} ms  off {off*1e3:.1f} ms  ratio {on/off:.4f}  agree_usage {inside*1e3:.3f} ms ({inside/on*100:.2f}%)")
+print(r[0][3])
