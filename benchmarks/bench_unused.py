@@ -37,14 +37,17 @@ def worker(rank, world, steps):
         rootmod.agree_usage = timed_agree if enabled else (lambda root: None)
         fpm.FlatParamHandle.views = real_views if enabled else plain_views
         torch.distributed.barrier()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         loss = model(idx[:, :-1], idx[:, 1:]); opt.zero_grad(); loss.backward(); opt.step()
-        dt = time.perf_counter() - t
+        dt, dc = time.perf_counter() - t, time.process_time() - c
         if s >= 4:
-            (on if enabled else off).append(dt)
-    return statistics.median(on), statistics.median(off), statistics.median(inside), fp.comm_stats.snapshot()
+            (on if enabled else off).append((dt, dc))
+    med = lambda xs, i: statistics.median(x[i] for x in xs)
+    return (med(on, 0), med(off, 0), med(on, 1), med(off, 1), statistics.median(inside),
+            fp.comm_stats.snapshot())
 
 r = run_ranks(worker, 2, int(sys.argv[1]) if len(sys.argv) > 1 else 40, timeout=900)
-for on, off, inside, stats in r:
-    print(f"step on {on*1e3:.1f} ms  off {off*1e3:.1f} ms  ratio {on/off:.4f}  agree_usage {inside*1e3:.3f} ms ({inside/on*100:.2f}%)")
-print(r[0][3])
+for on, off, con, coff, inside, stats in r:
+    print(f"wall: on {on*1e3:.1f} ms off {off*1e3:.1f} ms ratio {on/off:.4f} | cpu: on {con*1e3:.1f} ms "
+          f"off {coff*1e3:.1f} ms ratio {con/coff:.4f} | agree_usage {inside*1e3:.3f} ms ({inside/on*100:.2f}%)")
+print(r[0][-1])
