@@ -22,10 +22,27 @@ def worker(rank, world, steps):
     cfg = GPTConfig(**PRESETS["small"])
     model = fp.shard(GPT(cfg), auto_wrap_policy={Block})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    real_agree, real_views = rootmod.agree_usage, fpm.FlatParamHandle.views
+    real_views = fpm.FlatParamHandle.views
     inside = []
-    def timed_agree(root):
-        t = time.perf_counter(); real_agree(root); inside.append(time.perf_counter() - t)
+
+    class Timed(rootmod.UsageAgreement):
+        def __init__(self, root):
+            t = time.perf_counter()
+            super().__init__(root)
+            self.spent = time.perf_counter() - t
+
+        def finish(self):
+            t = time.perf_counter()
+            super().finish()
+            inside.append(self.spent + time.perf_counter() - t)
+
+    class Off:
+        def __init__(self, root):
+            pass
+
+        def finish(self):
+            pass
+
     def plain_views(self):
         pieces = torch.split(self.leaf, self._split_sizes)
         return [p.view(s.shape) for p, s in zip(pieces, self.slots)]
@@ -34,7 +51,7 @@ def worker(rank, world, steps):
         g = torch.Generator().manual_seed(s * 10 + rank)
         idx = torch.randint(0, cfg.vocab, (4, cfg.seq_len + 1), generator=g)
         enabled = s % 2 == 0
-        rootmod.agree_usage = timed_agree if enabled else (lambda root: None)
+        rootmod.UsageAgreement = Timed if enabled else Off
         fpm.FlatParamHandle.views = real_views if enabled else plain_views
         torch.distributed.barrier()
         t, c = time.perf_counter(), time.process_time()
@@ -49,5 +66,5 @@ def worker(rank, world, steps):
 r = run_ranks(worker, 2, int(sys.argv[1]) if len(sys.argv) > 1 else 40, timeout=900)
 for on, off, con, coff, inside, stats in r:
     print(f"wall: on {on*1e3:.1f} ms off {off*1e3:.1f} ms ratio {on/off:.4f} | cpu: on {con*1e3:.1f} ms "
-          f"off {coff*1e3:.1f} ms ratio {con/coff:.4f} | agree_usage {inside*1e3:.3f} ms ({inside/on*100:.2f}%)")
+          f"off {coff*1e3:.1f} ms ratio {con/coff:.4f} | mask agreement {inside*1e3:.3f} ms ({inside/on*100:.2f}%)")
 print(r[0][-1])

@@ -13,7 +13,7 @@ from .config import ShardingConfig
 from .errors import CollectiveError
 from ._mesh import Mesh
 from ._states import OrderState, RootPhase
-from ._usage import agree_usage
+from ._usage import UsageAgreement
 
 # Reductions left in flight: each holds a unit's full unsharded gradient until it completes, and the next
 # unit's backward compute is enough to hide one reduce-scatter, so only the newest stays pending.
@@ -133,7 +133,9 @@ class RootState:
             self._pending.popleft().finish_reduce()
 
     def _end_of_backward(self) -> None:
-        """BACKWARD -> IDLE: finish reductions, reshard every unit, agree on unused parameters."""
+        """BACKWARD -> IDLE: finish reductions, reshard every unit, agree on unused parameters (the mask
+        all-reduce is issued first so that it overlaps the last reduction)."""
+        agreement = None if self.no_sync else UsageAgreement(self)
         try:
             while self._pending:
                 self._pending.popleft().finish_reduce()
@@ -141,8 +143,8 @@ class RootState:
             for unit in self.units:
                 unit.end_backward()
             self.phase = RootPhase.IDLE
-        if not self.no_sync:
-            agree_usage(self)
+        if agreement is not None:
+            agreement.finish()
 
     def reset(self) -> None:
         """Abandon the current step (fp.reset): any phase -> IDLE, every unit IDLE and sharded, in-flight

@@ -4,7 +4,8 @@ A flat buffer is reduced whole, so a parameter no rank used in a step would get 
 optimizer would still move it (momentum, Adam moments, weight decay). Single-process PyTorch and DDP leave
 its ``.grad`` None (or unchanged when accumulating). Each handle records, per slot, whether autograd ran the
 backward of that slot's view on this rank (``SlotUsage``); after a reducing backward every rank all-reduces
-one small uint8 mask for the whole model (one control message per step, ``kind="control"``), then:
+one small uint8 mask for the whole model (one control message per step, ``kind="control"``; issued before the
+last gradient reduction is waited for, so the two overlap), then:
 
 * a slot used on some ranks keeps the reduced average (unused ranks added zeros: DDP's rule);
 * a slot used on no rank gets ``p.grad = None`` back if it had no gradient before this backward (its reduced
@@ -12,6 +13,10 @@ one small uint8 mask for the whole model (one control message per step, ``kind="
 * a handle whose gradients were accumulated under ``no_sync`` on some rank but that got no gradient in the
   reducing backward on any rank is reduced now, by every rank in unit order (zeros where nothing is pending),
   so the accumulation window is never carried silently into the next step.
+
+Why a message every step: no rank can know locally that the others used every parameter, and carrying the
+bits inside the gradient reduction would need each unit's gradient copied into a larger buffer (a full extra
+pass over all gradients) to give every chunk room for them; one message of (slots + units) bytes is cheaper.
 
 Contract (as for every collective here): a handle receives a gradient on all ranks or on none in a given
 backward; parameters inside it may be used on some ranks only.
@@ -59,27 +64,32 @@ def _local_mask(h) -> bytes:
     return bytes(h.usage.window) + (b"\x01" if late else b"\x00")
 
 
-def agree_usage(root) -> None:
-    """Called at the end of every reducing backward, on every rank, after all reductions finished."""
-    handles = [h for u in root.units for h in u.handles if h.requires_grad]
-    if not handles:
-        return
-    masks = [_local_mask(h) for h in handles]
-    if root.mesh.world_size > 1:
-        flat = torch.frombuffer(bytearray(b"".join(masks)), dtype=torch.uint8).to(root.device)
-        work = comm.all_reduce(flat, None, op=dist.ReduceOp.MAX, async_op=True, kind="control")
-        comm.wait(work, "unused-parameter mask all-reduce", handles[0].timeout_s)
-        merged, masks, at = bytes(flat.cpu().tolist()), [], 0
-        for h in handles:
-            masks.append(merged[at:at + len(h.slots) + 1])
-            at += len(h.slots) + 1
-    for h, mask in zip(handles, masks):
-        reduced_here = h.usage.reduced is not None
-        h.usage.reduced = None
-        if not reduced_here and mask[-1]:
-            h.usage.close_backward(reducing=True)
+class UsageAgreement:
+    """One reducing backward's mask all-reduce: ``start`` it before waiting for the last gradient reduction
+    (the masks are known once every post-accumulate hook ran), ``finish`` it after every reduction finished."""
+
+    def __init__(self, root):
+        self.handles = [h for u in root.units for h in u.handles if h.requires_grad]
+        self.masks = [_local_mask(h) for h in self.handles]
+        self.work = self.flat = None
+        if self.handles and root.mesh.world_size > 1:
+            self.flat = torch.frombuffer(bytearray(b"".join(self.masks)), dtype=torch.uint8).to(root.device)
+            self.work = comm.all_reduce(self.flat, None, op=dist.ReduceOp.MAX, async_op=True, kind="control")
+
+    def finish(self) -> None:
+        if self.flat is not None:
+            comm.wait(self.work, "unused-parameter mask all-reduce", self.handles[0].timeout_s)
+            merged, self.masks, at = bytes(self.flat.cpu().tolist()), [], 0
+            for h in self.handles:
+                self.masks.append(merged[at:at + len(h.slots) + 1])
+                at += len(h.slots) + 1
+        for h, mask in zip(self.handles, self.masks):
+            reduced_here = h.usage.reduced is not None
             h.usage.reduced = None
-            h.reduce_now()
-        elif not reduced_here:
-            continue
-        h.restore_none([bool(b) for b in mask[:-1]])
+            if not reduced_here and mask[-1]:
+                h.usage.close_backward(reducing=True)
+                h.usage.reduced = None
+                h.reduce_now()
+            elif not reduced_here:
+                continue
+            h.restore_none([bool(b) for b in mask[:-1]])
