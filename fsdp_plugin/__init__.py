@@ -7,7 +7,7 @@
 from ._collectives import STATS as comm_stats
 from ._shard import shard
 from .api import (clip_grad_norm_, full_params, full_state_dict, is_sharded, no_sync,
-                  register_forward_method)
+                  register_forward_method, reset)
 from .config import MixedPrecision, ShardingConfig, size_policy
 from .grad_scaler import GradScaler
 from .errors import (CollectiveError, ConfigError, FSDPPluginError, OptimizerError, ShardingError,
@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ShardingConfig", "MixedPrecision", "size_policy", "shard", "deferred_init", "no_sync", "full_params",
-    "clip_grad_norm_", "full_state_dict", "GradScaler", "is_sharded", "register_forward_method", "comm_stats",
+    "clip_grad_norm_", "full_state_dict", "GradScaler", "is_sharded", "register_forward_method", "reset", "comm_stats",
     "save_checkpoint", "load_checkpoint", "load_pretrained", "save_pretrained", "CheckpointError",
     "CheckpointMismatchError", "CorruptCheckpointError", "IncompleteCheckpointError",
     "FSDPPluginError", "ConfigError", "ShardingError", "OptimizerError", "StateDictError", "CollectiveError",

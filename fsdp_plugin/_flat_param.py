@@ -17,6 +17,8 @@ from torch import nn
 
 from . import _collectives as comm
 from ._mesh import Mesh
+from ._states import ShardedState
+from ._usage import SlotUsage
 
 
 def set_param_data(param: nn.Parameter, tensor: torch.Tensor) -> None:
@@ -72,11 +74,11 @@ class FlatParamHandle:
         self._aliases_shard = n == 1 and compute_dtype == dtype and shard_device == device
         self._init_leaf()
         self._bind_local_pieces()
-        self._gather_work = None
-        self._gather_src = None
-        self.is_unsharded = self._aliases_shard
+        self._gather: Optional[tuple] = None    # (work, source) while UNSHARDING
+        self.state = ShardedState.UNSHARDED if self._aliases_shard else ShardedState.SHARDED
         self.pending_reduce: Optional[_PendingReduce] = None
         self.unsharded_grad_accum: Optional[torch.Tensor] = None   # no_sync accumulation
+        self.usage = SlotUsage(len(slots))
 
     # ----------------------------------------------------------------- layout
     def _init_leaf(self) -> None:
@@ -116,40 +118,91 @@ class FlatParamHandle:
         if storage.nbytes() != nbytes:
             storage.resize_(nbytes)
 
+    @property
+    def is_unsharded(self) -> bool:
+        return self.state is ShardedState.UNSHARDED
+
     def unshard(self, async_op: bool = True) -> None:
-        """Start (or finish) materializing the full flat parameter; ``wait_unshard`` before use."""
-        if self.is_unsharded or self._gather_work is not None:
+        """SHARDED -> UNSHARDING (or UNSHARDED without communication); ``wait_unshard`` before use."""
+        if self.state is not ShardedState.SHARDED:
             return
         self._alloc_full()
         src = self.flat_shard.to(self.device, self.compute_dtype, non_blocking=True)
         if self.mesh.shard_size == 1:
             self._full.copy_(src)
-            self.is_unsharded = True
+            self.state = ShardedState.UNSHARDED
             return
-        self._gather_src = src
-        self._gather_work = comm.all_gather(self._full, src, self.mesh.shard_group, async_op=True)
+        self._gather = (comm.all_gather(self._full, src, self.mesh.shard_group, async_op=True), src)
+        self.state = ShardedState.UNSHARDING
         if not async_op:
             self.wait_unshard()
 
     def wait_unshard(self) -> None:
-        if self._gather_work is not None:
-            comm.wait(self._gather_work, f"all-gather of unit {self.label!r}", self.timeout_s)
-            self._gather_work = None
-            self._gather_src = None
-            self.is_unsharded = True
-        elif not self.is_unsharded:
+        """-> UNSHARDED, from either other state."""
+        if self.state is ShardedState.UNSHARDING:
+            work, self._gather = self._gather[0], None
+            self.state = ShardedState.UNSHARDED    # the buffer is ours again even if the wait raises
+            comm.wait(work, f"all-gather of unit {self.label!r}", self.timeout_s)
+        elif self.state is ShardedState.SHARDED:
             self.unshard(async_op=False)
 
     def reshard(self) -> None:
-        if self._aliases_shard or not self.is_unsharded:
+        """UNSHARDED -> SHARDED (frees the full buffer); a handle aliasing its shard stays UNSHARDED."""
+        if self._aliases_shard or self.state is not ShardedState.UNSHARDED:
             return
         self._full.untyped_storage().resize_(0)
-        self.is_unsharded = False
+        self.state = ShardedState.SHARDED
+
+    def abandon_step(self) -> None:
+        """Forget an abandoned step: finish in-flight collectives (every rank issued them), drop unreduced
+        gradients and usage marks, reshard. Raises the first CollectiveError after cleaning up."""
+        error = None
+        for finish in (self.wait_unshard, self._drop_pending_reduce):
+            try:
+                finish()
+            except Exception as e:  # noqa: BLE001 - cleanup goes on; the first error is re-raised
+                error = error or e
+        self.leaf.grad, self.unsharded_grad_accum = None, None
+        self.usage = SlotUsage(len(self.slots))
+        self.reshard()
+        if error is not None:
+            raise error
+
+    def _drop_pending_reduce(self) -> None:
+        pending, self.pending_reduce = self.pending_reduce, None
+        if pending is not None:
+            comm.wait(pending.work, f"gradient reduction of unit {self.label!r}", self.timeout_s)
+
+    def gather_master(self) -> torch.Tensor:
+        """A new padded flat tensor with the full master values (original dtype; not the compute buffer)."""
+        full = torch.empty(self.padded, dtype=self.dtype, device=self.device)
+        src = self.flat_shard.to(self.device)
+        if self.mesh.shard_size == 1:
+            full.copy_(src)
+        else:
+            comm.all_gather(full, src, self.mesh.shard_group, kind="state_dict")
+        return full
+
+    def write_back(self, full: torch.Tensor) -> None:
+        """Copy this rank's chunk of a full padded flat tensor (from ``gather_master``) into the shard."""
+        self.flat_shard.copy_(full[self.chunk_start:self.chunk_start + self.chunk].to(self.flat_shard.device))
+
+    def split_full(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """Full-shape views of a padded flat tensor, one per slot."""
+        return [piece.view(s.shape) for piece, s in zip(full.split(self._split_sizes), self.slots)]
 
     def views(self) -> list[torch.Tensor]:
-        """Full-shape views of the unsharded leaf, one per slot (autograd-connected in grad mode)."""
+        """Full-shape views of the unsharded leaf, one per slot (autograd-connected in grad mode).
+
+        In grad mode each view gets a hook that marks its slot used: autograd runs a view's backward only
+        if the view reached the loss, so the marks say which parameters got a gradient (``SlotUsage``).
+        """
         pieces = torch.split(self.leaf, self._split_sizes)
-        return [piece.view(s.shape) for piece, s in zip(pieces, self.slots)]
+        views = [piece.view(s.shape) for piece, s in zip(pieces, self.slots)]
+        if views and views[0].requires_grad:
+            for i, v in enumerate(views):
+                v.register_hook(self.usage.marker(i))
+        return views
 
     # ------------------------------------------------------------- gradients
     def take_unsharded_grad(self) -> Optional[torch.Tensor]:
@@ -209,11 +262,33 @@ class FlatParamHandle:
         return base if base is not None and all(g._base is base for g in grads) else None
 
     def _accumulate_shard_grad(self, reduced: torch.Tensor) -> None:
+        """Add the reduced chunk to ``p.grad`` of every slot; remember which slots had no gradient before
+        (``SlotUsage.restore_none`` puts None back for those no rank used)."""
         reduced = reduced.to(self.shard_device, self.dtype)
         base = self._grad_base()
+        self.usage.had_grad = [s.param.grad is not None for s in self.slots]
         if base is None:
             base = reduced
+            for s, had in zip(self.slots, self.usage.had_grad):
+                if had:      # some slots lost their gradient (unused, or set to None by the user)
+                    base[self.local_slice(s)].add_(s.param.grad.reshape(-1))
         else:
             base.add_(reduced)
         for s in self.slots:
             s.param.grad = base[self.local_slice(s)]
+
+    def reduce_now(self) -> None:
+        """Reduce outside backward order (every rank calls it for the same handles, in the same order):
+        this rank's pending no_sync gradient, or zeros if it has none."""
+        grad = self.take_unsharded_grad()
+        if grad is None:
+            grad = torch.zeros(self.padded, dtype=self.compute_dtype, device=self.device)
+        self.start_reduce(grad)
+        self.finish_reduce()
+
+    def restore_none(self, used_anywhere: list[bool]) -> None:
+        """Slots no rank used and that had no gradient before this reduction get ``p.grad = None`` again."""
+        for s, used, had in zip(self.slots, used_anywhere, self.usage.had_grad):
+            if not used and not had:
+                s.param.grad = None
+

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from ._strategy import ShardScope
 from .errors import ConfigError
 
 _GROUP_CACHE: dict = {}
@@ -30,13 +31,14 @@ class Mesh:
         return self.shard_size * self.replicate_size
 
 
-def build_mesh(strategy: str, device_mesh) -> Mesh:
+def build_mesh(scope: ShardScope, device_mesh) -> Mesh:
+    """The mesh of a strategy's ``ShardScope`` (see ``_strategy.STRATEGIES``)."""
     if not dist.is_initialized():
         return Mesh(1, 0, 1, 0, 1, 0)
     world, rank = dist.get_world_size(), dist.get_rank()
-    if strategy in ("full_shard", "shard_grad_op"):
+    if scope is ShardScope.WORLD:
         return Mesh(world, rank, world, rank, 1, 0, shard_group=dist.group.WORLD, shard_rank_of=tuple(range(world)))
-    if strategy == "no_shard":
+    if scope is ShardScope.NONE:
         return Mesh(world, rank, 1, 0, world, rank, replicate_group=dist.group.WORLD, shard_rank_of=(0,) * world)
     return _hybrid_mesh(world, rank, device_mesh)
 

@@ -12,6 +12,8 @@ from . import _collectives as comm
 from .config import ShardingConfig
 from .errors import CollectiveError
 from ._mesh import Mesh
+from ._states import OrderState, RootPhase
+from ._usage import UsageAgreement
 
 # Reductions left in flight: each holds a unit's full unsharded gradient until it completes, and the next
 # unit's backward compute is enough to hide one reduce-scatter, so only the newest stays pending.
@@ -19,28 +21,42 @@ _MAX_PENDING_REDUCES = 1
 
 
 class RootState:
+    """Model-wide state; ``phase`` (a `RootPhase`) and ``order_state`` (an `OrderState`) move only here."""
+
     def __init__(self, config: ShardingConfig, mesh: Mesh, device: torch.device):
         self.config, self.mesh, self.device = config, mesh, device
         self.units: list = []               # root first, parents before children
         self.no_sync = False
-        self.in_backward = False
-        self._callback_queued = False
+        self.phase = RootPhase.IDLE
         self.exec_order: list = []
-        self._order_frozen = False
+        self.order_state = OrderState.RECORDING
         self._pending: deque = deque()
-        self._in_root_forward = False
-        self.full_params_active = False
+        self._phase_before_full = RootPhase.IDLE
 
     @property
     def root_unit(self):
         return self.units[0]
 
+    @property
+    def in_backward(self) -> bool:
+        return self.phase is RootPhase.BACKWARD
+
+    @property
+    def full_params_active(self) -> bool:
+        return self.phase is RootPhase.FULL_PARAMS
+
+    def enter_full_params(self) -> None:
+        """-> FULL_PARAMS (fp.full_params); ``exit_full_params`` returns to the phase before."""
+        self._phase_before_full, self.phase = self.phase, RootPhase.FULL_PARAMS
+
+    def exit_full_params(self) -> None:
+        self.phase = self._phase_before_full
+
     # ----------------------------------------------------------------- forward
     def before_unit_forward(self, unit, args, kwargs):
         if unit is self.root_unit:
-            self._in_root_forward = True
             args, kwargs = self._cast_inputs(args, kwargs)
-        if not self._order_frozen:
+        if self.order_state is OrderState.RECORDING:
             self._verify_same_unit_everywhere(unit)
             if unit not in self.exec_order:
                 self.exec_order.append(unit)
@@ -69,7 +85,7 @@ class RootState:
         return 1 if self.config.limit_all_gathers else 2
 
     def after_unshard_in_forward(self, unit) -> None:
-        if self.config.forward_prefetch and self._order_frozen and torch.is_grad_enabled():
+        if self.config.forward_prefetch and self.order_state is OrderState.FROZEN and torch.is_grad_enabled():
             for k in range(1, self.prefetch_depth + 1):
                 nxt = self._neighbour(unit, +k)
                 if nxt is not None:
@@ -77,8 +93,7 @@ class RootState:
 
     def after_unit_forward(self, unit) -> None:
         if unit is self.root_unit:
-            self._in_root_forward = False
-            self._order_frozen = True
+            self.order_state = OrderState.FROZEN
 
     def _cast_inputs(self, args, kwargs):
         mp = self.config.mixed_precision
@@ -99,16 +114,16 @@ class RootState:
 
     # ---------------------------------------------------------------- backward
     def on_backward_hook(self) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            self.in_backward = True
+        """IDLE -> BACKWARD at the first engine hook of a backward, queuing the end-of-backward callback."""
+        if self.phase is not RootPhase.BACKWARD:
+            self.phase = RootPhase.BACKWARD
             Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def prefetch_backward(self, unit) -> None:
         if self.config.backward_prefetch:
             for k in range(1, self.prefetch_depth + 1):
                 nxt = self._neighbour(unit, -k)
-                if nxt is not None and not nxt.backward_started:
+                if nxt is not None and not nxt.in_backward:
                     nxt.unshard()
 
     def enqueue_reduce(self, handle, grad: torch.Tensor) -> None:
@@ -118,21 +133,31 @@ class RootState:
             self._pending.popleft().finish_reduce()
 
     def _end_of_backward(self) -> None:
-        while self._pending:
-            self._pending.popleft().finish_reduce()
-        for unit in self.units:
-            unit.reshard()
-            unit.backward_started = False
-            unit.inputs_grad_done = False
-        self.in_backward = False
-        self._callback_queued = False
+        """BACKWARD -> IDLE: finish reductions, reshard every unit, agree on unused parameters (the mask
+        all-reduce is issued first so that it overlaps the last reduction)."""
+        agreement = None if self.no_sync else UsageAgreement(self)
+        try:
+            while self._pending:
+                self._pending.popleft().finish_reduce()
+        finally:
+            for unit in self.units:
+                unit.end_backward()
+            self.phase = RootPhase.IDLE
+        if agreement is not None:
+            agreement.finish()
 
-    def reset_after_error(self) -> None:
-        """Return every unit to the sharded state (used when a step is abandoned)."""
+    def reset(self) -> None:
+        """Abandon the current step (fp.reset): any phase -> IDLE, every unit IDLE and sharded, in-flight
+        collectives finished, unreduced gradients dropped. Raises the first CollectiveError after cleaning up."""
+        error = None
         self._pending.clear()
         for unit in self.units:
-            unit.depth = 0
-            unit.reshard()
-            unit.backward_started = False
-        self.in_backward = False
-        self._callback_queued = False
+            for h in unit.handles:
+                try:
+                    h.abandon_step()
+                except Exception as e:  # noqa: BLE001 - every handle is cleaned; the first error is re-raised
+                    error = error or e
+            unit.end_backward()
+        self.phase = RootPhase.IDLE
+        if error is not None:
+            raise error

@@ -17,6 +17,7 @@ from ._init import Materializer, decide_scatter, model_kind
 from ._init_hf import retie
 from ._mesh import Mesh, build_mesh
 from ._root import RootState
+from ._strategy import STRATEGIES, unit_policy
 from ._unit import Unit
 from ._wrap import owner_unit, parameter_sites, select_unit_modules
 from .config import ShardingConfig
@@ -38,7 +39,7 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
         raise ShardingError(f"submodule {nested[0]!r} is already sharded: shard only the root, once, and choose "
                             "units with auto_wrap_policy")
     cfg = ShardingConfig.from_kwargs(config, **kwargs)
-    mesh = build_mesh(cfg.sharding_strategy, cfg.device_mesh)
+    mesh = build_mesh(STRATEGIES[cfg.sharding_strategy].scope, cfg.device_mesh)
     device = _pick_device(model, cfg)
     _check_reducible(model, cfg)
     if cfg.activation_checkpointing is not None:
@@ -121,10 +122,10 @@ def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: Ro
                 mat.materialize_buffers(buffer_sites[fqn])
             else:
                 _empty_meta_buffers(buffer_sites[fqn], device)
-            handles = [_build_handle(group, sites, names, mesh, cfg, device, mat, scatter, fqn or "<root>")
+            policy = unit_policy(cfg, mesh, fqn, module)
+            handles = [_build_handle(group, sites, names, policy.mesh, cfg, device, mat, scatter, fqn or "<root>")
                        for group in _group_params(owned[fqn]).values()]
-            keep = cfg.sharding_strategy in ("full_shard", "hybrid_shard") and fqn != ""
-            root.units.append(Unit(fqn, module, handles, root, reshard_after_forward=keep))
+            root.units.append(Unit(fqn, module, handles, root, reshard_after_forward=policy.reshard_after_forward))
     finally:
         mat.close()
 

@@ -9,13 +9,14 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ._flat_param import FlatParamHandle
+from ._states import ShardedState, TrainingState
 
 if TYPE_CHECKING:
     from ._root import RootState
 
 
 class Unit:
-    """Runtime state of one FSDP unit.
+    """Runtime state of one FSDP unit; ``state`` (a `TrainingState`) moves only here.
 
     Invariant: outside a unit's forward/backward every handle is sharded and every site registers the
     original ``nn.Parameter``; while unsharded, sites register full-shape views of the handle's leaf.
@@ -25,19 +26,15 @@ class Unit:
                  reshard_after_forward: bool):
         self.fqn, self.module, self.handles, self.root = fqn, module, handles, root
         self.reshard_after_forward = reshard_after_forward
-        self.depth = 0                       # nesting of forward calls (methods calling forward)
-        self.backward_started = False
-        self.inputs_grad_done = False         # gradients w.r.t. the unit's inputs exist (backward is past it)
+        self.state = TrainingState.IDLE
+        self.depth = 0        # nesting of forward calls (methods calling forward, recomputation in backward)
         self._frozen = [h for h in handles if not h.requires_grad]
         self._views_on: set[int] = set()      # ids of handles whose views are registered
-        self._hooks = [
-            module.register_forward_pre_hook(self._nn_pre_forward, with_kwargs=True),
-            module.register_forward_hook(self._nn_post_forward, always_call=True),  # also after an exception
-        ]
+        module.register_forward_pre_hook(self._nn_pre_forward, with_kwargs=True)
+        module.register_forward_hook(self._nn_post_forward, always_call=True)  # also after an exception
         for h in handles:
             if h.requires_grad:
-                self._hooks.append(h.leaf.register_post_accumulate_grad_hook(self._make_post_backward(h)))
-        module._fp_unit = self
+                h.leaf.register_post_accumulate_grad_hook(self._make_post_backward(h))
 
     def __repr__(self):
         return f"Unit({self.fqn or '<root>'}, {sum(h.total for h in self.handles)} params)"
@@ -45,6 +42,10 @@ class Unit:
     @property
     def name(self) -> str:
         return self.fqn or "<root>"
+
+    @property
+    def in_backward(self) -> bool:
+        return self.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
 
     # ------------------------------------------------------------ state moves
     def unshard(self, async_op: bool = True) -> None:
@@ -73,6 +74,21 @@ class Unit:
             for _, module, attr in slot.sites:
                 module._parameters[attr] = t
 
+    def show_full(self, h: FlatParamHandle, full: torch.Tensor) -> None:
+        """Sites of ``h`` register new full-shape parameters viewing ``full`` (fp.full_params)."""
+        self._register(h, [nn.Parameter(v, requires_grad=s.param.requires_grad)
+                           for v, s in zip(h.split_full(full), h.slots)])
+
+    def show_originals(self, h: FlatParamHandle) -> None:
+        """Sites of ``h`` register the original (sharded) parameters again."""
+        self._register(h, [s.param for s in h.slots])
+
+    def end_backward(self) -> None:
+        """Any state -> IDLE, every handle resharded (end of backward, or an abandoned step)."""
+        self.reshard()
+        self.state = TrainingState.IDLE
+        self.depth = 0
+
     # ------------------------------------------------------------------ hooks
     def _nn_pre_forward(self, module, args, kwargs):
         return self.pre_forward(args, kwargs)
@@ -84,6 +100,8 @@ class Unit:
         self.depth += 1
         if self.depth > 1:
             return args, kwargs
+        if not self.in_backward:       # recomputation in backward keeps the backward state
+            self.state = TrainingState.FORWARD
         args, kwargs = self.root.before_unit_forward(self, args, kwargs)
         self.unshard()
         self.wait_and_use_views()
@@ -102,12 +120,13 @@ class Unit:
         return tree_map(lambda t: mapping.get(id(t), t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
 
     def on_inputs_backward(self) -> None:
-        self.inputs_grad_done = True
+        self.state = TrainingState.POST_BACKWARD
         self._maybe_free_frozen()
 
     def _maybe_free_frozen(self) -> None:
-        trainable_busy = any(h.is_unsharded and h.requires_grad and not h._aliases_shard for h in self.handles)
-        if self.inputs_grad_done and not trainable_busy:
+        trainable_busy = any(h.state is ShardedState.UNSHARDED and h.requires_grad and not h._aliases_shard
+                             for h in self.handles)
+        if self.state is TrainingState.POST_BACKWARD and not trainable_busy:
             for h in self._frozen:
                 self._reshard_handle(h)
 
@@ -116,11 +135,13 @@ class Unit:
         if output is None and sys.exc_info()[1] is not None:
             # The forward raised (this hook is always called): no backward will come for it.
             self.reshard()
+            self.state = TrainingState.IDLE
             self.root.after_unit_forward(self)
             return output
         if self.depth > 0 or self.root.in_backward:
             # Nested call, or recomputation under activation checkpointing: backward needs the views.
             return output
+        self.state = TrainingState.IDLE
         grad_on = torch.is_grad_enabled()
         if grad_on:
             self._register_pre_backward(output)
@@ -136,8 +157,8 @@ class Unit:
 
     def _pre_backward(self, grad):
         self.root.on_backward_hook()
-        if not self.backward_started:
-            self.backward_started = True
+        if not self.in_backward:
+            self.state = TrainingState.PRE_BACKWARD
             self.unshard()
             self.wait_and_use_views()
             self.root.prefetch_backward(self)
@@ -148,17 +169,15 @@ class Unit:
             self.root.on_backward_hook()
             if self.root.no_sync:
                 h.accumulate_without_sync()
+                h.usage.close_backward(reducing=False)
             else:
                 grad = h.take_unsharded_grad()
                 if grad is not None:
+                    h.usage.close_backward(reducing=True)
                     self.root.enqueue_reduce(h, grad)
             self._reshard_handle(h)
             self._maybe_free_frozen()
         return post_backward
-
-    def remove_hooks(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
 
 
 class _InputsBackward(torch.autograd.Function):

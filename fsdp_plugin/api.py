@@ -49,36 +49,24 @@ def full_params(model: nn.Module, writeback: bool = True) -> Iterator[None]:
 
     ``model.state_dict()``/``load_state_dict()`` work on full tensors here; with ``writeback`` the full
     values are copied back into the shards on exit (so in-place edits and loads persist).
+    Collective over the shard group (every rank enters it); not inside backward.
     """
     root = _root(model)
     if root.full_params_active:
         yield
         return
-    gathered = [(unit, h, _gather_master(h)) for unit in root.units for h in unit.handles]
+    gathered = [(unit, h, h.gather_master()) for unit in root.units for h in unit.handles]
+    root.enter_full_params()
     for unit, h, full in gathered:
-        pieces = full.split(h._split_sizes)
-        unit._register(h, [nn.Parameter(piece.view(s.shape), requires_grad=s.param.requires_grad)
-                           for piece, s in zip(pieces, h.slots)])
-    root.full_params_active = True
+        unit.show_full(h, full)
     try:
         yield
     finally:
-        root.full_params_active = False
+        root.exit_full_params()
         for unit, h, full in gathered:
             if writeback:
-                h.flat_shard.copy_(full[h.chunk_start:h.chunk_start + h.chunk].to(h.flat_shard.device))
-            unit._register(h, [s.param for s in h.slots])
-
-
-def _gather_master(h) -> torch.Tensor:
-    """All-gather the fp32 master shard into a new padded flat tensor (not the compute buffer)."""
-    full = torch.empty(h.padded, dtype=h.dtype, device=h.device)
-    src = h.flat_shard.to(h.device)
-    if h.mesh.shard_size == 1:
-        full.copy_(src)
-    else:
-        comm.all_gather(full, src, h.mesh.shard_group, kind="state_dict")
-    return full
+                h.write_back(full)
+            unit.show_originals(h)
 
 
 def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict:
@@ -91,7 +79,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict:
     values: dict[int, torch.Tensor] = {}
     for unit in root.units:
         for h in unit.handles:
-            full = _gather_master(h)
+            full = h.gather_master()
             if keep:
                 for s in h.slots:
                     values[id(s.param)] = full[s.offset:s.offset + s.numel].view(s.shape).to("cpu", copy=True)
@@ -108,6 +96,18 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict:
             if b is not None and name not in module._non_persistent_buffers_set:
                 out[pre + name] = b.detach().cpu()
     return out
+
+
+def reset(model: nn.Module) -> None:
+    """Abandon the current step after an exception in forward or backward; the next step runs normally.
+
+    Every unit returns to the sharded idle state, collectives already issued are waited for (every rank
+    issued them), gradients not yet reduced (and ``no_sync`` accumulations) are dropped, and the
+    end-of-backward bookkeeping an interrupted backward never ran is cleared. Gradients already reduced
+    into ``p.grad`` are left: call ``optimizer.zero_grad()`` before the next step. Call it on every rank.
+    Raises `CollectiveError` (after cleaning up) if a collective of the abandoned step failed.
+    """
+    _root(model).reset()
 
 
 def register_forward_method(model: nn.Module, name: str) -> None:

@@ -13,9 +13,10 @@ from typing import Callable, Iterable, Optional, Union
 import torch
 from torch import nn
 
+from ._strategy import STRATEGIES as _STRATEGY_TABLE
 from .errors import ConfigError
 
-STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
+STRATEGIES = tuple(_STRATEGY_TABLE)
 SKIP_INIT = "skip"
 
 WrapPolicy = Union[None, set, frozenset, tuple, list, Callable[[nn.Module], bool]]
@@ -83,6 +84,11 @@ class ShardingConfig:
         in place; None uses a transformers model's own ``_init_weights`` (else each module's
         ``reset_parameters()``); "skip" leaves zero-filled shards and persistent buffers (a checkpoint fills
         them next) but still computes non-persistent buffers, which no checkpoint holds.
+    reshard_after_forward: per-unit override of the strategy's choice to free a unit's full parameters after
+        its forward (all-gathered again in backward): None (full_shard, hybrid_shard: True; shard_grad_op,
+        no_shard: False), a bool for every unit, a set of module classes whose units reshard (others keep
+        them), or ``callable(fqn, module) -> bool`` (e.g. ``lambda fqn, m: fqn != "layers.11"``: keep the last
+        block, whose backward comes first). The root unit never reshards after forward.
     backward_prefetch / forward_prefetch: issue the next unit's all-gather early.
     limit_all_gathers: bound the number of unsharded units alive at once (memory).
     cpu_offload: keep shards, gradients and optimizer state on CPU (a no-op on CPU-only machines).
@@ -106,6 +112,7 @@ class ShardingConfig:
     ignored_modules: Iterable[nn.Module] = field(default_factory=tuple)
     timeout_s: Optional[float] = None
     device: Optional[torch.device] = None
+    reshard_after_forward: Union[None, bool, set, frozenset, tuple, list, Callable[[str, nn.Module], bool]] = None
 
     def __post_init__(self):
         strategy = str(self.sharding_strategy).lower()
@@ -123,6 +130,7 @@ class ShardingConfig:
         if isinstance(self.device_mesh, tuple) and (len(self.device_mesh) != 2 or min(self.device_mesh) < 1):
             raise ConfigError(f"device_mesh={self.device_mesh}: give (replicate, shard) with two positive sizes")
         self.ignored_modules = tuple(self.ignored_modules or ())
+        _check_reshard_rule(self.reshard_after_forward)
         self.device = torch.device(self.device) if self.device is not None else None
 
     @classmethod
@@ -137,3 +145,12 @@ class ShardingConfig:
         if not isinstance(config, ShardingConfig):
             raise ConfigError(f"fp.shard(model, config): config must be a ShardingConfig, not {type(config).__name__}")
         return dataclasses.replace(config, **kwargs)
+
+
+def _check_reshard_rule(rule) -> None:
+    if rule is None or isinstance(rule, bool) or callable(rule) and not isinstance(rule, type):
+        return
+    if isinstance(rule, (set, frozenset, tuple, list)) and all(isinstance(c, type) for c in rule):
+        return
+    raise ConfigError(f"reshard_after_forward={rule!r}: use None (the strategy's default), True/False, a set of "
+                      "module classes whose units reshard, or a callable(fqn, module) -> bool")

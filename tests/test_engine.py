@@ -11,6 +11,7 @@ import fsdp_plugin as fp
 from _dist import run_ranks
 from _parity import assert_close_losses, assert_close_state, make_optimizer, single_process, train
 from models import GPT, Block, gpt_batch
+from fsdp_plugin._states import ShardedState
 
 
 # ---------------------------------------------------------------- model zoo
@@ -336,7 +337,7 @@ def _max_unsharded(rank, world, limit, forward_prefetch):
     seen = []
 
     def count(*_):
-        seen.append(sum(h.is_unsharded or h._gather_work is not None for u in blocks for h in u.handles))
+        seen.append(sum(h.state is not ShardedState.SHARDED for u in blocks for h in u.handles))
     for u in blocks:
         u.module.register_forward_hook(count)
         u.module.register_full_backward_hook(count)

@@ -22,6 +22,10 @@ def unknown_option():
     fp.shard(GPT(), reshard_after_forwards=True)
 
 
+def bad_reshard_after_forward():
+    fp.ShardingConfig(reshard_after_forward="last")
+
+
 def wrap_policy_matches_nothing():
     class Missing(nn.Module):
         pass
@@ -135,7 +139,8 @@ def lightning_torch_checkpoint_not_ours(tmp_path):
     _torch_file.read(tmp_path / "model.ckpt")
 
 
-CASES = [unknown_strategy, unknown_option, wrap_policy_matches_nothing, mesh_not_dividing_world, shard_twice,
+CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_policy_matches_nothing,
+         mesh_not_dividing_world, shard_twice,
          optimizer_stepped_before_shard, dtype_backend_cannot_reduce, plain_state_dict_on_sharded_model,
          not_sharded, meta_module_without_init, transformers_init_leaves_module_unset,
          skip_cannot_fill_nonpersistent_buffer, nonfinite_gradients_with_clipping,

@@ -1,0 +1,63 @@
+"""Sharding strategies as data, and the one place that decides each unit's policy.
+
+A strategy name only selects a row of ``STRATEGIES``: how the mesh is built (``ShardScope``) and the default
+``reshard_after_forward``. ``unit_policy`` turns the config into one `UnitPolicy` per unit, so a per-unit
+override (``ShardingConfig.reshard_after_forward``) is data, not another string comparison.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from ._mesh import Mesh
+    from .config import ShardingConfig
+
+
+class ShardScope(Enum):
+    WORLD = "world"      # one shard group of every rank (ZeRO-3 / ZeRO-2)
+    NONE = "none"        # no sharding: every rank replicates, gradients all-reduced (DDP-like)
+    NODE = "node"        # shard inside a group, replicate across groups (hybrid)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    scope: ShardScope
+    reshard_after_forward: bool      # default for every unit but the root
+
+
+STRATEGIES: dict[str, Strategy] = {
+    "full_shard": Strategy(ShardScope.WORLD, True),
+    "shard_grad_op": Strategy(ShardScope.WORLD, False),
+    "no_shard": Strategy(ShardScope.NONE, False),
+    "hybrid_shard": Strategy(ShardScope.NODE, True),
+}
+
+
+@dataclass(frozen=True)
+class UnitPolicy:
+    """How one unit is sharded: over which mesh, and whether forward frees its full parameters."""
+
+    mesh: "Mesh"
+    reshard_after_forward: bool
+
+
+def unit_policy(cfg: "ShardingConfig", mesh: "Mesh", fqn: str, module: nn.Module) -> UnitPolicy:
+    """The root unit (``fqn == ""``) never reshards after forward: backward needs it first (FSDP2 does the
+    same). Others follow ``cfg.reshard_after_forward`` (None: the strategy's default; a bool; module classes
+    that reshard; or ``callable(fqn, module) -> bool``)."""
+    if fqn == "":
+        return UnitPolicy(mesh, False)
+    rule = cfg.reshard_after_forward
+    if rule is None:
+        value = STRATEGIES[cfg.sharding_strategy].reshard_after_forward
+    elif isinstance(rule, bool):
+        value = rule
+    elif isinstance(rule, (set, frozenset, tuple, list)):
+        value = isinstance(module, tuple(rule))
+    else:
+        value = bool(rule(fqn, module))
+    return UnitPolicy(mesh, value)
