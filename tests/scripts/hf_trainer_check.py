@@ -1,0 +1,149 @@
+"""transformers Trainer / PEFT LoRA on fsdp_plugin, driven by tests/test_hf_trainer.py.
+
+    accelerate launch --config_file CFG tests/scripts/hf_trainer_check.py OUT PHASE [CHECKPOINT]
+    python tests/scripts/hf_trainer_check.py OUT reference        # plain single process, no FSDP
+
+Phases: ``train`` (6 steps, GA 2, clipping, gradient checkpointing, save_steps 3, save_model, then a second
+Trainer resuming from checkpoint-3), ``resume`` (from CHECKPOINT), ``lora`` (PEFT LoRA: adapter-only
+training and saves), ``bf16``, ``reference`` (all of the above that need a plain single-process twin).
+Each writes ``OUT/<phase>_rank<r>.json``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+import fsdp_plugin.integrations.transformers  # noqa: F401  the one-line change
+
+import fsdp_plugin as fp
+
+GLOBAL_BATCH, SEQ, SAMPLES, STEPS = 4, 16, 48, 6
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                      attention_dropout=0.0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg)
+
+
+def dataset():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (SAMPLES, SEQ), generator=g)
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def args(out: str, **kw):
+    from transformers import TrainingArguments
+
+    base = dict(output_dir=out, per_device_train_batch_size=GLOBAL_BATCH // world(), gradient_accumulation_steps=2,
+                max_steps=STEPS, learning_rate=1e-2, max_grad_norm=0.05, weight_decay=0.01, logging_steps=1,
+                save_strategy="steps", save_steps=3, seed=0, report_to=[], disable_tqdm=True,
+                gradient_checkpointing=False, use_cpu=True)
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def trainer(model, out: str, **kw):
+    from transformers import Trainer
+
+    return Trainer(model=model, args=args(out, **kw), train_dataset=dataset())
+
+
+def history(tr) -> dict:
+    logs = [h for h in tr.state.log_history if "loss" in h]
+    return {"loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs],
+            "lr": [h["learning_rate"] for h in logs], "step": [h["step"] for h in logs]}
+
+
+def numels(model) -> dict:
+    return {"local": sum(p.numel() for p in model.parameters()),
+            "full": sum(p.numel() for p in tiny_llama().parameters()), "sharded": fp.is_sharded(model)}
+
+
+def phase_train(out: str) -> dict:
+    tr = trainer(tiny_llama(), out)
+    tr.train()
+    tr.save_model(os.path.join(out, "final"))
+    rep = {"hist": history(tr), "numel": numels(tr.model), "engine": bool(tr.accelerator._fp_active),
+           "ckpt3": sorted(os.listdir(os.path.join(out, "checkpoint-3")))}
+    tr2 = trainer(tiny_llama(), os.path.join(out, "resumed"))
+    tr2.train(resume_from_checkpoint=os.path.join(out, "checkpoint-3"))
+    rep["resumed"] = history(tr2)
+    return rep
+
+
+def phase_resume(out: str, checkpoint: str) -> dict:
+    tr = trainer(tiny_llama(), out)
+    tr.train(resume_from_checkpoint=checkpoint)
+    return {"resumed": history(tr), "engine": bool(tr.accelerator._fp_active)}
+
+
+def lora_model():
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(tiny_llama(), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                   target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+
+
+def phase_lora(out: str) -> dict:
+    model = lora_model()
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    tr = trainer(model, out, max_steps=4, save_steps=4, gradient_checkpointing=False)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    tr.train()
+    frozen_same = all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters() if n in before)
+    no_frozen_grad = all(p.grad is None for p in model.parameters() if not p.requires_grad)
+    opt_params = {id(p) for g in tr.optimizer.param_groups for p in g["params"]}
+    only_adapter_in_opt = opt_params == {id(p) for n, p in model.named_parameters() if n in trainable}
+    model.save_pretrained(os.path.join(out, "adapter"))        # collective on a sharded PEFT model
+    tr.save_model(os.path.join(out, "trainer_adapter"))
+    return {"hist": history(tr), "frozen_same": frozen_same, "no_frozen_grad": no_frozen_grad,
+            "only_adapter_in_opt": only_adapter_in_opt, "engine": bool(tr.accelerator._fp_active),
+            "sharded": fp.is_sharded(model), "files": sorted(os.listdir(os.path.join(out, "adapter"))),
+            "trainer_files": sorted(os.listdir(os.path.join(out, "trainer_adapter")))}
+
+
+def phase_bf16(out: str) -> dict:
+    tr = trainer(tiny_llama(), out, bf16=True, max_steps=2, save_strategy="no")
+    tr.train()
+    dtypes = sorted({str(p.dtype) for p in tr.model.parameters()})
+    return {"hist": history(tr), "engine": bool(tr.accelerator._fp_active), "param_dtypes": dtypes,
+            "mixed_precision": tr.accelerator.state.mixed_precision}
+
+
+def phase_reference(out: str) -> dict:
+    """Plain single-process twins (no process group, stock Trainer path)."""
+    tr = trainer(tiny_llama(), os.path.join(out, "full"), save_strategy="no")
+    tr.train()
+    tr.model.save_pretrained(os.path.join(out, "ref_final"))
+    lora = trainer(lora_model(), os.path.join(out, "lora"), max_steps=4, save_strategy="no",
+                   gradient_checkpointing=False)
+    lora.train()
+    lora.model.save_pretrained(os.path.join(out, "ref_adapter"))
+    return {"hist": history(tr), "lora": history(lora), "engine": bool(getattr(tr.accelerator, "_fp_active", 0))}
+
+
+def main() -> None:
+    out, phase = sys.argv[1], sys.argv[2]
+    rep = {"train": lambda: phase_train(out), "resume": lambda: phase_resume(out, sys.argv[3]),
+           "lora": lambda: phase_lora(out), "bf16": lambda: phase_bf16(out),
+           "reference": lambda: phase_reference(out)}[phase]()
+    rank = int(os.environ.get("RANK", "0"))
+    with open(os.path.join(out, f"{phase}_rank{rank}.json"), "w") as f:
+        json.dump(rep, f)
+    print("HF_TRAINER_CHECK_DONE", flush=True)
+
+
+if __name__ == "__main__":
+    main()
