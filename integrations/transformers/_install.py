@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from . import _trainer
+from . import _save_pretrained, _trainer
 
 _ORIGINALS: dict[str, Callable] = {}
 _MODULE_ACCELERATOR: list = []
@@ -49,6 +49,7 @@ def install() -> None:
         setattr(cls, name, _bind(stock, replacement))
     _MODULE_ACCELERATOR.append(trainer_module.Accelerator)
     trainer_module.Accelerator = Accelerator
+    _save_pretrained.install()
 
 
 def uninstall() -> None:
@@ -60,6 +61,7 @@ def uninstall() -> None:
     _ORIGINALS.clear()
     if _MODULE_ACCELERATOR:
         trainer_module.Accelerator = _MODULE_ACCELERATOR.pop()
+    _save_pretrained.uninstall()
 
 
 def is_installed() -> bool:

@@ -49,7 +49,7 @@ def args(out: str, **kw):
     base = dict(output_dir=out, per_device_train_batch_size=GLOBAL_BATCH // world(), gradient_accumulation_steps=2,
                 max_steps=STEPS, learning_rate=1e-2, max_grad_norm=0.05, weight_decay=0.01, logging_steps=1,
                 save_strategy="steps", save_steps=3, seed=0, report_to=[], disable_tqdm=True,
-                gradient_checkpointing=False, use_cpu=True)
+                gradient_checkpointing=True, use_cpu=True)
     base.update(kw)
     return TrainingArguments(**base)
 
@@ -75,8 +75,15 @@ def phase_train(out: str) -> dict:
     tr = trainer(tiny_llama(), out)
     tr.train()
     tr.save_model(os.path.join(out, "final"))
+    full = fp.full_state_dict(tr.model)  # collective
+    exact = None
+    if full:
+        from transformers import LlamaForCausalLM
+
+        loaded = LlamaForCausalLM.from_pretrained(os.path.join(out, "final")).state_dict()
+        exact = sorted(loaded) == sorted(full) and all(torch.equal(loaded[k], v) for k, v in full.items())
     rep = {"hist": history(tr), "numel": numels(tr.model), "engine": bool(tr.accelerator._fp_active),
-           "ckpt3": sorted(os.listdir(os.path.join(out, "checkpoint-3")))}
+           "final_exact": exact, "ckpt3": sorted(os.listdir(os.path.join(out, "checkpoint-3")))}
     tr2 = trainer(tiny_llama(), os.path.join(out, "resumed"))
     tr2.train(resume_from_checkpoint=os.path.join(out, "checkpoint-3"))
     rep["resumed"] = history(tr2)
@@ -102,7 +109,8 @@ def phase_lora(out: str) -> dict:
     tr = trainer(model, out, max_steps=4, save_steps=4, gradient_checkpointing=False)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     tr.train()
-    frozen_same = all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters() if n in before)
+    full = fp.full_state_dict(model)  # collective; rank 0 holds the full tensors
+    frozen_same = all(torch.equal(full[n], t) for n, t in before.items()) if full else None
     no_frozen_grad = all(p.grad is None for p in model.parameters() if not p.requires_grad)
     opt_params = {id(p) for g in tr.optimizer.param_groups for p in g["params"]}
     only_adapter_in_opt = opt_params == {id(p) for n, p in model.named_parameters() if n in trainable}
