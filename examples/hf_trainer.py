@@ -49,6 +49,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    import fsdp_plugin
-
     main()

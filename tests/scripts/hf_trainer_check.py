@@ -104,9 +104,11 @@ def lora_model():
 
 
 def phase_lora(out: str) -> dict:
+    """Launched by torchrun: FSDP selected in TrainingArguments (transformers' default FULL_STATE_DICT)."""
     model = lora_model()
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    tr = trainer(model, out, max_steps=4, save_steps=4, gradient_checkpointing=False)
+    tr = trainer(model, out, max_steps=4, save_steps=4, gradient_checkpointing=False, fsdp=True,
+                 fsdp_config={"state_dict_type": "FULL_STATE_DICT"})
     before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     tr.train()
     full = fp.full_state_dict(model)  # collective; rank 0 holds the full tensors
@@ -119,7 +121,8 @@ def phase_lora(out: str) -> dict:
     return {"hist": history(tr), "frozen_same": frozen_same, "no_frozen_grad": no_frozen_grad,
             "only_adapter_in_opt": only_adapter_in_opt, "engine": bool(tr.accelerator._fp_active),
             "sharded": fp.is_sharded(model), "files": sorted(os.listdir(os.path.join(out, "adapter"))),
-            "trainer_files": sorted(os.listdir(os.path.join(out, "trainer_adapter")))}
+            "trainer_files": sorted(os.listdir(os.path.join(out, "trainer_adapter"))),
+            "ckpt4": sorted(os.listdir(os.path.join(out, "checkpoint-4")))}
 
 
 def phase_bf16(out: str) -> dict:
