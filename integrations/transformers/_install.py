@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from . import _save_pretrained, _trainer
+from . import _loading, _save_pretrained, _trainer
 
 _ORIGINALS: dict[str, Callable] = {}
 _MODULE_ACCELERATOR: list = []
@@ -50,6 +50,7 @@ def install() -> None:
     _MODULE_ACCELERATOR.append(trainer_module.Accelerator)
     trainer_module.Accelerator = Accelerator
     _save_pretrained.install()
+    _loading.install()
 
 
 def uninstall() -> None:
@@ -62,6 +63,7 @@ def uninstall() -> None:
     if _MODULE_ACCELERATOR:
         trainer_module.Accelerator = _MODULE_ACCELERATOR.pop()
     _save_pretrained.uninstall()
+    _loading.uninstall()
 
 
 def is_installed() -> bool:
