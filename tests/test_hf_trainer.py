@@ -136,3 +136,15 @@ def test_example_hf_trainer_sft_bf16(tmp_path):
     assert (tmp_path / "checkpoint-3" / "fsdp_plugin_state" / "manifest.json").is_file()
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_example_peft_lora(tmp_path):
+    """examples/peft_lora.py: sharded LoRA with Trainer, adapter-only save, merge after consolidation."""
+    out = accelerate(ROOT / "examples" / "peft_lora.py", ["--out", tmp_path, "--max-steps", "4"])
+    assert "sharded=True" in out and "frozen_grads=0" in out
+    from safetensors.torch import load_file
+
+    assert all("lora_" in k for k in load_file(tmp_path / "adapter" / "adapter_model.safetensors"))
+    diff = float(out.split("max |logits merged - adapter| = ")[1].split()[0])
+    assert diff <= 1e-5 and (tmp_path / "merged" / "model.safetensors").is_file()
