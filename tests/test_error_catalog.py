@@ -89,10 +89,22 @@ def checkpoint_from_another_architecture(tmp_path):
     fp.load_checkpoint(str(tmp_path / "ckpt"), fp.shard(nn.Sequential(nn.Linear(3, 4))))
 
 
+def trainer_resume_from_foreign_folder(tmp_path):
+    import pytest
+
+    pytest.importorskip("transformers")
+    import fsdp_plugin.integrations.transformers as hf
+
+    hf.uninstall()  # importing it patched transformers.Trainer in this process; only the loader is needed
+    from fsdp_plugin.integrations.transformers import _checkpoint
+
+    _checkpoint.load(None, str(tmp_path))
+
+
 CASES = [unknown_strategy, unknown_option, wrap_policy_matches_nothing, mesh_not_dividing_world, shard_twice,
          optimizer_stepped_before_shard, dtype_backend_cannot_reduce, plain_state_dict_on_sharded_model,
          not_sharded, meta_module_without_init, nonfinite_gradients_with_clipping,
-         checkpoint_from_another_architecture]
+         checkpoint_from_another_architecture, trainer_resume_from_foreign_folder]
 
 
 def _capture(case, tmp_path):
