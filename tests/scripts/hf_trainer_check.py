@@ -4,8 +4,9 @@
     python tests/scripts/hf_trainer_check.py OUT reference        # plain single process, no FSDP
 
 Phases: ``train`` (6 steps, GA 2, clipping, gradient checkpointing, save_steps 3, save_model, then a second
-Trainer resuming from checkpoint-3), ``resume`` (from CHECKPOINT), ``lora`` (PEFT LoRA: adapter-only
-training and saves), ``bf16``, ``reference`` (all of the above that need a plain single-process twin).
+Trainer resuming from checkpoint-3), ``resume`` (from CHECKPOINT), ``lora`` (PEFT LoRA under torchrun with
+FSDP set in TrainingArguments: adapter-only training and saves), ``reference`` (the plain single-process
+twins of ``train`` and ``lora``; bf16 is exercised by examples/hf_trainer.py).
 Each writes ``OUT/<phase>_rank<r>.json``.
 """
 from __future__ import annotations
@@ -125,14 +126,6 @@ def phase_lora(out: str) -> dict:
             "ckpt4": sorted(os.listdir(os.path.join(out, "checkpoint-4")))}
 
 
-def phase_bf16(out: str) -> dict:
-    tr = trainer(tiny_llama(), out, bf16=True, max_steps=2, save_strategy="no")
-    tr.train()
-    dtypes = sorted({str(p.dtype) for p in tr.model.parameters()})
-    return {"hist": history(tr), "engine": bool(tr.accelerator._fp_active), "param_dtypes": dtypes,
-            "mixed_precision": tr.accelerator.state.mixed_precision}
-
-
 def phase_reference(out: str) -> dict:
     """Plain single-process twins (no process group, stock Trainer path)."""
     tr = trainer(tiny_llama(), os.path.join(out, "full"), save_strategy="no")
@@ -148,7 +141,7 @@ def phase_reference(out: str) -> dict:
 def main() -> None:
     out, phase = sys.argv[1], sys.argv[2]
     rep = {"train": lambda: phase_train(out), "resume": lambda: phase_resume(out, sys.argv[3]),
-           "lora": lambda: phase_lora(out), "bf16": lambda: phase_bf16(out),
+           "lora": lambda: phase_lora(out),
            "reference": lambda: phase_reference(out)}[phase]()
     rank = int(os.environ.get("RANK", "0"))
     with open(os.path.join(out, f"{phase}_rank{rank}.json"), "w") as f:
