@@ -1,5 +1,6 @@
 """``fsdp_cpu_ram_efficient_loading``: with the transformers integration, ``from_pretrained`` reads weights
-on rank 0 only; the other ranks build on meta, and sharding scatters rank 0's values (buffers too)."""
+on rank 0 only; the other ranks build on meta, and sharding scatters rank 0's values (buffers too).
+``save_pretrained`` on the sharded model (collective) writes what ``from_pretrained`` reads back exactly."""
 from __future__ import annotations
 
 import pytest
@@ -33,6 +34,7 @@ def _ranks(rank, world, path):
     ids = torch.arange(16).reshape(1, 16)
     with torch.no_grad():
         logits = model(input_ids=ids).logits
+    model.save_pretrained(path + "-resaved")  # collective on a sharded model; rank 0 writes
     return on_meta, has_map, {k: v.clone() for k, v in fp.full_state_dict(model).items()}, logits
 
 
@@ -44,6 +46,10 @@ def test_only_rank0_reads_weights_and_scatter_restores_them(tmp_path):
     got = res[0][2]
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     assert torch.equal(res[0][3], res[1][3])  # same outputs on both ranks (rotary buffers included)
+    from transformers import LlamaForCausalLM
+
+    resaved = LlamaForCausalLM.from_pretrained(tmp_path / "pre-resaved").state_dict()
+    assert sorted(resaved) == sorted(want) and all(torch.equal(resaved[k], want[k]) for k in want)
 
 
 def test_flag_off_or_rank0_or_single_process_loads_normally():
