@@ -65,7 +65,8 @@ def ref(tmp_path_factory) -> Path:
 
 def test_trainer_sharded_parity_checkpoints_resume(ref, tmp_path):
     """accelerate config route, 2 processes: sharded, per-step parity (GA 2, clipping, gradient
-    checkpointing), sharded checkpoints, resume at 2 and at 1 process, save_model → from_pretrained."""
+    checkpointing), sharded checkpoints, resume at 2 and at 1 process (with evaluation and
+    load_best_model_at_end), save_model → from_pretrained."""
     from transformers import LlamaForCausalLM
 
     accelerate(SCRIPT, [tmp_path, "train"])
@@ -92,6 +93,8 @@ def test_trainer_sharded_parity_checkpoints_resume(ref, tmp_path):
     r = report(one, "resume")
     assert r["engine"]
     close(after(r["resumed"], 3), r0["hist"]["loss"][3:])  # resumed at 1 process
+    assert r["best"] == "checkpoint-6"  # load_best_model_at_end reloaded it from the sharded state
+    assert abs(r["eval_after_best"] - r["evals"][-1]) <= TOL
 
 
 def test_peft_lora_sharded(ref, tmp_path):

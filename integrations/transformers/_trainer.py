@@ -15,6 +15,7 @@ provide the sharding-aware behaviour instead:
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import fsdp_plugin as fp
@@ -64,6 +65,7 @@ def save_model(stock, self, output_dir: str | None = None, _internal_call: bool 
         return stock(self, output_dir, _internal_call)
     output_dir = output_dir if output_dir is not None else self.args.output_dir
     if _internal_call and not (_full_state_dict_type(self) or self.args.save_only_model):
+        os.makedirs(output_dir, exist_ok=True)  # the Trainer looks for the folder (best checkpoint) right after
         return None
     state_dict = fp.full_state_dict(self.model)  # collective: the main process gets everything, others {}
     self._save(output_dir, state_dict=state_dict)

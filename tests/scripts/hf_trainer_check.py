@@ -55,10 +55,10 @@ def args(out: str, **kw):
     return TrainingArguments(**base)
 
 
-def trainer(model, out: str, **kw):
+def trainer(model, out: str, eval_dataset=None, **kw):
     from transformers import Trainer
 
-    return Trainer(model=model, args=args(out, **kw), train_dataset=dataset())
+    return Trainer(model=model, args=args(out, **kw), train_dataset=dataset(), eval_dataset=eval_dataset)
 
 
 def history(tr) -> dict:
@@ -92,9 +92,13 @@ def phase_train(out: str) -> dict:
 
 
 def phase_resume(out: str, checkpoint: str) -> dict:
-    tr = trainer(tiny_llama(), out)
+    """Also evaluates at each save and reloads the best checkpoint at the end (no training after it)."""
+    tr = trainer(tiny_llama(), out, eval_dataset=dataset()[:8], eval_strategy="steps", eval_steps=3,
+                 load_best_model_at_end=True, metric_for_best_model="loss")
     tr.train(resume_from_checkpoint=checkpoint)
-    return {"resumed": history(tr), "engine": bool(tr.accelerator._fp_active)}
+    evals = [h["eval_loss"] for h in tr.state.log_history if "eval_loss" in h]
+    return {"resumed": history(tr), "engine": bool(tr.accelerator._fp_active), "evals": evals,
+            "best": os.path.basename(tr.state.best_model_checkpoint or ""), "eval_after_best": tr.evaluate()["eval_loss"]}
 
 
 def lora_model():
