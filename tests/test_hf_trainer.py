@@ -111,6 +111,7 @@ def test_peft_lora_sharded(ref, tmp_path):
     assert {"adapter_model.safetensors", "adapter_config.json"} <= set(r["files"]) <= set(r["trainer_files"])
     assert not {"model.safetensors", "pytorch_model.bin"} & set(r["files"] + r["trainer_files"])
     assert {"fsdp_plugin_state", "adapter_model.safetensors"} <= set(r["ckpt4"])  # FULL_STATE_DICT adds HF files
+    assert r["ckpt4_optimizers"] == 0 and "optimizer.pt" not in r["ckpt4"]  # save_only_model: weights only
     from safetensors.torch import load_file
 
     keys = load_file(tmp_path / "adapter" / "adapter_model.safetensors").keys()

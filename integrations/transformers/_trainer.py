@@ -58,13 +58,15 @@ def move_model_to_device(stock, self, model, device) -> None:
 def save_model(stock, self, output_dir: str | None = None, _internal_call: bool = False) -> None:
     """Collective. Hugging Face safetensors + config from the main process (adapter only for PEFT).
 
-    Inside checkpoints (``_internal_call``) the weights are written this way only for
-    ``FULL_STATE_DICT`` or ``save_only_model``; otherwise the sharded state holds them.
+    Inside checkpoints (``_internal_call``) the weights are written this way only for ``FULL_STATE_DICT``;
+    the sharded state holds them (written here, model only, for ``save_only_model``).
     """
     if not active(self):
         return stock(self, output_dir, _internal_call)
     output_dir = output_dir if output_dir is not None else self.args.output_dir
-    if _internal_call and not (_full_state_dict_type(self) or self.args.save_only_model):
+    if _internal_call and self.args.save_only_model:  # no optimizer save follows: the weights go here
+        ckpt.save(self, output_dir, with_optimizer=False)
+    if _internal_call and not _full_state_dict_type(self):
         os.makedirs(output_dir, exist_ok=True)  # the Trainer looks for the folder (best checkpoint) right after
         return None
     state_dict = fp.full_state_dict(self.model)  # collective: the main process gets everything, others {}

@@ -109,11 +109,11 @@ def lora_model():
 
 
 def phase_lora(out: str) -> dict:
-    """Launched by torchrun: FSDP selected in TrainingArguments (transformers' default FULL_STATE_DICT)."""
+    """Launched by torchrun: FSDP selected in TrainingArguments (FULL_STATE_DICT, save_only_model)."""
     model = lora_model()
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     tr = trainer(model, out, max_steps=4, save_steps=4, gradient_checkpointing=False, fsdp=True,
-                 fsdp_config={"state_dict_type": "FULL_STATE_DICT"})
+                 fsdp_config={"state_dict_type": "FULL_STATE_DICT"}, save_only_model=True)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     tr.train()
     full = fp.full_state_dict(model)  # collective; rank 0 holds the full tensors
@@ -127,7 +127,9 @@ def phase_lora(out: str) -> dict:
             "only_adapter_in_opt": only_adapter_in_opt, "engine": bool(tr.accelerator._fp_active),
             "sharded": fp.is_sharded(model), "files": sorted(os.listdir(os.path.join(out, "adapter"))),
             "trainer_files": sorted(os.listdir(os.path.join(out, "trainer_adapter"))),
-            "ckpt4": sorted(os.listdir(os.path.join(out, "checkpoint-4")))}
+            "ckpt4": sorted(os.listdir(os.path.join(out, "checkpoint-4"))),
+            "ckpt4_optimizers": len(json.load(open(os.path.join(out, "checkpoint-4", "fsdp_plugin_state",
+                                                               "manifest.json"))).get("optimizers") or [])}
 
 
 def phase_reference(out: str) -> dict:
