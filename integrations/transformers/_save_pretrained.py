@@ -20,16 +20,17 @@ def _wrap(stock: Callable) -> Callable:
     def save_pretrained(self, save_directory, *args, **kwargs):
         if kwargs.get("state_dict") is not None or not fp.is_sharded(self):
             return stock(self, save_directory, *args, **kwargs)
-        import torch.distributed as dist
+        from fsdp_plugin.checkpoint import _comm
 
         state_dict = fp.full_state_dict(self)  # collective: rank 0 gets every tensor, other ranks {}
-        if dist.is_initialized() and dist.get_rank() != 0:
-            dist.barrier()
-            return None
-        result = stock(self, save_directory, *args, **{**kwargs, "state_dict": state_dict,
-                                                       "is_main_process": True})
-        if dist.is_initialized():
-            dist.barrier()  # the files exist on every rank's return
+        result, err = None, None
+        if _comm.rank() == 0:
+            try:
+                result = stock(self, save_directory, *args, **{**kwargs, "state_dict": state_dict,
+                                                               "is_main_process": True})
+            except Exception as e:  # noqa: BLE001 - re-raised on every rank below, so none waits forever
+                err = e
+        _comm.raise_if_any_failed(err)  # collective: also the barrier after which the files exist
         return result
 
     save_pretrained.__fsdp_plugin__ = True

@@ -69,9 +69,15 @@ def save_model(stock, self, output_dir: str | None = None, _internal_call: bool 
     if _internal_call and not _full_state_dict_type(self):
         os.makedirs(output_dir, exist_ok=True)  # the Trainer looks for the folder (best checkpoint) right after
         return None
+    from fsdp_plugin.checkpoint import _comm
+
     state_dict = fp.full_state_dict(self.model)  # collective: the main process gets everything, others {}
-    self._save(output_dir, state_dict=state_dict)
-    self.accelerator.wait_for_everyone()
+    err = None
+    try:
+        self._save(output_dir, state_dict=state_dict)  # writes on the main process only
+    except Exception as e:  # noqa: BLE001 - re-raised on every rank below, so none waits forever
+        err = e
+    _comm.raise_if_any_failed(err)  # collective, and the barrier after which the files exist
     if self.args.push_to_hub and not _internal_call:
         self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
     return None
