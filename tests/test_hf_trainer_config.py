@@ -10,12 +10,18 @@ from fsdp_plugin.integrations.accelerate import settings_from_plugin
 
 @pytest.fixture(autouse=True)
 def restore_env(monkeypatch):
-    """TrainingArguments and the plugin write FSDP_* / ACCELERATE_* variables: restore them afterwards."""
+    """TrainingArguments and the plugin write FSDP_* / ACCELERATE_* variables and accelerate's singletons:
+    restore them afterwards."""
     for name in ("FSDP_CPU_RAM_EFFICIENT_LOADING", "ACCELERATE_USE_FSDP", "FSDP_STATE_DICT_TYPE",
                  "FSDP_AUTO_WRAP_POLICY", "FSDP_TRANSFORMER_CLS_TO_WRAP", "FSDP_SYNC_MODULE_STATES",
                  "FSDP_ACTIVATION_CHECKPOINTING", "FSDP_RESHARD_AFTER_FORWARD", "FSDP_OFFLOAD_PARAMS"):
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)  # TrainingArguments initialized accelerate's process state singletons
+    GradientState._reset_state()
 
 
 def settings_for(tmp_path, **fsdp_config):
