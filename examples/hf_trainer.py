@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 
-import fsdp_plugin.integrations.transformers  # noqa: F401  the one-line change: Trainer → fsdp_plugin
+import fsdp_plugin.integrations.transformers  # the one-line change: Trainer (and subclasses) → fsdp_plugin
 from _tiny_hf import text_dataset, tiny_llama, tokenizer
 from trl import SFTConfig, SFTTrainer
 

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-import fsdp_plugin.integrations.transformers  # noqa: F401  the one-line change: Trainer → fsdp_plugin
+import fsdp_plugin.integrations.transformers  # the one-line change: Trainer (and subclasses) → fsdp_plugin
 from _tiny_hf import text_dataset, tiny_llama, tokenizer
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, Trainer, TrainingArguments

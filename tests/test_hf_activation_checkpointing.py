@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _dist import run_ranks
 
 import fsdp_plugin as fp
-from _dist import run_ranks
 
 pytest.importorskip("transformers")
 

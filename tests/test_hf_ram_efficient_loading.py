@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _dist import run_ranks
 
 import fsdp_plugin as fp
-from _dist import run_ranks
 
 pytest.importorskip("transformers")
 
@@ -24,8 +24,9 @@ def _save_tiny(path) -> dict:
 
 
 def _ranks(rank, world, path):
-    import fsdp_plugin.integrations.transformers  # noqa: F401
     from transformers import LlamaForCausalLM
+
+    import fsdp_plugin.integrations.transformers  # noqa: F401
 
     model = LlamaForCausalLM.from_pretrained(path)
     on_meta = all(p.is_meta for p in model.parameters())
@@ -54,7 +55,9 @@ def test_only_rank0_reads_weights_and_scatter_restores_them(tmp_path):
 
 def test_flag_off_or_rank0_or_single_process_loads_normally():
     import fsdp_plugin.integrations.transformers as integration
-    from fsdp_plugin.integrations.transformers._loading import ram_efficient_loading_requested as req
+    from fsdp_plugin.integrations.transformers._loading import (
+        ram_efficient_loading_requested as req,
+    )
 
     integration.uninstall()  # importing installed the patches in this (pytest) process: undo
     assert not integration.is_installed()

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _launch import run, torchrun
 
 pytest.importorskip("transformers")

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-import fsdp_plugin.integrations.transformers  # noqa: F401  the one-line change
+import fsdp_plugin.integrations.transformers  # the one-line change
 
 import fsdp_plugin as fp
 
