@@ -160,7 +160,8 @@ class Unit:
         if not self.in_backward:
             self.state = TrainingState.PRE_BACKWARD
             self.unshard()
-            self.wait_and_use_views()
+            with torch.enable_grad():  # backward hooks run in no-grad mode; activation-checkpoint recomputation
+                self.wait_and_use_views()  # of a non-unit submodule reads these views and needs them connected
             self.root.prefetch_backward(self)
         return grad
 

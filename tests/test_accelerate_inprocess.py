@@ -132,3 +132,21 @@ def test_automatic_checkpoint_naming_and_total_limit(tmp_path):
         acc.save_state()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["checkpoint_1", "checkpoint_2"]
     acc.load_state()  # the newest
+
+
+def test_full_state_dict_type_also_writes_full_hf_weights(tmp_path):
+    """fsdp_state_dict_type FULL_STATE_DICT: save_state adds the full weights as HF safetensors."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from safetensors.torch import load_file
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, cpu_ram_efficient_loading=False,
+                                            state_dict_type="FULL_STATE_DICT")
+    acc = Accelerator(fsdp_plugin=plugin)
+    assert acc.fsdp_settings.state_dict_type == "full"
+    model = acc.prepare(net())
+    acc.save_state(tmp_path / "s")
+    full = load_file(tmp_path / "s" / "full_model_0" / "model.safetensors")
+    want = fp.full_state_dict(model)
+    assert sorted(full) == sorted(want) and all(torch.equal(full[k], want[k]) for k in want)
+    assert (tmp_path / "s" / "model_0" / "manifest.json").is_file()  # load_state resumes from the sharded state
+    acc.load_state(tmp_path / "s")

@@ -139,13 +139,25 @@ def lightning_torch_checkpoint_not_ours(tmp_path):
     _torch_file.read(tmp_path / "model.ckpt")
 
 
+def trainer_resume_from_foreign_folder(tmp_path):
+    import pytest
+
+    pytest.importorskip("transformers")
+    import fsdp_plugin.integrations.transformers as hf
+
+    hf.uninstall()  # importing it patched transformers.Trainer in this process; only the loader is needed
+    from fsdp_plugin.integrations.transformers import _checkpoint
+
+    _checkpoint.load(None, str(tmp_path))
+
+
 CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_policy_matches_nothing,
          mesh_not_dividing_world, shard_twice,
          optimizer_stepped_before_shard, dtype_backend_cannot_reduce, plain_state_dict_on_sharded_model,
          not_sharded, meta_module_without_init, transformers_init_leaves_module_unset,
          skip_cannot_fill_nonpersistent_buffer, nonfinite_gradients_with_clipping,
          checkpoint_from_another_architecture, lightning_fsdp_option_without_equivalent,
-         lightning_torch_checkpoint_not_ours]
+         lightning_torch_checkpoint_not_ours, trainer_resume_from_foreign_folder]
 
 
 def _capture(case, tmp_path):

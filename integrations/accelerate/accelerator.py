@@ -62,6 +62,8 @@ class Accelerator(accelerate.Accelerator):
             self._fp_settings.mixed_precision = parse_mixed_precision(self.state.mixed_precision, "mixed_precision")
         if plugin_given:
             os.environ["ACCELERATE_USE_FSDP"] = "true"  # transformers' low-RAM loading reads it
+        if self._fp_settings is not None and self._fp_settings.cpu_ram_efficient_loading:
+            _enable_ram_efficient_loading()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() != self.num_processes:
             raise RuntimeError(f"accelerate sees {self.num_processes} process(es) but the process group has "
                                f"{dist.get_world_size()}: launch with `accelerate launch` (or torchrun) and the "
@@ -178,7 +180,11 @@ class Accelerator(accelerate.Accelerator):
         save_pretrained(self.unwrap_model(model), os.fspath(save_directory), max_shard_size=max_shard_size)
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs):
-        """Collective: models + optimizers in fsdp_plugin's sharded format, the rest as JSON/safetensors."""
+        """Collective: models + optimizers in fsdp_plugin's sharded format, the rest as JSON/safetensors.
+
+        With ``fsdp_state_dict_type: FULL_STATE_DICT`` each model's full weights are also written as
+        Hugging Face safetensors in ``full_model_<i>/``; ``load_state`` always resumes from the sharded
+        state (it holds the optimizer too, and loads at any process count)."""
         if not self._fp_active:
             return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
         output_dir = state_dirs.output_dir(self, output_dir)
@@ -187,6 +193,8 @@ class Accelerator(accelerate.Accelerator):
         for hook in self._save_model_state_pre_hook.values():
             hook(self._models, [], output_dir)
         state_io.save_models(output_dir, self._models, self._optimizers)
+        if self._fp_settings is not None and self._fp_settings.state_dict_type == "full":
+            state_io.save_full_models(output_dir, self._models)
         state_io.save_small_state(output_dir, self)
         self.wait_for_everyone()
         self.project_configuration.iteration += 1
@@ -202,6 +210,16 @@ class Accelerator(accelerate.Accelerator):
         state_io.load_models(input_dir, self._models, self._optimizers)
         state_io.load_small_state(input_dir, self)
         self.wait_for_everyone()
+
+
+def _enable_ram_efficient_loading() -> None:
+    """``fsdp_cpu_ram_efficient_loading``: later ``from_pretrained`` calls read weights on rank 0 only
+    (the others build on meta and get rank 0's values when prepared); see integrations/transformers."""
+    os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "true"
+    try:
+        import fsdp_plugin.integrations.transformers  # noqa: F401  (installs the from_pretrained hook)
+    except ImportError:  # no transformers: nothing loads pretrained weights through it
+        pass
 
 
 def _checkpoint_function(name: str):

@@ -3,6 +3,7 @@
 Layout of a state directory::
 
     model_{i}/                    fp.save_checkpoint(model_i, its optimizer): sharded safetensors + manifest
+    full_model_{i}/               FULL_STATE_DICT only: the full weights as HF safetensors (not read back)
     accelerator_state.json/.safetensors   rank 0: step, schedulers, dataloaders, scaler, custom objects
     rng_{rank}.json/.safetensors  every rank: python/numpy/torch(/cuda) RNG states
 
@@ -60,6 +61,20 @@ def save_models(directory: str, models: list, optimizers: list) -> None:
     check_optimizers(models, optimizers)
     for i, model in enumerate(models):
         save_checkpoint(model_dir(directory, i), model, optimizer_for(model, optimizers))
+
+
+def full_model_dir(directory: str, index: int) -> str:
+    """Where ``fsdp_state_dict_type: FULL_STATE_DICT`` puts model ``index``'s full weights."""
+    return os.path.join(directory, f"full_model_{index}")
+
+
+def save_full_models(directory: str, models: list) -> None:
+    """Collective: each model's full weights as Hugging Face safetensors (``fp.save_pretrained``), what
+    stock accelerate's FULL_STATE_DICT gives (one consolidated model file), readable without fsdp_plugin."""
+    from fsdp_plugin.checkpoint import save_pretrained
+
+    for i, model in enumerate(models):
+        save_pretrained(model, full_model_dir(directory, i))
 
 
 def load_models(directory: str, models: list, optimizers: list) -> None:

@@ -1,0 +1,85 @@
+"""The Trainer's model + optimizer + scheduler state in fsdp_plugin's sharded format (no pickle).
+
+Inside a Trainer checkpoint folder (``checkpoint-<step>/``) the directory :data:`CHECKPOINT_DIR` is an
+``fp.save_checkpoint`` directory: model shards, optimizer shards and, in ``extra``, the learning-rate
+scheduler's state. It loads at any process count. Files the Trainer writes itself (``trainer_state.json``,
+RNG states, ``training_args.bin``) are left to it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from typing import Any
+
+import fsdp_plugin as fp
+
+CHECKPOINT_DIR = "fsdp_plugin_state"
+FORMAT = "fsdp_plugin.transformers/1"
+_HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")
+
+
+class TrainerCheckpointError(fp.CheckpointError):
+    """A Trainer checkpoint folder that fsdp_plugin's Trainer cannot resume from."""
+
+
+def state_dir(checkpoint: str) -> str:
+    """Where the sharded state lives inside a Trainer checkpoint folder."""
+    return os.path.join(checkpoint, CHECKPOINT_DIR)
+
+
+def has_state(checkpoint: str) -> bool:
+    """Whether ``checkpoint`` holds a committed sharded state (its manifest exists)."""
+    return os.path.isfile(os.path.join(state_dir(checkpoint), "manifest.json"))
+
+
+def has_hf_weights(checkpoint: str) -> bool:
+    """Whether ``checkpoint`` holds Hugging Face safetensors weights (``save_only_model`` / full saves)."""
+    return any(os.path.isfile(os.path.join(checkpoint, name)) for name in _HF_WEIGHTS)
+
+
+def _optimizer(trainer: Any) -> Any:
+    opt = getattr(trainer, "optimizer", None)
+    return getattr(opt, "optimizer", opt)  # strip accelerate's AcceleratedOptimizer
+
+
+def save(trainer: Any, checkpoint: str, with_optimizer: bool = True) -> None:
+    """Collective: model (+ optimizer + scheduler) of ``trainer`` into ``checkpoint/CHECKPOINT_DIR``."""
+    sched = getattr(trainer, "lr_scheduler", None) if with_optimizer else None
+    extra = {"format": FORMAT, "lr_scheduler": sched.state_dict() if sched is not None else None}
+    optimizer = _optimizer(trainer) if with_optimizer else None
+    fp.save_checkpoint(state_dir(checkpoint), trainer.model, optimizer, extra=extra)
+
+
+def _saved_optimizers(checkpoint: str) -> int:
+    with open(os.path.join(state_dir(checkpoint), "manifest.json")) as f:
+        return len(json.load(f).get("optimizers") or [])
+
+
+def load(trainer: Any, checkpoint: str, with_optimizer: bool = True) -> None:
+    """Collective: inverse of :func:`save` into the (already sharded) ``trainer.model``, any process count.
+
+    Falls back to Hugging Face weights (model only) when the folder has no sharded state.
+    """
+    if has_state(checkpoint):
+        optimizer = _optimizer(trainer) if with_optimizer and _saved_optimizers(checkpoint) else None
+        extra = fp.load_checkpoint(state_dir(checkpoint), trainer.model, optimizer) or {}
+        if extra.get("format") != FORMAT:
+            raise TrainerCheckpointError(f"{state_dir(checkpoint)} was not written by fsdp_plugin's Trainer "
+                                         "integration; resume from a checkpoint-<step> folder it wrote")
+        sched = getattr(trainer, "lr_scheduler", None)
+        if optimizer is not None and sched is not None and extra.get("lr_scheduler") is not None:
+            sched.load_state_dict(extra["lr_scheduler"])
+        if with_optimizer and optimizer is None:
+            warnings.warn(f"{checkpoint} holds no optimizer state (save_only_model?): the optimizer and the "
+                          "learning-rate schedule restart", stacklevel=3)
+        return
+    if has_hf_weights(checkpoint):
+        fp.load_pretrained(trainer.model, checkpoint)
+        if with_optimizer:
+            warnings.warn(f"{checkpoint} holds only model weights: the optimizer and the learning-rate schedule "
+                          "restart", stacklevel=3)
+        return
+    raise TrainerCheckpointError(f"{checkpoint} has neither {CHECKPOINT_DIR}/ (fsdp_plugin's sharded state) nor "
+                                 "Hugging Face safetensors weights: give a checkpoint-<step> folder written by a "
+                                 "Trainer running on fsdp_plugin")

@@ -1,0 +1,58 @@
+"""``fsdp_cpu_ram_efficient_loading``: only rank 0 reads pretrained weights; the other ranks build on meta.
+
+With the flag on (accelerate config ``fsdp_cpu_ram_efficient_loading: true``, or
+``TrainingArguments(fsdp_config={"cpu_ram_efficient_loading": True})`` created before the model), in a
+multi-process launch, ``PreTrainedModel.from_pretrained`` on every rank but 0 loads with
+``device_map="meta"`` (transformers' own config/dtype handling, no weights in memory). When the model is
+prepared, the engine finds rank 0 real and the others on meta and scatters rank 0's values, unit by unit
+(buffers too). transformers 5 itself loads full weights on every rank, so without this the flag would
+save nothing.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+_ORIGINAL: list = []
+
+
+def ram_efficient_loading_requested(env=None) -> bool:
+    """The flag is on and this process is not global rank 0 of a multi-process launch."""
+    env = os.environ if env is None else env
+    on = str(env.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")).strip().lower() in ("1", "true", "yes")
+    world, rank = int(env.get("WORLD_SIZE", "1") or 1), int(env.get("RANK", "0") or 0)
+    return on and world > 1 and rank != 0
+
+
+def _wrap(stock):
+    @functools.wraps(stock.__func__)
+    def from_pretrained(cls, *args, **kwargs):
+        if kwargs.get("device_map") is not None or not ram_efficient_loading_requested():
+            return stock.__func__(cls, *args, **kwargs)
+        model = stock.__func__(cls, *args, **{**kwargs, "device_map": "meta"})
+        # Not a device map the user chose: leaving it would make Trainer/accelerate treat the model as
+        # dispatched across devices (model parallel).
+        for m in model.modules():
+            m.__dict__.pop("hf_device_map", None)
+        return model
+
+    return classmethod(from_pretrained)
+
+
+def install() -> None:
+    """Patch ``PreTrainedModel.from_pretrained``. Idempotent."""
+    from transformers import PreTrainedModel
+
+    if _ORIGINAL:
+        return
+    stock = PreTrainedModel.__dict__["from_pretrained"]
+    _ORIGINAL.append(stock)
+    PreTrainedModel.from_pretrained = _wrap(stock)
+
+
+def uninstall() -> None:
+    """Restore the stock method."""
+    from transformers import PreTrainedModel
+
+    if _ORIGINAL:
+        PreTrainedModel.from_pretrained = _ORIGINAL.pop()

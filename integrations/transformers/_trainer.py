@@ -1,0 +1,118 @@
+"""Replacements for the ``transformers.Trainer`` methods that depend on how the model is distributed.
+
+Each takes the stock method first and defers to it unless fsdp_plugin's engine runs this Trainer
+(``trainer.accelerator`` is fsdp_plugin's Accelerator with FSDP selected). With the engine active the
+Trainer keeps ``is_fsdp_enabled = False`` so that none of its torch-FSDP code runs; these replacements
+provide the sharding-aware behaviour instead:
+
+* the model is not moved to the device as a whole (the engine places each unit's shard);
+* checkpoints hold model + optimizer + scheduler in fsdp_plugin's sharded format (``_checkpoint``); with
+  ``fsdp_state_dict_type: FULL_STATE_DICT`` (transformers' default) they also hold the full model as
+  Hugging Face safetensors, as stock FSDP does;
+* ``save_model()`` called by the user always writes Hugging Face safetensors + config (adapter-only for
+  PEFT models), gathered to the main process;
+* resuming loads after ``accelerator.prepare`` (the model must be sharded first), at any process count.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import fsdp_plugin as fp
+
+from . import _checkpoint as ckpt
+
+
+def active(trainer: Any) -> bool:
+    """Whether fsdp_plugin's engine runs ``trainer``."""
+    return bool(getattr(getattr(trainer, "accelerator", None), "_fp_active", False))
+
+
+def _full_state_dict_type(trainer: Any) -> bool:
+    settings = trainer.accelerator.fsdp_settings
+    return settings is not None and settings.state_dict_type == "full"
+
+
+def create_accelerator_and_postprocess(stock, self) -> None:
+    """Stock setup with fsdp_plugin's Accelerator (``transformers.trainer.Accelerator`` is patched)."""
+    stock(self)
+    if not active(self):
+        return
+    self.is_fsdp_enabled = False  # keep the Trainer's torch-FSDP paths off: the methods below replace them
+    settings = self.accelerator.fsdp_settings
+    if settings is not None and settings.activation_checkpointing and self.args.activation_checkpointing:
+        from fsdp_plugin.integrations.accelerate.settings import config_error
+
+        raise config_error(settings.key("activation_checkpointing"), True,
+                           "it and TrainingArguments(gradient_checkpointing=True) would both recompute the blocks; "
+                           "keep one of the two")
+
+
+def move_model_to_device(stock, self, model, device) -> None:
+    """No whole-model move: ``prepare`` materializes each unit's shard on the device (the memory saving)."""
+    if not active(self):
+        return stock(self, model, device)
+    return None
+
+
+def save_model(stock, self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+    """Collective. Hugging Face safetensors + config from the main process (adapter only for PEFT).
+
+    Inside checkpoints (``_internal_call``) the weights are written this way only for ``FULL_STATE_DICT``;
+    the sharded state holds them (written here, model only, for ``save_only_model``).
+    """
+    if not active(self):
+        return stock(self, output_dir, _internal_call)
+    output_dir = output_dir if output_dir is not None else self.args.output_dir
+    if _internal_call and self.args.save_only_model:  # no optimizer save follows: the weights go here
+        ckpt.save(self, output_dir, with_optimizer=False)
+    if _internal_call and not _full_state_dict_type(self):
+        os.makedirs(output_dir, exist_ok=True)  # the Trainer looks for the folder (best checkpoint) right after
+        return None
+    from fsdp_plugin.checkpoint import _comm
+
+    state_dict = fp.full_state_dict(self.model)  # collective: the main process gets everything, others {}
+    err = None
+    try:
+        self._save(output_dir, state_dict=state_dict)  # writes on the main process only
+    except Exception as e:  # noqa: BLE001 - re-raised on every rank below, so none waits forever
+        err = e
+    _comm.raise_if_any_failed(err)  # collective, and the barrier after which the files exist
+    if self.args.push_to_hub and not _internal_call:
+        self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+    return None
+
+
+def save_optimizer_and_scheduler(stock, self, output_dir: str) -> None:
+    """Collective: model, optimizer and scheduler into ``output_dir/fsdp_plugin_state`` (no pickle)."""
+    if not active(self):
+        return stock(self, output_dir)
+    ckpt.save(self, output_dir, with_optimizer=True)
+    return None
+
+
+def load_from_checkpoint(stock, self, resume_from_checkpoint: str, model=None) -> None:
+    """Before ``prepare``: only check the folder; the sharded load happens after ``prepare``."""
+    if not active(self):
+        return stock(self, resume_from_checkpoint, model)
+    if not (ckpt.has_state(resume_from_checkpoint) or ckpt.has_hf_weights(resume_from_checkpoint)):
+        raise ckpt.TrainerCheckpointError(
+            f"{resume_from_checkpoint} has neither {ckpt.CHECKPOINT_DIR}/ nor Hugging Face safetensors weights: "
+            "give a checkpoint-<step> folder written by a Trainer running on fsdp_plugin")
+    return None
+
+
+def load_optimizer_and_scheduler(stock, self, checkpoint: str | None) -> None:
+    """After ``prepare`` on resume: model, optimizer and scheduler from the sharded state."""
+    if not active(self) or checkpoint is None:
+        return stock(self, checkpoint)
+    ckpt.load(self, checkpoint, with_optimizer=True)
+    return None
+
+
+def load_best_model(stock, self) -> None:
+    """``load_best_model_at_end``: the best checkpoint's weights into the sharded model."""
+    if not active(self):
+        return stock(self)
+    ckpt.load(self, self.state.best_model_checkpoint, with_optimizer=False)
+    return None

@@ -1,0 +1,159 @@
+"""transformers Trainer / PEFT LoRA on fsdp_plugin, driven by tests/test_hf_trainer.py.
+
+    accelerate launch --config_file CFG tests/scripts/hf_trainer_check.py OUT PHASE [CHECKPOINT]
+    python tests/scripts/hf_trainer_check.py OUT reference        # plain single process, no FSDP
+
+Phases: ``train`` (6 steps, GA 2, clipping, gradient checkpointing, save_steps 3, save_model, then a second
+Trainer resuming from checkpoint-3), ``resume`` (from CHECKPOINT), ``lora`` (PEFT LoRA under torchrun with
+FSDP set in TrainingArguments: adapter-only training and saves), ``reference`` (the plain single-process
+twins of ``train`` and ``lora``; bf16 is exercised by examples/hf_trainer.py).
+Each writes ``OUT/<phase>_rank<r>.json``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+import fsdp_plugin.integrations.transformers  # the one-line change
+
+import fsdp_plugin as fp
+
+GLOBAL_BATCH, SEQ, SAMPLES, STEPS = 4, 16, 48, 6
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                      attention_dropout=0.0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg)
+
+
+def dataset():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (SAMPLES, SEQ), generator=g)
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def args(out: str, **kw):
+    from transformers import TrainingArguments
+
+    base = dict(output_dir=out, per_device_train_batch_size=GLOBAL_BATCH // world(), gradient_accumulation_steps=2,
+                max_steps=STEPS, learning_rate=1e-2, max_grad_norm=0.05, weight_decay=0.01, logging_steps=1,
+                save_strategy="steps", save_steps=3, seed=0, report_to=[], disable_tqdm=True,
+                gradient_checkpointing=True, use_cpu=True)
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def trainer(model, out: str, eval_dataset=None, **kw):
+    from transformers import Trainer
+
+    return Trainer(model=model, args=args(out, **kw), train_dataset=dataset(), eval_dataset=eval_dataset)
+
+
+def history(tr) -> dict:
+    logs = [h for h in tr.state.log_history if "loss" in h]
+    return {"loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs],
+            "lr": [h["learning_rate"] for h in logs], "step": [h["step"] for h in logs]}
+
+
+def numels(model) -> dict:
+    return {"local": sum(p.numel() for p in model.parameters()),
+            "full": sum(p.numel() for p in tiny_llama().parameters()), "sharded": fp.is_sharded(model)}
+
+
+def phase_train(out: str) -> dict:
+    tr = trainer(tiny_llama(), out)
+    tr.train()
+    tr.save_model(os.path.join(out, "final"))
+    full = fp.full_state_dict(tr.model)  # collective
+    exact = None
+    if full:
+        from transformers import LlamaForCausalLM
+
+        loaded = LlamaForCausalLM.from_pretrained(os.path.join(out, "final")).state_dict()
+        exact = sorted(loaded) == sorted(full) and all(torch.equal(loaded[k], v) for k, v in full.items())
+    rep = {"hist": history(tr), "numel": numels(tr.model), "engine": bool(tr.accelerator._fp_active),
+           "final_exact": exact, "ckpt3": sorted(os.listdir(os.path.join(out, "checkpoint-3")))}
+    tr2 = trainer(tiny_llama(), os.path.join(out, "resumed"))
+    tr2.train(resume_from_checkpoint=os.path.join(out, "checkpoint-3"))
+    rep["resumed"] = history(tr2)
+    return rep
+
+
+def phase_resume(out: str, checkpoint: str) -> dict:
+    """Also evaluates at each save and reloads the best checkpoint at the end (no training after it)."""
+    tr = trainer(tiny_llama(), out, eval_dataset=dataset()[:8], eval_strategy="steps", eval_steps=3,
+                 load_best_model_at_end=True, metric_for_best_model="loss")
+    tr.train(resume_from_checkpoint=checkpoint)
+    evals = [h["eval_loss"] for h in tr.state.log_history if "eval_loss" in h]
+    return {"resumed": history(tr), "engine": bool(tr.accelerator._fp_active), "evals": evals,
+            "best": os.path.basename(tr.state.best_model_checkpoint or ""), "eval_after_best": tr.evaluate()["eval_loss"]}
+
+
+def lora_model():
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(tiny_llama(), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                   target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+
+
+def phase_lora(out: str) -> dict:
+    """Launched by torchrun: FSDP selected in TrainingArguments (FULL_STATE_DICT, save_only_model)."""
+    model = lora_model()
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    tr = trainer(model, out, max_steps=4, save_steps=4, gradient_checkpointing=False, fsdp=True,
+                 fsdp_config={"state_dict_type": "FULL_STATE_DICT"}, save_only_model=True)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    tr.train()
+    full = fp.full_state_dict(model)  # collective; rank 0 holds the full tensors
+    frozen_same = all(torch.equal(full[n], t) for n, t in before.items()) if full else None
+    no_frozen_grad = all(p.grad is None for p in model.parameters() if not p.requires_grad)
+    opt_params = {id(p) for g in tr.optimizer.param_groups for p in g["params"]}
+    only_adapter_in_opt = opt_params == {id(p) for n, p in model.named_parameters() if n in trainable}
+    model.save_pretrained(os.path.join(out, "adapter"))        # collective on a sharded PEFT model
+    tr.save_model(os.path.join(out, "trainer_adapter"))
+    return {"hist": history(tr), "frozen_same": frozen_same, "no_frozen_grad": no_frozen_grad,
+            "only_adapter_in_opt": only_adapter_in_opt, "engine": bool(tr.accelerator._fp_active),
+            "sharded": fp.is_sharded(model), "files": sorted(os.listdir(os.path.join(out, "adapter"))),
+            "trainer_files": sorted(os.listdir(os.path.join(out, "trainer_adapter"))),
+            "ckpt4": sorted(os.listdir(os.path.join(out, "checkpoint-4"))),
+            "ckpt4_optimizers": len(json.load(open(os.path.join(out, "checkpoint-4", "fsdp_plugin_state",
+                                                               "manifest.json"))).get("optimizers") or [])}
+
+
+def phase_reference(out: str) -> dict:
+    """Plain single-process twins (no process group, stock Trainer path)."""
+    tr = trainer(tiny_llama(), os.path.join(out, "full"), save_strategy="no")
+    tr.train()
+    tr.model.save_pretrained(os.path.join(out, "ref_final"))
+    lora = trainer(lora_model(), os.path.join(out, "lora"), max_steps=4, save_strategy="no",
+                   gradient_checkpointing=False)
+    lora.train()
+    lora.model.save_pretrained(os.path.join(out, "ref_adapter"))
+    return {"hist": history(tr), "lora": history(lora), "engine": bool(getattr(tr.accelerator, "_fp_active", 0))}
+
+
+def main() -> None:
+    out, phase = sys.argv[1], sys.argv[2]
+    rep = {"train": lambda: phase_train(out), "resume": lambda: phase_resume(out, sys.argv[3]),
+           "lora": lambda: phase_lora(out),
+           "reference": lambda: phase_reference(out)}[phase]()
+    rank = int(os.environ.get("RANK", "0"))
+    with open(os.path.join(out, f"{phase}_rank{rank}.json"), "w") as f:
+        json.dump(rep, f)
+    print("HF_TRAINER_CHECK_DONE", flush=True)
+
+
+if __name__ == "__main__":
+    main()
