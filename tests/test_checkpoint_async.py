@@ -53,13 +53,23 @@ def _slow_fsync(delay):
     return lambda: setattr(os, "fsync", real)
 
 
-def _train_while_saving(rank, world, path):
+def _train_while_saving(rank, world, path, mode):
     restore = _slow_fsync(0.3)
+    if mode == "deferred":  # a late copy: without the optimizer-step fence the steps below would win the race
+        real_copy = _async.Stager.copy_deferred
+
+        def late_copy(self):
+            import time
+
+            time.sleep(0.3)
+            real_copy(self)
+
+        _async.Stager.copy_deferred = late_copy
     model = _sharded(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _step(model, opt, rank, 0)
     snap = _state(model, opt)
-    h = save_checkpoint(path, model, opt, extra={"step": 1, "t": torch.full((2,), float(rank))}, async_save=True)
+    h = save_checkpoint(path, model, opt, extra={"step": 1, "t": torch.full((2,), float(rank))}, async_save=mode)
     assert isinstance(h, fp.AsyncSave)
     for i in range(1, 4):  # training (and its collectives on the default group) runs during the write
         _step(model, opt, rank, i)
@@ -85,9 +95,11 @@ def _same(a, b):
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def test_async_save_holds_values_at_call_while_training(tmp_path):
+@pytest.mark.parametrize("mode", [True, "deferred"])
+def test_async_save_holds_values_at_call_while_training(tmp_path, mode):
+    """deferred: the copy is made on the checkpoint thread; the optimizer steps wait for it."""
     path = str(tmp_path / "ck")
-    out = run_ranks(_train_while_saving, 2, path, timeout=120)
+    out = run_ranks(_train_while_saving, 2, path, mode, timeout=120)
     assert any(o[-1] for o in out), "no training step ran during the background write: the test cannot fail"
     for rank, (snap, got, extra, after, got2, _) in enumerate(out):
         assert _same(snap[0], got[0]) and _same(snap[1], got[1]), "async checkpoint does not hold the call's values"

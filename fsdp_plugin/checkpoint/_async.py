@@ -36,6 +36,11 @@ class AsyncSave:
         self._error: BaseException | None = None
         self._observed = False
         self._thread: threading.Thread | None = None
+        self._snapshotted = threading.Event()  # set once the host copies hold the call's values
+
+    def snapshot_done(self) -> bool:
+        """True once the host snapshot is complete (always, unless ``async_save="deferred"``)."""
+        return self._snapshotted.is_set()
 
     def done(self) -> bool:
         """True once the background write finished (published, or failed: :meth:`wait` raises then)."""
@@ -88,32 +93,57 @@ def checkpoint_group():
 
 
 class Stager:
-    """Copies tensors into host buffers (pinned for device tensors), reusing the previous save's buffers."""
+    """Host copies of tensors (pinned for device tensors), reusing the previous save's buffers.
 
-    def __init__(self):
+    ``deferred=False``: every copy is made when the tensor is staged (before ``save_checkpoint`` returns).
+    ``deferred=True``: large state (parameters, optimizer state) is copied by :meth:`copy_deferred` on the
+    checkpoint thread, fenced by every optimizer's ``step()``; small tensors (buffers, ``extra``) still now.
+    """
+
+    def __init__(self, deferred: bool = False):
         global _pool
         with _lock:
             self._free, _pool = _pool, {}
+        self.deferred = deferred
         self.used: list[torch.Tensor] = []
-        self._devices: set = set()
+        self._later: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._streams: dict = {}  # device -> the caller's stream (device copies are ordered on it)
 
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        """A 1-D host copy of ``t`` (its values now, whatever happens to ``t`` afterwards)."""
+    def __call__(self, t: torch.Tensor, large: bool = False) -> torch.Tensor:
+        """A 1-D host buffer that holds (or, deferred and ``large``, will hold) ``t``'s values now."""
         t = t.detach()
         key = (t.dtype, t.numel())
         free = self._free.get(key)
         buf = free.pop() if free else torch.empty(t.numel(), dtype=t.dtype, pin_memory=t.is_cuda)
-        if t.is_cuda:
-            self._devices.add(t.device)
-        buf.copy_(t.reshape(-1), non_blocking=t.is_cuda)
+        if t.is_cuda and t.device not in self._streams:
+            self._streams[t.device] = torch.cuda.current_stream(t.device)
         self.used.append(buf)
+        if self.deferred and large:
+            self._later.append((t, buf))
+        else:
+            buf.copy_(t.reshape(-1), non_blocking=t.is_cuda)
         return buf
 
     def finish(self) -> None:
-        """Wait for device-to-host copies; drop the buffers this save did not reuse."""
-        for dev in self._devices:
-            torch.cuda.current_stream(dev).synchronize()
+        """Caller side, before returning: drop unused old buffers; in copy mode wait for device copies."""
         self._free = {}
+        if not self.deferred:
+            self._sync()
+
+    def copy_deferred(self) -> None:
+        """Checkpoint thread: make the deferred copies (on the caller's device streams) and wait for them."""
+        for src, buf in self._later:
+            if src.is_cuda:
+                with torch.cuda.stream(self._streams[src.device]):
+                    buf.copy_(src.reshape(-1), non_blocking=True)
+            else:
+                buf.copy_(src.reshape(-1))
+        self._later = []
+        self._sync()
+
+    def _sync(self) -> None:
+        for stream in self._streams.values():
+            stream.synchronize()
 
     def release(self) -> None:
         """Give this save's buffers to the next one."""
@@ -126,13 +156,39 @@ class Stager:
         self.used = []
 
 
+def _fence(optimizer, args, kwargs) -> None:
+    """Optimizer step pre-hook: a deferred snapshot must be taken before parameters change."""
+    h = _pending
+    if h is not None:
+        h._snapshotted.wait()
+
+
+_fence_handle = None
+
+
+def _install_fence() -> None:
+    global _fence_handle
+    if _fence_handle is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _fence_handle = register_optimizer_step_pre_hook(_fence)
+
+
 def start(path: str, work, stager: Stager) -> AsyncSave:
     """Run ``work()`` (the write + publish) on the checkpoint thread; return its handle."""
     global _pending
     handle = AsyncSave(path)
+    if stager.deferred:
+        _install_fence()
+    else:
+        handle._snapshotted.set()
 
     def run():
         try:
+            try:
+                stager.copy_deferred()
+            finally:
+                handle._snapshotted.set()
             work()
         except BaseException as e:  # noqa: BLE001 - re-raised by wait()
             handle._error = e

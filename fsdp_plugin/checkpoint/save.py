@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _async, _comm, _format, _model, _publish, codec, manifest, optim
+from .errors import CheckpointError
 from .fsio import fsync_path
 from .writer import write_safetensors
 
@@ -49,15 +50,20 @@ def save_checkpoint(path, model, optimizer=None, extra=None, *, async_save: bool
     ``async_save=True`` copies this rank's pieces to host memory (reusing the previous save's buffers:
     one extra host copy of the local state stays allocated), then returns an :class:`AsyncSave` handle
     while a background thread writes, checksums and publishes; the files hold the values at the call.
-    A pending save is waited for by the next save or load and by normal process exit. Returns None when
-    synchronous.
+    ``async_save="deferred"`` returns before the copy: the checkpoint thread makes it first, and every
+    torch optimizer's ``step()`` (and the next save/load) waits until it is made; buffers and ``extra``
+    are still copied at the call. Until ``handle.snapshot_done()``, parameters and optimizer state must
+    only change through an optimizer step. A pending save is waited for by the next save or load and by
+    normal process exit. Returns None when synchronous.
     """
     _async.wait_pending()
     path = os.path.abspath(os.fspath(path))
     rank, world = _comm.rank(), _comm.world_size()
     uid = _begin(path, rank)
     tmp = _publish.tmp_name(path, uid)
-    stager = _async.Stager() if async_save else None
+    if async_save not in (False, True, "deferred"):
+        raise CheckpointError(f"async_save must be False, True or 'deferred', not {async_save!r}")
+    stager = _async.Stager(deferred=async_save == "deferred") if async_save else None
     group = _async.checkpoint_group() if async_save else None
     err, job = None, None
     try:
@@ -125,7 +131,7 @@ def _fail_and_clean(err, tmp: str, rank: int, group=None) -> None:
 
 def _snapshot(path: str, rank: int, world: int, uid: str, model, optimizers: list, extra, stage) -> _Job:
     """This rank's record and tensors; ``stage`` (async) copies every tensor to host memory now."""
-    stage = stage or (lambda t: t)
+    stage = stage or (lambda t, large=False: t)
     shards = _model.param_shards(model)
     shard_of = {id(sh.param): sh for sh in shards}
     model_tensors, pieces = [], {}
@@ -133,7 +139,7 @@ def _snapshot(path: str, rank: int, world: int, uid: str, model, optimizers: lis
         if sh.writer and sh.end > sh.start:
             local = sh.param.detach().reshape(-1)
             assert local.numel() == sh.end - sh.start, f"{sh.fqn}: local piece has {local.numel()} elements"
-            model_tensors.append((sh.fqn, stage(local), (local.numel(),)))
+            model_tensors.append((sh.fqn, stage(local, True), (local.numel(),)))
             pieces[sh.fqn] = [sh.start, sh.end]
     rec: dict = {"rank": rank, "pieces": pieces, "files": {}}
     if rank == 0:
@@ -147,7 +153,7 @@ def _snapshot(path: str, rank: int, world: int, uid: str, model, optimizers: lis
     extra_tensors: list = []
     rec["extra"] = codec.encode(extra, _extra_sink(extra_tensors, stage), "extra")
     rec["extra_has_tensors"] = bool(extra_tensors)
-    files = [("model", model_tensors), ("optim", [(k, stage(t), (t.numel(),)) for k, t in opt_tensors]),
+    files = [("model", model_tensors), ("optim", [(k, stage(t, True), (t.numel(),)) for k, t in opt_tensors]),
              ("extra", extra_tensors)]
     sharding = _model.sharding_description(model) if rank == 0 else None
     return _Job(path, rank, world, uid, rec, files, sharding)
