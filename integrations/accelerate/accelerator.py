@@ -177,16 +177,25 @@ class Accelerator(accelerate.Accelerator):
             return super().save_model(model, save_directory, max_shard_size=max_shard_size, safe_serialization=True)
         save_pretrained(self.unwrap_model(model), os.fspath(save_directory), max_shard_size=max_shard_size)
 
-    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs):
-        """Collective: models + optimizers in fsdp_plugin's sharded format, the rest as JSON/safetensors."""
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, async_save=False,
+                   **kwargs):
+        """Collective: models + optimizers in fsdp_plugin's sharded format, the rest as JSON/safetensors.
+
+        ``async_save=True`` / ``"deferred"`` (see ``fp.save_checkpoint``): the last model's checkpoint is
+        written in the background; ``self.pending_checkpoint`` is its ``fp.AsyncSave`` handle, waited for by
+        the next ``save_state``/``load_state`` and at exit.
+        """
         if not self._fp_active:
             return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+        pending, self.pending_checkpoint = getattr(self, "pending_checkpoint", None), None
+        if pending is not None:
+            pending.wait()  # before old checkpoint directories are rotated away
         output_dir = state_dirs.output_dir(self, output_dir)
         os.makedirs(output_dir, exist_ok=True)
         self.wait_for_everyone()
         for hook in self._save_model_state_pre_hook.values():
             hook(self._models, [], output_dir)
-        state_io.save_models(output_dir, self._models, self._optimizers)
+        self.pending_checkpoint = state_io.save_models(output_dir, self._models, self._optimizers, async_save)
         state_io.save_small_state(output_dir, self)
         self.wait_for_everyone()
         self.project_configuration.iteration += 1
@@ -196,6 +205,9 @@ class Accelerator(accelerate.Accelerator):
         """Collective: inverse of :meth:`save_state`, at any process count."""
         if not self._fp_active:
             return super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
+        pending, self.pending_checkpoint = getattr(self, "pending_checkpoint", None), None
+        if pending is not None:
+            pending.wait()  # the state being loaded may still be written
         input_dir = state_dirs.input_dir(self, input_dir)
         for hook in self._load_model_state_pre_hook.values():
             hook(self._models, input_dir)

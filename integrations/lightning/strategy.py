@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from fsdp_plugin.integrations.lightning import _async_save
 from fsdp_plugin.integrations.lightning import _checkpoint as ckpt
 from fsdp_plugin.integrations.lightning import _common as common
 from fsdp_plugin.integrations.lightning._register import STRATEGY_NAME
@@ -71,6 +72,9 @@ class FSDPPluginStrategy(ParallelStrategy):
         **sharding: ``fp.ShardingConfig`` fields (``sharding_strategy``, ``auto_wrap_policy``,
             ``mixed_precision``, ``activation_checkpointing``, ``cpu_offload``, ...). An explicit
             ``mixed_precision`` overrides the one derived from the Trainer's ``precision`` flag.
+        async_save: ``True`` / ``"deferred"``: sharded saves return after the host snapshot and write in the
+            background (``fp.save_checkpoint(async_save=...)``); Lightning's ``AsyncCheckpointIO`` plugin
+            selects ``True``. The pending save is waited for by the next save/load and by teardown.
     """
 
     def __init__(
@@ -84,10 +88,13 @@ class FSDPPluginStrategy(ParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         state_dict_type: Literal["sharded", "full"] = "sharded",
         accumulate_grads: Literal["sharded", "no_sync"] = "sharded",
+        async_save: bool | Literal["deferred"] = False,
         **sharding: Any,
     ) -> None:
         _check_choice("state_dict_type", state_dict_type, _STATE_DICT_TYPES)
         _check_choice("accumulate_grads", accumulate_grads, _ACCUMULATION)
+        if async_save not in (False, True, "deferred"):
+            raise ValueError(f"FSDPPluginStrategy(async_save={async_save!r}): use False, True or 'deferred'")
         self.sharding_config = common.sharding_config(sharding)  # eager validation
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -96,6 +103,7 @@ class FSDPPluginStrategy(ParallelStrategy):
         self._timeout = timeout
         self.state_dict_type = state_dict_type
         self.accumulate_grads = accumulate_grads
+        self._async_save = async_save
         self.num_nodes = 1
 
     # ----------------------------------------------------------------- registry and plumbing
@@ -246,7 +254,9 @@ class FSDPPluginStrategy(ParallelStrategy):
         if self.state_dict_type == "full":
             ckpt.save_full(path, self.model, encoded)
         else:
-            ckpt.save_sharded(path, self.model, self.optimizers if with_optimizers else [], encoded)
+            handle = ckpt.save_sharded(path, self.model, self.optimizers if with_optimizers else [], encoded,
+                                       async_save=_async_save.requested(self))
+            _async_save.remember(self, handle)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Collective. Loads model (+ optimizers when fitting) in place; returns Lightning's other state."""
@@ -277,6 +287,7 @@ class FSDPPluginStrategy(ParallelStrategy):
         """Like FSDPStrategy, but no ``.cpu()`` and no SyncBatchNorm revert: the model stays sharded in place
         (reverting would replace modules whose parameters the engine owns)."""
         assert self.cluster_environment is not None and self.accelerator is not None
+        _async_save.finish(self)  # before the process group goes away
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
