@@ -9,7 +9,7 @@ units (usually the root: embeddings, head) stay eager.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -23,6 +23,12 @@ def compile(model: nn.Module, **compile_kwargs: Any) -> nn.Module:  # noqa: A001
     ``compile_kwargs`` go to ``torch.compile`` (``backend``, ``mode``, ``dynamic``, ``fullgraph``...).
     Calling it again replaces the previous compilation. fp32 results match eager within float rounding.
     """
+    return compile_units(model, lambda fn: torch.compile(fn, **compile_kwargs))
+
+
+def compile_units(model: nn.Module, wrap: Callable[[Callable], Callable]) -> nn.Module:
+    """:func:`compile` with any compiler: ``wrap(forward)`` returns the compiled forward (e.g. an existing
+    ``torch._dynamo`` optimize context, as Lightning keeps it)."""
     units = [m for m in model.modules() if getattr(m, "_fp_unit", None) is not None]
     if not units:
         raise ShardingError("fp.compile(model): the model is not sharded; call fp.shard(model, ...) first "
@@ -32,7 +38,7 @@ def compile(model: nn.Module, **compile_kwargs: Any) -> nn.Module:  # noqa: A001
     for m in inner:
         original = m.__dict__.get("_fp_eager_forward", m.forward)
         m._fp_eager_forward = original
-        m.forward = torch.compile(original, **compile_kwargs)
+        m.forward = wrap(original)
     return model
 
 

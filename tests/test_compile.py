@@ -65,3 +65,53 @@ def test_compile_inductor_world2_parity():
     compiled = run_ranks(_inductor_rank, 2, True, timeout=900)
     for a, b in zip(eager, compiled):
         assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5
+
+
+def test_lightning_compiled_module_is_compiled_per_unit_not_refused():
+    pytest.importorskip("lightning")
+    import lightning.pytorch as pl
+    import lightning.pytorch.trainer.trainer as trainer_mod
+    from lightning.pytorch.utilities.compile import from_compiled
+
+    from fsdp_plugin.integrations.lightning import _compile
+    from fsdp_plugin.integrations.lightning.strategy import FSDPPluginStrategy
+
+    class LM(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.gpt = GPT(vocab=64, d=32, n_layer=2, seq=16)
+
+        def forward(self, x, y):
+            return self.gpt(x, y)
+
+    lm = from_compiled(torch.compile(LM(), backend="eager"))  # what Trainer.fit does with a compiled model
+    strategy = FSDPPluginStrategy(auto_wrap_policy={Block})
+    trainer_mod._verify_strategy_supports_compile(lm, strategy)  # not refused
+    ctx = _compile.take(lm)
+    assert ctx is not None and lm._compiler_ctx is None
+    fp.shard(lm, auto_wrap_policy={Block})
+    _compile.apply(lm, ctx)
+    assert compiled_units(lm) == ["gpt.blocks.0", "gpt.blocks.1"]
+    x, y = gpt_batch(0, 0)
+    assert abs(lm(x, y).item() - _make()(x, y).item()) <= 1e-6
+
+
+def test_accelerate_dynamo_backend_compiles_per_unit(monkeypatch):
+    pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    from fsdp_plugin.integrations.accelerate import Accelerator
+
+    for name in ("ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING", "ACCELERATE_MIXED_PRECISION"):
+        monkeypatch.setenv(name, "false" if name != "ACCELERATE_MIXED_PRECISION" else "no")
+    try:
+        acc = Accelerator(sharding_config=fp.ShardingConfig(auto_wrap_policy={Block}), dynamo_backend="eager")
+        torch.manual_seed(0)
+        model = acc.prepare(GPT(vocab=64, d=32, n_layer=2, seq=16))
+        assert fp.is_sharded(model) and compiled_units(model) == ["blocks.0", "blocks.1"]
+        x, y = gpt_batch(0, 0)
+        acc.backward(model(x, y))
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()

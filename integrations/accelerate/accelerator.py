@@ -108,7 +108,11 @@ class Accelerator(accelerate.Accelerator):
         if self.native_amp:
             _wrap_forward_in_autocast(model, self.native_amp, self.autocast_handler)
         if self.state.dynamo_plugin.backend != accelerate.utils.DynamoBackend.NO:
-            model = torch.compile(model, **self.state.dynamo_plugin.to_kwargs())
+            import fsdp_plugin as fp
+
+            # per unit, hooks outside the compiled regions (what accelerate's regional compilation does for
+            # repeated blocks); a whole-model torch.compile would trace the engine's collectives
+            fp.compile(model, **self.state.dynamo_plugin.to_kwargs())
         model._is_accelerate_prepared = True
         return model
 

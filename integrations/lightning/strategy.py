@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from fsdp_plugin.integrations.lightning import _async_save
+from fsdp_plugin.integrations.lightning import _async_save, _compile
 from fsdp_plugin.integrations.lightning import _checkpoint as ckpt
 from fsdp_plugin.integrations.lightning import _common as common
 from fsdp_plugin.integrations.lightning._register import STRATEGY_NAME
@@ -77,6 +77,9 @@ class FSDPPluginStrategy(ParallelStrategy):
             selects ``True``. The pending save is waited for by the next save/load and by teardown.
     """
 
+    #: ``torch.compile``d LightningModules are compiled per unit (see ``_compile``), not refused.
+    compiles_per_unit = True
+
     def __init__(
         self,
         accelerator: Any = None,
@@ -104,6 +107,7 @@ class FSDPPluginStrategy(ParallelStrategy):
         self.state_dict_type = state_dict_type
         self.accumulate_grads = accumulate_grads
         self._async_save = async_save
+        _compile.allow_in_trainer()
         self.num_nodes = 1
 
     # ----------------------------------------------------------------- registry and plumbing
@@ -192,7 +196,9 @@ class FSDPPluginStrategy(ParallelStrategy):
                 self.model = self._layer_sync.apply(self.model)
             self.model = self.precision_plugin.convert_module(self.model)
             cfg = common.with_precision(self.sharding_config, self.precision_plugin)
+            dynamo_ctx = _compile.take(self.lightning_module)  # Trainer.fit(torch.compile(model))
             self.model = common.shard_module(self.model, cfg, self.root_device)
+            _compile.apply(self.model, dynamo_ctx)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()
