@@ -89,10 +89,19 @@ def checkpoint_from_another_architecture(tmp_path):
     fp.load_checkpoint(str(tmp_path / "ckpt"), fp.shard(nn.Sequential(nn.Linear(3, 4))))
 
 
+def compile_unsharded_model():
+    fp.compile(nn.Linear(2, 2))
+
+
+def unknown_async_save_mode(tmp_path):
+    fp.save_checkpoint(tmp_path / "ckpt", nn.Linear(2, 2), async_save="background")
+
+
 CASES = [unknown_strategy, unknown_option, wrap_policy_matches_nothing, mesh_not_dividing_world, shard_twice,
          optimizer_stepped_before_shard, dtype_backend_cannot_reduce, plain_state_dict_on_sharded_model,
          not_sharded, meta_module_without_init, nonfinite_gradients_with_clipping,
-         checkpoint_from_another_architecture]
+         checkpoint_from_another_architecture, compile_unsharded_model, unknown_async_save_mode]
+
 
 
 def _capture(case, tmp_path):

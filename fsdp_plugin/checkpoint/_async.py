@@ -175,7 +175,8 @@ def _install_fence() -> None:
 
 
 def start(path: str, work, stager: Stager) -> AsyncSave:
-    """Run ``work()`` (the write + publish) on the checkpoint thread; return its handle."""
+    """On the checkpoint thread: the deferred copies, then ``work(err)`` (the collective write + publish, which
+    makes every rank raise when ``err`` or its own failure is set on any rank); return the handle."""
     global _pending
     handle = AsyncSave(path)
     if stager.deferred:
@@ -185,11 +186,14 @@ def start(path: str, work, stager: Stager) -> AsyncSave:
 
     def run():
         try:
+            err = None
             try:
                 stager.copy_deferred()
+            except Exception as e:  # noqa: BLE001 - every rank learns it in work's agreement
+                err = e
             finally:
                 handle._snapshotted.set()
-            work()
+            work(err)
         except BaseException as e:  # noqa: BLE001 - re-raised by wait()
             handle._error = e
         finally:

@@ -56,13 +56,13 @@ def save_checkpoint(path, model, optimizer=None, extra=None, *, async_save: bool
     only change through an optimizer step. A pending save is waited for by the next save or load and by
     normal process exit. Returns None when synchronous.
     """
+    if async_save not in (False, True, "deferred"):
+        raise CheckpointError(f"async_save must be False, True or 'deferred', not {async_save!r}")
     _async.wait_pending()
     path = os.path.abspath(os.fspath(path))
     rank, world = _comm.rank(), _comm.world_size()
     uid = _begin(path, rank)
     tmp = _publish.tmp_name(path, uid)
-    if async_save not in (False, True, "deferred"):
-        raise CheckpointError(f"async_save must be False, True or 'deferred', not {async_save!r}")
     stager = _async.Stager(deferred=async_save == "deferred") if async_save else None
     group = _async.checkpoint_group() if async_save else None
     err, job = None, None
@@ -75,7 +75,7 @@ def save_checkpoint(path, model, optimizer=None, extra=None, *, async_save: bool
     if not async_save:
         return _write_and_publish(err, tmp, job)
     _fail_and_clean(err, tmp, rank)
-    return _async.start(path, lambda: _write_and_publish(None, tmp, job, group), stager)
+    return _async.start(path, lambda e: _write_and_publish(e, tmp, job, group), stager)
 
 
 def _begin(path: str, rank: int) -> str:
