@@ -97,6 +97,20 @@ def test_lightning_compiled_module_is_compiled_per_unit_not_refused():
     assert abs(lm(x, y).item() - _make()(x, y).item()) <= 1e-6
 
 
+def test_fabric_reapplied_compile_is_per_unit():
+    pytest.importorskip("lightning")
+    import lightning.fabric.fabric as fabric_mod
+
+    from fsdp_plugin.integrations.lightning.fabric import FSDPPluginFabricStrategy
+
+    FSDPPluginFabricStrategy()  # installs the per-unit compile step
+    model = _make()
+    assert fabric_mod._to_compiled(model, {"backend": "eager"}) is model  # what fabric.setup does after sharding
+    assert compiled_units(model) == ["blocks.0", "blocks.1"]
+    plain = torch.nn.Linear(2, 2)
+    assert type(fabric_mod._to_compiled(plain, {"backend": "eager"})).__name__ == "OptimizedModule"
+
+
 def test_accelerate_dynamo_backend_compiles_per_unit(monkeypatch):
     pytest.importorskip("accelerate")
     from accelerate.state import AcceleratorState, GradientState

@@ -59,6 +59,9 @@ class FSDPPluginFabricStrategy(ParallelStrategy, _Sharded):
         **sharding: Any,
     ) -> None:
         self.sharding_config = common.sharding_config(sharding)
+        from fsdp_plugin.integrations.lightning import _compile
+
+        _compile.compile_in_fabric()  # fabric.setup(torch.compile(model)) compiles per unit
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision=precision)
         self._process_group_backend = process_group_backend
