@@ -25,8 +25,10 @@ def requested(strategy: Any) -> bool | str:
 
 
 def remember(strategy: Any, handle: Any) -> None:
-    """Keep the pending save's handle (None for a synchronous save)."""
+    """Keep the pending save's handle (None for a synchronous save); count the asynchronous saves."""
     strategy._pending_save = handle
+    if handle is not None:
+        strategy.async_saves = getattr(strategy, "async_saves", 0) + 1
 
 
 def finish(strategy: Any) -> None:

@@ -19,6 +19,7 @@ import sys
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from torch import nn
 
 GLOBAL_BATCH = 8
@@ -183,6 +184,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--forbid-pickle", action="store_true")
     p.add_argument("--init-module", action="store_true", help="build under trainer.init_module(empty_init=True)")
     p.add_argument("--validate", action="store_true", help="trainer.validate after fit")
+    p.add_argument("--async-ckpt", action="store_true", help="plugins=[AsyncCheckpointIO()]")
+    p.add_argument("--compile", default=None, metavar="BACKEND", help="trainer.fit(torch.compile(model, backend=...))")
     return p.parse_args()
 
 
@@ -206,12 +209,13 @@ def main() -> None:
         gradient_clip_algorithm=args.clip_algo, callbacks=callbacks, logger=False,
         enable_checkpointing=bool(args.ckpt_dir), enable_progress_bar=False,
         use_distributed_sampler=False, enable_model_summary=False,
+        plugins=[AsyncCheckpointIO()] if args.async_ckpt else None,
     )
     with trainer.init_module(empty_init=True) if args.init_module else contextlib.nullcontext():
         model = Regressor(deferred=args.deferred)
     per_rank = GLOBAL_BATCH // args.devices // args.accumulate
     loader = torch.utils.data.DataLoader(dataset(), batch_size=per_rank, sampler=RankSampler(32))
-    trainer.fit(model, loader, ckpt_path=args.resume)
+    trainer.fit(torch.compile(model, backend=args.compile) if args.compile else model, loader, ckpt_path=args.resume)
     if args.save:
         trainer.save_checkpoint(args.save)
     if args.validate:
@@ -271,6 +275,8 @@ def _report(args, trainer, model, recorder, weights) -> None:
         "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
         "launched_by": "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "lightning",
         "val_loss": getattr(args, "val_loss", None),
+        "compiled_units": sorted(m._fp_unit.name for m in model.modules() if "_fp_eager_forward" in m.__dict__),
+        "async_saves": getattr(trainer.strategy, "async_saves", 0),
     }
     mp = getattr(getattr(trainer.strategy, "precision_plugin", None), "mixed_precision", None)
     info["param_dtype"] = str(getattr(mp() if callable(mp) else None, "param_dtype", None))
