@@ -18,6 +18,7 @@ import shutil
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -40,7 +41,8 @@ class _Job:
     sharding: dict | None        # rank 0 only: the manifest's sharding description
 
 
-def save_checkpoint(path, model, optimizer=None, extra=None, *, async_save: bool = False):
+def save_checkpoint(path, model, optimizer=None, extra=None, *,
+                    async_save: bool | Literal["deferred"] = False) -> _async.AsyncSave | None:
     """Save ``model`` (+ optimizer(s), + ``extra``) as a sharded checkpoint directory at ``path``.
 
     Collective: every rank of the default process group must call it with the same ``path`` and
