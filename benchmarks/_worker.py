@@ -3,7 +3,8 @@
     python benchmarks/_worker.py --backend single --preset small
     torchrun --standalone --nproc-per-node 2 benchmarks/_worker.py --backend ours --preset small
 
-Backends: single | ddp | fsdp1 | fsdp2 | ours (fsdp_plugin, full_shard) | ours_zero2 (shard_grad_op).
+Backends: single | ddp | fsdp1 | fsdp2 | ours (fsdp_plugin, full_shard) | ours_zero2 (shard_grad_op) |
+ours_compiled (full_shard + ``fp.compile``: inductor per block; compilation happens in the warm-up steps).
 All see the same model (benchmarks/_model.py, seed 0), the same global batch (seeded random tokens from a
 pool of 2 batches, cycled; rank r takes rows [r*B/W, (r+1)*B/W)) and AdamW(lr 1e-3, betas (0.9, 0.95),
 weight decay 0.1, torch's default CPU implementation). Rank 0 prints one ``BENCH_JSON {...}`` line.
@@ -26,7 +27,7 @@ import torch.distributed as dist  # noqa: E402
 import _mem  # noqa: E402
 from _model import GPT, PRESET_BATCH, PRESETS, Block, GPTConfig  # noqa: E402
 
-BACKENDS = ("single", "ddp", "fsdp1", "fsdp2", "ours", "ours_zero2")
+BACKENDS = ("single", "ddp", "fsdp1", "fsdp2", "ours", "ours_zero2", "ours_compiled")
 
 
 def parse_args(argv=None):
@@ -71,11 +72,12 @@ def wrap(model, backend, world):
         for blk in model.blocks:
             fully_shard(blk, mesh=mesh)
         return fully_shard(model, mesh=mesh)
-    if backend in ("ours", "ours_zero2"):
+    if backend in ("ours", "ours_zero2", "ours_compiled"):
         import fsdp_plugin as fp
 
-        strategy = "full_shard" if backend == "ours" else "shard_grad_op"
-        return fp.shard(model, fp.ShardingConfig(sharding_strategy=strategy, auto_wrap_policy={Block}))
+        strategy = "shard_grad_op" if backend == "ours_zero2" else "full_shard"
+        model = fp.shard(model, fp.ShardingConfig(sharding_strategy=strategy, auto_wrap_policy={Block}))
+        return fp.compile(model) if backend == "ours_compiled" else model
     return model
 
 

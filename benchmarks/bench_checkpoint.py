@@ -7,6 +7,10 @@ One run measures, interleaved per repetition (the order alternates), on the same
 
 * raw disk: 2 processes each writing their half with ``write`` + ``fsync``, then reading it back cold;
 * save at world 2 (fsync included for both: DCP's ``FileSystemWriter`` fsyncs by default);
+* asynchronous save at world 2 (ours ``async_save=True``, reusing its host staging buffers after the first
+  save; DCP ``async_save`` with its own gloo group, default stager: its ``cache_staged_state_dict=True``
+  pins memory and so needs an accelerator in this torch):
+  *blocking* = until the call returns on the slowest rank, *total* = until the checkpoint is published;
 * cold load at world 2, and resharded cold load 2 -> 1.
 
 DCP gets the very same local pieces wrapped as 1-D ``ShardedTensor`` shards (zero-copy), so both write
@@ -79,6 +83,42 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def timed_async(start, wait) -> tuple[float, float]:
+    """(blocking, total) seconds of an asynchronous save, the slowest rank's each."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    handle = start()
+    tb = time.perf_counter() - t0
+    wait(handle)
+    dist.barrier()
+    t = torch.tensor([tb, time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0]), float(t[1])
+
+
+def async_saves(model, state, ours, theirs, order, res, pg) -> None:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    for which in order:
+        if dist.get_rank() == 0:
+            shutil.rmtree(ours if which == 0 else theirs, ignore_errors=True)
+        if which == 0:
+            b, t = timed_async(lambda: save_checkpoint(ours, model, async_save=True), lambda h: h.wait())
+            res["ablock_ours"].append(b)
+            res["atotal_ours"].append(t)
+            if dist.get_rank() == 0:
+                shutil.rmtree(ours, ignore_errors=True)
+            b, t = timed_async(lambda: save_checkpoint(ours, model, async_save="deferred"), lambda h: h.wait())
+            res["dblock_ours"].append(b)
+            res["dtotal_ours"].append(t)
+        else:
+            writer = FileSystemWriter(theirs)  # cache_staged_state_dict=True needs an accelerator (pin_memory)
+            b, t = timed_async(lambda: dcp.async_save(state, storage_writer=writer, process_group=pg),
+                               lambda f: f.result())
+            res["ablock_dcp"].append(b)
+            res["atotal_dcp"].append(t)
+
+
 def local_bytes(model) -> int:
     return sum((sh.end - sh.start) * sh.dtype.itemsize for sh in param_shards(model))
 
@@ -121,7 +161,9 @@ def world2(rank, world, base, gb, reps):
     ref = [sh.param.detach().clone() for sh in param_shards(model)]
     state = dcp_state(model)
     ours, theirs = f"{base}/ours", f"{base}/dcp"
-    res = {k: [] for k in ("raw_write", "raw_read", "save_ours", "save_dcp", "load_ours", "load_dcp")}
+    res = {k: [] for k in ("raw_write", "raw_read", "save_ours", "save_dcp", "load_ours", "load_dcp",
+                           "ablock_ours", "ablock_dcp", "atotal_ours", "atotal_dcp", "dblock_ours", "dtotal_ours")}
+    pg = dist.new_group(backend="gloo")
     for rep in range(reps):
         tw, tr = raw_disk(base, local_bytes(model), rank)
         res["raw_write"].append(tw)
@@ -133,6 +175,7 @@ def world2(rank, world, base, gb, reps):
                 res["save_ours"].append(timed(lambda: save_checkpoint(ours, model)))
             else:
                 res["save_dcp"].append(timed(lambda: dcp.save(state, checkpoint_id=theirs)))
+        async_saves(model, state, ours, theirs, (0, 1) if rep % 2 == 0 else (1, 0), res, pg)
         for which in ((0, 1) if rep % 2 == 0 else (1, 0)):
             for sh in param_shards(model):
                 sh.param.detach().zero_()
@@ -202,6 +245,10 @@ def render(res, nbytes, args, load_before, load_after) -> str:
     rows = [("raw disk: write + fsync, 2 processes", "raw_write", None),
             ("raw disk: cold read, 2 processes", "raw_read", None),
             ("save, world 2 (fsync included)", "save_ours", "save_dcp"),
+            ("async save: training blocked", "ablock_ours", "ablock_dcp"),
+            ("async save: until published", "atotal_ours", "atotal_dcp"),
+            ('async save "deferred" (copy on the thread): blocked', "dblock_ours", "ablock_dcp"),
+            ('async save "deferred": until published', "dtotal_ours", "atotal_dcp"),
             ("load, world 2, cold", "load_ours", "load_dcp"),
             ("resharded load 2 → 1, cold", "reshard_ours", "reshard_dcp")]
     lines = [
@@ -225,7 +272,16 @@ def render(res, nbytes, args, load_before, load_after) -> str:
         else:
             lines.append(f"| {label} | {summarize(res[ours], nbytes)} | {summarize(res[theirs], nbytes)} | "
                          f"{ratio(res[ours], res[theirs])} |")
+    lines += ["", "Async blocking time as a share of the same implementation's synchronous save (median "
+              f"seconds): ours {share(res['ablock_ours'], res['save_ours'])}, ours deferred "
+              f"{share(res['dblock_ours'], res['save_ours'])}, DCP "
+              f"{share(res['ablock_dcp'], res['save_dcp'])}."]
     return "\n".join(lines) + "\n"
+
+
+def share(block: list[float], sync: list[float]) -> str:
+    b, s = statistics.median(block), statistics.median(sync)
+    return f"{b:.3f} s / {s:.3f} s = {100 * b / s:.1f}%"
 
 
 if __name__ == "__main__":

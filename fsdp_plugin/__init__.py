@@ -5,6 +5,7 @@
     optimizer = torch.optim.AdamW(model.parameters())
 """
 from ._collectives import STATS as comm_stats
+from ._compile import compile
 from ._shard import shard
 from .api import (clip_grad_norm_, full_params, full_state_dict, is_sharded, no_sync,
                   register_forward_method, reset)
@@ -14,16 +15,16 @@ from .errors import (CollectiveError, ConfigError, FSDPPluginError, OptimizerErr
                      StateDictError)
 
 from ._deferred import deferred_init
-from .checkpoint import (CheckpointError, CheckpointMismatchError, CorruptCheckpointError,
+from .checkpoint import (AsyncSave, CheckpointError, CheckpointMismatchError, CorruptCheckpointError,
                          IncompleteCheckpointError, load_checkpoint, load_pretrained, save_checkpoint,
                          save_pretrained)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ShardingConfig", "MixedPrecision", "size_policy", "shard", "deferred_init", "no_sync", "full_params",
+    "ShardingConfig", "MixedPrecision", "size_policy", "shard", "compile", "deferred_init", "no_sync", "full_params",
     "clip_grad_norm_", "full_state_dict", "GradScaler", "is_sharded", "register_forward_method", "reset", "comm_stats",
-    "save_checkpoint", "load_checkpoint", "load_pretrained", "save_pretrained", "CheckpointError",
+    "save_checkpoint", "AsyncSave", "load_checkpoint", "load_pretrained", "save_pretrained", "CheckpointError",
     "CheckpointMismatchError", "CorruptCheckpointError", "IncompleteCheckpointError",
     "FSDPPluginError", "ConfigError", "ShardingError", "OptimizerError", "StateDictError", "CollectiveError",
 ]

@@ -186,10 +186,13 @@ def _scatter_from_rank0(handle: FlatParamHandle, values, mesh: Mesh) -> None:
             flat[slot.offset:slot.offset + slot.numel].copy_(v.detach().reshape(-1))
         pieces = flat.split(handle.chunk)
         chunks = [pieces[r].contiguous() for r in mesh.shard_rank_of]
-    # Received on the compute device (NCCL cannot scatter host memory), then moved to the shard's home.
-    mine = torch.empty(handle.chunk, dtype=handle.dtype, device=handle.device)
+    # Received on the compute device (NCCL cannot scatter host memory), then moved to the shard's home;
+    # straight into the shard when that is its home already (no second chunk-sized buffer at setup).
+    direct = handle.flat_shard.device == torch.device(handle.device) and handle.flat_shard.is_contiguous()
+    mine = handle.flat_shard if direct else torch.empty(handle.chunk, dtype=handle.dtype, device=handle.device)
     comm.scatter(mine, chunks, src=0, group=None)
-    handle.flat_shard.copy_(mine)
+    if not direct:
+        handle.flat_shard.copy_(mine)
 
 
 def _finish_buffers(model: nn.Module, cfg: ShardingConfig, mesh: Mesh, device) -> None:

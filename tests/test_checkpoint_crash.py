@@ -27,7 +27,7 @@ def _fill(model, v):
             p.fill_(v)
 
 
-def _saver(path, start, exchange):
+def _saver(path, start, exchange, async_save=False):
     if not exchange:
         _publish._exchange = lambda a, b: False
     torch.set_num_threads(1)
@@ -35,7 +35,7 @@ def _saver(path, start, exchange):
     v = start
     while True:
         _fill(model, v)
-        save_checkpoint(path, model, opt, extra={"v": v})
+        save_checkpoint(path, model, opt, extra={"v": v}, async_save=async_save)  # async: refilled while written
         v += 1
 
 
@@ -47,14 +47,14 @@ def _check_consistent(path):
     return v
 
 
-def _kill_trial(tmp_path, seed, exchange):
+def _kill_trial(tmp_path, seed, exchange, async_save=False):
     path = str(tmp_path / "ck")
     if not os.path.exists(path):
         m = _model()
         _fill(m, 0)
         save_checkpoint(path, m, extra={"v": 0})
     before = _check_consistent(path)
-    proc = mp.get_context("fork").Process(target=_saver, args=(path, before + 1, exchange))
+    proc = mp.get_context("fork").Process(target=_saver, args=(path, before + 1, exchange, async_save))
     proc.start()
     time.sleep(random.Random(seed).uniform(0.0, 0.6))
     os.kill(proc.pid, signal.SIGKILL)
@@ -70,9 +70,10 @@ def _kill_trial(tmp_path, seed, exchange):
     return after
 
 
-@pytest.mark.parametrize("exchange", [True, False])
-def test_sigkill_during_saves(tmp_path, exchange):
-    versions = [_kill_trial(tmp_path, seed, exchange) for seed in range(3 if exchange else 2)]
+@pytest.mark.parametrize("exchange,async_save", [(True, False), (False, False), (True, True)])
+def test_sigkill_during_saves(tmp_path, exchange, async_save):
+    """async_save: the kill lands during background writes and publishes (the saver never waits)."""
+    versions = [_kill_trial(tmp_path, seed, exchange, async_save) for seed in range(3 if exchange else 2)]
     m = _model()
     _fill(m, -1)
     save_checkpoint(tmp_path / "ck", m, extra={"v": -1})  # the next save cleans every leftover
@@ -85,7 +86,7 @@ def test_sigkill_during_saves(tmp_path, exchange):
 def test_sigkill_campaign(tmp_path):
     """60 saves SIGKILLed at random points: the previous checkpoint always loads, bit-identical."""
     for seed in range(60):
-        _kill_trial(tmp_path, 1000 + seed, exchange=seed % 4 != 0)
+        _kill_trial(tmp_path, 1000 + seed, exchange=seed % 4 != 0, async_save=seed % 2 == 1)
 
 
 def _die_mid_write(rank, world, path):

@@ -84,6 +84,24 @@ def test_resume_on_two_devices_with_torchrun(trained, reference):
     _close(_losses(report), reference[4:])
 
 
+@pytest.mark.slow
+def test_async_checkpoints_and_compiled_model(tmp_path, reference):
+    """AsyncCheckpointIO + a torch.compile'd LightningModule (per-unit, aot_eager): same losses, complete
+    checkpoints, and the mid-fit one resumes exactly."""
+    d = tmp_path
+    launch.python("lightning_train.py", "--out", d / "out.json", "--devices", 2, "--async-ckpt",
+                  "--compile", "aot_eager", "--ckpt-dir", d / "ck", "--save-at", 4, d / "step4.ckpt", timeout=600)
+    report = launch.report(d / "out.json")
+    _close(_losses(report), reference)
+    assert report["compiled_units"] == ["net.blocks.0", "net.blocks.1", "net.blocks.2"], report
+    assert report["async_saves"] >= 3, report  # two epoch checkpoints, top-1/last, the mid-fit save
+    for ckpt in [*(d / "ck" / "all").iterdir(), d / "step4.ckpt"]:
+        assert (ckpt / "manifest.json").is_file(), ckpt
+    launch.python("lightning_train.py", "--out", d / "resume.json", "--devices", 1, "--resume", d / "step4.ckpt",
+                  "--forbid-pickle", timeout=240)
+    _close(_losses(launch.report(d / "resume.json")), reference[4:])
+
+
 def test_clip_norm_accumulate_init_module_full_checkpoint_validate(tmp_path):
     """trainer.init_module(empty_init=True) model, clip by norm + accumulation, a 'full' checkpoint, validate.
 

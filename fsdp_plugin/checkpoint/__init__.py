@@ -6,6 +6,7 @@
 * :func:`save_pretrained` / :func:`load_pretrained`: Hugging Face safetensors (+ index) in and out.
 * :func:`consolidate`: offline export of a checkpoint to Hugging Face safetensors (CLI ``fsdp-plugin``).
 """
+from ._async import AsyncSave
 from .consolidate import consolidate
 from .errors import (
     CheckpointError,
@@ -20,6 +21,7 @@ from .save import save_checkpoint
 from .tools import inspect_checkpoint, verify_checkpoint
 
 __all__ = [
+    "AsyncSave",
     "CheckpointError",
     "CheckpointMismatchError",
     "CheckpointMismatchWarning",

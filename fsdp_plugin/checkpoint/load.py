@@ -11,7 +11,7 @@ import warnings
 
 import torch
 
-from . import _comm, _format, _model, codec, manifest, optim
+from . import _async, _comm, _format, _model, codec, manifest, optim
 from .errors import CheckpointMismatchError, CorruptCheckpointError, MismatchReport
 from .reader import ReadPlan
 
@@ -32,6 +32,7 @@ def load_checkpoint(path, model, optimizer=None, strict: bool = True, *, report:
     the intersection, warns (:class:`CheckpointMismatchWarning`) and fills ``report`` if given. Optimizer
     state is created when the optimizer has none yet. Dtypes are cast when model and checkpoint differ.
     """
+    _async.wait_pending()  # a pending asynchronous save may be writing this very path
     path = os.fspath(path)
     err, extra = None, None
     try:

@@ -17,23 +17,71 @@ import os
 import shutil
 import time
 import uuid
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-from . import _comm, _format, _model, _publish, codec, manifest, optim
+from . import _async, _comm, _format, _model, _publish, codec, manifest, optim
+from .errors import CheckpointError
 from .fsio import fsync_path
 from .writer import write_safetensors
 
 
-def save_checkpoint(path, model, optimizer=None, extra=None) -> None:
+@dataclass
+class _Job:
+    """Everything the write + publish half of a save needs (no reference to the live model)."""
+
+    path: str                    # the published location
+    rank: int
+    world: int
+    uid: str
+    record: dict                 # this rank's JSON record; ``files`` is filled by the write
+    files: list                  # (kind, [(name, tensor, stored_shape)]) in file order
+    sharding: dict | None        # rank 0 only: the manifest's sharding description
+
+
+def save_checkpoint(path, model, optimizer=None, extra=None, *,
+                    async_save: bool | Literal["deferred"] = False) -> _async.AsyncSave | None:
     """Save ``model`` (+ optimizer(s), + ``extra``) as a sharded checkpoint directory at ``path``.
 
-    Collective: every rank of the default process group must call it with the same ``path``.
-    ``optimizer``: None, one optimizer or a list. ``extra``: per-rank JSON-able data (see
+    Collective: every rank of the default process group must call it with the same ``path`` and
+    ``async_save``. ``optimizer``: None, one optimizer or a list. ``extra``: per-rank JSON-able data (see
     :mod:`.codec`); tensors in it are stored in the rank's ``extra`` file.
+
+    ``async_save=True`` copies this rank's pieces to host memory (reusing the previous save's buffers:
+    one extra host copy of the local state stays allocated), then returns an :class:`AsyncSave` handle
+    while a background thread writes, checksums and publishes; the files hold the values at the call.
+    ``async_save="deferred"`` returns before the copy: the checkpoint thread makes it first, and every
+    torch optimizer's ``step()`` (and the next save/load) waits until it is made; buffers and ``extra``
+    are still copied at the call. Until ``handle.snapshot_done()``, parameters and optimizer state must
+    only change through an optimizer step. A pending save is waited for by the next save or load and by
+    normal process exit. Returns None when synchronous.
     """
+    if async_save not in (False, True, "deferred"):
+        raise CheckpointError(f"async_save must be False, True or 'deferred', not {async_save!r}")
+    _async.wait_pending()
     path = os.path.abspath(os.fspath(path))
     rank, world = _comm.rank(), _comm.world_size()
+    uid = _begin(path, rank)
+    tmp = _publish.tmp_name(path, uid)
+    stager = _async.Stager(deferred=async_save == "deferred") if async_save else None
+    group = _async.checkpoint_group() if async_save else None
+    err, job = None, None
+    try:
+        job = _snapshot(path, rank, world, uid, model, optim.as_list(optimizer), extra, stager)
+        if stager is not None:
+            stager.finish()
+    except Exception as e:  # noqa: BLE001 - propagated to every rank
+        err = e
+    if not async_save:
+        return _write_and_publish(err, tmp, job)
+    _fail_and_clean(err, tmp, rank)
+    return _async.start(path, lambda e: _write_and_publish(e, tmp, job, group), stager)
+
+
+def _begin(path: str, rank: int) -> str:
+    """Collective: rank 0 prepares ``path.tmp-<uid>``; every rank returns the uid (or raises)."""
     err, uid = None, None
     if rank == 0:
         uid = uuid.uuid4().hex
@@ -43,22 +91,27 @@ def save_checkpoint(path, model, optimizer=None, extra=None) -> None:
             err = e
     uid = _comm.broadcast_bytes(uid.encode() if uid else None).decode()
     _comm.raise_if_any_failed(err)
-    tmp = _publish.tmp_name(path, uid)
-    record = None
-    try:
-        record = _write_local(tmp, rank, world, uid, model, optim.as_list(optimizer), extra)
-    except Exception as e:  # noqa: BLE001
-        err = e
-    _fail_and_clean(err, tmp, rank)
-    records = _comm.gather_bytes(json.dumps(record).encode())
-    if rank == 0:
+    return uid
+
+
+def _write_and_publish(err, tmp: str, job, group=None) -> None:
+    """Collective over ``group``: write this rank's files, gather the records, rank 0 publishes."""
+    rank = _comm.rank()
+    if err is None:
         try:
-            doc = _build_manifest([json.loads(r) for r in records], uid, world, model)
-            _write_manifest(tmp, doc)
-            _publish.publish(tmp, path)
+            _write_files(tmp, job)
         except Exception as e:  # noqa: BLE001
             err = e
-    _fail_and_clean(err, tmp, rank)
+    _fail_and_clean(err, tmp, rank, group)
+    records = _comm.gather_bytes(json.dumps(job.record).encode(), group=group)
+    if rank == 0:
+        try:
+            doc = _build_manifest([json.loads(r) for r in records], job.uid, job.world, job.sharding)
+            _write_manifest(tmp, doc)
+            _publish.publish(tmp, job.path)
+        except Exception as e:  # noqa: BLE001
+            err = e
+    _fail_and_clean(err, tmp, rank, group)
 
 
 def _prepare(path: str, uid: str) -> None:
@@ -69,17 +122,18 @@ def _prepare(path: str, uid: str) -> None:
     os.mkdir(_publish.tmp_name(path, uid))
 
 
-def _fail_and_clean(err, tmp: str, rank: int) -> None:
+def _fail_and_clean(err, tmp: str, rank: int, group=None) -> None:
     try:
-        _comm.raise_if_any_failed(err)
+        _comm.raise_if_any_failed(err, group)
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def _write_local(tmp: str, rank: int, world: int, uid: str, model, optimizers: list, extra) -> dict:
-    """Write this rank's files into ``tmp``; return the JSON record rank 0 needs."""
+def _snapshot(path: str, rank: int, world: int, uid: str, model, optimizers: list, extra, stage) -> _Job:
+    """This rank's record and tensors; ``stage`` (async) copies every tensor to host memory now."""
+    stage = stage or (lambda t, large=False: t)
     shards = _model.param_shards(model)
     shard_of = {id(sh.param): sh for sh in shards}
     model_tensors, pieces = [], {}
@@ -87,28 +141,35 @@ def _write_local(tmp: str, rank: int, world: int, uid: str, model, optimizers: l
         if sh.writer and sh.end > sh.start:
             local = sh.param.detach().reshape(-1)
             assert local.numel() == sh.end - sh.start, f"{sh.fqn}: local piece has {local.numel()} elements"
-            model_tensors.append((sh.fqn, local, (local.numel(),)))
+            model_tensors.append((sh.fqn, stage(local, True), (local.numel(),)))
             pieces[sh.fqn] = [sh.start, sh.end]
     rec: dict = {"rank": rank, "pieces": pieces, "files": {}}
     if rank == 0:
         rec["params"] = {sh.fqn: _param_meta(sh) for sh in shards}
         rec["buffers"] = {}
         for name, buf in _model.persistent_buffers(model):
-            model_tensors.append((name, buf, (buf.numel(),)))
+            model_tensors.append((name, stage(buf), (buf.numel(),)))
             rec["buffers"][name] = {"shape": list(buf.shape), "dtype": _format.dtype_name(buf.dtype)}
     opt_tensors: list = []
     rec["optimizers"] = optim.local_record(optimizers, shard_of, opt_tensors)
     extra_tensors: list = []
-    rec["extra"] = codec.encode(extra, _extra_sink(extra_tensors), "extra")
+    rec["extra"] = codec.encode(extra, _extra_sink(extra_tensors, stage), "extra")
     rec["extra_has_tensors"] = bool(extra_tensors)
-    meta = {"format": "pt", "producer": "fsdp_plugin", "rank": str(rank), "world_size": str(world), "uuid": uid}
-    for kind, tensors in (("model", model_tensors), ("optim", [(k, t, (t.numel(),)) for k, t in opt_tensors]),
-                          ("extra", extra_tensors)):
+    files = [("model", model_tensors), ("optim", [(k, stage(t, True), (t.numel(),)) for k, t in opt_tensors]),
+             ("extra", extra_tensors)]
+    sharding = _model.sharding_description(model) if rank == 0 else None
+    return _Job(path, rank, world, uid, rec, files, sharding)
+
+
+def _write_files(tmp: str, job: _Job) -> None:
+    """Write this rank's non-empty files into ``tmp`` and describe them in ``job.record["files"]``."""
+    meta = {"format": "pt", "producer": "fsdp_plugin", "rank": str(job.rank), "world_size": str(job.world),
+            "uuid": job.uid}
+    for kind, tensors in job.files:
         if tensors:
-            name = manifest.file_name(rank, kind)
-            rec["files"][name] = write_safetensors(os.path.join(tmp, name), tensors,
-                                                   dict(meta, kind=kind)).to_json()
-    return rec
+            name = manifest.file_name(job.rank, kind)
+            job.record["files"][name] = write_safetensors(os.path.join(tmp, name), tensors,
+                                                          dict(meta, kind=kind)).to_json()
 
 
 def _param_meta(sh) -> dict:
@@ -116,15 +177,15 @@ def _param_meta(sh) -> dict:
             "requires_grad": bool(sh.param.requires_grad), "aliases": list(sh.aliases)}
 
 
-def _extra_sink(out: list):
+def _extra_sink(out: list, stage):
     def sink(path: str, t: torch.Tensor) -> dict:
-        out.append((path, t, (t.numel(),)))  # stored 1-D, like every piece; the shape is in the manifest
+        out.append((path, stage(t), (t.numel(),)))  # stored 1-D, like every piece; the shape is in the manifest
         return {codec.TAG: "tensor_ref", "key": path, "dtype": _format.dtype_name(t.dtype), "shape": list(t.shape)}
 
     return sink
 
 
-def _build_manifest(records: list[dict], uid: str, world: int, model) -> dict:
+def _build_manifest(records: list[dict], uid: str, world: int, sharding: dict) -> dict:
     """Merge the per-rank records (indexed by rank) into the manifest; validate it."""
     r0 = records[0]
     params, buffers = {}, {}
@@ -140,7 +201,7 @@ def _build_manifest(records: list[dict], uid: str, world: int, model) -> dict:
         buffers[name] = dict(meta, pieces=[[0, 0, n]] if n else [])
     doc = {"format": manifest.FORMAT, "version": manifest.VERSION, "uuid": uid, "created_unix": time.time(),
            "producer": {"fsdp_plugin": _version(), "torch": torch.__version__},
-           "world_size": world, "sharding": _model.sharding_description(model),
+           "world_size": world, "sharding": sharding,
            "files": {n: f for r in records for n, f in r["files"].items()},
            "params": params, "buffers": buffers,
            "optimizers": _merge_optimizers(records), "extra": _merge_extra(records)}

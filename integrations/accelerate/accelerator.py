@@ -110,7 +110,11 @@ class Accelerator(accelerate.Accelerator):
         if self.native_amp:
             _wrap_forward_in_autocast(model, self.native_amp, self.autocast_handler)
         if self.state.dynamo_plugin.backend != accelerate.utils.DynamoBackend.NO:
-            model = torch.compile(model, **self.state.dynamo_plugin.to_kwargs())
+            import fsdp_plugin as fp
+
+            # per unit, hooks outside the compiled regions (what accelerate's regional compilation does for
+            # repeated blocks); a whole-model torch.compile would trace the engine's collectives
+            fp.compile(model, **self.state.dynamo_plugin.to_kwargs())
         model._is_accelerate_prepared = True
         return model
 
@@ -179,20 +183,28 @@ class Accelerator(accelerate.Accelerator):
             return super().save_model(model, save_directory, max_shard_size=max_shard_size, safe_serialization=True)
         save_pretrained(self.unwrap_model(model), os.fspath(save_directory), max_shard_size=max_shard_size)
 
-    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs):
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, async_save=False,
+                   **kwargs):
         """Collective: models + optimizers in fsdp_plugin's sharded format, the rest as JSON/safetensors.
 
         With ``fsdp_state_dict_type: FULL_STATE_DICT`` each model's full weights are also written as
         Hugging Face safetensors in ``full_model_<i>/``; ``load_state`` always resumes from the sharded
-        state (it holds the optimizer too, and loads at any process count)."""
+        state (it holds the optimizer too, and loads at any process count).
+        ``async_save=True`` / ``"deferred"`` (see ``fp.save_checkpoint``): the last model's checkpoint is
+        written in the background; ``self.pending_checkpoint`` is its ``fp.AsyncSave`` handle, waited for by
+        the next ``save_state``/``load_state`` and at exit.
+        """
         if not self._fp_active:
             return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+        pending, self.pending_checkpoint = getattr(self, "pending_checkpoint", None), None
+        if pending is not None:
+            pending.wait()  # before old checkpoint directories are rotated away
         output_dir = state_dirs.output_dir(self, output_dir)
         os.makedirs(output_dir, exist_ok=True)
         self.wait_for_everyone()
         for hook in self._save_model_state_pre_hook.values():
             hook(self._models, [], output_dir)
-        state_io.save_models(output_dir, self._models, self._optimizers)
+        self.pending_checkpoint = state_io.save_models(output_dir, self._models, self._optimizers, async_save)
         if self._fp_settings is not None and self._fp_settings.state_dict_type == "full":
             state_io.save_full_models(output_dir, self._models)
         state_io.save_small_state(output_dir, self)
@@ -204,6 +216,9 @@ class Accelerator(accelerate.Accelerator):
         """Collective: inverse of :meth:`save_state`, at any process count."""
         if not self._fp_active:
             return super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
+        pending, self.pending_checkpoint = getattr(self, "pending_checkpoint", None), None
+        if pending is not None:
+            pending.wait()  # the state being loaded may still be written
         input_dir = state_dirs.input_dir(self, input_dir)
         for hook in self._load_model_state_pre_hook.values():
             hook(self._models, input_dir)

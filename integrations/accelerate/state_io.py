@@ -54,13 +54,19 @@ def check_optimizers(models: list, optimizers: list) -> None:
                          "prepare the model they optimize with the same Accelerator")
 
 
-def save_models(directory: str, models: list, optimizers: list) -> None:
-    """Collective: one sharded checkpoint per model, with its optimizer."""
+def save_models(directory: str, models: list, optimizers: list, async_save=False):
+    """Collective: one sharded checkpoint per model, with its optimizer.
+
+    Returns the last save's ``fp.AsyncSave`` handle when ``async_save`` (each save waits for the previous).
+    """
     from fsdp_plugin.checkpoint import save_checkpoint
 
     check_optimizers(models, optimizers)
+    handle = None
     for i, model in enumerate(models):
-        save_checkpoint(model_dir(directory, i), model, optimizer_for(model, optimizers))
+        handle = save_checkpoint(model_dir(directory, i), model, optimizer_for(model, optimizers),
+                                 async_save=async_save)
+    return handle
 
 
 def full_model_dir(directory: str, index: int) -> str:

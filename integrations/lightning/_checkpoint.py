@@ -76,10 +76,15 @@ def encode_meta(meta: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
     return encode(meta)
 
 
-def save_sharded(path: Path, model: torch.nn.Module, optimizers: Sequence[Any], encoded: tuple) -> None:
-    """Write the engine's sharded directory at ``path`` with Lightning's encoded state in ``extra``."""
+def save_sharded(path: Path, model: torch.nn.Module, optimizers: Sequence[Any], encoded: tuple,
+                 async_save: bool | str = False) -> Any:
+    """Write the engine's sharded directory at ``path`` with Lightning's encoded state in ``extra``.
+
+    Returns the ``fp.AsyncSave`` handle when ``async_save`` (see ``fp.save_checkpoint``), else None.
+    """
     tree, tensors = encoded
-    fp.save_checkpoint(str(path), model, _optim_arg(optimizers), extra={EXTRA_KEY: tree, EXTRA_TENSORS_KEY: tensors})
+    return fp.save_checkpoint(str(path), model, _optim_arg(optimizers),
+                              extra={EXTRA_KEY: tree, EXTRA_TENSORS_KEY: tensors}, async_save=async_save)
 
 
 def load_sharded(path: Path, model: torch.nn.Module, optimizers: Sequence[Any]) -> dict[str, Any]:

@@ -69,6 +69,9 @@ class FSDPPluginFabricStrategy(ParallelStrategy, _Sharded):
                                  "a sharded directory (loadable at any world size); export it with `fsdp-plugin "
                                  "consolidate CKPT OUT` (or get the weights with fp.full_state_dict(module))")
         self.sharding_config = common.sharding_config(sharding)
+        from fsdp_plugin.integrations.lightning import _compile
+
+        _compile.compile_in_fabric()  # fabric.setup(torch.compile(model)) compiles per unit
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision=precision)
         self._process_group_backend = process_group_backend

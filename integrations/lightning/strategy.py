@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from fsdp_plugin.integrations.lightning import _async_save, _compile
 from fsdp_plugin.integrations.lightning import _checkpoint as ckpt
 from fsdp_plugin.integrations.lightning import _common as common
 from fsdp_plugin.integrations.lightning._register import STRATEGY_NAME
@@ -77,7 +78,13 @@ class FSDPPluginStrategy(ParallelStrategy):
             ``FSDPStrategy``'s spellings of them (torch enums, ``MixedPrecision``, ``ModuleWrapPolicy``,
             ``activation_checkpointing_policy``, ...: see ``_fsdp_kwargs``). An explicit ``mixed_precision``
             overrides the one derived from the Trainer's ``precision`` flag.
+        async_save: ``True`` / ``"deferred"``: sharded saves return after the host snapshot and write in the
+            background (``fp.save_checkpoint(async_save=...)``); Lightning's ``AsyncCheckpointIO`` plugin
+            selects ``True``. The pending save is waited for by the next save/load and by teardown.
     """
+
+    #: ``torch.compile``d LightningModules are compiled per unit (see ``_compile``), not refused.
+    compiles_per_unit = True
 
     def __init__(
         self,
@@ -91,10 +98,13 @@ class FSDPPluginStrategy(ParallelStrategy):
         state_dict_type: Literal["sharded", "full"] = "sharded",
         accumulate_grads: Literal["sharded", "no_sync"] = "sharded",
         log_comm_stats: bool = True,
+        async_save: bool | Literal["deferred"] = False,
         **sharding: Any,
     ) -> None:
         _check_choice("state_dict_type", state_dict_type, _STATE_DICT_TYPES)
         _check_choice("accumulate_grads", accumulate_grads, _ACCUMULATION)
+        if async_save not in (False, True, "deferred"):
+            raise ValueError(f"FSDPPluginStrategy(async_save={async_save!r}): use False, True or 'deferred'")
         self.sharding_config = common.sharding_config(sharding)  # eager validation
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -105,6 +115,8 @@ class FSDPPluginStrategy(ParallelStrategy):
         self.accumulate_grads = accumulate_grads
         self.log_comm_stats = log_comm_stats
         self._comm_seen: dict[str, dict[str, int]] = {}
+        self._async_save = async_save
+        _compile.allow_in_trainer()
         self.num_nodes = 1
 
     # ----------------------------------------------------------------- registry and plumbing
@@ -193,7 +205,9 @@ class FSDPPluginStrategy(ParallelStrategy):
                 self.model = self._layer_sync.apply(self.model)
             self.model = self.precision_plugin.convert_module(self.model)
             cfg = common.with_precision(self.sharding_config, self.precision_plugin)
+            dynamo_ctx = _compile.take(self.lightning_module)  # Trainer.fit(torch.compile(model))
             self.model = common.shard_module(self.model, cfg, self.root_device)
+            _compile.apply(self.model, dynamo_ctx)
         self.barrier()
         self._comm_seen = fp.comm_stats.snapshot()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -273,7 +287,9 @@ class FSDPPluginStrategy(ParallelStrategy):
         if self.state_dict_type == "full":
             ckpt.save_full(path, self.model, meta, encoded)
         else:
-            ckpt.save_sharded(path, self.model, self.optimizers if with_optimizers else [], encoded)
+            handle = ckpt.save_sharded(path, self.model, self.optimizers if with_optimizers else [], encoded,
+                                       async_save=_async_save.requested(self))
+            _async_save.remember(self, handle)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Collective. Loads model (+ optimizers when fitting) in place; returns Lightning's other state."""
@@ -304,6 +320,7 @@ class FSDPPluginStrategy(ParallelStrategy):
         """Like FSDPStrategy, but no ``.cpu()`` and no SyncBatchNorm revert: the model stays sharded in place
         (reverting would replace modules whose parameters the engine owns)."""
         assert self.cluster_environment is not None and self.accelerator is not None
+        _async_save.finish(self)  # before the process group goes away
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()

@@ -20,6 +20,7 @@ import sys
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from torch import nn
 
 GLOBAL_BATCH = 8
@@ -210,6 +211,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--fsdp-kwargs", action="store_true",
                    help="FSDPPluginStrategy(**Lightning FSDPStrategy kwargs), state_dict_type='full'")
     p.add_argument("--test", default=None, metavar="CKPT", help="only trainer.test(ckpt_path=CKPT), no fit")
+    p.add_argument("--async-ckpt", action="store_true", help="plugins=[AsyncCheckpointIO()]")
+    p.add_argument("--compile", default=None, metavar="BACKEND", help="trainer.fit(torch.compile(model, backend=...))")
     return p.parse_args()
 
 
@@ -233,6 +236,7 @@ def main() -> None:
         gradient_clip_algorithm=args.clip_algo, callbacks=callbacks, logger=False,
         enable_checkpointing=bool(args.ckpt_dir), enable_progress_bar=False,
         use_distributed_sampler=False, enable_model_summary=False,
+        plugins=[AsyncCheckpointIO()] if args.async_ckpt else None,
     )
     with trainer.init_module(empty_init=True) if args.init_module else contextlib.nullcontext():
         model = Regressor(deferred=args.deferred)
@@ -240,7 +244,7 @@ def main() -> None:
         return _test_only(args, trainer, model)
     per_rank = GLOBAL_BATCH // args.devices // args.accumulate
     loader = torch.utils.data.DataLoader(dataset(), batch_size=per_rank, sampler=RankSampler(32))
-    trainer.fit(model, loader, ckpt_path=args.resume)
+    trainer.fit(torch.compile(model, backend=args.compile) if args.compile else model, loader, ckpt_path=args.resume)
     args.comm = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("fsdp_plugin/")}
     if args.save:
         trainer.save_checkpoint(args.save)
@@ -313,6 +317,9 @@ def _report(args, trainer, model, recorder, weights) -> None:
         "comm": args.comm,  # the last optimizer step's fp.comm_stats, logged by the strategy
         "units": len(getattr(getattr(model, "_fp_root", None), "units", ()) or ()),
         "recomputed": sum("forward" in vars(m) for m in model.modules()),  # activation checkpointing wraps forward
+        "compiled_units": sorted(u.name for u in getattr(getattr(model, "_fp_root", None), "units", ())
+                                 if "_fp_eager_forward" in u.module.__dict__),
+        "async_saves": getattr(trainer.strategy, "async_saves", 0),
     }
     mp = getattr(getattr(trainer.strategy, "precision_plugin", None), "mixed_precision", None)
     info["param_dtype"] = str(getattr(mp() if callable(mp) else None, "param_dtype", None))

@@ -1,0 +1,75 @@
+"""Async checkpoints reached through the integrations' usual switches (world 1, in process, no launcher):
+Accelerate ``save_state(async_save=True)``, Lightning ``AsyncCheckpointIO`` / ``FSDPPluginStrategy(async_save=)``."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import fsdp_plugin as fp
+
+
+@pytest.fixture
+def fresh_accelerate(monkeypatch):
+    pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    for name in ("ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING", "ACCELERATE_MIXED_PRECISION"):
+        monkeypatch.setenv(name, "false" if name != "ACCELERATE_MIXED_PRECISION" else "no")
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 1))
+
+
+def _step(model, opt):
+    model(torch.randn(3, 4)).pow(2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("mode", [True, "deferred"])
+def test_accelerate_save_state_async(tmp_path, fresh_accelerate, mode):
+    from fsdp_plugin.integrations.accelerate import Accelerator
+
+    acc = Accelerator(sharding_config=fp.ShardingConfig())
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    _step(model, opt)
+    acc.save_state(tmp_path / "s", async_save=mode)
+    assert isinstance(acc.pending_checkpoint, fp.AsyncSave)
+    expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _step(model, opt)  # training goes on while the state is written
+    assert any(not torch.equal(p.detach(), expected[n]) for n, p in model.named_parameters())
+    acc.load_state(tmp_path / "s")  # waits for the pending save
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), expected[n]), n
+
+
+def test_lightning_strategy_async_switches(tmp_path):
+    pytest.importorskip("lightning")
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    from fsdp_plugin.integrations.lightning import _async_save
+    from fsdp_plugin.integrations.lightning import _checkpoint as ckpt
+    from fsdp_plugin.integrations.lightning.strategy import FSDPPluginStrategy
+
+    assert _async_save.requested(FSDPPluginStrategy()) is False
+    assert _async_save.requested(FSDPPluginStrategy(checkpoint_io=AsyncCheckpointIO())) is True
+    strategy = FSDPPluginStrategy(async_save="deferred")
+    assert _async_save.requested(strategy) == "deferred"
+    with pytest.raises(ValueError, match="async_save"):
+        FSDPPluginStrategy(async_save="later")
+    model = _net()
+    handle = ckpt.save_sharded(Path(tmp_path / "c"), model, [], ckpt.encode_meta({"epoch": 3}), async_save=True)
+    _async_save.remember(strategy, handle)
+    _async_save.finish(strategy)
+    assert handle.done() and strategy._pending_save is None
+    assert ckpt.load_sharded(Path(tmp_path / "c"), _net(), [])["epoch"] == 3
