@@ -5,6 +5,7 @@
     optimizer = torch.optim.AdamW(model.parameters())
 """
 from ._collectives import STATS as comm_stats
+from ._log import configure_from_env as _configure_log, memory_report
 from ._shard import shard
 from .api import (clip_grad_norm_, full_params, full_state_dict, is_sharded, no_sync,
                   register_forward_method)
@@ -14,6 +15,7 @@ from .errors import (CollectiveError, ConfigError, FSDPPluginError, OptimizerErr
                      StateDictError)
 
 from ._deferred import deferred_init
+from .plan import Plan, plan
 from .checkpoint import (CheckpointError, CheckpointMismatchError, CorruptCheckpointError,
                          IncompleteCheckpointError, load_checkpoint, load_pretrained, save_checkpoint,
                          save_pretrained)
@@ -26,7 +28,10 @@ __all__ = [
     "save_checkpoint", "load_checkpoint", "load_pretrained", "save_pretrained", "CheckpointError",
     "CheckpointMismatchError", "CorruptCheckpointError", "IncompleteCheckpointError",
     "FSDPPluginError", "ConfigError", "ShardingError", "OptimizerError", "StateDictError", "CollectiveError",
+    "plan", "Plan", "memory_report",
 ]
+
+_configure_log()
 
 from .integrations.lightning._register import register_if_lightning_present as _register_lightning  # noqa: E402
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from . import _collectives as comm
 from ._mesh import Mesh
+from ._trace import _traced
 
 
 def set_param_data(param: nn.Parameter, tensor: torch.Tensor) -> None:
@@ -116,6 +117,7 @@ class FlatParamHandle:
         if storage.nbytes() != nbytes:
             storage.resize_(nbytes)
 
+    @_traced("unshard")
     def unshard(self, async_op: bool = True) -> None:
         """Start (or finish) materializing the full flat parameter; ``wait_unshard`` before use."""
         if self.is_unsharded or self._gather_work is not None:
@@ -131,6 +133,7 @@ class FlatParamHandle:
         if not async_op:
             self.wait_unshard()
 
+    @_traced("wait_unshard")
     def wait_unshard(self) -> None:
         if self._gather_work is not None:
             comm.wait(self._gather_work, f"all-gather of unit {self.label!r}", self.timeout_s)
@@ -140,6 +143,7 @@ class FlatParamHandle:
         elif not self.is_unsharded:
             self.unshard(async_op=False)
 
+    @_traced("reshard")
     def reshard(self) -> None:
         if self._aliases_shard or not self.is_unsharded:
             return
@@ -165,6 +169,7 @@ class FlatParamHandle:
             acc = self.unsharded_grad_accum
             self.unsharded_grad_accum = grad if acc is None else acc.add_(grad)
 
+    @_traced("reduce")
     def start_reduce(self, grad: torch.Tensor) -> None:
         """Issue the gradient reduction asynchronously; ``finish_reduce`` completes it.
 
@@ -182,6 +187,7 @@ class FlatParamHandle:
         else:
             self.pending_reduce = _PendingReduce(None, grad, grad)
 
+    @_traced("wait_reduce")
     def finish_reduce(self) -> None:
         """Wait for the reduction, average across every rank, accumulate into ``shard_grad``."""
         pending, self.pending_reduce = self.pending_reduce, None
