@@ -15,7 +15,7 @@ from .errors import (CollectiveError, ConfigError, FSDPPluginError, OptimizerErr
                      StateDictError)
 
 from ._deferred import deferred_init
-from .plan import Plan, plan
+from .plan import Plan, PlanError, plan
 from .checkpoint import (CheckpointError, CheckpointMismatchError, CorruptCheckpointError,
                          IncompleteCheckpointError, load_checkpoint, load_pretrained, save_checkpoint,
                          save_pretrained)
@@ -28,7 +28,7 @@ __all__ = [
     "save_checkpoint", "load_checkpoint", "load_pretrained", "save_pretrained", "CheckpointError",
     "CheckpointMismatchError", "CorruptCheckpointError", "IncompleteCheckpointError",
     "FSDPPluginError", "ConfigError", "ShardingError", "OptimizerError", "StateDictError", "CollectiveError",
-    "plan", "Plan", "memory_report",
+    "plan", "Plan", "PlanError", "memory_report",
 ]
 
 _configure_log()

@@ -89,10 +89,14 @@ def checkpoint_from_another_architecture(tmp_path):
     fp.load_checkpoint(str(tmp_path / "ckpt"), fp.shard(nn.Sequential(nn.Linear(3, 4))))
 
 
+def plan_of_an_unknown_model():
+    fp.plan("my_project.models.build")
+
+
 CASES = [unknown_strategy, unknown_option, wrap_policy_matches_nothing, mesh_not_dividing_world, shard_twice,
          optimizer_stepped_before_shard, dtype_backend_cannot_reduce, plain_state_dict_on_sharded_model,
          not_sharded, meta_module_without_init, nonfinite_gradients_with_clipping,
-         checkpoint_from_another_architecture]
+         checkpoint_from_another_architecture, plan_of_an_unknown_model]
 
 
 def _capture(case, tmp_path):

@@ -243,7 +243,7 @@ def _unit_hooks(units, tracker: _Tracker, st: dict) -> list:
                 tracker.mark("pre_backward", i, True)
             return grad
 
-        def post(module, args, output, i=i):
+        def post(module, args, output, i=i, pre_backward=pre_backward):
             st["depth"][i] -= 1
             if st["depth"][i] > 0:
                 return output

@@ -49,11 +49,13 @@ def plan(model: ModelSource, world_size: Union[int, Iterable[int]] = 1, sharding
                          forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
                          ignored_modules=ignored_modules)
     opt = _optim.check(optimizer)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    named_gpu = isinstance(calibration, str) and calibration in HARDWARE
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() or named_gpu else "cpu"))
     module = capture(model)
     units, handles = discover_units(module, cfg.auto_wrap_policy, cfg.ignored_modules)
     ac_policy = _ac_policy(ac, cfg.auto_wrap_policy, units)
-    spec = RunSpec(device, mp.param_dtype if mp else None, mp.buffer_dtype if mp else None,
+    run_device = device if (device.type != "cuda" or torch.cuda.is_available()) else torch.device("cpu")
+    spec = RunSpec(run_device, mp.param_dtype if mp else None, mp.buffer_dtype if mp else None,
                    mp.cast_forward_inputs if mp else False, ac_policy)
     make_inputs = inputs or _default_inputs(module, batch_size, seq_len)
     tl = run(module, units, handles, spec, make_inputs, loss_fn)
@@ -65,7 +67,8 @@ def plan(model: ModelSource, world_size: Union[int, Iterable[int]] = 1, sharding
                 else None, activation_checkpointing=ac_policy is not None,
                 micro_batch=_describe_inputs(tl), units=_unit_rows(units, handles), worlds=per_world,
                 flops_per_step=tl.flops, calibration=_cal_dict(cal, worlds),
-                notes=_notes(device, cpu_offload))
+                notes=_notes(run_device, cpu_offload) + ([f"target {device.type} has no device here: activations "
+                                                          "measured with CPU kernels"] if run_device != device else []))
 
 
 def _mixed_precision(mp) -> Optional[MixedPrecision]:
