@@ -27,7 +27,7 @@ from .errors import PlanError
 
 @dataclass
 class Event:
-    kind: str        # pre_forward | post_forward | pre_backward | grad_ready | end_backward
+    kind: str        # pre_forward | post_forward | pre_backward | grad_ready | grads_dropped | end_backward
     index: int       # unit index (handle index for grad_ready)
     in_backward: bool
     act_now: int     # activation bytes live at the event
@@ -42,6 +42,7 @@ class Timeline:
     flops: int = 0               # matmul/conv/attention FLOPs of forward+backward (recompute included)
     other_bytes: int = 0         # bytes read+written by every other op (memory-bound work)
     input_bytes: int = 0
+    ops: int = 0                 # aten ops dispatched (host overhead per op is part of the step time)
 
 
 class _Tracker(TorchDispatchMode):
@@ -53,6 +54,7 @@ class _Tracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self.tl.ops += 1
         ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         in_keys = {_key(t) for t in ins}
@@ -279,9 +281,10 @@ def _grad_hooks(handles, params_by_orig: dict, tracker: _Tracker, st: dict) -> l
 
 def _complete(h: int, params, tracker: _Tracker, st: dict) -> None:
     st["done"].add(h)
-    tracker.mark("grad_ready", h, True)
+    tracker.mark("grad_ready", h, True)     # per-parameter gradients still alive: the flat one is built now
     for p in params:
         p.grad = None
+    tracker.mark("grads_dropped", h, True)
 
 
 def _flush_incomplete(handles, params_by_orig, tracker: _Tracker, st: dict) -> None:

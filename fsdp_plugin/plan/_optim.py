@@ -32,3 +32,9 @@ def step_temporaries(name: str, trainable_shard_bytes: int, largest_piece_bytes:
 
 def step_traffic(name: str, trainable_elems: int) -> int:
     return _STEP_TRAFFIC[check(name)] * trainable_elems
+
+
+def step_ops(name: str, n_tensors: int, foreach: bool) -> int:
+    """Ops one step dispatches: about a dozen per parameter tensor (for-loop) or per group (foreach)."""
+    per = {"sgd": 3, "sgd-momentum": 6, "adam": 12, "adamw": 12}[check(name)]
+    return per * (1 if foreach else n_tensors)

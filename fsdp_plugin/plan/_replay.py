@@ -122,11 +122,17 @@ class _Sim:
             self.unsharded -= self.full[h]
 
     def grad_ready(self, h: int) -> None:
+        """The unit's flat gradient (compute dtype) is built while its per-parameter pieces still exist."""
+        spec, lay = self.handles[h], self.lay
+        self.reducing += spec.padded(lay.shard_size) * lay.compute(spec).itemsize
+        self.check()
+
+    def grads_dropped(self, h: int) -> None:
+        """post-backward: cast to the reduce dtype, issue the reduction, keep one in flight, reshard."""
         spec, lay = self.handles[h], self.lay
         padded = spec.padded(lay.shard_size)
         g_compute = padded * lay.compute(spec).itemsize
         g_reduce = padded * lay.reduce(spec).itemsize
-        self.reducing += g_compute
         if lay.reduce(spec) != lay.compute(spec):
             self.reducing += g_reduce
             self.check()
@@ -211,6 +217,8 @@ def replay(units, handles, timeline, lay: Layout, static: int, optimizer_step_ex
             sim.pre_backward(ev.index)
         elif ev.kind == "grad_ready":
             sim.grad_ready(ev.index)
+        elif ev.kind == "grads_dropped":
+            sim.grads_dropped(ev.index)
         elif ev.kind == "end_backward":
             sim.end_backward()
         sim.check()

@@ -28,31 +28,37 @@ class Calibration:
     latency_s: float = 20e-6
     overlap: float = 1.0
     source: str = "assumed"
+    op_overhead_s: float = 0.0     # host time per dispatched op (Python + dispatcher + autograd; kernel launch)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-# Named hardware for simulation. flops: sustained dense bf16 per GPU (about half of peak, the FSDP paper's
-# regime); bus: per-GPU ring bandwidth inside a node (NVLink) and across nodes (network / GPUs per node).
+# Named hardware for simulation. flops: sustained dense bf16 matmul per GPU (60% of peak: 312 TFLOP/s on A100,
+# 989 on H100 SXM); bus: per-GPU ring bus bandwidth of all-gather/reduce-scatter inside a node (NVLink) and across
+# nodes (multi-rail: every GPU has its own NIC; the FSDP paper's cluster has 2 Tb/s RoCE per 8-GPU A100 node,
+# taken at 75% efficiency); hop_latency_s: per-hop latency, so a ring collective costs (N-1) hops.
 HARDWARE = {
-    "a100-80gb": dict(flops_per_s=150e12, mem_bytes_per_s=1.6e12, memory=80 * 2**30, gpus_per_node=8,
-                      intra_bus_bytes_per_s=150e9, inter_bus_bytes_per_s=200e9 / 8 * 2),   # 2x200 Gb/s per 8 GPUs
-    "h100-80gb": dict(flops_per_s=400e12, mem_bytes_per_s=2.6e12, memory=80 * 2**30, gpus_per_node=8,
-                      intra_bus_bytes_per_s=300e9, inter_bus_bytes_per_s=400e9 / 8),
+    "a100-80gb": dict(flops_per_s=0.6 * 312e12, mem_bytes_per_s=2.0e12, memory=80 * 2**30, gpus_per_node=8,
+                      intra_bus_bytes_per_s=230e9, inter_bus_bytes_per_s=0.75 * 2e12 / 8, hop_latency_s=5e-6),
+    "h100-80gb": dict(flops_per_s=0.6 * 989e12, mem_bytes_per_s=3.35e12, memory=80 * 2**30, gpus_per_node=8,
+                      intra_bus_bytes_per_s=360e9, inter_bus_bytes_per_s=0.75 * 3.2e12 / 8, hop_latency_s=5e-6),
 }
 
 
 def for_hardware(name: str, world: int, overlap: float = 1.0) -> Calibration:
+    """Named throughputs at ``world`` GPUs (cross-node bandwidth once the world spans nodes)."""
     hw = HARDWARE[name]
-    bus = hw["intra_bus_bytes_per_s"] if world <= hw["gpus_per_node"] else hw["inter_bus_bytes_per_s"]
-    return Calibration(hw["flops_per_s"], hw["mem_bytes_per_s"], bus, 20e-6, overlap, f"named:{name}")
+    bus = hw["intra_bus_bytes_per_s"] if world <= hw["gpus_per_node"] else min(hw["intra_bus_bytes_per_s"],
+                                                                               hw["inter_bus_bytes_per_s"])
+    return Calibration(hw["flops_per_s"], hw["mem_bytes_per_s"], bus, hw["hop_latency_s"] * max(world - 1, 1),
+                       overlap, f"named:{name}", op_overhead_s=5e-6)
 
 
 def default_for(device: torch.device) -> Calibration:
     if device.type == "cuda":
         return for_hardware("a100-80gb", 8)
-    return Calibration(20e9, 4e9, 0.5e9, 200e-6, 0.0, "assumed-cpu")
+    return Calibration(20e9, 4e9, 0.5e9, 200e-6, 0.0, "assumed-cpu", op_overhead_s=15e-6)
 
 
 def _timed(fn, min_s: float) -> float:
@@ -85,7 +91,32 @@ def calibrate(device: Optional[torch.device] = None, dtype: torch.dtype = torch.
     if world > 1:
         bus, latency = _measure_collectives(device, group, world, seconds)
     overlap = 1.0 if device.type == "cuda" else 0.0
-    return Calibration(flops, mem, bus, latency, overlap, f"measured on {device.type}, world {world}")
+    return Calibration(flops, mem, bus, latency, overlap, f"measured on {device.type}, world {world}",
+                       op_overhead_s=_op_overhead(device, seconds))
+
+
+def _op_overhead(device, seconds: float) -> float:
+    """Host seconds per aten op of a tiny autograd workload (its arithmetic is negligible)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x = torch.randn(8, 8, device=device, requires_grad=True)
+
+    def step():
+        y = x
+        for _ in range(20):
+            y = torch.tanh(y * 1.01 + 0.1)
+        y.sum().backward()
+        _sync(device)
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+    with Count():
+        step()
+    return _timed(step, seconds / 2) / max(Count.n, 1)
 
 
 def _measure_collectives(device, group, world: int, seconds: float) -> tuple[float, float]:
@@ -120,8 +151,12 @@ def _measure_collectives(device, group, world: int, seconds: float) -> tuple[flo
 
 
 def predict(flops: int, other_bytes: int, optimizer_bytes: int, wire_bytes: int, calls: int,
-            cal: Calibration) -> dict:
-    compute = flops / cal.flops_per_s + (other_bytes + optimizer_bytes) / cal.mem_bytes_per_s
+            cal: Calibration, ops: int = 0) -> dict:
+    """Seconds per step. Host op overhead adds to the kernels where they share cores (overlap 0, CPU) and
+    bounds them from below where the host runs ahead of the device (overlap 1, CUDA)."""
+    kernels = flops / cal.flops_per_s + (other_bytes + optimizer_bytes) / cal.mem_bytes_per_s
+    host = ops * cal.op_overhead_s
+    compute = kernels + host if cal.overlap < 1 else max(kernels, host)
     communication = wire_bytes / cal.bus_bytes_per_s + calls * cal.latency_s
     step = compute + communication - cal.overlap * min(compute, communication)
     return {"step_s": step, "compute_s": compute, "comm_s": communication}
