@@ -6,11 +6,17 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from .api import plan
+import torch
+
+from .api import _calibration, _mixed_precision, plan_strategies
 from ._capture import capture
 from ._result import Plan, fmt_bytes
 from .errors import PlanError
 
+_PLAN_DEFAULTS = dict(auto_wrap_policy=None, optimizer="adamw", inputs=None, loss_fn=None, mixed_precision=None,
+                      activation_checkpointing=None, cpu_offload=False, backward_prefetch=True,
+                      forward_prefetch=False, limit_all_gathers=True, batch_size=1, seq_len=128, device=None,
+                      calibration=None, gpus_per_node=8, ignored_modules=(), foreach=None)
 _PREFERENCE = ("no_shard", "shard_grad_op", "full_shard")   # least communication first
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -61,9 +67,15 @@ def fit(model, memory, max_world: int = 1024, **plan_kwargs) -> Fit:
     budget = parse_bytes(memory)
     module = capture(model)
     worlds = [1 << k for k in range(max_world.bit_length()) if (1 << k) <= max_world]
-    plans = {(s, ac): plan(module, world_size=worlds, sharding_strategy=s, activation_checkpointing=ac or None,
-                           **plan_kwargs)
-             for ac in (False, True) for s in _PREFERENCE}
+    opts = {**_PLAN_DEFAULTS, **plan_kwargs}
+    if opts["calibration"] == "calibrate":   # measure once, not once per configuration
+        opts["calibration"] = _calibration("calibrate", torch.device(opts["device"] or (
+            "cuda" if torch.cuda.is_available() else "cpu")), _mixed_precision(opts["mixed_precision"]))
+    plans = {}
+    for ac in (False, True):
+        for s, p in zip(_PREFERENCE, plan_strategies(module, worlds, list(_PREFERENCE),
+                                                      **{**opts, "activation_checkpointing": ac or None})):
+            plans[(s, ac)] = p
     wrap = repr(plan_kwargs.get("auto_wrap_policy")) if plan_kwargs.get("auto_wrap_policy") else "default (repeated blocks)"
     for w in worlds:
         ok = [(p.worlds[w].step_s or 0.0, _PREFERENCE.index(s), ac, s, p) for (s, ac), p in plans.items()

@@ -39,36 +39,53 @@ def plan(model: ModelSource, world_size: Union[int, Iterable[int]] = 1, sharding
     calibration: None (assumed throughputs for ``device``), "calibrate" (measure here, collectively under a
         process group), a name in ``HARDWARE`` (e.g. "a100-80gb"), or a ``Calibration``.
     """
+    opts = dict(auto_wrap_policy=auto_wrap_policy, optimizer=optimizer, inputs=inputs, loss_fn=loss_fn,
+                mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
+                cpu_offload=cpu_offload, backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
+                limit_all_gathers=limit_all_gathers, batch_size=batch_size, seq_len=seq_len, device=device,
+                calibration=calibration, gpus_per_node=gpus_per_node, ignored_modules=ignored_modules,
+                foreach=foreach)
+    return plan_strategies(model, world_size, [sharding_strategy], **opts)[0]
+
+
+def plan_strategies(model: ModelSource, world_size, strategies: list, **opts) -> list:
+    """`plan` for several strategies from one fake run (the run does not depend on the strategy)."""
     worlds = sorted({int(world_size)} if isinstance(world_size, int) else {int(w) for w in world_size})
     if not worlds or min(worlds) < 1:
         raise PlanError(f"world_size={world_size!r}: give a positive size or a list of them")
-    mp = _mixed_precision(mixed_precision)
-    ac = activation_checkpointing if activation_checkpointing not in (False,) else None
-    cfg = ShardingConfig(sharding_strategy=sharding_strategy, auto_wrap_policy=auto_wrap_policy, mixed_precision=mp,
-                         cpu_offload=cpu_offload, backward_prefetch=backward_prefetch,
-                         forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
-                         ignored_modules=ignored_modules)
-    opt = _optim.check(optimizer)
-    named_gpu = isinstance(calibration, str) and calibration in HARDWARE
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() or named_gpu else "cpu"))
+    mp = _mixed_precision(opts["mixed_precision"])
+    ac = opts["activation_checkpointing"] if opts["activation_checkpointing"] is not False else None
+    cfgs = [ShardingConfig(sharding_strategy=s, auto_wrap_policy=opts["auto_wrap_policy"], mixed_precision=mp,
+                           cpu_offload=opts["cpu_offload"], backward_prefetch=opts["backward_prefetch"],
+                           forward_prefetch=opts["forward_prefetch"], limit_all_gathers=opts["limit_all_gathers"],
+                           ignored_modules=opts["ignored_modules"]) for s in strategies]
+    opt = _optim.check(opts["optimizer"])
+    named_gpu = isinstance(opts["calibration"], str) and opts["calibration"] in HARDWARE
+    device = torch.device(opts["device"] or ("cuda" if torch.cuda.is_available() or named_gpu else "cpu"))
     module = capture(model)
-    units, handles = discover_units(module, cfg.auto_wrap_policy, cfg.ignored_modules)
-    ac_policy = _ac_policy(ac, cfg.auto_wrap_policy, units)
+    units, handles = discover_units(module, cfgs[0].auto_wrap_policy, cfgs[0].ignored_modules)
+    ac_policy = _ac_policy(ac, cfgs[0].auto_wrap_policy, units)
     run_device = device if (device.type != "cuda" or torch.cuda.is_available()) else torch.device("cpu")
     spec = RunSpec(run_device, mp.param_dtype if mp else None, mp.buffer_dtype if mp else None,
                    mp.cast_forward_inputs if mp else False, ac_policy)
-    make_inputs = inputs or _default_inputs(module, batch_size, seq_len)
-    tl = run(module, units, handles, spec, make_inputs, loss_fn)
-    cal = _calibration(calibration, device, mp)
-    foreach = device.type == "cuda" if foreach is None else foreach
-    per_world = {w: _world(w, cfg, units, handles, tl, module, opt, cal, foreach, gpus_per_node) for w in worlds}
-    return Plan(model=_name(model, module), num_params=sum(h.numel for h in handles), strategy=cfg.sharding_strategy,
-                optimizer=opt, mixed_precision=str(mp.param_dtype).replace("torch.", "") if mp and mp.param_dtype
-                else None, activation_checkpointing=ac_policy is not None,
-                micro_batch=_describe_inputs(tl), units=_unit_rows(units, handles), worlds=per_world,
-                flops_per_step=tl.flops, calibration=_cal_dict(cal, worlds),
-                notes=_notes(run_device, cpu_offload) + ([f"target {device.type} has no device here: activations "
-                                                          "measured with CPU kernels"] if run_device != device else []))
+    make_inputs = opts["inputs"] or _default_inputs(module, opts["batch_size"], opts["seq_len"])
+    tl = run(module, units, handles, spec, make_inputs, opts["loss_fn"])
+    cal = _calibration(opts["calibration"], device, mp)
+    foreach = device.type == "cuda" if opts["foreach"] is None else opts["foreach"]
+    notes = _notes(run_device, opts["cpu_offload"]) + (
+        [f"target {device.type} has no device here: activations measured with CPU kernels"]
+        if run_device != device else [])
+    out = []
+    for cfg in cfgs:
+        per_world = {w: _world(w, cfg, units, handles, tl, module, opt, cal, foreach, opts["gpus_per_node"])
+                     for w in worlds}
+        out.append(Plan(model=_name(model, module), num_params=sum(h.numel for h in handles),
+                        strategy=cfg.sharding_strategy, optimizer=opt,
+                        mixed_precision=str(mp.param_dtype).replace("torch.", "") if mp and mp.param_dtype else None,
+                        activation_checkpointing=ac_policy is not None, micro_batch=_describe_inputs(tl),
+                        units=_unit_rows(units, handles), worlds=per_world, flops_per_step=tl.flops,
+                        calibration=_cal_dict(cal, worlds), notes=list(notes)))
+    return out
 
 
 def _mixed_precision(mp) -> Optional[MixedPrecision]:
