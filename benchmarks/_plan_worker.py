@@ -49,10 +49,12 @@ def main():
                      activation_checkpointing=(policy or _units_of(model)) if a.ac else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = zoo.inputs(a.model, zoo.BATCH[a.model], zoo.SEQ[a.model], seed=rank)
-    peaks, times = [], []
+    peaks, times, runtime = [], [], 0
     for step in range(1 + a.steps):
         if step == 1:
             fp.comm_stats.reset()
+        if step == a.steps:   # memory the process holds at a step start that is not in any tensor
+            runtime = heap.live() - base - live_tensor_bytes()
         dist.barrier()
         heap.reset_peak()
         t0 = time.perf_counter()
@@ -63,7 +65,7 @@ def main():
         if step:
             peaks.append(heap.peak() - base)
             times.append(dt)
-    rec = {"rank": rank, "peak": max(peaks), "step_s": times,
+    rec = {"rank": rank, "peak": max(peaks), "runtime": runtime, "step_s": times,
            "comm_bytes_per_step": {k: v / a.steps for k, v in fp.comm_stats.bytes.items() if k != "control"}}
     recs = [None] * world
     dist.all_gather_object(recs, rec)
@@ -72,9 +74,24 @@ def main():
         print("PLAN_JSON " + json.dumps({"model": a.model, "world": world, "strategy": a.strategy, "ac": a.ac,
                                          "bf16": a.bf16, "heap_tracker": heap.available,
                                          "peak_per_rank": [r["peak"] for r in recs],
+                                         "runtime_per_rank": [r["runtime"] for r in recs],
                                          "step_s": statistics.median(per_step), "calibration": cal.to_dict(),
                                          "comm_bytes_per_step": recs[0]["comm_bytes_per_step"]}), flush=True)
     dist.destroy_process_group()
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every distinct tensor storage Python can reach (gc), i.e. what the planner models."""
+    import gc
+
+    seen, total = set(), 0
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor) and not o.is_meta:
+            st = o.untyped_storage()
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+    return total
 
 
 def _units_of(model):

@@ -80,23 +80,25 @@ def main():
     torch.set_num_threads(1)
     print(f"load at start: {os.getloadavg()}", flush=True)
     print("| model | world | strategy | AC | bf16 | predicted peak MiB | measured MiB (max rank) | error | "
-          "predicted step s | measured s | error | wire MiB pred / counted |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "runtime MiB | error w/o runtime | predicted step s | measured s | error | wire MiB pred / counted |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     with open(a.out, "a") as f:
         for m, w, s, ac, bf16 in matrix(a.full, a.only):
             t0 = time.time()
             meas = measure(m, w, s, ac, bf16)
             plan = predict(m, w, s, ac, bf16, meas["calibration"]).worlds[w]
             got = max(meas["peak_per_rank"])
+            rt = meas["runtime_per_rank"][meas["peak_per_rank"].index(got)]
             wire = sum(meas["comm_bytes_per_step"].values())
             row = dict(model=m, world=w, strategy=s, ac=ac, bf16=bf16, predicted_peak=plan.peak, measured_peak=got,
-                       peak_err=plan.peak / got - 1, predicted_step_s=plan.step_s, measured_step_s=meas["step_s"],
+                       peak_err=plan.peak / got - 1, runtime_bytes=rt, peak_err_model=plan.peak / (got - rt) - 1, predicted_step_s=plan.step_s, measured_step_s=meas["step_s"],
                        step_err=plan.step_s / meas["step_s"] - 1, predicted_wire=plan.wire_total,
                        counted_wire=wire, load=os.getloadavg()[0], wall_s=time.time() - t0)
             f.write(json.dumps(row) + "\n")
             f.flush()
             print(f"| {m} | {w} | {s} | {'on' if ac else 'off'} | {'on' if bf16 else 'off'} | {plan.peak / 2**20:.1f} "
-                  f"| {got / 2**20:.1f} | {100 * row['peak_err']:+.1f}% | {plan.step_s:.3f} | {meas['step_s']:.3f} "
+                  f"| {got / 2**20:.1f} | {100 * row['peak_err']:+.1f}% | {rt / 2**20:.1f} | {100 * row['peak_err_model']:+.1f}% "
+                  f"| {plan.step_s:.3f} | {meas['step_s']:.3f} "
                   f"| {100 * row['step_err']:+.0f}% | {plan.wire_total / 2**20:.2f} / {wire / 2**20:.2f} |", flush=True)
     print(f"load at end: {os.getloadavg()}")
 
