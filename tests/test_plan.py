@@ -94,11 +94,16 @@ def test_units_and_wire_bytes_equal_the_engine_and_every_unit_is_labelled_in_a_p
     assert "blocks.2" in report and "full_shard, world 2" in report
 
 
-def test_info_logging_prints_the_unit_table(caplog):
+def test_logging_unit_table_at_info_and_phase_memory_at_debug(caplog):
     with caplog.at_level(logging.INFO, logger="fsdp_plugin"):
         model = fp.shard(build(), auto_wrap_policy={Block})
-    assert "blocks.1" in caplog.text and "float32" in caplog.text
+    assert "blocks.1" in caplog.text and "float32" in caplog.text and "backward end" not in caplog.text
     assert fp.memory_report(model).splitlines()[-1].startswith("total")
+    with caplog.at_level(logging.DEBUG, logger="fsdp_plugin"):
+        model = fp.shard(build(), auto_wrap_policy={Block})
+        model(*gpt_batch(0, 0, vocab=V)).backward()
+    phases = [r.getMessage().split(":")[0] for r in caplog.records if r.levelno == logging.DEBUG]
+    assert phases == ["forward start", "forward end", "backward start", "backward end"]
 
 
 def test_hf_config_file(tmp_path):

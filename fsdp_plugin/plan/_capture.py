@@ -76,7 +76,6 @@ def _from_hf_config(path: str) -> nn.Module:
 
 def hf_inputs(model: nn.Module, batch: int, seq_len: int):
     """A micro-batch of token ids for a model without an ``inputs`` callable (HF causal LMs, ids-in models)."""
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
     ids = torch.zeros(batch, seq_len, dtype=torch.long)
     if getattr(model, "config", None) is not None:
         return (), {"input_ids": ids, "labels": ids}
