@@ -12,8 +12,11 @@ from typing import Optional
 
 import torch
 
+from .. import _root
 from .._collectives import ring_bytes
-from .._root import _MAX_PENDING_REDUCES
+
+# The engine's own bound on reductions in flight (read, not copied, so the replay follows the engine).
+_MAX_PENDING_REDUCES = getattr(_root, "_MAX_PENDING_REDUCES", 1)
 
 
 @dataclass

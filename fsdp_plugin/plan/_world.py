@@ -25,7 +25,18 @@ def layout_for(world: int, cfg: ShardingConfig, gpus_per_node: int) -> Layout:
     return Layout(strategy, world, shard, rep, mp.param_dtype if mp else None,
                   (mp.reduce_dtype or (torch.float32 if mp.param_dtype is not None and mp.param_dtype.itemsize < 4
                                        else None)) if mp else None,
-                  1 if cfg.limit_all_gathers else 2, cfg.backward_prefetch, cfg.forward_prefetch, cfg.cpu_offload)
+                  _prefetch_depth(cfg), cfg.backward_prefetch, cfg.forward_prefetch, cfg.cpu_offload)
+
+
+def _prefetch_depth(cfg: ShardingConfig) -> int:
+    """The engine's RootState.prefetch_depth rule, evaluated for ``cfg`` without building a RootState."""
+    from types import SimpleNamespace
+
+    from .._root import RootState
+    prop = getattr(RootState, "prefetch_depth", None)
+    if isinstance(prop, property):
+        return int(prop.fget(SimpleNamespace(config=cfg)))
+    return 1 if cfg.limit_all_gathers else 2
 
 
 def world_plan(world: int, cfg: ShardingConfig, units, handles, tl, module, opt: str, cal,
