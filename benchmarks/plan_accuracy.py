@@ -71,12 +71,31 @@ def predict(model, world, strategy, ac, bf16, cal):
                    device="cpu", calibration=Calibration(**cal))
 
 
+def repredict(path):
+    """Same measurements, current planner: rewrite predicted_peak and the peak errors in place."""
+    from fsdp_plugin.plan import Calibration
+
+    rows = [json.loads(line) for line in open(path)]
+    for r in rows:
+        wp = predict(r["model"], r["world"], r["strategy"], r["ac"], r["bf16"],
+                     Calibration(1e9, 1e9, 1e9).to_dict()).worlds[r["world"]]
+        got, rt = r["measured_peak"], r["runtime_bytes"]
+        r.update(predicted_peak=wp.peak, peak_err=wp.peak / got - 1, peak_err_model=wp.peak / (got - rt) - 1)
+        print(f"{r['model']} {r['world']} {r['strategy']} ac={r['ac']} bf16={r['bf16']}: "
+              f"{100 * r['peak_err']:+.1f}% ({100 * r['peak_err_model']:+.1f}% vs tensors)", flush=True)
+    Path(path).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--full", action="store_true")
     p.add_argument("--only", nargs="*")
     p.add_argument("--out", default=str(HERE / "results_plan_accuracy.jsonl"))
+    p.add_argument("--repredict", metavar="JSONL", help="recompute the predicted peaks of recorded measurements "
+                                                         "with the current planner (measurements unchanged)")
     a = p.parse_args()
+    if a.repredict:
+        return repredict(a.repredict)
     torch.set_num_threads(1)
     print(f"load at start: {os.getloadavg()}", flush=True)
     print("| model | world | strategy | AC | bf16 | predicted peak MiB | measured MiB (max rank) | error | "

@@ -33,6 +33,7 @@ class Layout:
     backward_prefetch: bool
     forward_prefetch: bool
     cpu_offload: bool
+    staging: bool = False        # the backend stages a full-size copy while a gather/reduce-scatter is in flight
 
     def compute(self, h) -> torch.dtype:
         return self.compute_dtype if (self.compute_dtype and h.dtype.is_floating_point) else h.dtype
@@ -79,6 +80,7 @@ class _Sim:
         self.full = [0 if lay.aliases(h) else h.padded(lay.shard_size) * lay.compute(h).itemsize for h in handles]
         self.unsh = [lay.aliases(h) for h in handles]
         self.unsharded = self.reducing = self.grad_shards = 0
+        self.inflight: dict[int, int] = {}     # handle -> staging bytes of its all-gather until it is waited on
         self.pending: deque = deque()
         self.reduce_bytes: dict[int, int] = {}
         self.has_grad: set = set()
@@ -117,7 +119,15 @@ class _Sim:
             spec = self.handles[h]
             self.comm("all_gather", spec.padded(self.lay.shard_size), self.lay.compute(spec).itemsize,
                       self.lay.shard_size)
+            if self.lay.staging and self.lay.shard_size > 1:
+                self.inflight[h] = self.full[h]
+                self.reducing += self.full[h]
         self.check()
+
+    def use(self, u: int) -> None:
+        """The unit waits for its all-gathers (wait_and_use_views): their staging is released."""
+        for h in self.units[u].handles:
+            self.reducing -= self.inflight.pop(h, 0)
 
     def reshard_handle(self, h: int) -> None:
         if self.unsh[h] and self.full[h]:
@@ -143,6 +153,7 @@ class _Sim:
         held = g_reduce
         if lay.shard_size > 1:
             held += spec.chunk(lay.shard_size) * lay.reduce(spec).itemsize
+            held += g_reduce if lay.staging else 0
             self.comm("reduce_scatter", padded, lay.reduce(spec).itemsize, lay.shard_size)
         elif lay.replicate_size > 1:
             self.comm("all_reduce", padded, lay.reduce(spec).itemsize, lay.replicate_size, factor=2)
@@ -168,6 +179,7 @@ class _Sim:
     # ------------------------------------------------------------ events
     def pre_forward(self, u: int, in_bwd: bool) -> None:
         self.unshard(u)
+        self.use(u)
         if self.lay.forward_prefetch and not in_bwd and u in self.order:
             i = self.order.index(u)
             for nxt in self.order[i + 1:i + 1 + self.lay.prefetch_depth]:
@@ -184,6 +196,7 @@ class _Sim:
             return
         self.started.add(u)
         self.unshard(u)
+        self.use(u)
         if self.lay.backward_prefetch and u in self.order:
             i = self.order.index(u)
             for nxt in reversed(self.order[max(0, i - self.lay.prefetch_depth):i]):
@@ -193,6 +206,8 @@ class _Sim:
     def end_backward(self) -> None:
         while self.pending:
             self.finish(self.pending.popleft())
+        for u in range(len(self.units)):
+            self.use(u)                  # a prefetch nobody used is waited on by the reshard
         for h in range(len(self.handles)):
             self.reshard_handle(h)
         self.started.clear()

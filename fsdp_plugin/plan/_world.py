@@ -11,7 +11,9 @@ from ._time import Calibration, predict
 from ._units import buffer_bytes
 
 
-def layout_for(world: int, cfg: ShardingConfig, gpus_per_node: int) -> Layout:
+def layout_for(world: int, cfg: ShardingConfig, gpus_per_node: int, device=None) -> Layout:
+    """``device`` cpu means gloo, whose all-gather/reduce-scatter stage a full-size buffer while in flight
+    (measured with the heap tracker); NCCL writes in place."""
     strategy = cfg.sharding_strategy
     if strategy == "no_shard":
         shard, rep = 1, world
@@ -25,7 +27,8 @@ def layout_for(world: int, cfg: ShardingConfig, gpus_per_node: int) -> Layout:
     return Layout(strategy, world, shard, rep, mp.param_dtype if mp else None,
                   (mp.reduce_dtype or (torch.float32 if mp.param_dtype is not None and mp.param_dtype.itemsize < 4
                                        else None)) if mp else None,
-                  _prefetch_depth(cfg), cfg.backward_prefetch, cfg.forward_prefetch, cfg.cpu_offload)
+                  _prefetch_depth(cfg), cfg.backward_prefetch, cfg.forward_prefetch, cfg.cpu_offload,
+                  staging=getattr(device, "type", None) == "cpu")
 
 
 def _prefetch_depth(cfg: ShardingConfig) -> int:
@@ -40,8 +43,8 @@ def _prefetch_depth(cfg: ShardingConfig) -> int:
 
 
 def world_plan(world: int, cfg: ShardingConfig, units, handles, tl, module, opt: str, cal,
-               foreach: bool, gpus_per_node: int) -> WorldPlan:
-    lay = layout_for(world, cfg, gpus_per_node)
+               foreach: bool, gpus_per_node: int, device=None) -> WorldPlan:
+    lay = layout_for(world, cfg, gpus_per_node, device)
     s = lay.shard_size
     param_shards = sum(h.chunk(s) * h.dtype.itemsize for h in handles)
     trainable = sum(h.chunk(s) * h.dtype.itemsize for h in handles if h.requires_grad)

@@ -77,7 +77,7 @@ def plan_strategies(model: ModelSource, world_size, strategies: list, **opts) ->
         if run_device != device else [])
     out = []
     for cfg in cfgs:
-        per_world = {w: _world(w, cfg, units, handles, tl, module, opt, cal, foreach, opts["gpus_per_node"])
+        per_world = {w: _world(w, cfg, units, handles, tl, module, opt, cal, foreach, opts["gpus_per_node"], device)
                      for w in worlds}
         out.append(Plan(model=_name(model, module), num_params=sum(h.numel for h in handles),
                         strategy=cfg.sharding_strategy, optimizer=opt,
@@ -119,9 +119,9 @@ def _default_inputs(module: nn.Module, batch_size: int, seq_len: int) -> Callabl
     return make
 
 
-def _world(w, cfg, units, handles, tl, module, opt, cal, foreach, gpus_per_node) -> WorldPlan:
+def _world(w, cfg, units, handles, tl, module, opt, cal, foreach, gpus_per_node, device) -> WorldPlan:
     from ._world import world_plan
-    return world_plan(w, cfg, units, handles, tl, module, opt, cal, foreach, gpus_per_node)
+    return world_plan(w, cfg, units, handles, tl, module, opt, cal, foreach, gpus_per_node, device)
 
 
 def _calibration(calibration, device: torch.device, mp):
