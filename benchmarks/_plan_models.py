@@ -28,7 +28,7 @@ def build(name: str):
     cls_name, kw = HF[name]
     kw = dict(kw)
     attn = kw.pop("attn_implementation", "sdpa")
-    config = getattr(transformers, cls_name)(**kw)
+    config = getattr(transformers, cls_name)(**kw, use_cache=False)   # training: no KV cache (AC recompute)
     config._attn_implementation = attn
     return transformers.AutoModelForCausalLM.from_config(config)
 

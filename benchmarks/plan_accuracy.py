@@ -91,6 +91,7 @@ def main():
     p.add_argument("--full", action="store_true")
     p.add_argument("--only", nargs="*")
     p.add_argument("--out", default=str(HERE / "results_plan_accuracy.jsonl"))
+    p.add_argument("--skip-done", action="store_true", help="skip rows already recorded in --out")
     p.add_argument("--repredict", metavar="JSONL", help="recompute the predicted peaks of recorded measurements "
                                                          "with the current planner (measurements unchanged)")
     a = p.parse_args()
@@ -102,7 +103,13 @@ def main():
           "runtime MiB | error w/o runtime | predicted step s | measured s | error | wire MiB pred / counted |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     with open(a.out, "a") as f:
+        done = set()
+        if a.skip_done and Path(a.out).exists():
+            done = {(r["model"], r["world"], r["strategy"], r["ac"], r["bf16"])
+                    for r in map(json.loads, open(a.out))}
         for m, w, s, ac, bf16 in matrix(a.full, a.only):
+            if (m, w, s, ac, bf16) in done:
+                continue
             t0 = time.time()
             meas = measure(m, w, s, ac, bf16)
             plan = predict(m, w, s, ac, bf16, meas["calibration"]).worlds[w]
