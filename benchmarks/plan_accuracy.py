@@ -111,7 +111,13 @@ def main():
             if (m, w, s, ac, bf16) in done:
                 continue
             t0 = time.time()
-            meas = measure(m, w, s, ac, bf16)
+            try:
+                meas = measure(m, w, s, ac, bf16)
+            except RuntimeError as e:   # the training run itself failed: say so, keep going
+                why = [ln for ln in str(e).splitlines() if "Error:" in ln and "RuntimeError: [" not in ln]
+                print(f"| {m} | {w} | {s} | {'on' if ac else 'off'} | {'on' if bf16 else 'off'} | training run failed: "
+                      f"{(why or ['?'])[0].strip()[:160]} |", flush=True)
+                continue
             plan = predict(m, w, s, ac, bf16, meas["calibration"]).worlds[w]
             got = max(meas["peak_per_rank"])
             rt = meas["runtime_per_rank"][meas["peak_per_rank"].index(got)]
