@@ -6,6 +6,7 @@
 """
 from ._collectives import STATS as comm_stats
 from ._compile import compile
+from ._log import configure_from_env as _configure_log, memory_report
 from ._shard import shard
 from .api import (clip_grad_norm_, full_params, full_state_dict, is_sharded, no_sync,
                   register_forward_method, reset)
@@ -15,6 +16,7 @@ from .errors import (CollectiveError, ConfigError, FSDPPluginError, OptimizerErr
                      StateDictError)
 
 from ._deferred import deferred_init
+from .plan import Plan, PlanError, plan
 from .checkpoint import (AsyncSave, CheckpointError, CheckpointMismatchError, CorruptCheckpointError,
                          IncompleteCheckpointError, load_checkpoint, load_pretrained, save_checkpoint,
                          save_pretrained)
@@ -27,7 +29,10 @@ __all__ = [
     "save_checkpoint", "AsyncSave", "load_checkpoint", "load_pretrained", "save_pretrained", "CheckpointError",
     "CheckpointMismatchError", "CorruptCheckpointError", "IncompleteCheckpointError",
     "FSDPPluginError", "ConfigError", "ShardingError", "OptimizerError", "StateDictError", "CollectiveError",
+    "plan", "Plan", "PlanError", "memory_report",
 ]
+
+_configure_log()
 
 from .integrations.lightning._register import register_if_lightning_present as _register_lightning  # noqa: E402
 

@@ -40,9 +40,15 @@ def group_size(group) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
+def ring_bytes(total_elems: int, elem_size: int, n: int, factor: int = 1) -> int:
+    """Per-rank bytes on a ring of ``n`` ranks for a collective over ``total_elems`` elements (the counters'
+    formula; fp.plan predicts traffic with it too)."""
+    return factor * total_elems * elem_size * (n - 1) // n
+
+
 def _count(kind: str, total_elems: int, elem_size: int, n: int, factor: int = 1) -> None:
     STATS.calls[kind] += 1
-    STATS.bytes[kind] += factor * total_elems * elem_size * (n - 1) // n
+    STATS.bytes[kind] += ring_bytes(total_elems, elem_size, n, factor)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False, kind: str = "all_gather"):

@@ -19,6 +19,7 @@ from . import _collectives as comm
 from ._mesh import Mesh
 from ._states import ShardedState
 from ._usage import SlotUsage
+from ._trace import _traced
 
 
 def set_param_data(param: nn.Parameter, tensor: torch.Tensor) -> None:
@@ -122,6 +123,7 @@ class FlatParamHandle:
     def is_unsharded(self) -> bool:
         return self.state is ShardedState.UNSHARDED
 
+    @_traced("unshard")
     def unshard(self, async_op: bool = True) -> None:
         """SHARDED -> UNSHARDING (or UNSHARDED without communication); ``wait_unshard`` before use."""
         if self.state is not ShardedState.SHARDED:
@@ -137,6 +139,7 @@ class FlatParamHandle:
         if not async_op:
             self.wait_unshard()
 
+    @_traced("wait_unshard")
     def wait_unshard(self) -> None:
         """-> UNSHARDED, from either other state."""
         if self.state is ShardedState.UNSHARDING:
@@ -146,6 +149,7 @@ class FlatParamHandle:
         elif self.state is ShardedState.SHARDED:
             self.unshard(async_op=False)
 
+    @_traced("reshard")
     def reshard(self) -> None:
         """UNSHARDED -> SHARDED (frees the full buffer); a handle aliasing its shard stays UNSHARDED."""
         if self._aliases_shard or self.state is not ShardedState.UNSHARDED:
@@ -218,6 +222,7 @@ class FlatParamHandle:
             acc = self.unsharded_grad_accum
             self.unsharded_grad_accum = grad if acc is None else acc.add_(grad)
 
+    @_traced("reduce")
     def start_reduce(self, grad: torch.Tensor) -> None:
         """Issue the gradient reduction asynchronously; ``finish_reduce`` completes it.
 
@@ -235,6 +240,7 @@ class FlatParamHandle:
         else:
             self.pending_reduce = _PendingReduce(None, grad, grad)
 
+    @_traced("wait_reduce")
     def finish_reduce(self) -> None:
         """Wait for the reduction, average across every rank, accumulate into ``shard_grad``."""
         pending, self.pending_reduce = self.pending_reduce, None

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _collectives as comm
+from . import _log
 from ._flat_param import FlatParamHandle, ParamSlot
 from ._guards import install_guards
 from ._init import Materializer, decide_scatter, model_kind
@@ -52,6 +53,7 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
     _release_recording(model)
     model._fp_root = root
     install_guards(model, root)
+    _log.on_sharded(model)   # unit table at INFO, phase memory at DEBUG (FSDP_PLUGIN_LOG)
     return model
 
 

@@ -159,13 +159,18 @@ def unknown_async_save_mode(tmp_path):
     fp.save_checkpoint(tmp_path / "ckpt", nn.Linear(2, 2), async_save="background")
 
 
+def plan_of_an_unknown_model():
+    fp.plan("my_project.models.build")
+
+
 CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_policy_matches_nothing,
          mesh_not_dividing_world, shard_twice, optimizer_stepped_before_shard, dtype_backend_cannot_reduce,
          plain_state_dict_on_sharded_model, not_sharded, meta_module_without_init,
          transformers_init_leaves_module_unset, skip_cannot_fill_nonpersistent_buffer,
          nonfinite_gradients_with_clipping, checkpoint_from_another_architecture,
          lightning_fsdp_option_without_equivalent, lightning_torch_checkpoint_not_ours,
-         trainer_resume_from_foreign_folder, compile_unsharded_model, unknown_async_save_mode]
+         trainer_resume_from_foreign_folder, compile_unsharded_model, unknown_async_save_mode,
+         plan_of_an_unknown_model]
 
 
 def _capture(case, tmp_path):

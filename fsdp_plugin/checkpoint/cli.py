@@ -107,6 +107,8 @@ def main(argv=None) -> int:
                         "they are written under every name so a strict load_state_dict works")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(fn=_consolidate)
+    from ..plan.cli import add_parser as _add_plan
+    _add_plan(sub)   # ``fsdp-plugin plan``: lives in fsdp_plugin/plan/cli.py
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

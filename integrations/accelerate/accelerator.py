@@ -84,6 +84,13 @@ class Accelerator(accelerate.Accelerator):
         return self.state.distributed_type
 
     @property
+    def comm_stats(self):
+        """``fp.comm_stats``: collective calls and per-rank bytes by kind since the last ``reset()``."""
+        import fsdp_plugin as fp
+
+        return fp.comm_stats
+
+    @property
     def fsdp_settings(self) -> FsdpSettings | None:
         """The translated accelerate FSDP settings (None when configured by ``sharding_config``)."""
         return self._fp_settings

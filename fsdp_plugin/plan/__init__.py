@@ -1,0 +1,13 @@
+"""Planner: predict a sharded job's memory per rank, wire bytes and step time before it starts.
+
+    plan = fp.plan(build_model, world_size=[1, 2, 4], auto_wrap_policy={Block}, optimizer="adamw",
+                   inputs=lambda: (torch.randint(0, V, (4, 128)),))
+    print(plan); plan.peak_bytes[2]
+"""
+from ._result import Plan, WorldPlan
+from ._time import HARDWARE, Calibration, calibrate
+from ._fit import Fit, fit, parse_bytes
+from .api import plan
+from .errors import PlanError
+
+__all__ = ["plan", "Plan", "WorldPlan", "fit", "Fit", "parse_bytes", "Calibration", "calibrate", "HARDWARE", "PlanError"]

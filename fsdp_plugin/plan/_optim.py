@@ -1,0 +1,40 @@
+"""Optimizer state and step temporaries per rank, for the optimizers torch ships."""
+from __future__ import annotations
+
+from ..errors import ConfigError
+
+# State tensors per parameter element (each in the parameter's dtype) and bytes read+written per element by
+# one step in fp32 (param, grad and state read, param and state written).
+_STATE = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
+_STEP_TRAFFIC = {"sgd": 12, "sgd-momentum": 20, "adam": 28, "adamw": 28}
+OPTIMIZERS = tuple(_STATE)
+
+
+def check(name: str) -> str:
+    key = str(name).lower().replace("_", "-")
+    key = {"momentum": "sgd-momentum", "sgdm": "sgd-momentum"}.get(key, key)
+    if key not in _STATE:
+        raise ConfigError(f"optimizer={name!r}: the planner knows {', '.join(OPTIMIZERS)}")
+    return key
+
+
+def state_bytes(name: str, trainable_shard_bytes: int) -> int:
+    return _STATE[check(name)] * trainable_shard_bytes
+
+
+def step_temporaries(name: str, trainable_shard_bytes: int, largest_piece_bytes: int, foreach: bool) -> int:
+    """Adam(W) builds ``sqrt(exp_avg_sq)``: one tensor per parameter (for-loop: ~2 of the largest piece
+    alive at once) or one list over all of them (foreach, torch's default on CUDA)."""
+    if _STATE[check(name)] < 2:
+        return 0
+    return trainable_shard_bytes if foreach else 2 * largest_piece_bytes
+
+
+def step_traffic(name: str, trainable_elems: int) -> int:
+    return _STEP_TRAFFIC[check(name)] * trainable_elems
+
+
+def step_ops(name: str, n_tensors: int, foreach: bool) -> int:
+    """Ops one step dispatches: about a dozen per parameter tensor (for-loop) or per group (foreach)."""
+    per = {"sgd": 3, "sgd-momentum": 6, "adam": 12, "adamw": 12}[check(name)]
+    return per * (1 if foreach else n_tensors)

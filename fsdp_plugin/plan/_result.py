@@ -1,0 +1,101 @@
+"""`Plan`: the planner's answer, per world size, with a breakdown, `to_dict()` and a table when printed."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass
+class WorldPlan:
+    """Predictions for one world size; bytes are per rank (every rank holds the same amount)."""
+
+    world_size: int
+    param_shards: int          # master parameter shards (padding included)
+    grad_shards: int           # sharded gradients after the step's reductions
+    optimizer_state: int
+    buffers: int
+    unsharded_params: int      # the largest set of units unsharded at once (compute dtype)
+    unsharded_units: tuple     # which units those are
+    activations: int           # peak bytes of forward+backward tensors, measured on fake tensors
+    comm_buffers: int          # largest total of unsharded gradients waiting for / inside their reduction
+    optimizer_step: int        # temporaries of optimizer.step()
+    peak: int                  # the largest sum over the step's timeline (<= the sum of the maxima above)
+    peak_at: dict = field(default_factory=dict)   # the categories at the peak moment
+    wire_bytes: dict = field(default_factory=dict)  # per step per rank, by collective kind
+    wire_calls: dict = field(default_factory=dict)
+    step_s: Optional[float] = None
+    compute_s: Optional[float] = None
+    comm_s: Optional[float] = None
+    host_bytes: int = 0        # with cpu_offload: shards, gradients and optimizer state in host memory
+
+    @property
+    def wire_total(self) -> int:
+        return sum(self.wire_bytes.values())
+
+
+@dataclass
+class Plan:
+    """What `fp.plan` predicts. ``peak_bytes[w]`` is the peak device bytes per rank at world size w."""
+
+    model: str
+    num_params: int
+    strategy: str
+    optimizer: str
+    mixed_precision: Optional[str]
+    activation_checkpointing: bool
+    micro_batch: str
+    units: list                    # [{"name", "params", "bytes"}] as fp.shard would build them
+    worlds: dict                   # world size -> WorldPlan
+    flops_per_step: int
+    calibration: dict
+    notes: list = field(default_factory=list)
+
+    @property
+    def peak_bytes(self) -> dict:
+        return {w: p.peak for w, p in self.worlds.items()}
+
+    @property
+    def step_time_s(self) -> dict:
+        return {w: p.step_s for w, p in self.worlds.items()}
+
+    @property
+    def wire_bytes(self) -> dict:
+        return {w: p.wire_total for w, p in self.worlds.items()}
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["worlds"] = {str(w): {**asdict(p), "unsharded_units": list(p.unsharded_units)}
+                       for w, p in self.worlds.items()}
+        d["peak_bytes"] = {str(w): v for w, v in self.peak_bytes.items()}
+        return d
+
+    def __str__(self) -> str:
+        ws = sorted(self.worlds)
+        head = (f"{self.model}: {self.num_params:,} parameters in {len(self.units)} units, {self.strategy}, "
+                f"{self.optimizer}, mixed precision {self.mixed_precision or 'off'}, activation checkpointing "
+                f"{'on' if self.activation_checkpointing else 'off'}, micro-batch {self.micro_batch}")
+        rows = [("parameter shards", "param_shards"), ("gradient shards", "grad_shards"),
+                ("optimizer state", "optimizer_state"), ("buffers", "buffers"),
+                ("unsharded units (max)", "unsharded_params"), ("activations (peak)", "activations"),
+                ("reduction buffers (max)", "comm_buffers"), ("optimizer step temps", "optimizer_step"),
+                ("PEAK per rank", "peak")]
+        width = 16
+        lines = [head, f"{'per rank':<26}" + "".join(f"{'world ' + str(w):>{width}}" for w in ws)]
+        for label, attr in rows:
+            lines.append(f"{label:<26}" + "".join(f"{fmt_bytes(getattr(self.worlds[w], attr)):>{width}}" for w in ws))
+        lines.append(f"{'wire bytes / step':<26}" + "".join(f"{fmt_bytes(self.worlds[w].wire_total):>{width}}"
+                                                           for w in ws))
+        if all(self.worlds[w].step_s is not None for w in ws):
+            lines.append(f"{'step time (predicted)':<26}" + "".join(f"{self.worlds[w].step_s * 1e3:>{width - 3}.1f} ms"
+                                                                   for w in ws))
+        lines.append(f"step time from {self.calibration.get('source', '?')} throughputs; "
+                     f"{self.flops_per_step / 1e9:,.1f} GFLOP per rank per step")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)

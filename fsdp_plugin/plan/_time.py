@@ -1,0 +1,162 @@
+"""Step time: compute throughput and collective bandwidth, measured (`calibrate`) or named (`HARDWARE`).
+
+predicted step = compute + communication - overlap * min(compute, communication), where
+compute = FLOPs / flops_per_s + other bytes / mem_bytes_per_s + optimizer bytes / mem_bytes_per_s and
+communication = wire bytes / bus_bytes_per_s + calls * latency_s. ``overlap`` is 1 where collectives run
+beside compute (CUDA streams) and 0 where they compete for the same cores (CPU/gloo).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import _collectives as comm
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Throughputs one rank sees. Units: FLOP/s, bytes/s, seconds; ``bus_bytes_per_s`` is per rank, for
+    the per-rank ring bytes `fp.comm_stats` counts."""
+
+    flops_per_s: float
+    mem_bytes_per_s: float
+    bus_bytes_per_s: float
+    latency_s: float = 20e-6
+    overlap: float = 1.0
+    source: str = "assumed"
+    op_overhead_s: float = 0.0     # host time per dispatched op (Python + dispatcher + autograd; kernel launch)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Named hardware for simulation. flops: sustained dense bf16 matmul per GPU (60% of peak: 312 TFLOP/s on A100,
+# 989 on H100 SXM); bus: per-GPU ring bus bandwidth of all-gather/reduce-scatter inside a node (NVLink) and across
+# nodes (multi-rail: every GPU has its own NIC; the FSDP paper's cluster has 2 Tb/s RoCE per 8-GPU A100 node,
+# taken at 75% efficiency); hop_latency_s: per-hop latency, so a ring collective costs (N-1) hops.
+HARDWARE = {
+    "a100-80gb": dict(flops_per_s=0.6 * 312e12, mem_bytes_per_s=2.0e12, memory=80 * 2**30, gpus_per_node=8,
+                      intra_bus_bytes_per_s=230e9, inter_bus_bytes_per_s=0.75 * 2e12 / 8, hop_latency_s=5e-6),
+    "h100-80gb": dict(flops_per_s=0.6 * 989e12, mem_bytes_per_s=3.35e12, memory=80 * 2**30, gpus_per_node=8,
+                      intra_bus_bytes_per_s=360e9, inter_bus_bytes_per_s=0.75 * 3.2e12 / 8, hop_latency_s=5e-6),
+}
+
+
+def for_hardware(name: str, world: int, overlap: float = 1.0) -> Calibration:
+    """Named throughputs at ``world`` GPUs (cross-node bandwidth once the world spans nodes)."""
+    hw = HARDWARE[name]
+    bus = hw["intra_bus_bytes_per_s"] if world <= hw["gpus_per_node"] else min(hw["intra_bus_bytes_per_s"],
+                                                                               hw["inter_bus_bytes_per_s"])
+    return Calibration(hw["flops_per_s"], hw["mem_bytes_per_s"], bus, hw["hop_latency_s"] * max(world - 1, 1),
+                       overlap, f"named:{name}", op_overhead_s=5e-6)
+
+
+def default_for(device: torch.device) -> Calibration:
+    if device.type == "cuda":
+        return for_hardware("a100-80gb", 8)
+    return Calibration(20e9, 4e9, 0.5e9, 200e-6, 0.0, "assumed-cpu", op_overhead_s=15e-6)
+
+
+def _timed(fn, min_s: float) -> float:
+    fn()
+    n, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        n += 1
+        dt = time.perf_counter() - t0
+        if dt >= min_s:
+            return dt / n
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def calibrate(device: Optional[torch.device] = None, dtype: torch.dtype = torch.float32, group=None,
+              seconds: float = 0.5) -> Calibration:
+    """Measure matmul FLOP/s, memory bandwidth and (under an initialized process group) all-gather bandwidth
+    and latency on this process. Collective: every rank of ``group`` must call it."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    n = 2048 if device.type == "cuda" else 384
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    flops = 2 * n ** 3 / _timed(lambda: (torch.mm(a, a), _sync(device)), seconds)
+    big = torch.empty(8 * 2**20 if device.type == "cpu" else 64 * 2**20, device=device)
+    mem = 2 * big.numel() * big.element_size() / _timed(lambda: (big.mul_(1.0), _sync(device)), seconds)
+    bus, latency, world = 1e12, 0.0, comm.group_size(group)
+    if world > 1:
+        bus, latency = _measure_collectives(device, group, world, seconds)
+    overlap = 1.0 if device.type == "cuda" else 0.0
+    return Calibration(flops, mem, bus, latency, overlap, f"measured on {device.type}, world {world}",
+                       op_overhead_s=_op_overhead(device, seconds))
+
+
+def _op_overhead(device, seconds: float) -> float:
+    """Host seconds per aten op of a tiny autograd workload (its arithmetic is negligible)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x = torch.randn(8, 8, device=device, requires_grad=True)
+
+    def step():
+        y = x
+        for _ in range(20):
+            y = torch.tanh(y * 1.01 + 0.1)
+        y.sum().backward()
+        _sync(device)
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+    with Count():
+        step()
+    return _timed(step, seconds / 2) / max(Count.n, 1)
+
+
+def _measure_collectives(device, group, world: int, seconds: float) -> tuple[float, float]:
+    elems = (4 if device.type == "cpu" else 64) * 2**20 // world * world
+    inp = torch.ones(elems // world, device=device)
+    out = torch.empty(elems, device=device)
+    tiny = torch.zeros(1, device=device)
+    before = dict(comm.STATS.calls), dict(comm.STATS.bytes)
+
+    def gather():
+        comm.wait(comm.all_gather(out, inp, group, async_op=True, kind="calibrate"))
+        _sync(device)
+
+    def ping():
+        comm.wait(comm.all_reduce(tiny, group, async_op=True, kind="calibrate"))
+        _sync(device)
+    steps = max(1, int(seconds / 0.05))
+    dt = [None, None]
+    for i, fn in enumerate((gather, ping)):
+        fn()
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        dt[i] = (time.perf_counter() - t0) / steps
+    for counter, old in zip((comm.STATS.calls, comm.STATS.bytes), before):   # not training traffic
+        counter["calibrate"] = old.get("calibrate", 0)
+        if not counter["calibrate"]:
+            del counter["calibrate"]
+    latency = dt[1]
+    return comm.ring_bytes(elems, 4, world) / max(dt[0] - latency, 1e-9), latency
+
+
+def predict(flops: int, other_bytes: int, optimizer_bytes: int, wire_bytes: int, calls: int,
+            cal: Calibration, ops: int = 0) -> dict:
+    """Seconds per step. Host op overhead adds to the kernels where they share cores (overlap 0, CPU) and
+    bounds them from below where the host runs ahead of the device (overlap 1, CUDA)."""
+    kernels = flops / cal.flops_per_s + (other_bytes + optimizer_bytes) / cal.mem_bytes_per_s
+    host = ops * cal.op_overhead_s
+    compute = kernels + host if cal.overlap < 1 else max(kernels, host)
+    communication = wire_bytes / cal.bus_bytes_per_s + calls * cal.latency_s
+    step = compute + communication - cal.overlap * min(compute, communication)
+    return {"step_s": step, "compute_s": compute, "comm_s": communication}

@@ -1,0 +1,6 @@
+"""Errors of the planner."""
+from ..errors import ConfigError
+
+
+class PlanError(ConfigError):
+    """The planner cannot build, capture or run the model as described; the message names the fix."""
