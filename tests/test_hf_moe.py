@@ -47,7 +47,8 @@ MOE = {
     "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM,
                   {**_ATTN, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 8,
                    "num_experts_per_tok": 1, "norm_topk_prob": False}, 1, 3),
-    # no router jitter (random per rank) and no aux loss (a product of batch means: not additive over ranks)
+    # no router jitter (random per rank); output_router_logits stays False, so no aux loss (a product of batch
+    # means, not additive over ranks: a global batch and its per-rank parts would not agree, under DDP either)
     "switch": (tf.SwitchTransformersConfig, tf.SwitchTransformersForConditionalGeneration,
                {"vocab_size": VOCAB, "d_model": 32, "d_ff": 64, "d_kv": 8, "num_layers": 2, "num_decoder_layers": 2,
                 "num_sparse_encoder_layers": 1, "num_sparse_decoder_layers": 1, "num_heads": 4, "num_experts": 8,
