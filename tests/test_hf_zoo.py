@@ -8,7 +8,7 @@ equal to the single-process model trained on the global batch within 1e-5), writ
 (config included), and a plain ``from_pretrained(dir)`` must read back exactly the trained parameters.
 
 MoE cases route every token to every expert (``num_experts_per_tok`` = number of experts), so each
-expert gets tokens on every rank in every step; parity of unused experts is a separate concern.
+expert gets tokens on every rank in every step; top-k routing with unused experts: tests/test_hf_moe.py.
 """
 from __future__ import annotations
 
