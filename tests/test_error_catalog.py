@@ -143,12 +143,18 @@ def trainer_resume_from_foreign_folder(tmp_path):
     import pytest
 
     pytest.importorskip("transformers")
-    import fsdp_plugin.integrations.transformers as hf
+    import sys
 
-    hf.uninstall()  # importing it patched transformers.Trainer in this process; only the loader is needed
+    was_installed = "fsdp_plugin.integrations.transformers" in sys.modules
+    import fsdp_plugin.integrations.transformers as hf
     from fsdp_plugin.integrations.transformers import _checkpoint
 
-    _checkpoint.load(None, str(tmp_path))
+    was_installed = was_installed and hf.is_installed()
+    try:
+        _checkpoint.load(None, str(tmp_path))
+    finally:
+        if not was_installed:  # importing it patched transformers.Trainer in this process: undo that only
+            hf.uninstall()
 
 
 def compile_unsharded_model():

@@ -26,7 +26,9 @@ def _save_tiny(path) -> dict:
 def _ranks(rank, world, path):
     from transformers import LlamaForCausalLM
 
-    import fsdp_plugin.integrations.transformers  # noqa: F401
+    import fsdp_plugin.integrations.transformers as integration
+
+    integration.install()  # explicit: another test in this pytest process may have uninstalled it before the fork
 
     model = LlamaForCausalLM.from_pretrained(path)
     on_meta = all(p.is_meta for p in model.parameters())
