@@ -147,7 +147,11 @@ class FlatParamHandle:
             self.unshard(async_op=False)
 
     def reshard(self) -> None:
-        """UNSHARDED -> SHARDED (frees the full buffer); a handle aliasing its shard stays UNSHARDED."""
+        """UNSHARDED (or UNSHARDING: a prefetch whose unit did not run) -> SHARDED, freeing the full buffer; a
+        handle aliasing its shard stays UNSHARDED. A prefetch is waited for, never left in flight: it would
+        otherwise be used by the next step with values from before the optimizer step."""
+        if self.state is ShardedState.UNSHARDING:
+            self.wait_unshard()
         if self._aliases_shard or self.state is not ShardedState.UNSHARDED:
             return
         self._full.untyped_storage().resize_(0)
