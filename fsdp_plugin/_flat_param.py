@@ -93,6 +93,8 @@ class FlatParamHandle:
         # refilling the storage does not trip autograd's saved-tensor version check.
         self._full = self.leaf.data
         self._split_sizes = [s.numel for s in self.slots] + ([self.padded - self.total] if self.padded > self.total else [])
+        self._shapes = [s.shape for s in self.slots]
+        self._markers = [self._mark_used(i) for i in range(len(self.slots))]
 
     def _bind_local_pieces(self) -> None:
         for s in self.slots:
@@ -151,7 +153,11 @@ class FlatParamHandle:
 
     @_traced("reshard")
     def reshard(self) -> None:
-        """UNSHARDED -> SHARDED (frees the full buffer); a handle aliasing its shard stays UNSHARDED."""
+        """UNSHARDED (or UNSHARDING: a prefetch whose unit did not run) -> SHARDED, freeing the full buffer; a
+        handle aliasing its shard stays UNSHARDED. A prefetch is waited for, never left in flight: it would
+        otherwise be used by the next step with values from before the optimizer step."""
+        if self.state is ShardedState.UNSHARDING:
+            self.wait_unshard()
         if self._aliases_shard or self.state is not ShardedState.UNSHARDED:
             return
         self._full.untyped_storage().resize_(0)
@@ -201,12 +207,19 @@ class FlatParamHandle:
         In grad mode each view gets a hook that marks its slot used: autograd runs a view's backward only
         if the view reached the loss, so the marks say which parameters got a gradient (``SlotUsage``).
         """
-        pieces = torch.split(self.leaf, self._split_sizes)
-        views = [piece.view(s.shape) for piece, s in zip(pieces, self.slots)]
+        pieces = self.leaf.split_with_sizes(self._split_sizes)
+        views = [piece.view(shape) for piece, shape in zip(pieces, self._shapes)]
         if views and views[0].requires_grad:
-            for i, v in enumerate(views):
-                v.register_hook(self.usage.marker(i))
+            for v, mark in zip(views, self._markers):
+                v.register_hook(mark)
         return views
+
+    def _mark_used(self, i: int):
+        """Hook marking slot ``i`` used; made once per slot (views are made twice per step), reading
+        ``self.usage`` when it runs since ``abandon_step`` replaces it."""
+        def mark(_grad):
+            self.usage.now[i] = 1
+        return mark
 
     # ------------------------------------------------------------- gradients
     def take_unsharded_grad(self) -> Optional[torch.Tensor]:

@@ -119,18 +119,37 @@ class RootState:
             self.phase = RootPhase.BACKWARD
             Variable._execution_engine.queue_callback(self._end_of_backward)
 
+    def _backward_neighbour(self, unit, k: int):
+        """The unit k places after ``unit`` in backward order: reverse forward order, except that the root's
+        backward starts first (the output layers after the last unit, e.g. a tied LM head) and ends last."""
+        order = self.exec_order
+        if not order or unit not in order:
+            return None
+        if unit is self.root_unit:
+            return order[-k] if k < len(order) else None
+        i = order.index(unit) - k
+        return order[i] if i >= 0 else None
+
     def prefetch_backward(self, unit) -> None:
         if self.config.backward_prefetch:
             for k in range(1, self.prefetch_depth + 1):
-                nxt = self._neighbour(unit, -k)
+                nxt = self._backward_neighbour(unit, k)
                 if nxt is not None and not nxt.in_backward:
                     nxt.unshard()
 
-    def enqueue_reduce(self, handle, grad: torch.Tensor) -> None:
+    def enqueue_reduce(self, handle, grad: torch.Tensor, unit=None) -> None:
         handle.start_reduce(grad)
         self._pending.append(handle)
-        while len(self._pending) > _MAX_PENDING_REDUCES:
+        # The root's gradient is assembled last (embedding backward + the flat leaf's gradient: its peak of the
+        # step); a reduction still in flight then would hold its unit's full gradient and gloo's copy of it.
+        limit = 0 if unit is not None and self._root_reduces_next(unit) else _MAX_PENDING_REDUCES
+        while len(self._pending) > limit:
             self._pending.popleft().finish_reduce()
+
+    def _root_reduces_next(self, unit) -> bool:
+        order = self.exec_order
+        return (self.order_state is OrderState.FROZEN and len(order) > 1 and order[0] is self.root_unit
+                and order[1] is unit)
 
     def _end_of_backward(self) -> None:
         """BACKWARD -> IDLE: finish reductions, reshard every unit, agree on unused parameters (the mask

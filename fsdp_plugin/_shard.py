@@ -118,8 +118,12 @@ def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: Ro
     scatter = decide_scatter(model, mesh.world_size, device)
     mat = Materializer(model, device, cfg.param_init_fn)
     buffer_sites = _buffer_sites_by_unit(model, unit_fqns)
+    built: list = []
+    # Scattering an eagerly built model: last unit first, so that the big early units (embeddings in the
+    # root) are scattered once most of the model is already sharded and freed (setup peak ~ model + one unit).
+    order = list(reversed(units)) if scatter else units
     try:
-        for fqn, module in units:
+        for fqn, module in order:
             if not scatter or mesh.rank == 0:
                 mat.materialize_buffers(buffer_sites[fqn])
             else:
@@ -127,9 +131,10 @@ def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: Ro
             policy = unit_policy(cfg, mesh, fqn, module)
             handles = [_build_handle(group, sites, names, policy.mesh, cfg, device, mat, scatter, fqn or "<root>")
                        for group in _group_params(owned[fqn]).values()]
-            root.units.append(Unit(fqn, module, handles, root, reshard_after_forward=policy.reshard_after_forward))
+            built.append(Unit(fqn, module, handles, root, reshard_after_forward=policy.reshard_after_forward))
     finally:
         mat.close()
+    root.units.extend(reversed(built) if scatter else built)
 
 
 def _buffer_sites_by_unit(model: nn.Module, unit_fqns: list) -> dict:
@@ -180,14 +185,16 @@ def _build_handle(params, sites, names, mesh: Mesh, cfg: ShardingConfig, device,
 
 
 def _scatter_from_rank0(handle: FlatParamHandle, values, mesh: Mesh) -> None:
-    """Rank 0's full values win: it sends each rank the chunk that rank keeps."""
+    """Rank 0's full values win: it sends each rank the chunk that rank keeps.
+
+    No full flat copy is made: a chunk that lies inside one parameter is sent from that parameter's memory,
+    others are assembled chunk by chunk; every rank receives straight into its shard when it can.
+    """
     chunks = None
     if mesh.rank == 0:
-        flat = torch.zeros(handle.padded, dtype=handle.dtype, device=handle.device)
-        for slot, v in zip(handle.slots, values):
-            flat[slot.offset:slot.offset + slot.numel].copy_(v.detach().reshape(-1))
-        pieces = flat.split(handle.chunk)
-        chunks = [pieces[r].contiguous() for r in mesh.shard_rank_of]
+        by_shard_rank = [_chunk_of(handle, values, j) for j in range(handle.padded // handle.chunk)]
+        chunks = [by_shard_rank[j] for j in mesh.shard_rank_of]
+        values.clear()      # the caller's list: the chunks (views or copies) keep what is still needed
     # Received on the compute device (NCCL cannot scatter host memory), then moved to the shard's home;
     # straight into the shard when that is its home already (no second chunk-sized buffer at setup).
     direct = handle.flat_shard.device == torch.device(handle.device) and handle.flat_shard.is_contiguous()
@@ -195,6 +202,21 @@ def _scatter_from_rank0(handle: FlatParamHandle, values, mesh: Mesh) -> None:
     comm.scatter(mine, chunks, src=0, group=None)
     if not direct:
         handle.flat_shard.copy_(mine)
+
+
+def _chunk_of(handle: FlatParamHandle, values, j: int) -> torch.Tensor:
+    """Shard rank ``j``'s chunk of the flat layout: a view of one parameter's values when it lies inside it."""
+    lo, hi = j * handle.chunk, (j + 1) * handle.chunk
+    for slot, v in zip(handle.slots, values):
+        if slot.offset <= lo and hi <= slot.offset + slot.numel and v.dtype == handle.dtype \
+                and v.device == handle.device and v.is_contiguous():
+            return v.detach().reshape(-1)[lo - slot.offset:hi - slot.offset]
+    out = torch.zeros(handle.chunk, dtype=handle.dtype, device=handle.device)
+    for slot, v in zip(handle.slots, values):
+        a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if a < b:
+            out[a - lo:b - lo].copy_(v.detach().reshape(-1)[a - slot.offset:b - slot.offset])
+    return out
 
 
 def _finish_buffers(model: nn.Module, cfg: ShardingConfig, mesh: Mesh, device) -> None:

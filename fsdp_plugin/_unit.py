@@ -175,7 +175,7 @@ class Unit:
                 grad = h.take_unsharded_grad()
                 if grad is not None:
                     h.usage.close_backward(reducing=True)
-                    self.root.enqueue_reduce(h, grad)
+                    self.root.enqueue_reduce(h, grad, self)
             self._reshard_handle(h)
             self._maybe_free_frozen()
         return post_backward

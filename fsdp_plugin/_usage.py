@@ -41,11 +41,6 @@ class SlotUsage:
         self.had_grad: list[bool] = [True] * n
         self.reduced: Optional[bytes] = None   # local usage sent with this backward's reduction
 
-    def marker(self, i: int):
-        def mark(_grad):
-            self.now[i] = 1
-        return mark
-
     def close_backward(self, reducing: bool) -> None:
         """Fold this backward's marks into the window; a reducing backward hands the window over."""
         merged = bytes(a | b for a, b in zip(self.now, self.window))
