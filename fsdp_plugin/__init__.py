@@ -14,6 +14,7 @@ from .errors import (CollectiveError, ConfigError, FSDPPluginError, OptimizerErr
                      StateDictError)
 
 from ._deferred import deferred_init
+from ._exit import shutdown
 from .checkpoint import (CheckpointError, CheckpointMismatchError, CorruptCheckpointError,
                          IncompleteCheckpointError, load_checkpoint, load_pretrained, save_checkpoint,
                          save_pretrained)
@@ -25,7 +26,7 @@ __all__ = [
     "clip_grad_norm_", "full_state_dict", "GradScaler", "is_sharded", "register_forward_method", "comm_stats",
     "save_checkpoint", "load_checkpoint", "load_pretrained", "save_pretrained", "CheckpointError",
     "CheckpointMismatchError", "CorruptCheckpointError", "IncompleteCheckpointError",
-    "FSDPPluginError", "ConfigError", "ShardingError", "OptimizerError", "StateDictError", "CollectiveError",
+    "shutdown", "FSDPPluginError", "ConfigError", "ShardingError", "OptimizerError", "StateDictError", "CollectiveError",
 ]
 
 from .integrations.lightning._register import register_if_lightning_present as _register_lightning  # noqa: E402

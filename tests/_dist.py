@@ -54,7 +54,8 @@ def _worker(rank, world_size, store_path, fn, args, env, queue):
         try:
             result = fn(rank, world_size, *args)
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # fn may have ended it with fp.shutdown()
+                dist.destroy_process_group()
         queue.put((rank, True, _to_wire(result)))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         queue.put((rank, False, traceback.format_exc()))

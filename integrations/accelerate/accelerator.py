@@ -177,6 +177,15 @@ class Accelerator(accelerate.Accelerator):
             return super().save_model(model, save_directory, max_shard_size=max_shard_size, safe_serialization=True)
         save_pretrained(self.unwrap_model(model), os.fspath(save_directory), max_shard_size=max_shard_size)
 
+    def end_training(self) -> None:
+        """accelerate's ``end_training`` with fsdp_plugin's clean shutdown: every rank arrives (a barrier with
+        a deadline), then the process groups are destroyed and their threads joined before Python exits."""
+        from fsdp_plugin import shutdown
+
+        if not getattr(self.state, "fork_launched", False):
+            shutdown()
+        super().end_training()  # trackers; its destroy_process_group is a no-op now
+
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs):
         """Collective: models + optimizers in fsdp_plugin's sharded format, the rest as JSON/safetensors."""
         if not self._fp_active:
