@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ class ShardingInfo:
     rank: int
     shard_size: int
     replicate_size: int
+    timeout_s: Optional[float] = None   # ShardingConfig.timeout_s (None: FSDP_PLUGIN_TIMEOUT_S / 600 s)
 
 
 def _aliases(model: nn.Module) -> dict[int, list[str]]:
@@ -63,4 +65,5 @@ def sharding_info(model: nn.Module) -> ShardingInfo:
         rank = dist.get_rank() if dist.is_initialized() else 0
         return ShardingInfo("none", world, rank, 1, world)
     m = root.mesh
-    return ShardingInfo(root.config.sharding_strategy, m.world_size, m.rank, m.shard_size, m.replicate_size)
+    return ShardingInfo(root.config.sharding_strategy, m.world_size, m.rank, m.shard_size, m.replicate_size,
+                        root.config.timeout_s)

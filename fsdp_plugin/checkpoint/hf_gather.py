@@ -6,21 +6,20 @@ from __future__ import annotations
 import json
 
 import torch
-import torch.distributed as dist
 
 from . import _comm
 
 
 def gather_write(writer, shards, buffers, write_tensor) -> None:
-    """Route every piece to rank 0 (``dist.send``/``recv``) and ``write_tensor(name, tensor, start)`` there."""
+    """Route every piece to rank 0 (point-to-point, with the deadline); ``write_tensor(name, tensor, start)`` there."""
     rank, world, dev = _comm.rank(), _comm.world_size(), _comm._device()
     mine = [[sh.start, sh.end] if sh.writer and sh.end > sh.start else None for sh in shards]
-    table = _comm.gather_bytes(json.dumps(mine).encode())
+    table = _comm.gather_bytes(json.dumps(mine).encode(), step="gathering the piece table")
     table = [json.loads(t) for t in table] if rank == 0 else None
     for i, sh in enumerate(shards):
         if rank != 0:
             if mine[i] is not None:
-                dist.send(sh.param.detach().reshape(-1).to(dev).contiguous(), dst=0)
+                _comm.send(sh.param.detach().reshape(-1).to(dev).contiguous(), 0, f"sending {sh.fqn!r} to rank 0")
             continue
         for r in range(world):
             rng = table[r][i]
@@ -30,7 +29,7 @@ def gather_write(writer, shards, buffers, write_tensor) -> None:
                 write_tensor(sh.fqn, sh.param, rng[0])
             else:
                 buf = torch.empty(rng[1] - rng[0], dtype=sh.dtype, device=dev)
-                dist.recv(buf, src=r)
+                _comm.recv(buf, r, f"receiving {sh.fqn!r} from rank {r}")
                 write_tensor(sh.fqn, buf, rng[0])
     if rank == 0:
         for name, buf in buffers:

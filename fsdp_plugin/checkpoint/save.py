@@ -25,6 +25,7 @@ from .fsio import fsync_path
 from .writer import write_safetensors
 
 
+@_comm.uses_model_deadline
 def save_checkpoint(path, model, optimizer=None, extra=None) -> None:
     """Save ``model`` (+ optimizer(s), + ``extra``) as a sharded checkpoint directory at ``path``.
 

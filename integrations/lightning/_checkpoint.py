@@ -97,7 +97,7 @@ def save_full(path: Path, model: torch.nn.Module, encoded: tuple) -> None:
         save_file(_unshared(state), str(tmp), metadata={"format": "pt", FULL_META_KEY: header})
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
-    _barrier()
+    _barrier(model, "waiting for rank 0 to write the full checkpoint file")
 
 
 def load_full(path: Path, model: torch.nn.Module) -> dict[str, Any]:
@@ -153,9 +153,12 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+def _barrier(model: torch.nn.Module, step: str) -> None:
+    """Through fsdp_plugin's collectives: the model's timeout_s, CollectiveError naming the step."""
+    from fsdp_plugin.checkpoint import _comm
+
+    with _comm.deadline_of(model, "Lightning save_checkpoint"):
+        _comm.barrier(step)
 
 
 def checkpoint_kind(path: Path) -> str | None:

@@ -106,3 +106,11 @@ def deferred_init_context(enabled: bool) -> Iterator[None]:
         return
     with fp.deferred_init():
         yield
+
+
+def barrier(config: Any, name: Any = None) -> None:
+    """Lightning's ``strategy.barrier(name)`` through fsdp_plugin's collectives (deadline: ``config.timeout_s``)."""
+    from fsdp_plugin import _collectives
+
+    _collectives.barrier(f"Lightning barrier {name!r}" if name else "Lightning barrier",
+                         getattr(config, "timeout_s", None))

@@ -162,12 +162,8 @@ class FSDPPluginFabricStrategy(ParallelStrategy, _Sharded):
         return tensor
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
+        if _distributed_is_initialized():  # fsdp_plugin's barrier: the config's timeout_s, CollectiveError
+            common.barrier(self.sharding_config, args[0] if args else kwargs.get("name"))
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():

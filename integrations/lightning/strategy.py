@@ -203,12 +203,8 @@ class FSDPPluginStrategy(ParallelStrategy):
 
     # ----------------------------------------------------------------- collectives
     def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
+        if _distributed_is_initialized():  # fsdp_plugin's barrier: the config's timeout_s, CollectiveError
+            common.barrier(self.sharding_config, name)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():
