@@ -10,8 +10,9 @@ from .api import (clip_grad_norm_, full_params, full_state_dict, is_sharded, no_
                   register_forward_method)
 from .config import MixedPrecision, ShardingConfig, size_policy
 from .grad_scaler import GradScaler
-from .errors import (CollectiveError, ConfigError, FSDPPluginError, OptimizerError, ShardingError,
-                     StateDictError)
+from .errors import (CodecError, CollectiveError, ConfigError, DeferredInitError, FSDPPluginError,
+                     NonFiniteGradientError, NotDeferredError, OptimizerError, ShardingError, StateDictError,
+                     UnsupportedError, UsageError)
 
 from ._deferred import deferred_init
 from ._exit import shutdown

@@ -10,11 +10,9 @@ import torch
 from torch.utils._device import _device_constructors
 from torch.utils._pytree import tree_flatten
 
+from .errors import DeferredInitError
+
 aten = torch.ops.aten
-
-
-class DeferredInitError(RuntimeError):
-    """An operation cannot be recorded (or replayed) under :func:`deferred_init`."""
 
 
 _HINT = (

@@ -8,7 +8,6 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ._deferred_graph import (
-    DeferredInitError,
     _Const,
     _FakeRef,
     _GEN,
@@ -23,6 +22,7 @@ from ._deferred_graph import (
     _storage_key,
     _with_generator,
 )
+from .errors import DeferredInitError, NotDeferredError
 
 
 def is_deferred(t: torch.Tensor) -> bool:
@@ -47,7 +47,7 @@ def _group(tensors: list[torch.Tensor]) -> dict[_Recording, set[int]]:
         if not t.is_meta:
             continue  # real already (torch.tensor(data), explicit device): materialize passes it through
         if not is_deferred(t):
-            raise ValueError(
+            raise NotDeferredError(
                 f"materialize: tensor #{i} (shape {tuple(t.shape)}, device {t.device}) is not deferred: "
                 "it was not created under deferred_init(), or it was already released."
             )

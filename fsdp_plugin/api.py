@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _collectives as comm
-from .errors import ShardingError
+from .errors import NonFiniteGradientError, ShardingError
 
 
 def is_sharded(module: nn.Module) -> bool:
@@ -154,7 +154,7 @@ def clip_grad_norm_(parameters: Union[nn.Module, Iterable[torch.Tensor]], max_no
         comm.all_reduce(local, group, op=op, kind="control")
     total = local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
-        raise FloatingPointError(
+        raise NonFiniteGradientError(
             f"the total norm of order {norm_type} of the gradients is {total.item()}: some gradient is NaN or inf, "
             "so clipping cannot make the step safe. Skip this step (or use fp.GradScaler, which skips it for you), "
             "lower the learning rate, or check the loss for overflow; pass error_if_nonfinite=False to clip anyway")

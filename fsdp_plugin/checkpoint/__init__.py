@@ -9,7 +9,11 @@
 from .consolidate import consolidate
 from .errors import (
     CheckpointError,
+    CheckpointKeyError,
     CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointStateError,
+    StateMismatchError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     MismatchReport,
@@ -21,7 +25,11 @@ from .tools import inspect_checkpoint, verify_checkpoint
 
 __all__ = [
     "CheckpointError",
+    "CheckpointKeyError",
     "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "CheckpointStateError",
+    "StateMismatchError",
     "CheckpointMismatchWarning",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",

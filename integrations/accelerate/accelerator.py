@@ -8,6 +8,7 @@ DDP. Without an FSDP selection this class behaves exactly like ``accelerate.Acce
 """
 from __future__ import annotations
 
+from fsdp_plugin.errors import ShardingError
 import contextlib
 import inspect
 import os
@@ -63,7 +64,7 @@ class Accelerator(accelerate.Accelerator):
         if plugin_given:
             os.environ["ACCELERATE_USE_FSDP"] = "true"  # transformers' low-RAM loading reads it
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() != self.num_processes:
-            raise RuntimeError(f"accelerate sees {self.num_processes} process(es) but the process group has "
+            raise ShardingError(f"accelerate sees {self.num_processes} process(es) but the process group has "
                                f"{dist.get_world_size()}: launch with `accelerate launch` (or torchrun) and the "
                                "same process count")
         if self.scaler is not None:  # fp16: every rank must agree on skipping a step (sharded grads)

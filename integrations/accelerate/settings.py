@@ -12,10 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
+from fsdp_plugin.errors import ConfigError
 
 
-class AccelerateConfigError(ValueError):
+class AccelerateConfigError(ConfigError):
     """An accelerate FSDP setting that fsdp_plugin cannot honour; the message names the key."""
 
 

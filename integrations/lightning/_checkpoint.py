@@ -2,18 +2,17 @@
 
 * ``sharded`` (default): ``path`` is the engine's checkpoint directory (``fp.save_checkpoint``: per-rank
   safetensors + ``manifest.json``). Lightning's other state (loops, callbacks, schedulers, hparams,
-  precision state, ...) goes through :mod:`.codec` into the manifest's ``extra``. Loadable at any world size.
+  precision state, ...) goes through :mod:`fsdp_plugin.checkpoint.codec` into the manifest's ``extra``. Loadable at any world size.
 * ``full``: ``path`` is one safetensors file holding the plain model ``state_dict`` under its usual keys,
   so ``module.load_state_dict(safetensors.torch.load_file(path))`` works on an unsharded module. The
-  Lightning state is JSON in the header's ``__metadata__`` (its few tensors inline, base64), with the
+  Lightning state is JSON in the header's ``__metadata__`` (its few tensors inline, the codec's hex), with the
   optimizers' param-group hyper-parameters; their per-parameter state (Adam moments) is not stored.
 
 Save/load are collective: call them on every rank. Callers run :func:`encode_meta` first, so an
-unsupported value raises the same :class:`~.codec.CodecError` on every rank before any communication.
+unsupported value raises the same :class:`~fsdp_plugin.CodecError` on every rank before any communication.
 """
 from __future__ import annotations
 
-import base64
 import json
 import os
 from collections.abc import Sequence
@@ -22,7 +21,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from fsdp_plugin.integrations.lightning.codec import decode, encode
+from fsdp_plugin.checkpoint import codec
+from fsdp_plugin.checkpoint.errors import CheckpointStateError
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -70,7 +70,7 @@ def _optim_arg(optimizers: Sequence[Any]) -> Any:
 
 def encode_meta(meta: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
     """Encode Lightning's state. Call on every rank before any collective: a bad value fails everywhere."""
-    return encode(meta)
+    return codec.encode_state(meta)
 
 
 def save_sharded(path: Path, model: torch.nn.Module, optimizers: Sequence[Any], encoded: tuple) -> None:
@@ -83,8 +83,8 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizers: Sequence[Any]) 
     """Load model (and optimizers, if given) from a sharded directory; return Lightning's decoded state."""
     extra = fp.load_checkpoint(str(path), model, _optim_arg(optimizers)) or {}
     if EXTRA_KEY not in extra:
-        raise ValueError(f"{path} is an fsdp_plugin checkpoint without Lightning state (saved outside Lightning?)")
-    return decode(extra[EXTRA_KEY], extra.get(EXTRA_TENSORS_KEY) or {})
+        raise CheckpointStateError(f"{path} is an fsdp_plugin checkpoint without Lightning state (saved outside Lightning?)")
+    return codec.decode_state(extra[EXTRA_KEY], extra.get(EXTRA_TENSORS_KEY) or {})
 
 
 def save_full(path: Path, model: torch.nn.Module, encoded: tuple) -> None:
@@ -106,10 +106,10 @@ def load_full(path: Path, model: torch.nn.Module) -> dict[str, Any]:
         header = (f.metadata() or {}).get(FULL_META_KEY)
         state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a dict
     if header is None:
-        raise ValueError(f"{path} is a safetensors file without fsdp_plugin's Lightning state; it holds only weights")
+        raise CheckpointStateError(f"{path} is a safetensors file without fsdp_plugin's Lightning state; it holds only weights")
     with fp.full_params(model):
         model.load_state_dict(state, strict=True)
-    return decode(*_outline_tensors(json.loads(header)))
+    return codec.decode_state(*_outline_tensors(json.loads(header)))
 
 
 def is_sharded_checkpoint(path: Path) -> bool:
@@ -118,24 +118,13 @@ def is_sharded_checkpoint(path: Path) -> bool:
 
 
 def _inline_tensors(tree: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Pack the codec's tensors into JSON (exact bytes, base64): they are a few scalars."""
-    packed = {k: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                  "b64": base64.b64encode(_raw_bytes(t)).decode("ascii")} for k, t in tensors.items()}
-    return {"tree": tree, "tensors": packed}
+    """Pack the codec's tensors into JSON (the codec's exact inline form): they are a few scalars."""
+    return {"tree": tree, "tensors": {k: codec.inline_tensor(t) for k, t in tensors.items()}}
 
 
 def _outline_tensors(doc: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
-    tensors = {}
-    for key, t in doc.get("tensors", {}).items():
-        dtype = getattr(torch, t["dtype"])
-        raw = bytearray(base64.b64decode(t["b64"]))
-        flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-        tensors[key] = flat.view(dtype).reshape(t["shape"]).clone()
+    tensors = {k: codec.tensor_from_inline(node, f"tensor {k}") for k, node in doc.get("tensors", {}).items()}
     return doc["tree"], tensors
-
-
-def _raw_bytes(t: torch.Tensor) -> bytes:
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,6 +1,7 @@
 """Pieces shared by the Trainer and Fabric strategies: config, process group, sharding, precision plugins."""
 from __future__ import annotations
 
+from fsdp_plugin.errors import UsageError
 import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,7 +30,7 @@ def sharding_config(kwargs: dict[str, Any]) -> Any:
     valid = [f.name for f in dataclasses.fields(fp.ShardingConfig)]
     unknown = sorted(set(kwargs) - set(valid))
     if unknown:
-        raise TypeError(
+        raise UsageError(
             f"FSDPPluginStrategy got unknown argument(s) {unknown}. It accepts the fp.ShardingConfig fields "
             f"{valid}, plus state_dict_type, process_group_backend and timeout."
         )
@@ -55,7 +56,7 @@ def convert_precision(plugin: Any | None, plugin_cls: type) -> Any | None:
         return plugin
     if type(plugin) not in _CONVERTIBLE:
         flag = getattr(plugin, "precision", None)
-        raise TypeError(unsupported_message(f"{type(plugin).__name__}({flag!r})", source="precision plugin"))
+        raise UsageError(unsupported_message(f"{type(plugin).__name__}({flag!r})", source="precision plugin"))
     return plugin_cls(flag_of(plugin), device_type=getattr(plugin, "device", "cpu"))
 
 

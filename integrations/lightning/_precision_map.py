@@ -11,6 +11,7 @@ Any other flag is refused with a message listing these.
 """
 from __future__ import annotations
 
+from fsdp_plugin.errors import ConfigError
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +66,7 @@ def precision_spec(flag: Any, device_type: str = "cpu") -> PrecisionSpec:
     """Resolve a Lightning precision flag into a :class:`PrecisionSpec`; refuse unsupported flags."""
     flag = _ALIASES.get(flag, flag)
     if flag not in _SPECS:
-        raise ValueError(unsupported_message(flag))
+        raise ConfigError(unsupported_message(flag))
     if flag == "16-mixed" and device_type != "cuda":
-        raise ValueError("precision='16-mixed' needs CUDA (fp16 autocast with a loss scaler); on CPU use 'bf16-mixed'.")
+        raise ConfigError("precision='16-mixed' needs CUDA (fp16 autocast with a loss scaler); on CPU use 'bf16-mixed'.")
     return _SPECS[flag]

@@ -8,6 +8,7 @@ the pickle-free codec.
 """
 from __future__ import annotations
 
+from fsdp_plugin.errors import UnsupportedError, UsageError
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
@@ -82,12 +83,12 @@ class FSDPPluginFabricStrategy(ParallelStrategy, _Sharded):
 
     @property
     def checkpoint_io(self) -> Any:
-        raise NotImplementedError(f"{type(self).__name__} saves through the fsdp_plugin engine, not CheckpointIO")
+        raise UnsupportedError(f"{type(self).__name__} saves through the fsdp_plugin engine, not CheckpointIO")
 
     @checkpoint_io.setter
     def checkpoint_io(self, io: Any) -> None:
         if io is not None:
-            raise NotImplementedError(f"{type(self).__name__} does not use CheckpointIO plugins")
+            raise UnsupportedError(f"{type(self).__name__} does not use CheckpointIO plugins")
 
     @property
     def root_device(self) -> torch.device:
@@ -177,7 +178,7 @@ class FSDPPluginFabricStrategy(ParallelStrategy, _Sharded):
                         filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
         """Collective: the engine's sharded directory at ``path`` (one module, its optimizer(s), other state)."""
         if storage_options is not None or filter:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint takes neither storage_options nor filter")
+            raise UsageError(f"{type(self).__name__}.save_checkpoint takes neither storage_options nor filter")
         fstate.save(lambda: Path(self.broadcast(str(path))), state)
 
     def load_checkpoint(self, path: Any, state: Any | None = None, strict: bool = True,

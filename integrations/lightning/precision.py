@@ -7,6 +7,7 @@ sharded gradients), and the fp16 loss scaler (``fp.GradScaler``) agrees on inf/n
 """
 from __future__ import annotations
 
+from fsdp_plugin.errors import NonFiniteGradientError
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -82,7 +83,7 @@ class _PrecisionCore:
 
         norm = fp.clip_grad_norm_(list(parameters), max_norm, norm_type=norm_type)
         if error_if_nonfinite and not torch.isfinite(norm):
-            raise RuntimeError(f"The total norm of order {norm_type} of the gradients is non-finite ({norm.item()}).")
+            raise NonFiniteGradientError(f"The total norm of order {norm_type} of the gradients is non-finite ({norm.item()}).")
         return norm
 
 

@@ -24,6 +24,8 @@ Limitations:
 """
 from __future__ import annotations
 
+from fsdp_plugin.errors import ConfigError, UsageError
+from fsdp_plugin.checkpoint.errors import CheckpointStateError
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -231,7 +233,7 @@ class FSDPPluginStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Collective. ``sharded``: an engine directory at ``filepath``; ``full``: one safetensors file."""
         if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options (they are for "
+            raise UsageError(f"{type(self).__name__}.save_checkpoint does not take storage_options (they are for "
                             "CheckpointIO plugins, which this strategy does not use).")
         meta, with_optimizers = ckpt.split_state(checkpoint)
         if self.state_dict_type == "full" and with_optimizers:
@@ -250,7 +252,7 @@ class FSDPPluginStrategy(ParallelStrategy):
         kind = ckpt.checkpoint_kind(path)
         assert self.model is not None and self.lightning_module is not None
         if kind is None:
-            raise ValueError(f"{path} is not an fsdp_plugin Lightning checkpoint: give a checkpoint directory (with "
+            raise CheckpointStateError(f"{path} is not an fsdp_plugin Lightning checkpoint: give a checkpoint directory (with "
                              "manifest.json, state_dict_type='sharded') or a .ckpt safetensors file ('full').")
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         if kind == "sharded":
@@ -280,4 +282,4 @@ class FSDPPluginStrategy(ParallelStrategy):
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"FSDPPluginStrategy({name}={value!r}): use one of {', '.join(repr(c) for c in choices)}")
+        raise ConfigError(f"FSDPPluginStrategy({name}={value!r}): use one of {', '.join(repr(c) for c in choices)}")
