@@ -33,6 +33,12 @@ class ShardingInfo:
     timeout_s: Optional[float] = None   # ShardingConfig.timeout_s (None: FSDP_PLUGIN_TIMEOUT_S / 600 s)
 
 
+def is_persistent_buffer(module: nn.Module, name: str) -> bool:
+    """The one rule for which buffers belong to a state dict (and so to checkpoints): registered, not None,
+    not ``persistent=False``."""
+    return module._buffers.get(name) is not None and name not in module._non_persistent_buffers_set
+
+
 def _aliases(model: nn.Module) -> dict[int, list[str]]:
     names: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _collectives as comm
+from ._layout import is_persistent_buffer
 from .errors import NonFiniteGradientError, ShardingError
 
 
@@ -105,7 +106,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict:
             if p is not None:
                 out[pre + name] = values.get(id(p), p.detach().cpu())
         for name, b in module._buffers.items():
-            if b is not None and name not in module._non_persistent_buffers_set:
+            if is_persistent_buffer(module, name):
                 out[pre + name] = b.detach().cpu()
     return out
 

@@ -8,7 +8,6 @@ DDP. Without an FSDP selection this class behaves exactly like ``accelerate.Acce
 """
 from __future__ import annotations
 
-from fsdp_plugin.errors import ShardingError
 import contextlib
 import inspect
 import os
@@ -27,6 +26,7 @@ from .parse import parse_mixed_precision
 from .resolve import sharding_config as resolve_config
 from .selection import check_precision_flag, select_settings
 from .settings import FsdpSettings
+from fsdp_plugin.errors import ShardingError
 
 _PARENT_SIGNATURE = inspect.signature(accelerate.Accelerator.__init__)
 

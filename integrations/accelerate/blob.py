@@ -6,13 +6,13 @@ int dict keys and tensors; loading only parses JSON and safetensors.
 """
 from __future__ import annotations
 
-from fsdp_plugin.checkpoint.errors import CheckpointNotFoundError
 import json
 import os
 from typing import Any
 
 from fsdp_plugin.checkpoint.codec import decode_state, encode_state
 from safetensors.torch import load_file, save_file
+from fsdp_plugin.checkpoint.errors import CheckpointNotFoundError
 
 
 def write_blob(directory: str, name: str, obj: Any) -> None:

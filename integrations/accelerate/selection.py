@@ -5,7 +5,6 @@ Pops from the parent's bound arguments what stock accelerate must not see (the p
 """
 from __future__ import annotations
 
-from fsdp_plugin.errors import UsageError
 import os
 from typing import Any
 
@@ -15,6 +14,7 @@ from .from_env import fsdp_requested, mesh_from_sizes, settings_from_env
 from .from_plugin import settings_from_plugin
 from .parse import parse_mixed_precision
 from .settings import FsdpSettings, config_error
+from fsdp_plugin.errors import UsageError
 
 
 def select_settings(bound: dict, sharding_config: Any) -> FsdpSettings | None:

@@ -2,9 +2,9 @@
 ``project_dir/checkpoints/checkpoint_<n>`` naming with ``total_limit`` rotation."""
 from __future__ import annotations
 
-from fsdp_plugin.errors import ConfigError
 import os
 import shutil
+from fsdp_plugin.errors import ConfigError
 
 
 def _iteration(folder: str) -> int | None:

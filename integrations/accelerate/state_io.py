@@ -11,8 +11,6 @@ entry of the same rank when it exists.
 """
 from __future__ import annotations
 
-from fsdp_plugin.errors import ConfigError
-from fsdp_plugin.checkpoint.errors import CheckpointNotFoundError, CheckpointStateError, StateMismatchError
 import os
 import warnings
 from typing import Any
@@ -21,6 +19,8 @@ import torch
 
 from .blob import blob_exists, read_blob, write_blob
 from .rng import capture_rng, restore_rng
+from fsdp_plugin.errors import ConfigError
+from fsdp_plugin.checkpoint.errors import CheckpointNotFoundError, CheckpointStateError, StateMismatchError
 
 STATE_NAME = "accelerator_state"
 FORMAT = "fsdp_plugin.accelerate/1"

@@ -1,7 +1,6 @@
 """Pieces shared by the Trainer and Fabric strategies: config, process group, sharding, precision plugins."""
 from __future__ import annotations
 
-from fsdp_plugin.errors import UsageError
 import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,6 +19,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 
 import fsdp_plugin as fp
+from fsdp_plugin.errors import UsageError
 
 FORWARD_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 _CONVERTIBLE = (Precision, MixedPrecision, HalfPrecision, FabricPrecision, FabricMixed, FabricHalf)

@@ -6,7 +6,6 @@ have one) goes through the pickle-free codec into the checkpoint's ``extra``.
 """
 from __future__ import annotations
 
-from fsdp_plugin.checkpoint.errors import CheckpointKeyError, CheckpointNotFoundError, CheckpointStateError
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 from fsdp_plugin.integrations.lightning import _checkpoint as ckpt
 from torch.nn import Module
 from torch.optim import Optimizer
+from fsdp_plugin.checkpoint.errors import CheckpointKeyError, CheckpointNotFoundError, CheckpointStateError
 
 
 def _split(state: dict[str, Any]) -> tuple[str, Module, list[str], dict[str, Any]]:

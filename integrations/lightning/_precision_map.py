@@ -11,11 +11,11 @@ Any other flag is refused with a message listing these.
 """
 from __future__ import annotations
 
-from fsdp_plugin.errors import ConfigError
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from fsdp_plugin.errors import ConfigError
 
 SUPPORTED_FLAGS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 _ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "16": "16-mixed", 16: "16-mixed"}

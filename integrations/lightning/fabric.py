@@ -8,7 +8,6 @@ the pickle-free codec.
 """
 from __future__ import annotations
 
-from fsdp_plugin.errors import UnsupportedError, UsageError
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
@@ -37,6 +36,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 import fsdp_plugin as fp
+from fsdp_plugin.errors import UnsupportedError, UsageError
 
 
 class _NoSync(_BackwardSyncControl):

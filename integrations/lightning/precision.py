@@ -7,7 +7,6 @@ sharded gradients), and the fp16 loss scaler (``fp.GradScaler``) agrees on inf/n
 """
 from __future__ import annotations
 
-from fsdp_plugin.errors import NonFiniteGradientError
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -25,6 +24,7 @@ from lightning.fabric.plugins.precision.utils import (
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
 from torch import Tensor
+from fsdp_plugin.errors import NonFiniteGradientError
 
 
 class _PrecisionCore:

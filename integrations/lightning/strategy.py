@@ -24,8 +24,6 @@ Limitations:
 """
 from __future__ import annotations
 
-from fsdp_plugin.errors import ConfigError, UsageError
-from fsdp_plugin.checkpoint.errors import CheckpointStateError
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -53,6 +51,8 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 
 import fsdp_plugin as fp
+from fsdp_plugin.errors import ConfigError, UsageError
+from fsdp_plugin.checkpoint.errors import CheckpointStateError
 
 _STATE_DICT_TYPES = ("sharded", "full")
 _ACCUMULATION = ("sharded", "no_sync")
