@@ -1,4 +1,4 @@
-"""Deferred init, part 3: replay. ``materialize`` re-runs only the recorded ops that the requested tensors
+"""Deferred init, part 4: replay. ``materialize`` re-runs only the recorded ops that the requested tensors
 depend on (a backward slice of the recording), on real storages, without touching the global RNG."""
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from ._deferred_graph import (
     _drop,
     _slice,
     _storage_key,
-    _with_generator,
 )
+from ._deferred_ops import _with_generator
 from .errors import DeferredInitError, NotDeferredError
 
 
