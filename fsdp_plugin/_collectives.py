@@ -83,6 +83,23 @@ def broadcast(t: torch.Tensor, src: int, group, what: str = "broadcast", timeout
     _blocking(dist.broadcast(t, src=src, group=group, async_op=True), what, timeout_s)
 
 
+def broadcast_bytes(data: Optional[bytes], src: int, what: str = "broadcast",
+                    timeout_s: Optional[float] = None) -> bytes:
+    """Rank ``src``'s ``data`` on every rank, as uint8 tensors (size first): the way to broadcast an object is
+    to encode it (JSON, the checkpoint codec) and send these bytes, never pickle. Blocking, with a deadline."""
+    if not dist.is_initialized() or group_size(None) == 1:
+        return data or b""
+    dev = device()
+    n = torch.tensor([len(data or b"")], dtype=torch.int64, device=dev)
+    broadcast(n, src, None, what=what, timeout_s=timeout_s)
+    buf = torch.zeros(int(n.item()), dtype=torch.uint8, device=dev)
+    if dist.get_rank() == src and data:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    if buf.numel():
+        broadcast(buf, src, None, what=what, timeout_s=timeout_s)
+    return buf.cpu().numpy().tobytes()
+
+
 def barrier(what: str, timeout_s: Optional[float] = None, group=None) -> None:
     """Every rank of ``group`` reached this point (and, on gloo, its earlier work completed); with a deadline."""
     if not dist.is_initialized() or group_size(group) == 1:

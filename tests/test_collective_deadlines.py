@@ -93,3 +93,21 @@ def test_a_stalled_rank_becomes_a_collective_error_within_timeout_s(op, tmp_path
     cls, msg, waited = run_ranks(_one_rank_fails, 2, op, str(tmp_path), "stalls", timeout=60, may_die={1})[0]
     assert cls == "CollectiveError" and f"within {TIMEOUT_S}s" in msg and op.removesuffix("_gather") in msg, msg
     assert TIMEOUT_S - 0.5 < waited < TIMEOUT_S + 3, waited
+
+
+def _lightning_broadcast(rank, world):
+    from fsdp_plugin.integrations.lightning import _common
+    cfg = fp.ShardingConfig(timeout_s=TIMEOUT_S)
+    value = {"best": "/ckpt/epoch=1.ckpt", "score": torch.tensor(0.5), "shape": (2, 3)} if rank == 1 else None
+    got = _common.broadcast(cfg, value, src=1)
+    try:
+        _common.broadcast(cfg, object() if rank == 0 else None, src=0)
+    except fp.CodecError as e:
+        return got, str(e)
+    return got, "no error"
+
+
+def test_lightning_broadcast_is_json_through_our_collectives():
+    for got, err in run_ranks(_lightning_broadcast, 2, timeout=60):
+        assert got["best"] == "/ckpt/epoch=1.ckpt" and got["shape"] == (2, 3) and got["score"].item() == 0.5
+        assert "strategy.broadcast from rank 0" in err and "pickle" in err, err

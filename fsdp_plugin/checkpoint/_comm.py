@@ -41,12 +41,17 @@ def _device() -> torch.device:
     return comm.device()
 
 
-@contextlib.contextmanager
 def deadline_of(model, op: str):
     """Inside: collectives wait at most the model's ``timeout_s`` and errors name ``op``."""
     from .._layout import sharding_info
 
-    t1 = _TIMEOUT.set(sharding_info(model).timeout_s if model is not None else None)
+    return deadline(sharding_info(model).timeout_s if model is not None else None, op)
+
+
+@contextlib.contextmanager
+def deadline(timeout_s, op: str):
+    """Inside: collectives wait at most ``timeout_s`` (None: ``FSDP_PLUGIN_TIMEOUT_S``) and errors name ``op``."""
+    t1 = _TIMEOUT.set(timeout_s)
     t2 = _OP.set(op)
     try:
         yield
@@ -91,17 +96,7 @@ def all_true(flag: bool, step: str = "agreeing on a flag") -> bool:
 
 def broadcast_bytes(data: bytes | None, src: int = 0, step: str = "broadcasting metadata") -> bytes:
     """Rank ``src``'s ``data`` on every rank."""
-    if not active():
-        return data or b""
-    dev = _device()
-    n = torch.tensor([len(data or b"")], dtype=torch.int64, device=dev)
-    comm.broadcast(n, src, None, what=_what(step), timeout_s=_timeout())
-    buf = torch.zeros(int(n.item()), dtype=torch.uint8, device=dev)
-    if rank() == src and data:
-        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    if buf.numel():
-        comm.broadcast(buf, src, None, what=_what(step), timeout_s=_timeout())
-    return _to_bytes(buf)
+    return comm.broadcast_bytes(data, src, _what(step), _timeout())
 
 
 def all_gather_bytes(data: bytes, step: str = "exchanging metadata") -> list[bytes]:

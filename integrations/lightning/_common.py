@@ -115,3 +115,26 @@ def barrier(config: Any, name: Any = None) -> None:
 
     _collectives.barrier(f"Lightning barrier {name!r}" if name else "Lightning barrier",
                          getattr(config, "timeout_s", None))
+
+
+def broadcast(config: Any, obj: Any, src: int = 0) -> Any:
+    """Lightning's ``strategy.broadcast(obj, src)`` without pickle: rank ``src`` encodes ``obj`` with the package's
+    JSON codec (tensors inline) and sends the bytes through fsdp_plugin's collectives (deadline: ``config.timeout_s``).
+    A value the codec cannot store raises ``CodecError`` on every rank. ``src`` keeps its own object."""
+    import json
+
+    import torch.distributed as dist
+    from fsdp_plugin.checkpoint import _comm, codec
+    from fsdp_plugin.errors import CodecError
+
+    payload = None
+    if dist.get_rank() == src:
+        try:
+            payload = json.dumps({"value": codec.encode(obj)}, allow_nan=False).encode()
+        except (TypeError, ValueError) as e:
+            payload = json.dumps({"error": str(e)}).encode()
+    with _comm.deadline(getattr(config, "timeout_s", None), "Lightning broadcast"):
+        doc = json.loads(_comm.broadcast_bytes(payload, src, step=f"from rank {src}"))
+    if "error" in doc:
+        raise CodecError(f"strategy.broadcast from rank {src}: {doc['error']}")
+    return obj if dist.get_rank() == src else codec.decode(doc["value"])

@@ -29,7 +29,6 @@ from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.nn import Module
@@ -169,9 +168,7 @@ class FSDPPluginFabricStrategy(ParallelStrategy, _Sharded):
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():
             return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
+        return common.broadcast(self.sharding_config, obj, src)  # JSON through fsdp_plugin's collectives, no pickle
 
     # ----------------------------------------------------------------- checkpoints
     def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any | None = None,

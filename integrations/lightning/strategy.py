@@ -40,7 +40,6 @@ from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.pytorch.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher,
 )
@@ -211,9 +210,7 @@ class FSDPPluginStrategy(ParallelStrategy):
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():
             return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
+        return common.broadcast(self.sharding_config, obj, src)  # JSON through fsdp_plugin's collectives, no pickle
 
     def reduce(self, tensor: Tensor | Any, group: Any | None = None,
                reduce_op: Any | str | None = "mean") -> Tensor | Any:
