@@ -111,3 +111,16 @@ def test_lightning_broadcast_is_json_through_our_collectives():
     for got, err in run_ranks(_lightning_broadcast, 2, timeout=60):
         assert got["best"] == "/ckpt/epoch=1.ckpt" and got["shape"] == (2, 3) and got["score"].item() == 0.5
         assert "strategy.broadcast from rank 0" in err and "pickle" in err, err
+
+
+def _lightning_reduce(rank, world):
+    from fsdp_plugin.integrations.lightning import _common
+    cfg = fp.ShardingConfig(timeout_s=TIMEOUT_S)
+    mean = _common.reduce(cfg, torch.tensor([float(rank + 1)]), None, "mean")
+    total = _common.reduce(cfg, torch.tensor([rank + 1]), None, "sum")
+    top = _common.reduce(cfg, torch.tensor([float(rank)]), None, "max")
+    return mean.item(), total.item(), top.item()
+
+
+def test_lightning_reduce_matches_its_semantics():
+    assert run_ranks(_lightning_reduce, 2, timeout=60) == [(1.5, 3, 1.0)] * 2

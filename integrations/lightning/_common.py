@@ -138,3 +138,21 @@ def broadcast(config: Any, obj: Any, src: int = 0) -> Any:
     if "error" in doc:
         raise CodecError(f"strategy.broadcast from rank {src}: {doc['error']}")
     return obj if dist.get_rank() == src else codec.decode(doc["value"])
+
+
+def reduce(config: Any, tensor: torch.Tensor, group: Any = None, reduce_op: Any = "mean") -> torch.Tensor:
+    """Lightning's ``strategy.reduce`` (in place, like its ``_sync_ddp``) through fsdp_plugin's collectives:
+    "mean"/"avg" is a sum divided by the group size (gloo has no AVG); other strings name a ``ReduceOp``."""
+    import torch.distributed as dist
+    from fsdp_plugin import _collectives
+
+    op, divide = reduce_op, False
+    if reduce_op is None or isinstance(reduce_op, str):
+        name = "avg" if reduce_op in (None, "mean") else reduce_op.lower()
+        op, divide = (dist.ReduceOp.SUM, True) if name == "avg" else (getattr(dist.ReduceOp, name.upper()), False)
+    _collectives.all_reduce(tensor, group, op=op, kind="control", what="Lightning reduce",
+                            timeout_s=getattr(config, "timeout_s", None))
+    if not divide:
+        return tensor
+    n = _collectives.group_size(group)
+    return tensor.div_(n) if torch.is_floating_point(tensor) else tensor.copy_(tensor / n)

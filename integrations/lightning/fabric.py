@@ -27,7 +27,6 @@ from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
-    _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import Tensor
@@ -158,7 +157,8 @@ class FSDPPluginFabricStrategy(ParallelStrategy, _Sharded):
     def all_reduce(self, tensor: Tensor, group: Any | None = None,
                    reduce_op: Any | str | None = "mean") -> Tensor:
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return common.reduce(self.sharding_config, tensor, group, reduce_op) if _distributed_is_initialized() \
+                else tensor
         return tensor
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:

@@ -38,7 +38,6 @@ from fsdp_plugin.integrations.lightning.precision import FSDPPluginPrecision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
-    _sync_ddp_if_available,
 )
 from lightning.pytorch.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher,
@@ -215,7 +214,8 @@ class FSDPPluginStrategy(ParallelStrategy):
     def reduce(self, tensor: Tensor | Any, group: Any | None = None,
                reduce_op: Any | str | None = "mean") -> Tensor | Any:
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return common.reduce(self.sharding_config, tensor, group, reduce_op) if _distributed_is_initialized() \
+                else tensor
         return tensor
 
     # ----------------------------------------------------------------- checkpoints
