@@ -27,7 +27,9 @@ __all__ = [
     "clip_grad_norm_", "full_state_dict", "GradScaler", "is_sharded", "register_forward_method", "comm_stats",
     "save_checkpoint", "load_checkpoint", "load_pretrained", "save_pretrained", "CheckpointError",
     "CheckpointMismatchError", "CorruptCheckpointError", "IncompleteCheckpointError",
-    "shutdown", "FSDPPluginError", "ConfigError", "ShardingError", "OptimizerError", "StateDictError", "CollectiveError",
+    "shutdown",
+    "FSDPPluginError", "ConfigError", "ShardingError", "OptimizerError", "StateDictError", "CollectiveError",
+    "UsageError", "UnsupportedError", "DeferredInitError", "NotDeferredError", "NonFiniteGradientError", "CodecError",
 ]
 
 from .integrations.lightning._register import register_if_lightning_present as _register_lightning  # noqa: E402

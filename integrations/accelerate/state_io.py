@@ -72,7 +72,8 @@ def load_models(directory: str, models: list, optimizers: list) -> None:
     for i, model in enumerate(models):
         path = model_dir(directory, i)
         if not os.path.isdir(path):
-            raise CheckpointNotFoundError(f"load_state: {path} is missing (the state has fewer models than were prepared)")
+            raise CheckpointNotFoundError(f"load_state: {path} is missing (the state has fewer models than were "
+                                          "prepared)")
         load_checkpoint(path, model, optimizer_for(model, optimizers))
 
 

@@ -2,7 +2,8 @@
 
 * ``sharded`` (default): ``path`` is the engine's checkpoint directory (``fp.save_checkpoint``: per-rank
   safetensors + ``manifest.json``). Lightning's other state (loops, callbacks, schedulers, hparams,
-  precision state, ...) goes through :mod:`fsdp_plugin.checkpoint.codec` into the manifest's ``extra``. Loadable at any world size.
+  precision state, ...) goes through :mod:`fsdp_plugin.checkpoint.codec` into the manifest's ``extra``.
+  Loadable at any world size.
 * ``full``: ``path`` is one safetensors file holding the plain model ``state_dict`` under its usual keys,
   so ``module.load_state_dict(safetensors.torch.load_file(path))`` works on an unsharded module. The
   Lightning state is JSON in the header's ``__metadata__`` (its few tensors inline, the codec's hex), with the
@@ -83,7 +84,8 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizers: Sequence[Any]) 
     """Load model (and optimizers, if given) from a sharded directory; return Lightning's decoded state."""
     extra = fp.load_checkpoint(str(path), model, _optim_arg(optimizers)) or {}
     if EXTRA_KEY not in extra:
-        raise CheckpointStateError(f"{path} is an fsdp_plugin checkpoint without Lightning state (saved outside Lightning?)")
+        raise CheckpointStateError(f"{path} is an fsdp_plugin checkpoint without Lightning state "
+                                   "(saved outside Lightning?)")
     return codec.decode_state(extra[EXTRA_KEY], extra.get(EXTRA_TENSORS_KEY) or {})
 
 
@@ -106,7 +108,8 @@ def load_full(path: Path, model: torch.nn.Module) -> dict[str, Any]:
         header = (f.metadata() or {}).get(FULL_META_KEY)
         state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a dict
     if header is None:
-        raise CheckpointStateError(f"{path} is a safetensors file without fsdp_plugin's Lightning state; it holds only weights")
+        raise CheckpointStateError(f"{path} is a safetensors file without fsdp_plugin's Lightning state; "
+                                   "it holds only weights")
     with fp.full_params(model):
         model.load_state_dict(state, strict=True)
     return codec.decode_state(*_outline_tensors(json.loads(header)))

@@ -83,7 +83,8 @@ class _PrecisionCore:
 
         norm = fp.clip_grad_norm_(list(parameters), max_norm, norm_type=norm_type)
         if error_if_nonfinite and not torch.isfinite(norm):
-            raise NonFiniteGradientError(f"The total norm of order {norm_type} of the gradients is non-finite ({norm.item()}).")
+            raise NonFiniteGradientError(
+                f"The total norm of order {norm_type} of the gradients is non-finite ({norm.item()}).")
         return norm
 
 
