@@ -76,10 +76,11 @@ def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = Fa
     _blocking(dist.all_reduce(t, op=op, group=group, async_op=True), what, timeout_s)
 
 
-def broadcast(t: torch.Tensor, src: int, group, what: str = "broadcast", timeout_s: Optional[float] = None) -> None:
+def broadcast(t: torch.Tensor, src: int, group, what: str = "broadcast", timeout_s: Optional[float] = None,
+              kind: str = "broadcast") -> None:
     """Rank ``src``'s ``t`` into ``t`` on every rank of ``group`` (global rank ``src``); blocking, with a deadline."""
     n = group_size(group)
-    _count("broadcast", t.numel(), t.element_size(), n)
+    _count(kind, t.numel(), t.element_size(), n)
     _blocking(dist.broadcast(t, src=src, group=group, async_op=True), what, timeout_s)
 
 
@@ -91,12 +92,12 @@ def broadcast_bytes(data: Optional[bytes], src: int, what: str = "broadcast",
         return data or b""
     dev = device()
     n = torch.tensor([len(data or b"")], dtype=torch.int64, device=dev)
-    broadcast(n, src, None, what=what, timeout_s=timeout_s)
+    broadcast(n, src, None, what=what, timeout_s=timeout_s, kind="control")
     buf = torch.zeros(int(n.item()), dtype=torch.uint8, device=dev)
     if dist.get_rank() == src and data:
         buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     if buf.numel():
-        broadcast(buf, src, None, what=what, timeout_s=timeout_s)
+        broadcast(buf, src, None, what=what, timeout_s=timeout_s, kind="control")
     return buf.cpu().numpy().tobytes()
 
 

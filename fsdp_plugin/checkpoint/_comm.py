@@ -129,7 +129,7 @@ def gather_bytes(data: bytes, dst: int = 0, step: str = "gathering metadata") ->
     sizes = [torch.zeros_like(n) for _ in range(world)] if me == dst else None
     comm.gather(n, sizes, dst, what=what, timeout_s=_timeout())
     cap = torch.tensor([max(int(s.item()) for s in sizes) if me == dst else 0], dtype=torch.int64, device=dev)
-    comm.broadcast(cap, dst, None, what=what, timeout_s=_timeout())
+    comm.broadcast(cap, dst, None, what=what, timeout_s=_timeout(), kind="control")
     mine = torch.zeros(max(int(cap.item()), 1), dtype=torch.uint8, device=dev)
     if data:
         mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
