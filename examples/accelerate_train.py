@@ -117,7 +117,7 @@ def main() -> None:
         accelerator.save_state(args.save_state)
     if args.save_model:
         accelerator.save_model(model, args.save_model)
-    accelerator.wait_for_everyone()
+    accelerator.end_training()  # barrier, then the process group is destroyed cleanly (fp.shutdown)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.nn import functional as F
 
-import fsdp_plugin  # noqa: F401  - the one-line change: registers strategy="fsdp_plugin" with Lightning
+import fsdp_plugin  # the one-line change: registers strategy="fsdp_plugin" with Lightning
 
 
 def corpus() -> str:
@@ -148,6 +148,7 @@ def main() -> None:
         print(f"\nstep {trainer.global_step}, train_loss {float(loss):.3f}" if loss is not None else "")
         print(f"checkpoints: {sorted(p.name for p in __import__('pathlib').Path(args.ckpt_dir).iterdir())}")
         print("sample:", text)
+    fsdp_plugin.shutdown()  # every rank: barrier, then the process group is destroyed cleanly (README, Reliability)
 
 
 if __name__ == "__main__":

@@ -271,8 +271,9 @@ def main(argv=None) -> None:
         save_checkpoint(args.save, model, opt, extra={"step": max(args.steps, start)})
         log(f"saved sharded checkpoint to {args.save} at step {max(args.steps, start)} "
             f"({time.perf_counter() - t:.2f} s)")
-    dist.barrier()
-    dist.destroy_process_group()
+    # waits for every rank, then destroys the process group while Python is fully alive: a bare
+    # destroy_process_group() can abort at exit on gloo (README, Known limits)
+    fp.shutdown()
 
 
 if __name__ == "__main__":

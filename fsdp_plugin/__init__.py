@@ -12,10 +12,12 @@ from .api import (clip_grad_norm_, full_params, full_state_dict, is_sharded, no_
                   register_forward_method, reset)
 from .config import MixedPrecision, ShardingConfig, size_policy
 from .grad_scaler import GradScaler
-from .errors import (CollectiveError, ConfigError, FSDPPluginError, OptimizerError, ShardingError,
-                     StateDictError)
+from .errors import (CodecError, CollectiveError, ConfigError, DeferredInitError, FSDPPluginError,
+                     NonFiniteGradientError, NotDeferredError, OptimizerError, ShardingError, StateDictError,
+                     UnsupportedError, UsageError)
 
 from ._deferred import deferred_init
+from ._exit import shutdown
 from .plan import Plan, PlanError, plan
 from .checkpoint import (AsyncSave, CheckpointError, CheckpointMismatchError, CorruptCheckpointError,
                          IncompleteCheckpointError, load_checkpoint, load_pretrained, save_checkpoint,
@@ -28,8 +30,10 @@ __all__ = [
     "clip_grad_norm_", "full_state_dict", "GradScaler", "is_sharded", "register_forward_method", "reset", "comm_stats",
     "save_checkpoint", "AsyncSave", "load_checkpoint", "load_pretrained", "save_pretrained", "CheckpointError",
     "CheckpointMismatchError", "CorruptCheckpointError", "IncompleteCheckpointError",
+    "shutdown",
     "FSDPPluginError", "ConfigError", "ShardingError", "OptimizerError", "StateDictError", "CollectiveError",
     "plan", "Plan", "PlanError", "memory_report",
+    "UsageError", "UnsupportedError", "DeferredInitError", "NotDeferredError", "NonFiniteGradientError", "CodecError",
 ]
 
 _configure_log()

@@ -1,8 +1,13 @@
 """The only module that talks to torch.distributed collectives; it counts calls and bytes by kind.
 
 Bytes are per rank on a ring: all-gather and reduce-scatter move ``total * (N-1)/N`` elements,
-all-reduce ``2 * total * (N-1)/N``, broadcast/scatter ``total * (N-1)/N`` (amortized). A group of one
-rank moves nothing and no call is issued.
+all-reduce ``2 * total * (N-1)/N``, broadcast/scatter/gather ``total * (N-1)/N`` (amortized), a
+point-to-point send or receive its tensor's bytes. A group of one rank moves nothing and no call is issued.
+
+Blocking operations (:func:`barrier`, :func:`broadcast`, :func:`gather`, :func:`all_gather_list`,
+:func:`send`, :func:`recv`, :func:`all_reduce` with ``what=``) are issued asynchronously and waited
+with a deadline, so a peer that died or stalls becomes a :class:`CollectiveError` naming ``what``
+within ``timeout_s`` (default: ``FSDP_PLUGIN_TIMEOUT_S`` or 600 s) instead of torch's default timeout.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ class CommStats:
 
 
 STATS = CommStats()
+FAILED = False   # a collective of this process failed or timed out (fp.shutdown then leaves the groups alone)
 
 
 def group_size(group) -> int:
@@ -65,17 +71,91 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool =
     return dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
-def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False, kind: str = "all_reduce"):
-    """In-place all-reduce; ``kind="control"`` keeps small bookkeeping out of the training-bytes formula."""
+def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False, kind: str = "all_reduce",
+               what: Optional[str] = None, timeout_s: Optional[float] = None):
+    """In-place all-reduce; ``kind="control"`` keeps small bookkeeping out of the training-bytes formula.
+    With ``what``, a blocking call waited with a deadline (see module docstring)."""
     n = group_size(group)
     _count(kind, t.numel(), t.element_size(), n, factor=2)
-    return dist.all_reduce(t, op=op, group=group, async_op=async_op)
+    if what is None:
+        return dist.all_reduce(t, op=op, group=group, async_op=async_op)
+    _blocking(dist.all_reduce(t, op=op, group=group, async_op=True), what, timeout_s)
 
 
-def broadcast(t: torch.Tensor, src: int, group) -> None:
+def broadcast(t: torch.Tensor, src: int, group, what: str = "broadcast", timeout_s: Optional[float] = None,
+              kind: str = "broadcast") -> None:
+    """Rank ``src``'s ``t`` into ``t`` on every rank of ``group`` (global rank ``src``); blocking, with a deadline."""
     n = group_size(group)
-    _count("broadcast", t.numel(), t.element_size(), n)
-    dist.broadcast(t, src=src, group=group)
+    _count(kind, t.numel(), t.element_size(), n)
+    _blocking(dist.broadcast(t, src=src, group=group, async_op=True), what, timeout_s)
+
+
+def broadcast_bytes(data: Optional[bytes], src: int, what: str = "broadcast",
+                    timeout_s: Optional[float] = None) -> bytes:
+    """Rank ``src``'s ``data`` on every rank, as uint8 tensors (size first): the way to broadcast an object is
+    to encode it (JSON, the checkpoint codec) and send these bytes, never pickle. Blocking, with a deadline."""
+    if not dist.is_initialized() or group_size(None) == 1:
+        return data or b""
+    dev = device()
+    n = torch.tensor([len(data or b"")], dtype=torch.int64, device=dev)
+    broadcast(n, src, None, what=what, timeout_s=timeout_s, kind="control")
+    buf = torch.zeros(int(n.item()), dtype=torch.uint8, device=dev)
+    if dist.get_rank() == src and data:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    if buf.numel():
+        broadcast(buf, src, None, what=what, timeout_s=timeout_s, kind="control")
+    return buf.cpu().numpy().tobytes()
+
+
+def barrier(what: str, timeout_s: Optional[float] = None, group=None) -> None:
+    """Every rank of ``group`` reached this point (and, on gloo, its earlier work completed); with a deadline."""
+    if not dist.is_initialized() or group_size(group) == 1:
+        return
+    STATS.calls["barrier"] += 1
+    kw = {"device_ids": [device().index]} if device().type == "cuda" else {}
+    _blocking(dist.barrier(group=group, async_op=True, **kw), what, timeout_s)
+
+
+def all_gather_list(outs: list, t: torch.Tensor, group=None, what: str = "all_gather",
+                    timeout_s: Optional[float] = None, kind: str = "control") -> None:
+    """Gather ``t`` from every rank into ``outs[r]`` (same shape on every rank); blocking, with a deadline."""
+    n = group_size(group)
+    _count(kind, t.numel() * n, t.element_size(), n)
+    _blocking(dist.all_gather(outs, t, group=group, async_op=True), what, timeout_s)
+
+
+def gather(t: torch.Tensor, outs: Optional[list], dst: int, group=None, what: str = "gather",
+           timeout_s: Optional[float] = None, kind: str = "control") -> None:
+    """Every rank's ``t`` into ``outs[r]`` on rank ``dst`` (``outs`` None elsewhere); blocking, with a deadline."""
+    n = group_size(group)
+    _count(kind, t.numel() * n, t.element_size(), n)
+    _blocking(dist.gather(t, outs, dst=dst, group=group, async_op=True), what, timeout_s)
+
+
+def send(t: torch.Tensor, dst: int, what: str = "send", timeout_s: Optional[float] = None) -> None:
+    """Point-to-point: ``t`` to global rank ``dst``, which must :func:`recv` it; blocking, with a deadline."""
+    STATS.calls["p2p"] += 1
+    STATS.bytes["p2p"] += t.numel() * t.element_size()
+    _blocking(dist.isend(t, dst=dst), what, timeout_s)
+
+
+def recv(t: torch.Tensor, src: int, what: str = "recv", timeout_s: Optional[float] = None) -> None:
+    """Point-to-point: fill ``t`` from global rank ``src``'s :func:`send`; blocking, with a deadline."""
+    STATS.calls["p2p"] += 1
+    STATS.bytes["p2p"] += t.numel() * t.element_size()
+    _blocking(dist.irecv(t, src=src), what, timeout_s)
+
+
+def device() -> torch.device:
+    """The one device of process-group tensors: the current CUDA device for NCCL (set it with
+    ``torch.cuda.set_device(local_rank)`` before the first collective, as NCCL requires), else CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _blocking(work, what: str, timeout_s: Optional[float]) -> None:
+    wait(work, what, default_timeout_s(timeout_s))
 
 
 def scatter(out: torch.Tensor, chunks: Optional[list], src: int, group) -> None:
@@ -98,11 +178,13 @@ def wait(work, what: str = "collective", timeout_s: Optional[float] = None) -> N
 
 
 def _collective_error(what: str, timeout_s, cause) -> CollectiveError:
+    global FAILED
+    FAILED = True
     rank = dist.get_rank() if dist.is_initialized() else 0
     text = str(cause).splitlines()[0][:300] if cause else ""
     if cause is None or "timed out" in text.lower() or "timeout" in text.lower():
         return CollectiveError(
-            f"rank {rank}: {what} did not complete within {timeout_s:.0f}s. Another rank probably failed, is stuck "
+            f"rank {rank}: {what} did not complete within {timeout_s or 0:.0f}s. Another rank probably failed, is stuck "
             "or ran different units; check its log. The limit is ShardingConfig(timeout_s=...) or the "
             "FSDP_PLUGIN_TIMEOUT_S environment variable (default 600 s).")
     return CollectiveError(f"rank {rank}: {what} failed ({text}). Another rank probably died or was killed; "

@@ -1,5 +1,9 @@
 """Deferred initialization: record a model's construction on fake tensors, replay it unit by unit.
 
+Four files, one responsibility each: ``_deferred_ops`` (what each aten op does), ``_deferred_graph`` (the
+recorded graph and its bookkeeping), this module (recording, and the public entry points) and
+``_deferred_replay`` (``materialize``/``release``).
+
 This is the paper's (torchdistX-style) recorded deferred init::
 
     with deferred_init():
@@ -71,37 +75,40 @@ __all__ = ["DeferredInitError", "deferred_init", "is_deferred", "materialize", "
 aten = torch.ops.aten
 
 
-from ._deferred_graph import (  # noqa: F401 - the recorded graph
-    _drop,
-    _keep_roots,
-    _slice,
-    DeferredInitError,
-    _HINT,
-    _DATA_DEPENDENT,
-    _OVERWRITE_PACKETS,
-    _METADATA_ONLY_SELF,
-    _DATA_CONSTRUCTORS,
-    _FACTORIES,
-    _storage_key,
-    _FakeRef,
+from ._deferred_graph import (  # the recorded graph
+    _active,
     _Const,
-    _META,
+    _drop,
+    _FakeRef,
     _GEN,
+    _keep_roots,
+    _META,
     _Op,
     _Recording,
     _REGISTRY,
+    _slice,
     _state,
-    _active,
-    _is_random,
+    _storage_key,
+)
+from ._deferred_ops import (  # what each aten op does
     _copies_out,
+    _DATA_CONSTRUCTORS,
+    _DATA_DEPENDENT,
+    _FACTORIES,
+    _get_generator,
+    _HINT,
+    _is_random,
     _meta_copy,
+    _METADATA_ONLY_SELF,
+    _OVERWRITE_PACKETS,
     _returns_self,
     _schema_index,
     _schema_values,
     _tensors_in,
-    _get_generator,
 )
-from ._deferred_replay import _plan, _Replay, _view, is_deferred, materialize, release  # noqa: F401 - public API
+from ._deferred_replay import _Replay, _view
+from ._deferred_replay import is_deferred, materialize, release  # noqa: F401 - public API
+from .errors import DeferredInitError
 
 # --------------------------------------------------------------------------------------------------
 # Recording

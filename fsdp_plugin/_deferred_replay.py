@@ -1,4 +1,4 @@
-"""Deferred init, part 3: replay. ``materialize`` re-runs only the recorded ops that the requested tensors
+"""Deferred init, part 4: replay. ``materialize`` re-runs only the recorded ops that the requested tensors
 depend on (a backward slice of the recording), on real storages, without touching the global RNG."""
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ._deferred_graph import (
-    DeferredInitError,
     _Const,
     _FakeRef,
     _GEN,
@@ -21,8 +20,9 @@ from ._deferred_graph import (
     _drop,
     _slice,
     _storage_key,
-    _with_generator,
 )
+from ._deferred_ops import _with_generator
+from .errors import DeferredInitError, NotDeferredError
 
 
 def is_deferred(t: torch.Tensor) -> bool:
@@ -47,7 +47,7 @@ def _group(tensors: list[torch.Tensor]) -> dict[_Recording, set[int]]:
         if not t.is_meta:
             continue  # real already (torch.tensor(data), explicit device): materialize passes it through
         if not is_deferred(t):
-            raise ValueError(
+            raise NotDeferredError(
                 f"materialize: tensor #{i} (shape {tuple(t.shape)}, device {t.device}) is not deferred: "
                 "it was not created under deferred_init(), or it was already released."
             )

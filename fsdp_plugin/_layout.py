@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,13 @@ class ShardingInfo:
     rank: int
     shard_size: int
     replicate_size: int
+    timeout_s: Optional[float] = None   # ShardingConfig.timeout_s (None: FSDP_PLUGIN_TIMEOUT_S / 600 s)
+
+
+def is_persistent_buffer(module: nn.Module, name: str) -> bool:
+    """The one rule for which buffers belong to a state dict (and so to checkpoints): registered, not None,
+    not ``persistent=False``."""
+    return module._buffers.get(name) is not None and name not in module._non_persistent_buffers_set
 
 
 def _aliases(model: nn.Module) -> dict[int, list[str]]:
@@ -63,4 +71,5 @@ def sharding_info(model: nn.Module) -> ShardingInfo:
         rank = dist.get_rank() if dist.is_initialized() else 0
         return ShardingInfo("none", world, rank, 1, world)
     m = root.mesh
-    return ShardingInfo(root.config.sharding_strategy, m.world_size, m.rank, m.shard_size, m.replicate_size)
+    return ShardingInfo(root.config.sharding_strategy, m.world_size, m.rank, m.shard_size, m.replicate_size,
+                        root.config.timeout_s)

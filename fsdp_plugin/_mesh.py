@@ -3,6 +3,7 @@ group (shards are all-reduced across it). World size 1, or no process group at a
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -11,6 +12,8 @@ from ._strategy import ShardScope
 from .errors import ConfigError
 
 _GROUP_CACHE: dict = {}
+# every mesh built, by id (Mesh compares by value, so no WeakSet), so that fp.shutdown can drop their groups
+_LIVE_MESHES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,32 @@ def build_mesh(scope: ShardScope, device_mesh) -> Mesh:
     """The mesh of a strategy's ``ShardScope`` (see ``_strategy.STRATEGIES``)."""
     if not dist.is_initialized():
         return Mesh(1, 0, 1, 0, 1, 0)
+    from ._exit import register_at_exit
+
+    mesh = _build(scope, device_mesh)
+    _LIVE_MESHES[id(mesh)] = mesh
+    register_at_exit()
+    return mesh
+
+
+def release_groups() -> None:
+    """After the process groups are destroyed (fp.shutdown): forget every reference this package holds to
+    them, so that their C++ threads are joined now. Sharded models cannot communicate afterwards."""
+    _GROUP_CACHE.clear()
+    for mesh in list(_LIVE_MESHES.values()):
+        object.__setattr__(mesh, "shard_group", None)
+        object.__setattr__(mesh, "replicate_group", None)
+    _LIVE_MESHES.clear()
+
+
+def referenced_groups() -> list:
+    """The process groups held by live meshes and the sub-group cache (for fp.shutdown's check)."""
+    groups = [g for pair in _GROUP_CACHE.values() for g in pair]
+    groups += [g for m in _LIVE_MESHES.values() for g in (m.shard_group, m.replicate_group)]
+    return [g for g in groups if g is not None]
+
+
+def _build(scope: ShardScope, device_mesh) -> Mesh:
     world, rank = dist.get_world_size(), dist.get_rank()
     if scope is ShardScope.WORLD:
         return Mesh(world, rank, world, rank, 1, 0, shard_group=dist.group.WORLD, shard_rank_of=tuple(range(world)))

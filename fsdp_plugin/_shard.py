@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import os
 from collections import OrderedDict
 from typing import Optional
 
@@ -67,7 +66,7 @@ def _pick_device(model: nn.Module, cfg: ShardingConfig) -> torch.device:
     if cfg.device is not None:
         return cfg.device
     if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+        return comm.device()  # the one device choice for process-group tensors (the current CUDA device)
     real = [p.device for p in model.parameters() if not p.is_meta]
     return real[0] if real else torch.device("cpu")
 

@@ -12,7 +12,8 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _collectives as comm
-from .errors import ShardingError
+from ._layout import is_persistent_buffer
+from .errors import NonFiniteGradientError, ShardingError
 
 
 def is_sharded(module: nn.Module) -> bool:
@@ -93,7 +94,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict:
             if p is not None:
                 out[pre + name] = values.get(id(p), p.detach().cpu())
         for name, b in module._buffers.items():
-            if b is not None and name not in module._non_persistent_buffers_set:
+            if is_persistent_buffer(module, name):
                 out[pre + name] = b.detach().cpu()
     return out
 
@@ -154,7 +155,7 @@ def clip_grad_norm_(parameters: Union[nn.Module, Iterable[torch.Tensor]], max_no
         comm.all_reduce(local, group, op=op, kind="control")
     total = local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
-        raise FloatingPointError(
+        raise NonFiniteGradientError(
             f"the total norm of order {norm_type} of the gradients is {total.item()}: some gradient is NaN or inf, "
             "so clipping cannot make the step safe. Skip this step (or use fp.GradScaler, which skips it for you), "
             "lower the learning rate, or check the loss for overflow; pass error_if_nonfinite=False to clip anyway")

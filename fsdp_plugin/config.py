@@ -96,7 +96,8 @@ class ShardingConfig:
     ignored_modules: modules whose parameters stay unsharded and unmanaged.
     timeout_s: seconds a collective may wait for the other ranks before raising CollectiveError (naming
         the rank, unit and collective) instead of hanging; None reads FSDP_PLUGIN_TIMEOUT_S, default 600.
-    device: where unsharded parameters live (default: cuda:LOCAL_RANK under NCCL, else the model's device).
+    device: where unsharded parameters live (default: the current CUDA device under NCCL -- call
+        ``torch.cuda.set_device(local_rank)`` first, as NCCL requires -- else the model's device).
     """
 
     sharding_strategy: str = "full_shard"

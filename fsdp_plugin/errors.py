@@ -1,4 +1,9 @@
-"""Exceptions raised by fsdp_plugin. Every message says what to change."""
+"""Exceptions raised by fsdp_plugin. Every message says what to change.
+
+Every class derives from :class:`FSDPPluginError` (``except fp.FSDPPluginError`` catches everything the
+package raises on purpose) and keeps the builtin base a caller would expect (``ValueError`` for a bad
+value, ``TypeError`` for a bad type...). Checkpoint errors live in :mod:`fsdp_plugin.checkpoint.errors`.
+"""
 
 
 class FSDPPluginError(Exception):
@@ -6,7 +11,15 @@ class FSDPPluginError(Exception):
 
 
 class ConfigError(FSDPPluginError, ValueError):
-    """A ShardingConfig field (or an integration option translated into one) is invalid."""
+    """A ShardingConfig field, an integration option or another argument value is invalid."""
+
+
+class UsageError(FSDPPluginError, TypeError):
+    """An argument of the wrong type, or arguments that cannot be combined."""
+
+
+class UnsupportedError(FSDPPluginError, NotImplementedError):
+    """A feature of a host library (Lightning, accelerate) that fsdp_plugin deliberately does not provide."""
 
 
 class ShardingError(FSDPPluginError, RuntimeError):
@@ -23,3 +36,19 @@ class StateDictError(FSDPPluginError, RuntimeError):
 
 class CollectiveError(FSDPPluginError, RuntimeError):
     """A collective failed or timed out; names the rank, the unit and the collective."""
+
+
+class DeferredInitError(FSDPPluginError, RuntimeError):
+    """``fp.deferred_init()`` cannot record or replay an operation (data-dependent shapes, foreign meta tensors)."""
+
+
+class NotDeferredError(DeferredInitError, ValueError):
+    """A tensor handed to deferred-init materialization was not recorded (or was already released)."""
+
+
+class NonFiniteGradientError(FSDPPluginError, FloatingPointError, RuntimeError):
+    """The total gradient norm is NaN or infinite and clipping was asked to raise (``error_if_nonfinite``)."""
+
+
+class CodecError(FSDPPluginError, TypeError):
+    """A value the pickle-free JSON + tensor codec (checkpoint extra, Lightning/accelerate state) cannot store."""

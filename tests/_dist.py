@@ -54,7 +54,8 @@ def _worker(rank, world_size, store_path, fn, args, env, queue):
         try:
             result = fn(rank, world_size, *args)
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # fn may have ended it with fp.shutdown()
+                dist.destroy_process_group()
         queue.put((rank, True, _to_wire(result)))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         queue.put((rank, False, traceback.format_exc()))
@@ -79,8 +80,10 @@ def _collect_failures(queue, rank, payload, grace: float = 1.0) -> str:
     return "\n".join(f"rank {r} failed:\n{p}" for r, p in failures)
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, env: dict | None = None):
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked gloo ranks; return results by rank."""
+def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, env: dict | None = None, may_die=()):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked gloo ranks; return results by rank.
+
+    Ranks in ``may_die`` may exit without a result (fault-injection tests): their result is None."""
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -103,7 +106,10 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, env: dict | No
                 try:
                     rank, ok, payload = queue.get(timeout=min(remaining, 1.0))
                 except Exception:  # queue.Empty
-                    dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
+                    dead = [i for i, p in enumerate(procs) if p.exitcode is not None and i not in results]
+                    for i in [d for d in dead if d in may_die]:
+                        results[i] = None
+                    dead = [i for i in dead if i not in may_die and procs[i].exitcode != 0]
                     if dead:
                         raise RankFailure(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
                     continue

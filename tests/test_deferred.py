@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fsdp_plugin import _deferred
+from fsdp_plugin import _deferred, _deferred_replay
 from fsdp_plugin._deferred import DeferredInitError, deferred_init, is_deferred, materialize, release
 
 
@@ -198,20 +198,20 @@ def test_unit_by_unit_in_any_order():
 def test_slice_replays_only_the_needed_ops():
     _, _, fake, _ = _build_both(GPT)
     everything = [*fake.parameters(), *fake.buffers()]
-    total = len(_deferred._plan(everything))
+    total = len(_deferred_replay._plan(everything))
     # c_fc.weight: just the normal_ of _init_weights. It overwrites the whole storage, so the default
     # kaiming init before it is dead, and so is the `empty` that allocated it (replay allocates fresh)
-    one = _deferred._plan([fake.h[1].mlp.c_fc.weight])
+    one = _deferred_replay._plan([fake.h[1].mlp.c_fc.weight])
     assert [op.func.overloadpacket.__name__ for op in one] == ["normal_"]
     assert total > 10 * len(one)
     # wte is tied to lm_head, whose Linear init runs last and overwrites the zeroed padding row
     # (so does eager construction): only that normal_ is live
-    assert [op.func.overloadpacket.__name__ for op in _deferred._plan([fake.wte.weight])] == ["normal_"]
+    assert [op.func.overloadpacket.__name__ for op in _deferred_replay._plan([fake.wte.weight])] == ["normal_"]
     release(fake)
     # untied: the padding-row write reads the embedding, so it follows the normal_ that fills it
     with deferred_init():
         emb = nn.Embedding(5, 3, padding_idx=1)
-    assert [op.func.overloadpacket.__name__ for op in _deferred._plan([emb.weight])] == ["normal_", "fill_"]
+    assert [op.func.overloadpacket.__name__ for op in _deferred_replay._plan([emb.weight])] == ["normal_", "fill_"]
     release(emb)
 
 
@@ -469,7 +469,7 @@ def test_recording_a_400mb_model_allocates_almost_nothing():
 
     # one layer: a tiny slice, and memory for that layer only
     layer = model[17]
-    plan = _deferred._plan([layer.weight, layer.bias])
+    plan = _deferred_replay._plan([layer.weight, layer.bias])
     assert len(plan) == 2  # kaiming uniform_ of the weight, uniform_ of the bias
     before = _rss_bytes()
     w, b = materialize([layer.weight, layer.bias])

@@ -25,7 +25,7 @@ SMALL = ["--dim", "64", "--layers", "2", "--heads", "2", "--batch", "8", "--seq"
 
 def _torchrun(*args: str, nproc: int = 2, timeout: float = 240) -> str:
     cmd = torchrun("--standalone", f"--nproc_per_node={nproc}", TRAIN_GPT, *args)
-    return run(cmd, timeout=timeout, env={"PYTHONPATH": ""})
+    return run(cmd, timeout=timeout, env={"PYTHONPATH": str(ROOT)})  # this tree, not an installed copy
 
 
 def _losses(out: str) -> dict[int, float]:

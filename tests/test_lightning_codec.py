@@ -6,7 +6,9 @@ import pathlib
 
 import pytest
 import torch
-from fsdp_plugin.integrations.lightning.codec import CodecError, decode, encode
+from fsdp_plugin import CodecError
+from fsdp_plugin.checkpoint.codec import decode_state as decode
+from fsdp_plugin.checkpoint.codec import encode_state as encode
 from safetensors.torch import load, save
 
 

@@ -80,7 +80,7 @@ def test_strategy_arguments_are_validated_eagerly():
 
 
 def test_unsupported_checkpoint_value_fails_before_any_collective(tmp_path):
-    from fsdp_plugin.integrations.lightning.codec import CodecError
+    from fsdp_plugin import CodecError
 
     strategy = FSDPPluginStrategy()
 

@@ -10,7 +10,11 @@ from ._async import AsyncSave
 from .consolidate import consolidate
 from .errors import (
     CheckpointError,
+    CheckpointKeyError,
     CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointStateError,
+    StateMismatchError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     MismatchReport,
@@ -23,7 +27,11 @@ from .tools import inspect_checkpoint, verify_checkpoint
 __all__ = [
     "AsyncSave",
     "CheckpointError",
+    "CheckpointKeyError",
     "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "CheckpointStateError",
+    "StateMismatchError",
     "CheckpointMismatchWarning",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",

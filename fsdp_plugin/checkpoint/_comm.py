@@ -2,13 +2,26 @@
 
 All functions work without an initialized process group (world of one). Payloads are UTF-8 JSON
 strings moved as uint8 tensors, so saving needs no pickle either (unlike ``all_gather_object``).
+Every call goes through :mod:`fsdp_plugin._collectives` with a deadline: the model's
+``ShardingConfig(timeout_s=...)`` inside :func:`deadline_of` (the public entry points use
+:func:`uses_model_deadline`), else ``FSDP_PLUGIN_TIMEOUT_S`` (600 s). A rank that dies or stalls becomes
+a :class:`~fsdp_plugin.CollectiveError` naming the operation on the others.
 """
 from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import inspect
 
 import torch
 import torch.distributed as dist
 
+from .. import _collectives as comm
 from .fsio import byte_view
+
+_TIMEOUT: contextvars.ContextVar = contextvars.ContextVar("fsdp_plugin_checkpoint_timeout", default=None)
+_OP: contextvars.ContextVar = contextvars.ContextVar("fsdp_plugin_checkpoint_op", default="checkpoint")
 
 
 def active() -> bool:
@@ -24,55 +37,85 @@ def world_size() -> int:
 
 
 def _device(group=None) -> torch.device:
-    """Device for control tensors: CUDA for an NCCL group (default: the default group), else CPU."""
-    if active() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """Device for control tensors: the process group's device (see ``_collectives.device``); CPU for a
+    non-NCCL side group such as the async-save gloo group."""
+    if group is not None and active() and dist.get_backend(group) != "nccl":
+        return torch.device("cpu")
+    return comm.device()
 
 
-def barrier() -> None:
+def deadline_of(model, op: str):
+    """Inside: collectives wait at most the model's ``timeout_s`` and errors name ``op``."""
+    from .._layout import sharding_info
+
+    return deadline(sharding_info(model).timeout_s if model is not None else None, op)
+
+
+@contextlib.contextmanager
+def deadline(timeout_s, op: str):
+    """Inside: collectives wait at most ``timeout_s`` (None: ``FSDP_PLUGIN_TIMEOUT_S``) and errors name ``op``."""
+    t1 = _TIMEOUT.set(timeout_s)
+    t2 = _OP.set(op)
+    try:
+        yield
+    finally:
+        _TIMEOUT.reset(t1)
+        _OP.reset(t2)
+
+
+def uses_model_deadline(fn):
+    """Decorator for a public collective entry point with a ``model`` argument (see :func:`deadline_of`)."""
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        model = sig.bind_partial(*args, **kwargs).arguments.get("model")
+        with deadline_of(model, fn.__name__):
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+def _what(step: str) -> str:
+    return f"{_OP.get()}: {step}"
+
+
+def _timeout():
+    return _TIMEOUT.get()
+
+
+def barrier(step: str = "barrier") -> None:
     if active():
-        dist.barrier()
+        comm.barrier(_what(step), _timeout())
 
 
-def all_true(flag: bool) -> bool:
+def all_true(flag: bool, step: str = "agreeing on a flag") -> bool:
     """True iff ``flag`` is true on every rank."""
     if not active():
         return flag
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    comm.all_reduce(t, None, op=dist.ReduceOp.MIN, kind="control", what=_what(step), timeout_s=_timeout())
     return bool(t.item())
 
 
-def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
+def broadcast_bytes(data: bytes | None, src: int = 0, step: str = "broadcasting metadata") -> bytes:
     """Rank ``src``'s ``data`` on every rank."""
-    if not active():
-        return data or b""
-    dev = _device()
-    n = torch.tensor([len(data or b"")], dtype=torch.int64, device=dev)
-    dist.broadcast(n, src)
-    buf = torch.zeros(int(n.item()), dtype=torch.uint8, device=dev)
-    if rank() == src and data:
-        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    if buf.numel():
-        dist.broadcast(buf, src)
-    return _to_bytes(buf)
+    return comm.broadcast_bytes(data, src, _what(step), _timeout())
 
 
-def all_gather_bytes(data: bytes, group=None) -> list[bytes]:
+def all_gather_bytes(data: bytes, step: str = "exchanging metadata", group=None) -> list[bytes]:
     """Every rank's ``data``, indexed by rank (``group``: all ranks, default the default group)."""
     if not active():
         return [data]
-    dev, world = _device(group), world_size()
+    dev, world, what = _device(group), world_size(), _what(step)
     n = torch.tensor([len(data)], dtype=torch.int64, device=dev)
     sizes = [torch.zeros_like(n) for _ in range(world)]
-    dist.all_gather(sizes, n, group=group)
+    comm.all_gather_list(sizes, n, group, what=what, timeout_s=_timeout())
     cap = max(int(s.item()) for s in sizes)
     mine = torch.zeros(max(cap, 1), dtype=torch.uint8, device=dev)
     if data:
         mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     outs = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(outs, mine, group=group)
+    comm.all_gather_list(outs, mine, group, what=what, timeout_s=_timeout())
     return [_to_bytes(o[: int(s.item())]) for o, s in zip(outs, sizes)]
 
 
@@ -80,37 +123,51 @@ def _to_bytes(t: torch.Tensor) -> bytes:
     return bytes(byte_view(t.cpu().contiguous()))
 
 
-def gather_bytes(data: bytes, dst: int = 0, group=None) -> list[bytes] | None:
+def gather_bytes(data: bytes, dst: int = 0, step: str = "gathering metadata", group=None) -> list[bytes] | None:
     """Every rank's ``data`` on rank ``dst`` (indexed by rank); None on the other ranks."""
     if not active():
         return [data]
-    dev, world, me = _device(group), world_size(), rank()
+    dev, world, me, what = _device(group), world_size(), rank(), _what(step)
     n = torch.tensor([len(data)], dtype=torch.int64, device=dev)
     sizes = [torch.zeros_like(n) for _ in range(world)] if me == dst else None
-    dist.gather(n, sizes, dst=dst, group=group)
+    comm.gather(n, sizes, dst, group, what=what, timeout_s=_timeout())
     cap = torch.tensor([max(int(s.item()) for s in sizes) if me == dst else 0], dtype=torch.int64, device=dev)
-    dist.broadcast(cap, dst, group=group)
+    comm.broadcast(cap, dst, group, what=what, timeout_s=_timeout(), kind="control")
     mine = torch.zeros(max(int(cap.item()), 1), dtype=torch.uint8, device=dev)
     if data:
         mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     outs = [torch.zeros_like(mine) for _ in range(world)] if me == dst else None
-    dist.gather(mine, outs, dst=dst, group=group)
+    comm.gather(mine, outs, dst, group, what=what, timeout_s=_timeout())
     if me != dst:
         return None
     return [_to_bytes(o[: int(s.item())]) for o, s in zip(outs, sizes)]
 
 
-def raise_if_any_failed(err: BaseException | None, group=None) -> None:
+def send(t: torch.Tensor, dst: int, step: str) -> None:
+    """Point-to-point ``t`` to rank ``dst`` (which calls :func:`recv`), with the deadline."""
+    comm.send(t, dst, what=_what(step), timeout_s=_timeout())
+
+
+def recv(t: torch.Tensor, src: int, step: str) -> None:
+    """Fill ``t`` from rank ``src``'s :func:`send`, with the deadline."""
+    comm.recv(t, src, what=_what(step), timeout_s=_timeout())
+
+
+def raise_if_any_failed(err: BaseException | None, step: str = "checking every rank succeeded",
+                        group=None) -> None:
     """Collective: if any rank passes an exception, every rank raises (its own, or a copy naming the rank).
 
-    Also a barrier. The copy keeps the original class when it is one of :mod:`.errors`.
+    Also a barrier. The copy keeps the original class when it is one of :mod:`.errors`. A
+    :class:`CollectiveError` is raised at once: its peers are gone or out of step, so no agreement is possible.
     """
     import json
 
     from . import errors
 
+    if isinstance(err, comm.CollectiveError):
+        raise err
     msg = b"" if err is None else json.dumps({"cls": type(err).__name__, "msg": str(err)}).encode()
-    msgs = all_gather_bytes(msg, group)
+    msgs = all_gather_bytes(msg, step, group)
     if err is not None:
         raise err
     for r, m in enumerate(msgs):

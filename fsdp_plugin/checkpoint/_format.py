@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import CodecError
 from .errors import CorruptCheckpointError
 
 #: safetensors dtype name -> torch dtype (only those torch has).
@@ -48,7 +49,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     try:
         return _DTYPE_TO_NAME[dtype]
     except KeyError:
-        raise TypeError(f"dtype {dtype} cannot be stored in safetensors") from None
+        raise CodecError(f"dtype {dtype} cannot be stored in safetensors") from None
 
 
 def to_dtype(name: str) -> torch.dtype:

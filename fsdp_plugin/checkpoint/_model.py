@@ -35,6 +35,7 @@ def sharding_description(model: nn.Module) -> dict:
     for k, v in info.items():
         out[k] = v if isinstance(v, (int, float, str, bool, type(None))) else str(getattr(v, "value", v))
     out.pop("rank", None)
+    out.pop("timeout_s", None)  # a runtime setting, not part of the layout
     return out
 
 
@@ -44,7 +45,7 @@ def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     for name, buf in model.named_buffers():
         mod_name, _, leaf = name.rpartition(".")
         mod = model.get_submodule(mod_name) if mod_name else model
-        if buf is not None and leaf not in mod._non_persistent_buffers_set:
+        if _layout().is_persistent_buffer(mod, leaf):
             out.append((name, buf))
     return out
 

@@ -1,11 +1,15 @@
-"""A JSON tree codec for ``extra``, optimizer hyper-parameters and scalar optimizer state (no pickle).
+"""The one JSON + tensor codec (no pickle): checkpoint ``extra``, optimizer hyper-parameters and scalar state,
+Lightning's trainer state and accelerate's small states all go through it.
 
 Plain JSON values pass through: dicts with str keys, lists, str, int, bool, None, finite floats (``repr``
-round-trips exactly). Other supported values become tagged objects ``{"__type__": ...}``: tuple,
+round-trips exactly). Other supported values become tagged objects ``{"__type__": ...}``: tuple, set,
 dict with non-str keys (or a key named ``__type__``), NaN/±inf, bytes, ``torch.dtype``,
-``torch.device``, ``torch.Size``, ``pathlib.Path``, ``argparse.Namespace`` and tensors. Tensors are
-handed to ``tensor_sink(key_path, tensor) -> node``: stored inline (:func:`inline_tensor`, exact bytes as
-hex) or by reference into a safetensors file. Anything else raises ``TypeError`` naming the key path.
+``torch.device``, ``torch.Size``, ``pathlib.Path``, ``argparse.Namespace``, numpy scalars (as Python
+numbers) and tensors. Tensors are handed to ``tensor_sink(key_path, tensor) -> node``: stored inline
+(:func:`inline_tensor`, exact bytes as hex) or by reference into a safetensors file
+(:func:`encode_state` / :func:`decode_state`: a flat ``{key: tensor}`` dict, shared tensors stored once
+and decoded as one object). Anything else raises :class:`~fsdp_plugin.CodecError` (a ``TypeError``)
+naming the key path, so every rank fails with the same message before any collective.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from typing import Any
 import torch
 
 from . import _format
+from ..errors import CodecError
 from .errors import CorruptCheckpointError
 from .fsio import byte_view
 
@@ -30,7 +35,7 @@ def inline_tensor(t: torch.Tensor) -> dict:
     """JSON node holding ``t`` exactly: dtype, shape and its raw little-endian bytes as hex."""
     t = t.detach().to("cpu").contiguous()
     if t.numel() > MAX_INLINE_NUMEL:
-        raise TypeError(f"tensor of {t.numel()} elements is too large to store inline in JSON")
+        raise CodecError(f"tensor of {t.numel()} elements is too large to store inline in JSON")
     raw = bytes(byte_view(t.reshape(-1)))
     return {TAG: "tensor", "dtype": _format.dtype_name(t.dtype), "shape": list(t.shape), "hex": raw.hex()}
 
@@ -89,11 +94,14 @@ def _encode_scalar_type(obj: Any, path: str):
         return {TAG: "path", "value": str(obj)}
     if isinstance(obj, argparse.Namespace):
         return {TAG: "namespace", "items": encode(vars(obj), None, path)}
+    if isinstance(obj, (set, frozenset)):
+        return {TAG: "set", "items": [encode(v, None, f"{path}{{}}") for v in sorted(obj, key=repr)]}
     if hasattr(obj, "item") and hasattr(obj, "dtype") and getattr(obj, "shape", None) == ():
         return encode(obj.item(), None, path)  # numpy scalars
-    raise TypeError(f"checkpoint value at {path or '<root>'!r} has type {type(obj).__qualname__}, which cannot "
+    raise CodecError(f"checkpoint value at {path or '<root>'!r} has type {type(obj).__qualname__}, which cannot "
                     "be stored without pickle: make it JSON-able (dict/list/str/int/float/bool/None, tuples, "
-                    "tensors) or give it a state_dict() of tensors and JSON values")
+                    "tensors) or give it a state_dict() of tensors and JSON values (Lightning hyper-parameters: "
+                    "self.save_hyperparameters(ignore=[...]))")
 
 
 def decode(node: Any, tensor_source: Callable[[dict, str], torch.Tensor] | None = None, path: str = "") -> Any:
@@ -127,6 +135,7 @@ def _decode_tag(tag: str, node: dict, tensor_source, path: str):
     simple = {"size": lambda: torch.Size(node["items"]), "device": lambda: torch.device(node["value"]),
               "bytes": lambda: bytes.fromhex(node["hex"]), "path": lambda: pathlib.Path(node["value"]),
               "namespace": lambda: argparse.Namespace(**decode(node["items"], None, path)),
+              "set": lambda: {_hashable(decode(v, None, path)) for v in node["items"]},
               "dtype": lambda: _dtype(node["value"])}
     if tag not in simple:
         raise CorruptCheckpointError(f"unknown tagged value {tag!r} at {path or '<root>'!r}")
@@ -142,3 +151,34 @@ def _dtype(name: str) -> torch.dtype:
 
 def _hashable(k):
     return tuple(_hashable(x) for x in k) if isinstance(k, list) else k
+
+
+def encode_state(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """``(tree, tensors)``: ``tree`` is strict JSON, ``tensors`` maps ``"t0", "t1"...`` to CPU copies (one per
+    distinct tensor object, so safetensors can store them and shared tensors stay shared)."""
+    tensors: dict[str, torch.Tensor] = {}
+    keys: dict[int, str] = {}
+    keep: list[torch.Tensor] = []   # keeps ids unique while encoding
+
+    def sink(_path: str, t: torch.Tensor) -> dict:
+        key = keys.get(id(t))
+        if key is None:
+            key = keys[id(t)] = f"t{len(tensors)}"
+            keep.append(t)
+            tensors[key] = t.detach().to("cpu", copy=True).contiguous()
+        return {TAG: "tensor_ref", "key": key}
+
+    return encode(obj, sink), tensors
+
+
+def decode_state(tree: Any, tensors: dict[str, torch.Tensor] | None = None) -> Any:
+    """Inverse of :func:`encode_state`; every reference to one key decodes to the same tensor object."""
+    tensors = tensors or {}
+
+    def source(node: dict, where: str) -> torch.Tensor:
+        if node.get("key") not in tensors:
+            raise CorruptCheckpointError(f"state at {where!r} refers to tensor {node.get('key')!r}, which is not "
+                                         "stored with it")
+        return tensors[node["key"]]
+
+    return decode(tree, source)

@@ -2,17 +2,24 @@
 
 Every error names the file (and, where one is involved, the tensor and byte range) and says what to do.
 
-    CheckpointError                      base class; also raised for unsafe paths
-    ├── CorruptCheckpointError           bytes on disk are damaged: size, header, CRC32, manifest
-    │   └── IncompleteCheckpointError    no manifest.json: the save was interrupted
-    └── CheckpointMismatchError          a valid checkpoint that does not fit the model/optimizer
+    FSDPPluginError
+    └── CheckpointError                      base class; also raised for unsafe paths
+        ├── CorruptCheckpointError           bytes on disk are damaged: size, header, CRC32, manifest
+        │   └── IncompleteCheckpointError    no manifest.json: the save was interrupted
+        ├── CheckpointMismatchError          a valid checkpoint that does not fit the model/optimizer
+        │   ├── CheckpointKeyError (KeyError)            an entry the state to load needs is absent
+        │   └── StateMismatchError (RuntimeError)        saved and prepared objects differ in number
+        ├── CheckpointStateError (ValueError)            not a checkpoint of this kind (e.g. no Lightning state)
+        └── CheckpointNotFoundError (FileNotFoundError)  a checkpoint file or directory is missing
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..errors import FSDPPluginError
 
-class CheckpointError(Exception):
+
+class CheckpointError(FSDPPluginError):
     """Base class of every checkpoint error (also: unsafe path, unsupported format version)."""
 
 
@@ -33,6 +40,25 @@ class CheckpointMismatchError(CheckpointError):
     def __init__(self, message: str, report: MismatchReport | None = None):
         super().__init__(message)
         self.report = report
+
+
+class CheckpointKeyError(CheckpointMismatchError, KeyError):
+    """The checkpoint lacks an entry (module, optimizer, tensor) that the state being loaded needs."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class StateMismatchError(CheckpointMismatchError, RuntimeError):
+    """Saved and prepared objects (schedulers, custom objects) differ in number."""
+
+
+class CheckpointStateError(CheckpointError, ValueError):
+    """The path holds something else than the checkpoint kind asked for (another writer, no trainer state)."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """A file or directory the checkpoint needs does not exist."""
 
 
 @dataclass

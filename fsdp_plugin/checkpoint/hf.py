@@ -33,6 +33,7 @@ MAX_INDEX_BYTES = 64 << 20
 _CAST_CHUNK = 1 << 22
 
 
+@_comm.uses_model_deadline
 def load_pretrained(model, path, strict: bool = True) -> MismatchReport:
     """Load HF safetensors weights from ``path`` (a directory or one ``.safetensors`` file) into ``model``.
 
@@ -176,6 +177,7 @@ def _allowed_roots(directory: str) -> tuple[str, ...]:
 
 
 # -- save ----------------------------------------------------------------------------------------------------
+@_comm.uses_model_deadline
 def save_pretrained(model, path, max_shard_size="5GB", dtype: torch.dtype | None = None,
                     gather: bool | None = None) -> None:
     """Write ``model`` as HF safetensors (+ index when split) into directory ``path``. Collective.

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 
 import torch
-import torch.distributed as dist
 
 from . import _comm
 
@@ -18,17 +17,18 @@ from . import _comm
 def piece_table(shards) -> list | None:
     """On rank 0: ``table[r][i]`` = ``[start, end)`` of ``shards[i]`` that rank ``r`` writes, or None. Collective."""
     mine = [[sh.start, sh.end] if sh.writer and sh.end > sh.start else None for sh in shards]
-    table = _comm.gather_bytes(json.dumps(mine).encode())
+    table = _comm.gather_bytes(json.dumps(mine).encode(), step="gathering the piece table")
     return [json.loads(t) for t in table] if _comm.rank() == 0 else None
 
 
 def _send_mine(sh) -> None:
     if sh.writer and sh.end > sh.start:
-        dist.send(sh.param.detach().reshape(-1).to(_comm._device()).contiguous(), dst=0)
+        _comm.send(sh.param.detach().reshape(-1).to(_comm._device()).contiguous(), 0,
+                   f"sending {sh.fqn!r} to rank 0")
 
 
 def gather_write(writer, shards, buffers, write_tensor) -> None:
-    """Route every piece to rank 0 (``dist.send``/``recv``) and ``write_tensor(name, tensor, start)`` there."""
+    """Route every piece to rank 0 (point-to-point, with the deadline); ``write_tensor(name, tensor, start)`` there."""
     rank, dev = _comm.rank(), _comm._device()
     table = piece_table(shards)
     for i, sh in enumerate(shards):
@@ -43,7 +43,7 @@ def gather_write(writer, shards, buffers, write_tensor) -> None:
                 write_tensor(sh.fqn, sh.param, rng[0])
             else:
                 buf = torch.empty(rng[1] - rng[0], dtype=sh.dtype, device=dev)
-                dist.recv(buf, src=r)
+                _comm.recv(buf, r, f"receiving {sh.fqn!r} from rank {r}")
                 write_tensor(sh.fqn, buf, rng[0])
     if rank == 0:
         for name, buf in buffers:
@@ -63,5 +63,5 @@ def gather_full(sh, i: int, table) -> torch.Tensor | None:
         if r == 0:
             full[rng[0]:rng[1]].copy_(sh.param.detach().reshape(-1))
         else:
-            dist.recv(full[rng[0]:rng[1]], src=r)
+            _comm.recv(full[rng[0]:rng[1]], r, f"receiving {sh.fqn!r} from rank {r}")
     return full.view(sh.shape)

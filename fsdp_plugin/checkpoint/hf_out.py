@@ -13,6 +13,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from ..errors import ConfigError
 from . import _format
 from .fsio import fsync_path, write_all
 
@@ -28,7 +29,7 @@ def parse_size(size) -> int:
         return size
     m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(size))
     if not m or m.group(2).upper() not in _UNITS:
-        raise ValueError(f"invalid size {size!r}: use e.g. 5GB, 500MB or 2GiB")
+        raise ConfigError(f"invalid size {size!r}: use e.g. 5GB, 500MB or 2GiB")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 

@@ -24,6 +24,7 @@ class CheckpointMismatchWarning(UserWarning):
         self.report = report
 
 
+@_comm.uses_model_deadline
 def load_checkpoint(path, model, optimizer=None, strict: bool = True, *, report: MismatchReport | None = None):
     """Load a checkpoint written by :func:`save_checkpoint` into ``model`` (and optimizer(s)); return ``extra``.
 

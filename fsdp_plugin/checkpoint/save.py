@@ -41,6 +41,7 @@ class _Job:
     sharding: dict | None        # rank 0 only: the manifest's sharding description
 
 
+@_comm.uses_model_deadline
 def save_checkpoint(path, model, optimizer=None, extra=None, *,
                     async_save: bool | Literal["deferred"] = False) -> _async.AsyncSave | None:
     """Save ``model`` (+ optimizer(s), + ``extra``) as a sharded checkpoint directory at ``path``.
@@ -124,7 +125,7 @@ def _prepare(path: str, uid: str) -> None:
 
 def _fail_and_clean(err, tmp: str, rank: int, group=None) -> None:
     try:
-        _comm.raise_if_any_failed(err, group)
+        _comm.raise_if_any_failed(err, group=group)
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)

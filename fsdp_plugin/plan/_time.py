@@ -12,7 +12,6 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from .. import _collectives as comm
 
@@ -137,7 +136,7 @@ def _measure_collectives(device, group, world: int, seconds: float) -> tuple[flo
     dt = [None, None]
     for i, fn in enumerate((gather, ping)):
         fn()
-        dist.barrier(group)
+        comm.barrier("plan --calibrate", None, group)
         t0 = time.perf_counter()
         for _ in range(steps):
             fn()

@@ -7,7 +7,7 @@ from ..config import ShardingConfig
 from . import _optim
 from ._replay import Layout, replay
 from ._result import WorldPlan
-from ._time import Calibration, predict
+from ._time import predict
 from ._units import buffer_bytes
 
 

@@ -10,10 +10,9 @@ from ..config import MixedPrecision, ShardingConfig
 from . import _optim
 from ._capture import ModelSource, capture, hf_inputs
 from ._fake_run import RunSpec, Timeline, run
-from ._replay import Layout, replay
 from ._result import Plan, WorldPlan
-from ._time import HARDWARE, Calibration, calibrate, default_for, for_hardware, predict
-from ._units import buffer_bytes, discover_units
+from ._time import HARDWARE, Calibration, calibrate, default_for, for_hardware
+from ._units import discover_units
 from .errors import PlanError
 
 _MP = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}

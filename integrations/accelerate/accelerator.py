@@ -26,6 +26,7 @@ from .parse import parse_mixed_precision
 from .resolve import sharding_config as resolve_config
 from .selection import check_precision_flag, select_settings
 from .settings import FsdpSettings
+from fsdp_plugin.errors import ShardingError
 
 _PARENT_SIGNATURE = inspect.signature(accelerate.Accelerator.__init__)
 
@@ -65,7 +66,7 @@ class Accelerator(accelerate.Accelerator):
         if self._fp_settings is not None and self._fp_settings.cpu_ram_efficient_loading:
             _enable_ram_efficient_loading()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() != self.num_processes:
-            raise RuntimeError(f"accelerate sees {self.num_processes} process(es) but the process group has "
+            raise ShardingError(f"accelerate sees {self.num_processes} process(es) but the process group has "
                                f"{dist.get_world_size()}: launch with `accelerate launch` (or torchrun) and the "
                                "same process count")
         if self.scaler is not None:  # fp16: every rank must agree on skipping a step (sharded grads)
@@ -189,6 +190,18 @@ class Accelerator(accelerate.Accelerator):
         if save_pretrained is None:  # accelerate's writer on top of our get_state_dict (rank 0 holds it all)
             return super().save_model(model, save_directory, max_shard_size=max_shard_size, safe_serialization=True)
         save_pretrained(self.unwrap_model(model), os.fspath(save_directory), max_shard_size=max_shard_size)
+
+    def end_training(self) -> None:
+        """accelerate's ``end_training`` with fsdp_plugin's clean shutdown: every rank arrives (a barrier with
+        a deadline), then the process groups are destroyed and their threads joined before Python exits."""
+        from fsdp_plugin import shutdown
+
+        pending, self.pending_checkpoint = getattr(self, "pending_checkpoint", None), None
+        if pending is not None:
+            pending.wait()  # its background collectives need the process groups that shutdown destroys
+        if not getattr(self.state, "fork_launched", False):
+            shutdown()
+        super().end_training()  # trackers; its destroy_process_group is a no-op now
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, async_save=False,
                    **kwargs):

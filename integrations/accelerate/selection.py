@@ -14,16 +14,17 @@ from .from_env import fsdp_requested, mesh_from_sizes, settings_from_env
 from .from_plugin import settings_from_plugin
 from .parse import parse_mixed_precision
 from .settings import FsdpSettings, config_error
+from fsdp_plugin.errors import UsageError
 
 
 def select_settings(bound: dict, sharding_config: Any) -> FsdpSettings | None:
     """Settings from ``fsdp_plugin=`` or the launcher env; pops what stock accelerate must not see."""
     plugin = bound.pop("fsdp_plugin", None)
     if plugin is not None and not isinstance(plugin, accelerate.utils.FullyShardedDataParallelPlugin):
-        raise TypeError("`fsdp_plugin` must be an accelerate FullyShardedDataParallelPlugin")
+        raise UsageError("`fsdp_plugin` must be an accelerate FullyShardedDataParallelPlugin")
     if sharding_config is not None:
         if plugin is not None:
-            raise TypeError("pass either sharding_config= or fsdp_plugin=, not both")
+            raise UsageError("pass either sharding_config= or fsdp_plugin=, not both")
         _reject_parallelism(bound)
         return None
     if plugin is not None:
@@ -51,7 +52,7 @@ def _apply_parallelism(settings: FsdpSettings, bound: dict) -> None:
 def _reject_parallelism(bound: dict) -> None:
     """``sharding_config=`` carries its own mesh; a ParallelismConfig would be ambiguous."""
     if bound.get("parallelism_config") is not None:
-        raise TypeError("pass either sharding_config= (with device_mesh) or parallelism_config=, not both")
+        raise UsageError("pass either sharding_config= (with device_mesh) or parallelism_config=, not both")
 
 
 def check_precision_flag(flag: Any) -> None:

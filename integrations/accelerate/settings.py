@@ -14,8 +14,6 @@ from typing import Any
 
 from fsdp_plugin.errors import ConfigError
 
-STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
-
 
 class AccelerateConfigError(ConfigError):
     """An accelerate FSDP setting that fsdp_plugin cannot honour; the message names the key."""

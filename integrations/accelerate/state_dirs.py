@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from fsdp_plugin.errors import ConfigError
 
 
 def _iteration(folder: str) -> int | None:
@@ -22,7 +23,7 @@ def output_dir(acc, path: str | None) -> str:
     cfg = acc.project_configuration
     if not cfg.automatic_checkpoint_naming:
         if path is None:
-            raise ValueError("save_state: give output_dir or enable automatic checkpoint naming")
+            raise ConfigError("save_state: give output_dir or enable automatic checkpoint naming")
         return os.fspath(path)
     root = os.path.join(acc.project_dir, "checkpoints")
     os.makedirs(root, exist_ok=True)
@@ -32,7 +33,7 @@ def output_dir(acc, path: str | None) -> str:
             shutil.rmtree(os.path.join(root, folder))
     target = os.path.join(root, f"checkpoint_{acc.save_iteration}")
     if os.path.exists(target):
-        raise ValueError(f"Checkpoint directory {target} already exists; set `save_iteration` to continue")
+        raise ConfigError(f"Checkpoint directory {target} already exists; set `save_iteration` to continue")
     return target
 
 
@@ -41,12 +42,12 @@ def input_dir(acc, path: str | None) -> str:
     if path is not None:
         path = os.path.expanduser(os.fspath(path))
         if not os.path.isdir(path):
-            raise ValueError(f"load_state: {path} does not exist")
+            raise ConfigError(f"load_state: {path} does not exist")
         return path
     if not acc.project_configuration.automatic_checkpoint_naming:
-        raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
+        raise ConfigError("No input_dir provided and automatic checkpoint naming is disabled.")
     root = os.path.join(acc.project_dir, "checkpoints")
     folders = _numbered(root) if os.path.isdir(root) else []
     if not folders:
-        raise ValueError(f"load_state: no checkpoint_<n> folder in {root}")
+        raise ConfigError(f"load_state: no checkpoint_<n> folder in {root}")
     return os.path.join(root, folders[-1])

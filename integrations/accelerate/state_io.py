@@ -20,6 +20,8 @@ import torch
 
 from .blob import blob_exists, read_blob, write_blob
 from .rng import capture_rng, restore_rng
+from fsdp_plugin.errors import ConfigError
+from fsdp_plugin.checkpoint.errors import CheckpointNotFoundError, CheckpointStateError, StateMismatchError
 
 STATE_NAME = "accelerator_state"
 FORMAT = "fsdp_plugin.accelerate/1"
@@ -35,7 +37,7 @@ def optimizer_for(model: torch.nn.Module, optimizers: list) -> Any:
     params = {id(p) for p in model.parameters()}
     found = [o for o in optimizers if any(id(p) in params for g in _inner(o).param_groups for p in g["params"])]
     if len(found) > 1:
-        raise ValueError("save_state/load_state: several optimizers hold parameters of one model; "
+        raise ConfigError("save_state/load_state: several optimizers hold parameters of one model; "
                          "use one optimizer per model (with parameter groups)")
     return _inner(found[0]) if found else None
 
@@ -50,7 +52,7 @@ def check_optimizers(models: list, optimizers: list) -> None:
     owned = {id(_inner(optimizer_for(m, optimizers))) for m in models if optimizer_for(m, optimizers) is not None}
     orphans = [type(_inner(o)).__name__ for o in optimizers if id(_inner(o)) not in owned]
     if orphans:
-        raise ValueError(f"save_state/load_state: optimizer(s) {orphans} hold no parameter of a prepared model; "
+        raise ConfigError(f"save_state/load_state: optimizer(s) {orphans} hold no parameter of a prepared model; "
                          "prepare the model they optimize with the same Accelerator")
 
 
@@ -91,7 +93,8 @@ def load_models(directory: str, models: list, optimizers: list) -> None:
     for i, model in enumerate(models):
         path = model_dir(directory, i)
         if not os.path.isdir(path):
-            raise FileNotFoundError(f"load_state: {path} is missing (the state has fewer models than were prepared)")
+            raise CheckpointNotFoundError(f"load_state: {path} is missing (the state has fewer models than were "
+                                          "prepared)")
         load_checkpoint(path, model, optimizer_for(model, optimizers))
 
 
@@ -147,7 +150,7 @@ def load_small_state(directory: str, acc: Any) -> None:
     """Inverse of :func:`save_small_state`; checks the saved objects match the prepared ones."""
     state = read_blob(directory, STATE_NAME)
     if state.get("format") != FORMAT:
-        raise ValueError(f"load_state: {directory} was not written by fsdp_plugin's Accelerator.save_state")
+        raise CheckpointStateError(f"load_state: {directory} was not written by fsdp_plugin's Accelerator.save_state")
     _check_counts(directory, state, acc)
     for sched, sd in zip(acc._schedulers, state["schedulers"]):
         sched.load_state_dict(sd)
@@ -166,7 +169,7 @@ def _check_counts(directory: str, state: dict, acc: Any) -> None:
     for what, saved, now in (("schedulers", state["schedulers"], acc._schedulers),
                              ("registered custom objects", state["custom"], acc._custom_objects)):
         if len(saved) != len(now):
-            raise RuntimeError(f"load_state: {directory} holds {len(saved)} {what} but {len(now)} are "
+            raise StateMismatchError(f"load_state: {directory} holds {len(saved)} {what} but {len(now)} are "
                                "prepared/registered; prepare and register the same objects as when saving")
 
 

@@ -2,21 +2,20 @@
 
 * ``sharded`` (default): ``path`` is the engine's checkpoint directory (``fp.save_checkpoint``: per-rank
   safetensors + ``manifest.json``). Lightning's other state (loops, callbacks, schedulers, hparams,
-  precision state, ...) goes through :mod:`.codec` into the manifest's ``extra``. Loadable at any world size.
+  precision state, ...) goes through :mod:`fsdp_plugin.checkpoint.codec` into the manifest's ``extra``. Loadable at any world size.
 * ``full``: ``path`` is one file in Lightning's own torch format (see :mod:`._torch_file`):
   ``{"state_dict": plain weights, **Lightning's state}``, so ``MyModule.load_from_checkpoint(path)`` and
   ``torch.load(path, weights_only=True)`` read it on a machine without a process group. We read it back
   without pickle through a JSON index in the same archive, which also carries Lightning's state through
-  the codec (its few tensors inline, base64) and the optimizers' param-group hyper-parameters; their
+  the codec (its few tensors inline) and the optimizers' param-group hyper-parameters; their
   per-parameter state (Adam moments) is not stored. Files written by earlier versions (safetensors, the
   state in the header's ``__metadata__``) still load.
 
 Save/load are collective: call them on every rank. Callers run :func:`encode_meta` first, so an
-unsupported value raises the same :class:`~.codec.CodecError` on every rank before any communication.
+unsupported value raises the same :class:`~fsdp_plugin.CodecError` on every rank before any communication.
 """
 from __future__ import annotations
 
-import base64
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,12 +23,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from fsdp_plugin.checkpoint import codec
+from fsdp_plugin.checkpoint.errors import CheckpointStateError
 from safetensors import safe_open
 
 import fsdp_plugin as fp
-from fsdp_plugin.checkpoint._comm import raise_if_any_failed
+from fsdp_plugin.checkpoint._comm import deadline_of, raise_if_any_failed
 from fsdp_plugin.integrations.lightning import _torch_file as torch_file
-from fsdp_plugin.integrations.lightning.codec import decode, encode
 
 EXTRA_KEY = "lightning"
 EXTRA_TENSORS_KEY = "lightning_tensors"
@@ -73,7 +73,7 @@ def _optim_arg(optimizers: Sequence[Any]) -> Any:
 
 def encode_meta(meta: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
     """Encode Lightning's state. Call on every rank before any collective: a bad value fails everywhere."""
-    return encode(meta)
+    return codec.encode_state(meta)
 
 
 def save_sharded(path: Path, model: torch.nn.Module, optimizers: Sequence[Any], encoded: tuple,
@@ -91,8 +91,9 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizers: Sequence[Any]) 
     """Load model (and optimizers, if given) from a sharded directory; return Lightning's decoded state."""
     extra = fp.load_checkpoint(str(path), model, _optim_arg(optimizers)) or {}
     if EXTRA_KEY not in extra:
-        raise ValueError(f"{path} is an fsdp_plugin checkpoint without Lightning state (saved outside Lightning?)")
-    return decode(extra[EXTRA_KEY], extra.get(EXTRA_TENSORS_KEY) or {})
+        raise CheckpointStateError(f"{path} is an fsdp_plugin checkpoint without Lightning state "
+                                   "(saved outside Lightning?)")
+    return codec.decode_state(extra[EXTRA_KEY], extra.get(EXTRA_TENSORS_KEY) or {})
 
 
 def save_full(path: Path, model: torch.nn.Module, meta: dict[str, Any], encoded: tuple) -> None:
@@ -110,7 +111,8 @@ def save_full(path: Path, model: torch.nn.Module, meta: dict[str, Any], encoded:
             torch_file.write(path, state, meta, {FULL_META_KEY: header})
         except Exception as e:  # noqa: BLE001 - a failed write (disk full...) must fail every rank, not hang them
             err = e
-    raise_if_any_failed(err)  # also the barrier: the file exists on return, on every rank
+    with deadline_of(model, "Lightning save_checkpoint"):
+        raise_if_any_failed(err)  # also the barrier: the file exists on return, on every rank
 
 
 def load_full(path: Path, model: torch.nn.Module) -> dict[str, Any]:
@@ -121,7 +123,7 @@ def load_full(path: Path, model: torch.nn.Module) -> dict[str, Any]:
     state, header = read_full(path)
     with fp.full_params(model):
         model.load_state_dict(state, strict=True)
-    return decode(*_outline_tensors(header))
+    return codec.decode_state(*_outline_tensors(header))
 
 
 def read_full(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -135,8 +137,8 @@ def read_full(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
             state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a dict
         header = json.loads(text) if text is not None else None
     if header is None:
-        raise ValueError(f"{path} holds weights but not fsdp_plugin's Lightning state: it was not written by "
-                         "FSDPPluginStrategy(state_dict_type='full')")
+        raise CheckpointStateError(f"{path} holds weights but not fsdp_plugin's Lightning state: it was not "
+                                   "written by FSDPPluginStrategy(state_dict_type='full')")
     return state, header
 
 
@@ -146,24 +148,13 @@ def is_sharded_checkpoint(path: Path) -> bool:
 
 
 def inline_tensors(tree: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Pack the codec's tensors into JSON (exact bytes, base64): they are a few scalars."""
-    packed = {k: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                  "b64": base64.b64encode(_raw_bytes(t)).decode("ascii")} for k, t in tensors.items()}
-    return {"tree": tree, "tensors": packed}
+    """Pack the codec's tensors into JSON (the codec's exact inline form): they are a few scalars."""
+    return {"tree": tree, "tensors": {k: codec.inline_tensor(t) for k, t in tensors.items()}}
 
 
 def _outline_tensors(doc: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
-    tensors = {}
-    for key, t in doc.get("tensors", {}).items():
-        dtype = getattr(torch, t["dtype"])
-        raw = bytearray(base64.b64decode(t["b64"]))
-        flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-        tensors[key] = flat.view(dtype).reshape(t["shape"]).clone()
+    tensors = {k: codec.tensor_from_inline(node, f"tensor {k}") for k, node in doc.get("tensors", {}).items()}
     return doc["tree"], tensors
-
-
-def _raw_bytes(t: torch.Tensor) -> bytes:
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _rank() -> int:

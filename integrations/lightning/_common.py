@@ -20,6 +20,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 
 import fsdp_plugin as fp
+from fsdp_plugin.errors import UsageError
 
 FORWARD_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 _CONVERTIBLE = (Precision, MixedPrecision, HalfPrecision, FabricPrecision, FabricMixed, FabricHalf)
@@ -32,7 +33,7 @@ def sharding_config(kwargs: dict[str, Any]) -> Any:
     valid = [f.name for f in dataclasses.fields(fp.ShardingConfig)]
     unknown = sorted(set(kwargs) - set(valid))
     if unknown:
-        raise TypeError(
+        raise UsageError(
             f"FSDPPluginStrategy got unknown argument(s) {unknown}. It accepts the fp.ShardingConfig fields "
             f"{valid}, Lightning FSDPStrategy's activation_checkpointing_policy, use_orig_params and "
             "sync_module_states, plus state_dict_type, process_group_backend and timeout."
@@ -59,7 +60,7 @@ def convert_precision(plugin: Any | None, plugin_cls: type) -> Any | None:
         return plugin
     if type(plugin) not in _CONVERTIBLE:
         flag = getattr(plugin, "precision", None)
-        raise TypeError(unsupported_message(f"{type(plugin).__name__}({flag!r})", source="precision plugin"))
+        raise UsageError(unsupported_message(f"{type(plugin).__name__}({flag!r})", source="precision plugin"))
     return plugin_cls(flag_of(plugin), device_type=getattr(plugin, "device", "cpu"))
 
 
@@ -110,3 +111,52 @@ def deferred_init_context(enabled: bool) -> Iterator[None]:
         return
     with fp.deferred_init():
         yield
+
+
+def barrier(config: Any, name: Any = None) -> None:
+    """Lightning's ``strategy.barrier(name)`` through fsdp_plugin's collectives (deadline: ``config.timeout_s``)."""
+    from fsdp_plugin import _collectives
+
+    _collectives.barrier(f"Lightning barrier {name!r}" if name else "Lightning barrier",
+                         getattr(config, "timeout_s", None))
+
+
+def broadcast(config: Any, obj: Any, src: int = 0) -> Any:
+    """Lightning's ``strategy.broadcast(obj, src)`` without pickle: rank ``src`` encodes ``obj`` with the package's
+    JSON codec (tensors inline) and sends the bytes through fsdp_plugin's collectives (deadline: ``config.timeout_s``).
+    A value the codec cannot store raises ``CodecError`` on every rank. ``src`` keeps its own object."""
+    import json
+
+    import torch.distributed as dist
+    from fsdp_plugin.checkpoint import _comm, codec
+    from fsdp_plugin.errors import CodecError
+
+    payload = None
+    if dist.get_rank() == src:
+        try:
+            payload = json.dumps({"value": codec.encode(obj)}, allow_nan=False).encode()
+        except (TypeError, ValueError) as e:
+            payload = json.dumps({"error": str(e)}).encode()
+    with _comm.deadline(getattr(config, "timeout_s", None), "Lightning broadcast"):
+        doc = json.loads(_comm.broadcast_bytes(payload, src, step=f"from rank {src}"))
+    if "error" in doc:
+        raise CodecError(f"strategy.broadcast from rank {src}: {doc['error']}")
+    return obj if dist.get_rank() == src else codec.decode(doc["value"])
+
+
+def reduce(config: Any, tensor: torch.Tensor, group: Any = None, reduce_op: Any = "mean") -> torch.Tensor:
+    """Lightning's ``strategy.reduce`` (in place, like its ``_sync_ddp``) through fsdp_plugin's collectives:
+    "mean"/"avg" is a sum divided by the group size (gloo has no AVG); other strings name a ``ReduceOp``."""
+    import torch.distributed as dist
+    from fsdp_plugin import _collectives
+
+    op, divide = reduce_op, False
+    if reduce_op is None or isinstance(reduce_op, str):
+        name = "avg" if reduce_op in (None, "mean") else reduce_op.lower()
+        op, divide = (dist.ReduceOp.SUM, True) if name == "avg" else (getattr(dist.ReduceOp, name.upper()), False)
+    _collectives.all_reduce(tensor, group, op=op, kind="control", what="Lightning reduce",
+                            timeout_s=getattr(config, "timeout_s", None))
+    if not divide:
+        return tensor
+    n = _collectives.group_size(group)
+    return tensor.div_(n) if torch.is_floating_point(tensor) else tensor.copy_(tensor / n)

@@ -13,13 +13,14 @@ from typing import Any
 from fsdp_plugin.integrations.lightning import _checkpoint as ckpt
 from torch.nn import Module
 from torch.optim import Optimizer
+from fsdp_plugin.checkpoint.errors import CheckpointKeyError, CheckpointNotFoundError, CheckpointStateError
 
 
 def _split(state: dict[str, Any]) -> tuple[str, Module, list[str], dict[str, Any]]:
     """(module key, module, optimizer keys in order, other entries)."""
     modules = [k for k, v in state.items() if isinstance(v, Module)]
     if len(modules) != 1:
-        raise ValueError(f"fsdp_plugin's Fabric checkpoints hold exactly one module; the state has {modules or 'none'}."
+        raise CheckpointStateError(f"fsdp_plugin's Fabric checkpoints hold exactly one module; the state has {modules or 'none'}."
                          " "
                          "Save several modules in separate checkpoints.")
     optimizers = [k for k, v in state.items() if isinstance(v, Optimizer)]
@@ -47,11 +48,11 @@ def load(path: Path, state: Any | None, strict: bool) -> dict[str, Any]:
     if isinstance(state, Module):
         state = {"model": state}
     if not state:
-        raise ValueError("fsdp_plugin's Fabric checkpoints load in place: pass the state dict with the (set up) "
+        raise CheckpointStateError("fsdp_plugin's Fabric checkpoints load in place: pass the state dict with the (set up) "
                          "module, "
                          "e.g. fabric.load(path, {'model': model, 'optimizer': optimizer}).")
     if not ckpt.is_sharded_checkpoint(path):
-        raise FileNotFoundError(f"{path} is not an fsdp_plugin checkpoint directory (no manifest.json)")
+        raise CheckpointNotFoundError(f"{path} is not an fsdp_plugin checkpoint directory (no manifest.json)")
     _, module, opt_keys, rest = _split(state)
     meta = ckpt.load_sharded(path, module, [state[k] for k in opt_keys])
     saved = meta.get("state", {})
@@ -69,7 +70,7 @@ def load(path: Path, state: Any | None, strict: bool) -> dict[str, Any]:
 def _check_keys(saved: dict, saved_opts: list, opt_keys: list, rest: dict, strict: bool) -> None:
     missing = [k for k in rest if k not in saved]
     if strict and missing:
-        raise KeyError(f"checkpoint has no entry for {missing}; saved entries: {sorted(saved)} "
+        raise CheckpointKeyError(f"checkpoint has no entry for {missing}; saved entries: {sorted(saved)} "
                        "(or load with strict=False)")
     if strict and len(opt_keys) != len(saved_opts):
-        raise KeyError(f"checkpoint holds optimizers {saved_opts}, the state to load has {opt_keys}")
+        raise CheckpointKeyError(f"checkpoint holds optimizers {saved_opts}, the state to load has {opt_keys}")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from fsdp_plugin.errors import ConfigError
 
 SUPPORTED_FLAGS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 _ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "16": "16-mixed", 16: "16-mixed"}
@@ -65,7 +66,7 @@ def precision_spec(flag: Any, device_type: str = "cpu") -> PrecisionSpec:
     """Resolve a Lightning precision flag into a :class:`PrecisionSpec`; refuse unsupported flags."""
     flag = _ALIASES.get(flag, flag)
     if flag not in _SPECS:
-        raise ValueError(unsupported_message(flag))
+        raise ConfigError(unsupported_message(flag))
     if flag == "16-mixed" and device_type != "cuda":
-        raise ValueError("precision='16-mixed' needs CUDA (fp16 autocast with a loss scaler); on CPU use 'bf16-mixed'.")
+        raise ConfigError("precision='16-mixed' needs CUDA (fp16 autocast with a loss scaler); on CPU use 'bf16-mixed'.")
     return _SPECS[flag]

@@ -27,15 +27,14 @@ from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
-    _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
 import fsdp_plugin as fp
+from fsdp_plugin.errors import UnsupportedError, UsageError
 
 
 class _NoSync(_BackwardSyncControl):
@@ -95,12 +94,12 @@ class FSDPPluginFabricStrategy(ParallelStrategy, _Sharded):
 
     @property
     def checkpoint_io(self) -> Any:
-        raise NotImplementedError(f"{type(self).__name__} saves through the fsdp_plugin engine, not CheckpointIO")
+        raise UnsupportedError(f"{type(self).__name__} saves through the fsdp_plugin engine, not CheckpointIO")
 
     @checkpoint_io.setter
     def checkpoint_io(self, io: Any) -> None:
         if io is not None:
-            raise NotImplementedError(f"{type(self).__name__} does not use CheckpointIO plugins")
+            raise UnsupportedError(f"{type(self).__name__} does not use CheckpointIO plugins")
 
     @property
     def root_device(self) -> torch.device:
@@ -171,30 +170,25 @@ class FSDPPluginFabricStrategy(ParallelStrategy, _Sharded):
     def all_reduce(self, tensor: Tensor, group: Any | None = None,
                    reduce_op: Any | str | None = "mean") -> Tensor:
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return common.reduce(self.sharding_config, tensor, group, reduce_op) if _distributed_is_initialized() \
+                else tensor
         return tensor
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
+        if _distributed_is_initialized():  # fsdp_plugin's barrier: the config's timeout_s, CollectiveError
+            common.barrier(self.sharding_config, args[0] if args else kwargs.get("name"))
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():
             return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
+        return common.broadcast(self.sharding_config, obj, src)  # JSON through fsdp_plugin's collectives, no pickle
 
     # ----------------------------------------------------------------- checkpoints
     def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any | None = None,
                         filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
         """Collective: the engine's sharded directory at ``path`` (one module, its optimizer(s), other state)."""
         if storage_options is not None or filter:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint takes neither storage_options nor filter")
+            raise UsageError(f"{type(self).__name__}.save_checkpoint takes neither storage_options nor filter")
         fstate.save(lambda: Path(self.broadcast(str(path))), state)
 
     def load_checkpoint(self, path: Any, state: Any | None = None, strict: bool = True,

@@ -24,6 +24,7 @@ from lightning.fabric.plugins.precision.utils import (
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
 from torch import Tensor
+from fsdp_plugin.errors import NonFiniteGradientError
 
 
 class _PrecisionCore:
@@ -82,7 +83,8 @@ class _PrecisionCore:
 
         norm = fp.clip_grad_norm_(list(parameters), max_norm, norm_type=norm_type)
         if error_if_nonfinite and not torch.isfinite(norm):
-            raise RuntimeError(f"The total norm of order {norm_type} of the gradients is non-finite ({norm.item()}).")
+            raise NonFiniteGradientError(
+                f"The total norm of order {norm_type} of the gradients is non-finite ({norm.item()}).")
         return norm
 
 

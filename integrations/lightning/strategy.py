@@ -39,9 +39,7 @@ from fsdp_plugin.integrations.lightning.precision import FSDPPluginPrecision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
-    _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.pytorch.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher,
 )
@@ -52,6 +50,8 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 
 import fsdp_plugin as fp
+from fsdp_plugin.errors import ConfigError, UsageError
+from fsdp_plugin.checkpoint.errors import CheckpointStateError
 
 _STATE_DICT_TYPES = ("sharded", "full")
 _ACCUMULATION = ("sharded", "no_sync")
@@ -244,24 +244,19 @@ class FSDPPluginStrategy(ParallelStrategy):
 
     # ----------------------------------------------------------------- collectives
     def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
+        if _distributed_is_initialized():  # fsdp_plugin's barrier: the config's timeout_s, CollectiveError
+            common.barrier(self.sharding_config, name)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():
             return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
+        return common.broadcast(self.sharding_config, obj, src)  # JSON through fsdp_plugin's collectives, no pickle
 
     def reduce(self, tensor: Tensor | Any, group: Any | None = None,
                reduce_op: Any | str | None = "mean") -> Tensor | Any:
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return common.reduce(self.sharding_config, tensor, group, reduce_op) if _distributed_is_initialized() \
+                else tensor
         return tensor
 
     # ----------------------------------------------------------------- checkpoints
@@ -276,7 +271,7 @@ class FSDPPluginStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Collective. ``sharded``: an engine directory at ``filepath``; ``full``: one Lightning-format file."""
         if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options (they are for "
+            raise UsageError(f"{type(self).__name__}.save_checkpoint does not take storage_options (they are for "
                             "CheckpointIO plugins, which this strategy does not use).")
         meta, with_optimizers = ckpt.split_state(checkpoint)
         if self.state_dict_type == "full" and with_optimizers:
@@ -297,8 +292,8 @@ class FSDPPluginStrategy(ParallelStrategy):
         kind = ckpt.checkpoint_kind(path)
         assert self.model is not None and self.lightning_module is not None
         if kind is None:
-            raise ValueError(f"{path} is not an fsdp_plugin Lightning checkpoint: give a checkpoint directory (with "
-                             "manifest.json, state_dict_type='sharded') or a 'full' checkpoint file.")
+            raise CheckpointStateError(f"{path} is not an fsdp_plugin Lightning checkpoint: give a checkpoint directory "
+                                       "(with manifest.json, state_dict_type='sharded') or a 'full' checkpoint file.")
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         if kind == "sharded":
             return ckpt.load_sharded(path, self.model, self.optimizers if fitting else [])
@@ -328,4 +323,4 @@ class FSDPPluginStrategy(ParallelStrategy):
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"FSDPPluginStrategy({name}={value!r}): use one of {', '.join(repr(c) for c in choices)}")
+        raise ConfigError(f"FSDPPluginStrategy({name}={value!r}): use one of {', '.join(repr(c) for c in choices)}")
