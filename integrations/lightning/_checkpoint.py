@@ -29,6 +29,7 @@ from safetensors import safe_open
 
 import fsdp_plugin as fp
 from fsdp_plugin.checkpoint._comm import deadline_of, raise_if_any_failed
+from fsdp_plugin.integrations.lightning import _codec_v1
 from fsdp_plugin.integrations.lightning import _torch_file as torch_file
 
 EXTRA_KEY = "lightning"
@@ -93,7 +94,7 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizers: Sequence[Any]) 
     if EXTRA_KEY not in extra:
         raise CheckpointStateError(f"{path} is an fsdp_plugin checkpoint without Lightning state "
                                    "(saved outside Lightning?)")
-    return codec.decode_state(extra[EXTRA_KEY], extra.get(EXTRA_TENSORS_KEY) or {})
+    return decode_state(extra[EXTRA_KEY], extra.get(EXTRA_TENSORS_KEY) or {})
 
 
 def save_full(path: Path, model: torch.nn.Module, meta: dict[str, Any], encoded: tuple) -> None:
@@ -123,7 +124,7 @@ def load_full(path: Path, model: torch.nn.Module) -> dict[str, Any]:
     state, header = read_full(path)
     with fp.full_params(model):
         model.load_state_dict(state, strict=True)
-    return codec.decode_state(*_outline_tensors(header))
+    return decode_state(*_outline_tensors(header))
 
 
 def read_full(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -152,8 +153,14 @@ def inline_tensors(tree: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any
     return {"tree": tree, "tensors": {k: codec.inline_tensor(t) for k, t in tensors.items()}}
 
 
+def decode_state(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Lightning's state from the codec; checkpoints of the first release (older tags) stay readable."""
+    return _codec_v1.decode(tree, tensors) if _codec_v1.is_v1(tree) else codec.decode_state(tree, tensors)
+
+
 def _outline_tensors(doc: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
-    tensors = {k: codec.tensor_from_inline(node, f"tensor {k}") for k, node in doc.get("tensors", {}).items()}
+    tensors = {k: _codec_v1.b64_tensor(node) if "b64" in node else codec.tensor_from_inline(node, f"tensor {k}")
+               for k, node in doc.get("tensors", {}).items()}
     return doc["tree"], tensors
 
 

@@ -14,7 +14,6 @@ from fsdp_plugin.checkpoint.consolidate import read_full_state
 from fsdp_plugin.checkpoint.errors import CheckpointError
 from fsdp_plugin.integrations.lightning import _checkpoint as ckpt
 from fsdp_plugin.integrations.lightning import _torch_file as torch_file
-from fsdp_plugin.checkpoint import codec
 
 __all__ = ["consolidate_lightning"]
 
@@ -33,6 +32,6 @@ def consolidate_lightning(checkpoint_dir: str | os.PathLike, out: str | os.PathL
         raise CheckpointError(f"{checkpoint_dir} holds no Lightning state (it was not saved by FSDPPluginStrategy): "
                               "export its weights with `fsdp-plugin consolidate CKPT OUT` (Hugging Face format)")
     tree, tensors = extra[ckpt.EXTRA_KEY], extra.get(ckpt.EXTRA_TENSORS_KEY) or {}
-    meta = codec.decode_state(tree, tensors)
+    meta = ckpt.decode_state(tree, tensors)
     torch_file.write(out, state, meta, {ckpt.FULL_META_KEY: ckpt.inline_tensors(tree, tensors)})
     return out
