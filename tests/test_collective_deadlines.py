@@ -58,8 +58,8 @@ def _run(op: str, tmp: str, model):
 
 
 # where rank 1 fails: in the middle of the operation, after its first collectives
-FAULT_AT = {"save_checkpoint": (save, "_write_local"), "load_checkpoint": (load, "_load_local"),
-            "load_pretrained": (hf, "_load_local"), "save_pretrained": (hf, "_write_pieces"),
+FAULT_AT = {"save_checkpoint": (save, "_write_files"), "load_checkpoint": (load, "_load_local"),
+            "load_pretrained": (hf, "_load_local"), "save_pretrained": (hf, "_write_all"),
             "save_pretrained_gather": (_comm, "send")}
 
 
@@ -69,6 +69,7 @@ def _one_rank_fails(rank, world, op, tmp, fault):
     _prepare(op, tmp, model)
     if rank == 1:
         module, name = FAULT_AT[op]
+        assert callable(getattr(module, name, None)), f"fault point {module.__name__}.{name} no longer exists"
         setattr(module, name, _die if fault == "dies" else _stall)
     start = time.monotonic()
     try:

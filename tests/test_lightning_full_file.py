@@ -76,7 +76,7 @@ def test_full_files_of_earlier_versions_still_load(tmp_path):
     save_file(state, str(tmp_path / "old.ckpt"),
               metadata={"format": "pt", ckpt.FULL_META_KEY: json.dumps(ckpt.inline_tensors(tree, tensors))})
     got, header = ckpt.read_full(tmp_path / "old.ckpt")
-    assert torch.equal(got["w"], state["w"]) and ckpt.decode(*ckpt._outline_tensors(header))["global_step"] == 8
+    assert torch.equal(got["w"], state["w"]) and ckpt.decode_state(*ckpt._outline_tensors(header))["global_step"] == 8
 
 
 def test_consolidate_lightning_refuses_a_checkpoint_without_lightning_state(tmp_path, capsys):
