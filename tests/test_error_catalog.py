@@ -208,8 +208,13 @@ def error_classes() -> list:
     import importlib
     import pkgutil
 
+    import fsdp_plugin.integrations as integrations
+
     found = []
-    for info in pkgutil.walk_packages(fp.__path__, "fsdp_plugin."):
+    # fsdp_plugin.integrations is installed from ../integrations (package-dir), outside fp.__path__: walk both
+    infos = [*pkgutil.walk_packages(fp.__path__, "fsdp_plugin."),
+             *pkgutil.walk_packages(integrations.__path__, "fsdp_plugin.integrations.")]
+    for info in sorted(infos, key=lambda i: i.name):
         if info.name.endswith(("__main__", ".cli")):
             continue
         mod = importlib.import_module(info.name)
