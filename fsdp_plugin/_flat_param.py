@@ -167,14 +167,15 @@ class FlatParamHandle:
         """Forget an abandoned step: finish in-flight collectives (every rank issued them), drop unreduced
         gradients and usage marks, reshard. Raises the first CollectiveError after cleaning up."""
         error = None
-        for finish in (self.wait_unshard, self._drop_pending_reduce):
+        # reshard() waits only for a gather already in flight: a sharded handle must not start a new one here
+        # (ranks may stop in different states, so a fresh all-gather could be unmatched).
+        for finish in (self.reshard, self._drop_pending_reduce):
             try:
                 finish()
             except Exception as e:  # noqa: BLE001 - cleanup goes on; the first error is re-raised
                 error = error or e
         self.leaf.grad, self.unsharded_grad_accum = None, None
         self.usage = SlotUsage(len(self.slots))
-        self.reshard()
         if error is not None:
             raise error
 

@@ -12,6 +12,7 @@ from torch import nn
 from . import _collectives as comm
 from ._flat_param import set_param_data
 from ._init_hf import HFInit
+from ._layout import is_persistent_buffer
 from .config import SKIP_INIT
 from .errors import ShardingError
 
@@ -158,7 +159,7 @@ class Materializer:
             b = m._buffers[n]
             if any(b is u for u in left):
                 b.zero_()
-                if n in m._non_persistent_buffers_set:
+                if not is_persistent_buffer(m, n):
                     missing.append(n)
         if missing:
             raise ShardingError(

@@ -109,3 +109,18 @@ def same_casts_reference(world, steps, dtype=None, model_fn=GPT, batch_fn=gpt_ba
         opt.step()
         losses.append(step_loss)
     return losses, master.state_dict()
+
+
+def check_steps(got_by_rank, want, tol=1e-5):
+    """Per step, every rank's ``(loss, {name: grad is None}, {name: full param})`` against one process's;
+    full parameters are compared where a rank returned them (rank 0 must return every name)."""
+    for rank, got in enumerate(got_by_rank):
+        for s, ((loss, none, state), (wloss, wnone, wstate)) in enumerate(zip(got, want)):
+            assert abs(loss - wloss) <= tol, f"rank {rank} step {s}: loss {loss} vs {wloss}"
+            assert none == wnone, (f"rank {rank} step {s}: .grad is None differs for "
+                                   f"{[n for n in wnone if none[n] != wnone[n]]}")
+            if rank == 0:
+                assert state.keys() == wstate.keys(), f"step {s}: parameters differ by name"
+            for n, v in state.items():
+                diff = (v - wstate[n]).abs().max().item()
+                assert diff <= tol, f"rank {rank} step {s}: {n} off by {diff:.2e}"

@@ -30,7 +30,7 @@ import pytest
 import torch
 import transformers as tf
 from _dist import run_ranks
-from _parity import make_optimizer
+from _parity import check_steps as check, make_optimizer
 
 import fsdp_plugin as fp
 
@@ -165,19 +165,6 @@ def _exercised(name, usage, steps):
     partial = any(bool((c.any(0) & ~c.all(0)).any()) for call in usage for c in call)
     none = any(any(n.values()) for _, n, _ in steps)
     return partial, none
-
-
-def check(got_by_rank, want, tol=1e-5):
-    for rank, got in enumerate(got_by_rank):
-        for s, ((loss, none, state), (wloss, wnone, wstate)) in enumerate(zip(got, want)):
-            assert abs(loss - wloss) <= tol, f"rank {rank} step {s}: loss {loss} vs {wloss}"
-            assert none == wnone, (f"rank {rank} step {s}: .grad is None differs for "
-                                   f"{[n for n in wnone if none[n] != wnone[n]]}")
-            if rank == 0:
-                assert state.keys() == wstate.keys(), f"step {s}: parameters differ by name"
-            for n, v in state.items():
-                diff = (v - wstate[n]).abs().max().item()
-                assert diff <= tol, f"rank {rank} step {s}: {n} off by {diff:.2e}"
 
 
 def _run(tmp_path, name, world, optim, strategy, mesh=None, micro=1, use_no_sync=False):

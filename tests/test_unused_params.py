@@ -12,7 +12,7 @@ from torch import nn
 
 import fsdp_plugin as fp
 from _dist import run_ranks
-from _parity import global_mean, make_optimizer
+from _parity import check_steps as check, global_mean, make_optimizer
 
 D, E, STEPS = 8, 6, 6
 
@@ -160,18 +160,6 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
-
-
-def check(got_by_rank, want, tol=1e-5):
-    for rank, got in enumerate(got_by_rank):
-        for s, ((loss, none, state), (wloss, wnone, wstate)) in enumerate(zip(got, want)):
-            assert abs(loss - wloss) <= tol, f"rank {rank} step {s}: loss {loss} vs {wloss}"
-            assert none == wnone, (f"rank {rank} step {s}: .grad is None differs for "
-                                   f"{[n for n in wnone if none[n] != wnone[n]]}")
-            if rank == 0:
-                for n, v in wstate.items():
-                    diff = (state[n] - v).abs().max().item()
-                    assert diff <= tol, f"step {s}: {n} off by {diff:.2e}"
 
 
 def test_reference_exercises_unused_parameters():

@@ -13,6 +13,7 @@ while a killed one leaves only a ``.tmp-`` directory that the next save removes.
 """
 from __future__ import annotations
 
+import contextvars
 import sys
 import threading
 from datetime import timedelta
@@ -199,7 +200,8 @@ def start(path: str, work, stager: Stager) -> AsyncSave:
         finally:
             stager.release()
 
-    handle._thread = threading.Thread(target=run, name="fsdp_plugin-checkpoint", daemon=False)
+    ctx = contextvars.copy_context()  # the caller's deadline (timeout_s) and operation name for its collectives
+    handle._thread = threading.Thread(target=ctx.run, args=(run,), name="fsdp_plugin-checkpoint", daemon=False)
     with _lock:
         _pending = handle
     handle._thread.start()

@@ -110,13 +110,13 @@ def all_gather_bytes(data: bytes, step: str = "exchanging metadata", group=None)
     n = torch.tensor([len(data)], dtype=torch.int64, device=dev)
     sizes = [torch.zeros_like(n) for _ in range(world)]
     comm.all_gather_list(sizes, n, group, what=what, timeout_s=_timeout())
-    cap = max(int(s.item()) for s in sizes)
-    mine = torch.zeros(max(cap, 1), dtype=torch.uint8, device=dev)
+    lens = torch.cat(sizes).tolist()  # one host sync for every rank's length
+    mine = torch.zeros(max(max(lens), 1), dtype=torch.uint8, device=dev)
     if data:
         mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     outs = [torch.zeros_like(mine) for _ in range(world)]
     comm.all_gather_list(outs, mine, group, what=what, timeout_s=_timeout())
-    return [_to_bytes(o[: int(s.item())]) for o, s in zip(outs, sizes)]
+    return [_to_bytes(o[:k]) for o, k in zip(outs, lens)]
 
 
 def _to_bytes(t: torch.Tensor) -> bytes:
@@ -131,7 +131,8 @@ def gather_bytes(data: bytes, dst: int = 0, step: str = "gathering metadata", gr
     n = torch.tensor([len(data)], dtype=torch.int64, device=dev)
     sizes = [torch.zeros_like(n) for _ in range(world)] if me == dst else None
     comm.gather(n, sizes, dst, group, what=what, timeout_s=_timeout())
-    cap = torch.tensor([max(int(s.item()) for s in sizes) if me == dst else 0], dtype=torch.int64, device=dev)
+    lens = torch.cat(sizes).tolist() if me == dst else None  # one host sync for every rank's length
+    cap = torch.tensor([max(lens) if me == dst else 0], dtype=torch.int64, device=dev)
     comm.broadcast(cap, dst, group, what=what, timeout_s=_timeout(), kind="control")
     mine = torch.zeros(max(int(cap.item()), 1), dtype=torch.uint8, device=dev)
     if data:
@@ -140,7 +141,7 @@ def gather_bytes(data: bytes, dst: int = 0, step: str = "gathering metadata", gr
     comm.gather(mine, outs, dst, group, what=what, timeout_s=_timeout())
     if me != dst:
         return None
-    return [_to_bytes(o[: int(s.item())]) for o, s in zip(outs, sizes)]
+    return [_to_bytes(o[:k]) for o, k in zip(outs, lens)]
 
 
 def send(t: torch.Tensor, dst: int, step: str) -> None:

@@ -1,7 +1,7 @@
 """Translate an ``accelerate.FullyShardedDataParallelPlugin`` object into ``FsdpSettings``.
 
 The plugin's ``__post_init__`` has already normalized its fields into torch FSDP enums and policy
-functions; we read them by name and attribute only (nothing here imports ``torch.distributed.fsdp``).
+functions; we read them by name and attribute only (nothing here imports torch's FSDP package).
 Errors name the plugin field.
 """
 from __future__ import annotations

@@ -152,11 +152,12 @@ def reduce(config: Any, tensor: torch.Tensor, group: Any = None, reduce_op: Any 
 
     op, divide = reduce_op, False
     if reduce_op is None or isinstance(reduce_op, str):
-        name = "avg" if reduce_op in (None, "mean") else reduce_op.lower()
-        op, divide = (dist.ReduceOp.SUM, True) if name == "avg" else (getattr(dist.ReduceOp, name.upper()), False)
+        name = (reduce_op or "mean").lower()
+        divide = name in ("avg", "mean")
+        op = dist.ReduceOp.SUM if divide else getattr(dist.ReduceOp, name.upper())
     _collectives.all_reduce(tensor, group, op=op, kind="control", what="Lightning reduce",
                             timeout_s=getattr(config, "timeout_s", None))
     if not divide:
         return tensor
     n = _collectives.group_size(group)
-    return tensor.div_(n) if torch.is_floating_point(tensor) else tensor.copy_(tensor / n)
+    return tensor.div_(n) if torch.is_floating_point(tensor) else tensor / n  # a float mean, as Lightning

@@ -4,7 +4,7 @@ A ``FSDPStrategy(...)`` user changes only the class (``FSDPPluginStrategy(...)``
 and Lightning's spellings are translated here, values we cannot honour raise :class:`fp.ConfigError` naming
 our equivalent. Our own spellings (``fp.MixedPrecision``, a set of classes, ``fp.size_policy``, a
 ``callable(module) -> bool``, lower-case strategy names) pass through unchanged. torch objects are
-recognised by class name and attributes: nothing here imports ``torch.distributed.fsdp``.
+recognised by class name and attributes: nothing here imports torch's FSDP package.
 
 | FSDPStrategy / torch FSDP                         | fsdp_plugin                                   |
 |---------------------------------------------------|-----------------------------------------------|
