@@ -70,9 +70,10 @@ class FSDPPluginStrategy(ParallelStrategy):
             unsharded gradients locally and communicate once per optimizer step (``fp.no_sync``).
         process_group_backend: default ``gloo`` on CPU, ``nccl`` on CUDA.
         timeout: process group timeout.
-        log_comm_stats: log ``fp.comm_stats`` after every optimizer step (``self.log``, on step): metrics
-            ``fsdp_plugin/comm_bytes/<kind>`` (per-rank ring bytes) and ``fsdp_plugin/comm_calls/<kind>`` since
-            the previous step, e.g. ``all_gather``, ``reduce_scatter``.
+        log_comm_stats: log ``fp.comm_stats`` on the optimizer steps whose metrics Lightning sends to the logger
+            (the Trainer's ``log_every_n_steps``; ``self.log``, on step): metrics ``fsdp_plugin/comm_bytes/<kind>``
+            (per-rank ring bytes) and ``fsdp_plugin/comm_calls/<kind>``, e.g. ``all_gather``, ``reduce_scatter``:
+            the mean per optimizer step since the previous logged one.
         **sharding: ``fp.ShardingConfig`` fields (``sharding_strategy``, ``auto_wrap_policy``,
             ``mixed_precision``, ``activation_checkpointing``, ``cpu_offload``, ...), or Lightning
             ``FSDPStrategy``'s spellings of them (torch enums, ``MixedPrecision``, ``ModuleWrapPolicy``,
@@ -115,6 +116,7 @@ class FSDPPluginStrategy(ParallelStrategy):
         self.accumulate_grads = accumulate_grads
         self.log_comm_stats = log_comm_stats
         self._comm_seen: dict[str, dict[str, int]] = {}
+        self._comm_steps = 0  # optimizer steps since _comm_seen
         self._async_save = async_save
         _compile.allow_in_trainer()
         self.num_nodes = 1
@@ -209,7 +211,7 @@ class FSDPPluginStrategy(ParallelStrategy):
             self.model = common.shard_module(self.model, cfg, self.root_device)
             _compile.apply(self.model, dynamo_ctx)
         self.barrier()
-        self._comm_seen = fp.comm_stats.snapshot()
+        self._comm_seen, self._comm_steps = fp.comm_stats.snapshot(), 0
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)  # built from the sharded parameters
@@ -228,17 +230,19 @@ class FSDPPluginStrategy(ParallelStrategy):
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.log_comm_stats:
+            self._comm_steps += 1
             self._log_comm_stats()
         return out
 
     def _log_comm_stats(self) -> None:
-        """Bytes and calls per collective kind since the previous optimizer step, as on-step metrics."""
-        now = fp.comm_stats.snapshot()
-        before, self._comm_seen = self._comm_seen, now
+        """On a step whose metrics reach the logger: bytes and calls per collective kind, mean per optimizer
+        step since the previous logged step, as on-step metrics (other steps only count)."""
         module = self.lightning_module
-        if module is None or module._trainer is None:
+        if module is None or module._trainer is None or not _logs_this_step(module._trainer):
             return
-        metrics = {f"fsdp_plugin/comm_{what}/{kind}": float(n - before.get(what, {}).get(kind, 0))
+        now, steps = fp.comm_stats.snapshot(), max(self._comm_steps, 1)
+        before, self._comm_seen, self._comm_steps = self._comm_seen, now, 0
+        metrics = {f"fsdp_plugin/comm_{what}/{kind}": (n - before.get(what, {}).get(kind, 0)) / steps
                    for what in ("bytes", "calls") for kind, n in now[what].items()}
         module.log_dict(metrics, on_step=True, on_epoch=False)
 
@@ -319,6 +323,15 @@ class FSDPPluginStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+
+
+def _logs_this_step(trainer: Any) -> bool:
+    """Whether Lightning sends this training step's on-step metrics to the logger (``log_every_n_steps``)."""
+    connector = getattr(trainer, "_logger_connector", None)
+    if connector is not None and hasattr(connector, "should_update_logs"):
+        return bool(connector.should_update_logs)
+    every = getattr(trainer, "log_every_n_steps", 1)  # a Lightning without the connector property
+    return bool(every) and (trainer.global_step % every == 0)
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
