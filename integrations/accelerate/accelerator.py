@@ -249,10 +249,14 @@ class Accelerator(accelerate.Accelerator):
 
 def _enable_ram_efficient_loading() -> None:
     """``fsdp_cpu_ram_efficient_loading``: later ``from_pretrained`` calls read weights on rank 0 only
-    (the others build on meta and get rank 0's values when prepared); see integrations/transformers."""
+    (the others build on meta and get rank 0's values when prepared); see ``integrations/_hf_loading``.
+    Only ``from_pretrained`` is patched: the transformers ``Trainer`` stays stock unless its integration is
+    imported."""
     os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "true"
     try:
-        import fsdp_plugin.integrations.transformers  # noqa: F401  (installs the from_pretrained hook)
+        from fsdp_plugin.integrations import _hf_loading
+
+        _hf_loading.install()
     except ImportError:  # no transformers: nothing loads pretrained weights through it
         pass
 
