@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from fsdp_plugin.integrations import _pending_save as pending_save
 from fsdp_plugin.integrations.lightning import _async_save, _compile
 from fsdp_plugin.integrations.lightning import _checkpoint as ckpt
 from fsdp_plugin.integrations.lightning import _common as common
@@ -164,6 +165,11 @@ class FSDPPluginStrategy(ParallelStrategy):
     def process_group_backend(self) -> str | None:
         return self._process_group_backend
 
+    @property
+    def async_saves(self) -> int:
+        """Asynchronous checkpoint saves this strategy started."""
+        return pending_save.of(self).started
+
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
@@ -286,12 +292,12 @@ class FSDPPluginStrategy(ParallelStrategy):
         if self.state_dict_type == "full":
             ckpt.save_full(path, self.model, meta, encoded)
         else:
-            handle = ckpt.save_sharded(path, self.model, self.optimizers if with_optimizers else [], encoded,
-                                       async_save=_async_save.requested(self))
-            _async_save.remember(self, handle)
+            optimizers, mode = self.optimizers if with_optimizers else [], _async_save.requested(self)
+            pending_save.of(self).start(lambda: ckpt.save_sharded(path, self.model, optimizers, encoded, mode))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Collective. Loads model (+ optimizers when fitting) in place; returns Lightning's other state."""
+        pending_save.of(self).wait()  # the checkpoint being loaded may still be written
         path = Path(self.broadcast(str(checkpoint_path)))
         kind = ckpt.checkpoint_kind(path)
         assert self.model is not None and self.lightning_module is not None
@@ -319,7 +325,7 @@ class FSDPPluginStrategy(ParallelStrategy):
         """Like FSDPStrategy, but no ``.cpu()`` and no SyncBatchNorm revert: the model stays sharded in place
         (reverting would replace modules whose parameters the engine owns)."""
         assert self.cluster_environment is not None and self.accelerator is not None
-        _async_save.finish(self)  # before the process group goes away
+        pending_save.of(self).wait()  # before the process group goes away
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
