@@ -54,7 +54,8 @@ def save(trainer: Any, checkpoint: str, with_optimizer: bool = True) -> None:
 
 def _pending(trainer: Any) -> pending_save.PendingSave:
     """The Accelerator's save tracker: a Trainer save or load waits for its ``save_state(async_save=...)``."""
-    return pending_save.of(getattr(trainer, "accelerator", None) or trainer)
+    accelerator = getattr(trainer, "accelerator", None)
+    return pending_save.of(accelerator) if accelerator is not None else pending_save.PendingSave()
 
 
 def _saved_optimizers(checkpoint: str) -> int:
