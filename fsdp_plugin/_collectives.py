@@ -193,3 +193,62 @@ def _collective_error(what: str, timeout_s, cause) -> CollectiveError:
 
 def default_timeout_s(configured: Optional[float]) -> float:
     return float(configured if configured is not None else os.environ.get("FSDP_PLUGIN_TIMEOUT_S", 600))
+
+
+# ---------------------------------------------------------------- byte messages (JSON control payloads)
+# Objects travel as encoded bytes in uint8 tensors (never pickle), padded to the longest rank's message;
+# lengths first, one int64 per rank, so each message is cut back to its own size.
+
+def _as_tensor(data: bytes, size: int, dev: torch.device) -> torch.Tensor:
+    buf = torch.zeros(max(size, 1), dtype=torch.uint8, device=dev)
+    if data:
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return buf
+
+
+def _to_bytes(t: torch.Tensor) -> bytes:
+    return t.cpu().numpy().tobytes()
+
+
+def all_gather_lengths(n: int, group=None, what: str = "all_gather", timeout_s: Optional[float] = None,
+                       dev: Optional[torch.device] = None) -> list[int]:
+    """Every rank's ``n`` (indexed by rank in ``group``), one int64 each; blocking, with a deadline."""
+    if not dist.is_initialized():
+        return [n]
+    mine = torch.tensor([n], dtype=torch.int64, device=dev or device())
+    sizes = [torch.zeros_like(mine) for _ in range(group_size(group))]
+    all_gather_list(sizes, mine, group, what=what, timeout_s=timeout_s)
+    return torch.cat(sizes).tolist()  # one host sync for every rank's length
+
+
+def all_gather_bytes(data: bytes, group=None, what: str = "all_gather", timeout_s: Optional[float] = None,
+                     dev: Optional[torch.device] = None, lengths: Optional[list] = None) -> list[bytes]:
+    """Every rank's ``data`` (indexed by rank in ``group``); ``lengths``: every rank's ``len(data)`` when the
+    caller already gathered them (:func:`all_gather_lengths`), saving that collective. Blocking, deadline."""
+    if not dist.is_initialized():
+        return [data]
+    dev = dev or device()
+    if lengths is None:
+        lengths = all_gather_lengths(len(data), group, what, timeout_s, dev)
+    mine = _as_tensor(data, max(lengths), dev)
+    outs = [torch.zeros_like(mine) for _ in lengths]
+    all_gather_list(outs, mine, group, what=what, timeout_s=timeout_s)
+    return [_to_bytes(o[:k]) for o, k in zip(outs, lengths)]
+
+
+def gather_bytes(data: bytes, dst: int = 0, group=None, what: str = "gather", timeout_s: Optional[float] = None,
+                 dev: Optional[torch.device] = None) -> Optional[list[bytes]]:
+    """Every rank's ``data`` on global rank ``dst`` (indexed by rank); None on the others. Blocking, deadline."""
+    if not dist.is_initialized():
+        return [data]
+    dev, world, me = dev or device(), group_size(group), dist.get_rank()
+    n = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+    sizes = [torch.zeros_like(n) for _ in range(world)] if me == dst else None
+    gather(n, sizes, dst, group, what=what, timeout_s=timeout_s)
+    lens = torch.cat(sizes).tolist() if sizes is not None else None  # one host sync for every rank's length
+    cap = torch.tensor([max(lens) if lens is not None else 0], dtype=torch.int64, device=dev)
+    broadcast(cap, dst, group, what=what, timeout_s=timeout_s, kind="control")
+    mine = _as_tensor(data, int(cap.item()), dev)
+    outs = [torch.zeros_like(mine) for _ in range(world)] if me == dst else None
+    gather(mine, outs, dst, group, what=what, timeout_s=timeout_s)
+    return [_to_bytes(o[:k]) for o, k in zip(outs, lens)] if outs is not None else None

@@ -19,7 +19,7 @@ from ._mesh import Mesh, build_mesh
 from ._root import RootState
 from ._strategy import STRATEGIES, unit_policy
 from ._unit import Unit
-from ._wrap import owner_unit, parameter_sites, select_unit_modules
+from ._wrap import owner_unit, parameter_sites, recompute_selector, select_unit_modules
 from .config import ShardingConfig
 from .errors import ConfigError, ShardingError
 
@@ -87,9 +87,9 @@ def _apply_activation_checkpointing(model: nn.Module, policy) -> None:
     """Recompute the selected modules in backward (non-reentrant, so unit hooks run on recompute)."""
     from torch.utils.checkpoint import checkpoint
 
-    classes = tuple(policy) if isinstance(policy, (set, frozenset, tuple, list)) else None
+    selected = recompute_selector(model, policy)
     for m in list(model.modules()):
-        if m is model or not (isinstance(m, classes) if classes else policy(m)):
+        if m is model or not selected(m):
             continue
         inner = m.forward
 

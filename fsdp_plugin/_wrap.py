@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
-from typing import Iterable
+from typing import Callable, Iterable
 
 from torch import nn
 
@@ -56,6 +56,16 @@ def _default_policy(model, candidates) -> set:
 
 
 def _size_policy(model, min_params: int, ignored_ids: set) -> set:
+    chosen = size_selection(model, min_params, ignored_ids)
+    if not chosen:
+        warnings.warn(f"size_policy({min_params}) selected no submodule: the whole model is one unit, so "
+                      "nothing is freed between layers; lower min_params to shard per block", stacklevel=3)
+    return chosen
+
+
+def size_selection(model: nn.Module, min_params: int, ignored_ids: set) -> set:
+    """``id``s of the modules ``fp.size_policy(min_params)`` selects, bottom-up (torch's size-based rule): a module
+    whose parameters not covered by a selected descendant reach ``min_params``; never the root."""
     chosen: set = set()
 
     def visit(m: nn.Module) -> int:
@@ -70,10 +80,19 @@ def _size_policy(model, min_params: int, ignored_ids: set) -> set:
         return total
 
     visit(model)
-    if not chosen:
-        warnings.warn(f"size_policy({min_params}) selected no submodule: the whole model is one unit, so "
-                      "nothing is freed between layers; lower min_params to shard per block", stacklevel=3)
     return chosen
+
+
+def recompute_selector(model: nn.Module, policy) -> Callable[[nn.Module], bool]:
+    """``ShardingConfig.activation_checkpointing`` as a predicate on ``model``'s modules: module classes, a
+    ``callable(module) -> bool``, or ``fp.size_policy(n)`` (the same bottom-up selection as auto-wrap)."""
+    if isinstance(policy, _SizePolicy):
+        chosen = size_selection(model, policy.min_params, set())
+        return lambda m: id(m) in chosen
+    if isinstance(policy, (set, frozenset, tuple, list)):
+        classes = tuple(policy)
+        return lambda m: isinstance(m, classes)
+    return policy
 
 
 def parameter_sites(model: nn.Module, ignored: Iterable[nn.Module]) -> dict[int, list]:

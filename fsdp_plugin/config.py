@@ -92,7 +92,8 @@ class ShardingConfig:
     backward_prefetch / forward_prefetch: issue the next unit's all-gather early.
     limit_all_gathers: bound the number of unsharded units alive at once (memory).
     cpu_offload: keep shards, gradients and optimizer state on CPU (a no-op on CPU-only machines).
-    activation_checkpointing: module classes or callable selecting modules to recompute in backward.
+    activation_checkpointing: module classes, a callable(module) -> bool or `size_policy(n)` selecting the modules
+        to recompute in backward.
     ignored_modules: modules whose parameters stay unsharded and unmanaged.
     timeout_s: seconds a collective may wait for the other ranks before raising CollectiveError (naming
         the rank, unit and collective) instead of hanging; None reads FSDP_PLUGIN_TIMEOUT_S, default 600.

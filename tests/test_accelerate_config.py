@@ -179,3 +179,30 @@ def test_plugin_object_translation():
                                             cpu_ram_efficient_loading=False, backward_prefetch="NO_PREFETCH")
     s = settings_from_plugin(plugin)
     assert (s.strategy, s.backward_prefetch) == ("no_shard", False)
+
+
+def test_plugin_and_lightning_share_the_torch_fsdp_translator():
+    """The plugin's torch objects go through the translator Lightning's FSDPStrategy arguments use."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from fsdp_plugin.integrations.accelerate import settings_from_plugin
+    from fsdp_plugin.integrations.lightning._fsdp_kwargs import translate
+    from torch.distributed.fsdp import CPUOffload, MixedPrecision
+    from torch.distributed.fsdp.wrap import CustomPolicy
+
+    policy = CustomPolicy(lambda m: isinstance(m, Block))
+    mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=1, sync_module_states=False, cpu_ram_efficient_loading=False,
+                                            auto_wrap_policy=policy, mixed_precision_policy=mp,
+                                            cpu_offload=CPUOffload(offload_params=True))
+    s = settings_from_plugin(plugin)
+    ours = translate({"auto_wrap_policy": policy, "mixed_precision": mp, "cpu_offload": CPUOffload(True)})
+    wrapped = sharding_kwargs(s, Net())["auto_wrap_policy"]
+    assert [wrapped(m) for m in Net().modules()] == [ours["auto_wrap_policy"](m) for m in Net().modules()]
+    assert any(isinstance(m, Block) and wrapped(m) for m in Net().modules())
+    assert (s.param_dtype, s.reduce_dtype) == (ours["mixed_precision"].param_dtype, torch.float32)
+    assert s.cpu_offload and ours["cpu_offload"]
+    bad = FullyShardedDataParallelPlugin(fsdp_version=1, sync_module_states=False, cpu_ram_efficient_loading=False,
+                                         mixed_precision_policy=MixedPrecision(param_dtype=torch.bfloat16,
+                                                                               keep_low_precision_grads=True))
+    with pytest.raises(AccelerateConfigError, match="mixed_precision_policy.*keep_low_precision_grads"):
+        settings_from_plugin(bad)

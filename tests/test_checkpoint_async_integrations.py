@@ -57,6 +57,7 @@ def test_lightning_strategy_async_switches(tmp_path):
     pytest.importorskip("lightning")
     from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
+    from fsdp_plugin.integrations import _pending_save as pending_save
     from fsdp_plugin.integrations.lightning import _async_save
     from fsdp_plugin.integrations.lightning import _checkpoint as ckpt
     from fsdp_plugin.integrations.lightning.strategy import FSDPPluginStrategy
@@ -68,8 +69,34 @@ def test_lightning_strategy_async_switches(tmp_path):
     with pytest.raises(ValueError, match="async_save"):
         FSDPPluginStrategy(async_save="later")
     model = _net()
-    handle = ckpt.save_sharded(Path(tmp_path / "c"), model, [], ckpt.encode_meta({"epoch": 3}), async_save=True)
-    _async_save.remember(strategy, handle)
-    _async_save.finish(strategy)
-    assert handle.done() and strategy._pending_save is None
+    tracker = pending_save.of(strategy)
+    handle = tracker.start(lambda: ckpt.save_sharded(Path(tmp_path / "c"), model, [], ckpt.encode_meta({"epoch": 3}),
+                                                     async_save=True))
+    assert tracker.handle is handle and strategy.async_saves == 1
+    tracker.wait()
+    assert handle.done() and tracker.handle is None
     assert ckpt.load_sharded(Path(tmp_path / "c"), _net(), [])["epoch"] == 3
+
+
+def test_pending_save_waits_for_the_previous_and_surfaces_its_failure():
+    from fsdp_plugin.integrations._pending_save import PendingSave
+
+    class Handle:
+        def __init__(self, log, name, fail=False):
+            self.log, self.name, self.fail = log, name, fail
+
+        def wait(self):
+            self.log.append(f"wait {self.name}")
+            if self.fail:
+                raise OSError(f"{self.name} failed")
+
+    log, tracker = [], PendingSave()
+    tracker.start(lambda: log.append("start a") or Handle(log, "a"))
+    tracker.start(lambda: log.append("start b") or Handle(log, "b", fail=True))
+    with pytest.raises(OSError, match="b failed"):  # the next save waits for b first: its failure surfaces
+        tracker.start(lambda: log.append("start c"))
+    assert log == ["start a", "wait a", "start b", "wait b"] and tracker.handle is None
+    assert tracker.start(lambda: log.append("sync c")) is None and tracker.started == 2
+    tracker.wait()  # teardown with nothing pending
+    assert log[-1] == "sync c"
+

@@ -116,3 +116,30 @@ def test_tied_frozen_two_optimizers_reshard(tmp_path):
     assert a.keys() == b.keys() and any(k[0] == 1 for k in a)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def _agree(rank, world):
+    from fsdp_plugin import _collectives
+    from fsdp_plugin.checkpoint import _comm
+    from fsdp_plugin.checkpoint.errors import CheckpointError, CorruptCheckpointError
+
+    _collectives.STATS.reset()
+    _comm.raise_if_any_failed(None)  # success: one all-gather of the lengths
+    ok_calls = _collectives.STATS.snapshot()["calls"]
+    data = _comm.gather_bytes(f"r{rank}".encode() * (rank + 1))
+    every = _comm.all_gather_bytes(b"x" * rank)
+    err = CorruptCheckpointError("disk on fire") if rank == 1 else None
+    try:
+        _comm.raise_if_any_failed(err)
+    except CheckpointError as e:
+        raised = (type(e).__name__, str(e))
+    return ok_calls, data, every, raised
+
+
+def test_raise_if_any_failed_one_collective_on_success():
+    out = run_ranks(_agree, 3, timeout=120)
+    assert all(calls == {"control": 1} for calls, *_ in out), out
+    assert out[0][1] == [b"r0", b"r1r1", b"r2r2r2"] and out[1][1] is None
+    assert all(every == [b"", b"x", b"xx"] for _, _, every, _ in out)
+    assert out[1][3] == ("CorruptCheckpointError", "disk on fire")  # its own error
+    assert out[0][3] == out[2][3] == ("CorruptCheckpointError", "rank 1 failed: CorruptCheckpointError: disk on fire")

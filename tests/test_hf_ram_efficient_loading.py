@@ -3,6 +3,8 @@ on rank 0 only; the other ranks build on meta, and sharding scatters rank 0's va
 ``save_pretrained`` on the sharded model (collective) writes what ``from_pretrained`` reads back exactly."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from _dist import run_ranks
@@ -57,9 +59,7 @@ def test_only_rank0_reads_weights_and_scatter_restores_them(tmp_path):
 
 def test_flag_off_or_rank0_or_single_process_loads_normally():
     import fsdp_plugin.integrations.transformers as integration
-    from fsdp_plugin.integrations.transformers._loading import (
-        ram_efficient_loading_requested as req,
-    )
+    from fsdp_plugin.integrations._hf_loading import ram_efficient_loading_requested as req
 
     integration.uninstall()  # importing installed the patches in this (pytest) process: undo
     assert not integration.is_installed()
@@ -69,3 +69,25 @@ def test_flag_off_or_rank0_or_single_process_loads_normally():
     assert not req({**on, "RANK": "0"})
     assert not req({**on, "RANK": "1", "FSDP_CPU_RAM_EFFICIENT_LOADING": "false"})
     assert not req({"FSDP_CPU_RAM_EFFICIENT_LOADING": "true", "WORLD_SIZE": "1", "RANK": "0"})
+
+
+def test_accelerate_flag_patches_from_pretrained_only(monkeypatch):
+    """The Accelerator's ``cpu_ram_efficient_loading`` installs the loading hook without patching the Trainer."""
+    pytest.importorskip("accelerate")
+    import transformers
+    from fsdp_plugin.integrations import _hf_loading
+    from fsdp_plugin.integrations.accelerate.accelerator import _enable_ram_efficient_loading
+
+    integration = sys.modules.get("fsdp_plugin.integrations.transformers")
+    if integration is not None:  # another test in this process imported (installed) it
+        integration.uninstall()
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")  # restored after the test
+    _enable_ram_efficient_loading()
+    try:
+        patched = transformers.PreTrainedModel.__dict__["from_pretrained"]
+        assert patched is not _hf_loading._ORIGINAL[0]
+        trainer = transformers.Trainer
+        assert not any(getattr(v, "__fsdp_plugin__", False) for v in vars(trainer).values())
+        assert not getattr(transformers.PreTrainedModel.save_pretrained, "__fsdp_plugin__", False)
+    finally:
+        _hf_loading.uninstall()

@@ -22,6 +22,7 @@ from torch.distributed.fsdp.wrap import (
 )
 
 import fsdp_plugin as fp
+from fsdp_plugin._wrap import recompute_selector
 from fsdp_plugin.integrations.lightning._common import sharding_config
 from fsdp_plugin.integrations.lightning._fsdp_kwargs import translate
 
@@ -92,10 +93,13 @@ def test_size_policy_matches_torch_selection():
     cfg = sharding_config({"auto_wrap_policy": functools.partial(size_based_auto_wrap_policy, min_num_params=100)})
     assert cfg.auto_wrap_policy.min_params == 100
     assert sharding_config({"auto_wrap_policy": size_based_auto_wrap_policy}).auto_wrap_policy.min_params == 10 ** 8
-    # activation checkpointing: torch's bottom-up rule; each Block holds 144 parameters, the Linears 40 and 9
-    select = translate({"activation_checkpointing_policy":
+    # activation checkpointing: the engine's size selection, torch's bottom-up rule (as for auto-wrap);
+    # each Block holds 144 parameters, the Linears 40 and 9
+    policy = translate({"activation_checkpointing_policy":
                         functools.partial(size_based_auto_wrap_policy, min_num_params=100)})["activation_checkpointing"]
+    assert policy.min_params == 100
     net = _net()
+    select = recompute_selector(net, policy)
     assert [type(m).__name__ for m in net.children() if select(m)] == ["Block", "Block"]
     with pytest.raises(fp.ConfigError, match="fp.size_policy"):
         translate({"auto_wrap_policy": functools.partial(size_based_auto_wrap_policy, min_num_params=1,

@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 from .. import _collectives as comm
-from .fsio import byte_view
 
 _TIMEOUT: contextvars.ContextVar = contextvars.ContextVar("fsdp_plugin_checkpoint_timeout", default=None)
 _OP: contextvars.ContextVar = contextvars.ContextVar("fsdp_plugin_checkpoint_op", default="checkpoint")
@@ -106,42 +105,14 @@ def all_gather_bytes(data: bytes, step: str = "exchanging metadata", group=None)
     """Every rank's ``data``, indexed by rank (``group``: all ranks, default the default group)."""
     if not active():
         return [data]
-    dev, world, what = _device(group), world_size(), _what(step)
-    n = torch.tensor([len(data)], dtype=torch.int64, device=dev)
-    sizes = [torch.zeros_like(n) for _ in range(world)]
-    comm.all_gather_list(sizes, n, group, what=what, timeout_s=_timeout())
-    lens = torch.cat(sizes).tolist()  # one host sync for every rank's length
-    mine = torch.zeros(max(max(lens), 1), dtype=torch.uint8, device=dev)
-    if data:
-        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    outs = [torch.zeros_like(mine) for _ in range(world)]
-    comm.all_gather_list(outs, mine, group, what=what, timeout_s=_timeout())
-    return [_to_bytes(o[:k]) for o, k in zip(outs, lens)]
-
-
-def _to_bytes(t: torch.Tensor) -> bytes:
-    return bytes(byte_view(t.cpu().contiguous()))
+    return comm.all_gather_bytes(data, group, _what(step), _timeout(), _device(group))
 
 
 def gather_bytes(data: bytes, dst: int = 0, step: str = "gathering metadata", group=None) -> list[bytes] | None:
     """Every rank's ``data`` on rank ``dst`` (indexed by rank); None on the other ranks."""
     if not active():
         return [data]
-    dev, world, me, what = _device(group), world_size(), rank(), _what(step)
-    n = torch.tensor([len(data)], dtype=torch.int64, device=dev)
-    sizes = [torch.zeros_like(n) for _ in range(world)] if me == dst else None
-    comm.gather(n, sizes, dst, group, what=what, timeout_s=_timeout())
-    lens = torch.cat(sizes).tolist() if me == dst else None  # one host sync for every rank's length
-    cap = torch.tensor([max(lens) if me == dst else 0], dtype=torch.int64, device=dev)
-    comm.broadcast(cap, dst, group, what=what, timeout_s=_timeout(), kind="control")
-    mine = torch.zeros(max(int(cap.item()), 1), dtype=torch.uint8, device=dev)
-    if data:
-        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    outs = [torch.zeros_like(mine) for _ in range(world)] if me == dst else None
-    comm.gather(mine, outs, dst, group, what=what, timeout_s=_timeout())
-    if me != dst:
-        return None
-    return [_to_bytes(o[:k]) for o, k in zip(outs, lens)]
+    return comm.gather_bytes(data, dst, group, _what(step), _timeout(), _device(group))
 
 
 def send(t: torch.Tensor, dst: int, step: str) -> None:
@@ -168,7 +139,11 @@ def raise_if_any_failed(err: BaseException | None, step: str = "checking every r
     if isinstance(err, comm.CollectiveError):
         raise err
     msg = b"" if err is None else json.dumps({"cls": type(err).__name__, "msg": str(err)}).encode()
-    msgs = all_gather_bytes(msg, step, group)
+    msgs = [msg]
+    if active():  # one all-gather of the lengths (0: success); the messages only when a rank failed
+        what, dev = _what(step), _device(group)
+        lens = comm.all_gather_lengths(len(msg), group, what, _timeout(), dev)
+        msgs = comm.all_gather_bytes(msg, group, what, _timeout(), dev, lengths=lens) if any(lens) else []
     if err is not None:
         raise err
     for r, m in enumerate(msgs):

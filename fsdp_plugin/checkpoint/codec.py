@@ -136,14 +136,17 @@ def _decode_tag(tag: str, node: dict, tensor_source, path: str):
               "bytes": lambda: bytes.fromhex(node["hex"]), "path": lambda: pathlib.Path(node["value"]),
               "namespace": lambda: argparse.Namespace(**decode(node["items"], None, path)),
               "set": lambda: {_hashable(decode(v, None, path)) for v in node["items"]},
-              "dtype": lambda: _dtype(node["value"])}
+              "dtype": lambda: torch_dtype(node["value"])}
     if tag not in simple:
         raise CorruptCheckpointError(f"unknown tagged value {tag!r} at {path or '<root>'!r}")
     return simple[tag]()
 
 
-def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype called ``name`` (``"bfloat16"``: the name the codec stores); ``TypeError`` if none.
+
+    Safetensors names (``"BF16"``) are :func:`fsdp_plugin.checkpoint._format.to_dtype`'s."""
+    dt = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(dt, torch.dtype):
         raise TypeError(f"unknown dtype {name!r}")
     return dt

@@ -25,6 +25,8 @@ from types import SimpleNamespace
 
 import torch
 
+from ._format import numel
+
 
 @dataclass
 class Group:
@@ -105,8 +107,7 @@ def plan_load(model, stored: dict, known: set, transforms=False) -> tuple[dict, 
             g = groups.setdefault(new, Group(copy.deepcopy(by_pattern[pattern]), new))
             g.sources.append((pattern, name))
     for g in groups.values():
-        metas = {n: torch.empty(stored[n][0], dtype=stored[n][1], device="meta") for _, n in g.sources}
-        g.outputs = {k: tuple(v.shape) for k, v in run(model, g, metas).items()}
+        _fill_outputs(model, g, stored)
     return renames, list(groups.values())
 
 
@@ -147,7 +148,12 @@ def run(model, group: Group, tensors: dict) -> dict:
 
 def save_group_shapes(model, group: Group, shapes: dict, dtypes: dict) -> None:
     """Fill ``group.outputs`` (written name -> shape) by converting meta tensors of the model's shapes."""
-    metas = {n: torch.empty(shapes[n], dtype=dtypes[n], device="meta") for _, n in group.sources}
+    _fill_outputs(model, group, {n: (shapes[n], dtypes[n]) for _, n in group.sources})
+
+
+def _fill_outputs(model, group: Group, specs: dict) -> None:
+    """``group.outputs`` (output name -> shape) from converting meta tensors; ``specs``: source -> (shape, dtype)."""
+    metas = {n: torch.empty(specs[n][0], dtype=specs[n][1], device="meta") for _, n in group.sources}
     group.outputs = {k: tuple(v.shape) for k, v in run(model, group, metas).items()}
 
 
@@ -186,22 +192,15 @@ def fused_layout(group: Group, shapes: dict) -> list | None:
     layout, offset = [], 0
     for e in range(counts.pop()):
         for p in patterns:
-            numel = _numel(shapes[by_pattern[p][e]])
-            layout.append((by_pattern[p][e], offset, numel))
-            offset += numel
-    return layout if offset == _numel(next(iter(group.outputs.values()))) else None
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
+            size = numel(shapes[by_pattern[p][e]])
+            layout.append((by_pattern[p][e], offset, size))
+            offset += size
+    return layout if offset == numel(next(iter(group.outputs.values()))) else None
 
 
 def overlaps(layout: list, start: int, end: int):
     """For a piece ``[start, end)`` of the output: ``(name, source_elem_start, piece_lo, piece_hi)`` per overlap."""
-    for name, off, numel in layout:
-        lo, hi = max(start, off), min(end, off + numel)
+    for name, off, size in layout:
+        lo, hi = max(start, off), min(end, off + size)
         if lo < hi:
             yield name, lo - off, lo - start, hi - start

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from accelerate.utils import DistributedType
 
+from fsdp_plugin.integrations import _pending_save as pending_save
+
 from . import state_dirs, state_io
 from .env import hidden_env, needs_cpu_flag
 from .parse import parse_mixed_precision
@@ -90,6 +92,12 @@ class Accelerator(accelerate.Accelerator):
         import fsdp_plugin as fp
 
         return fp.comm_stats
+
+    @property
+    def pending_checkpoint(self):
+        """The ``fp.AsyncSave`` of the last ``save_state(async_save=...)`` while it may still be written, else
+        None; the next ``save_state``/``load_state`` and ``end_training`` wait for it."""
+        return pending_save.of(self).handle
 
     @property
     def fsdp_settings(self) -> FsdpSettings | None:
@@ -196,9 +204,7 @@ class Accelerator(accelerate.Accelerator):
         a deadline), then the process groups are destroyed and their threads joined before Python exits."""
         from fsdp_plugin import shutdown
 
-        pending, self.pending_checkpoint = getattr(self, "pending_checkpoint", None), None
-        if pending is not None:
-            pending.wait()  # its background collectives need the process groups that shutdown destroys
+        pending_save.of(self).wait()  # its background collectives need the process groups that shutdown destroys
         if not getattr(self.state, "fork_launched", False):
             shutdown()
         super().end_training()  # trackers; its destroy_process_group is a no-op now
@@ -216,15 +222,14 @@ class Accelerator(accelerate.Accelerator):
         """
         if not self._fp_active:
             return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
-        pending, self.pending_checkpoint = getattr(self, "pending_checkpoint", None), None
-        if pending is not None:
-            pending.wait()  # before old checkpoint directories are rotated away
+        pending_save.of(self).wait()  # before old checkpoint directories are rotated away
         output_dir = state_dirs.output_dir(self, output_dir)
         os.makedirs(output_dir, exist_ok=True)
         self.wait_for_everyone()
         for hook in self._save_model_state_pre_hook.values():
             hook(self._models, [], output_dir)
-        self.pending_checkpoint = state_io.save_models(output_dir, self._models, self._optimizers, async_save)
+        pending_save.of(self).start(
+            lambda: state_io.save_models(output_dir, self._models, self._optimizers, async_save))
         if self._fp_settings is not None and self._fp_settings.state_dict_type == "full":
             state_io.save_full_models(output_dir, self._models)
         state_io.save_small_state(output_dir, self)
@@ -236,9 +241,7 @@ class Accelerator(accelerate.Accelerator):
         """Collective: inverse of :meth:`save_state`, at any process count."""
         if not self._fp_active:
             return super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
-        pending, self.pending_checkpoint = getattr(self, "pending_checkpoint", None), None
-        if pending is not None:
-            pending.wait()  # the state being loaded may still be written
+        pending_save.of(self).wait()  # the state being loaded may still be written
         input_dir = state_dirs.input_dir(self, input_dir)
         for hook in self._load_model_state_pre_hook.values():
             hook(self._models, input_dir)
@@ -249,10 +252,14 @@ class Accelerator(accelerate.Accelerator):
 
 def _enable_ram_efficient_loading() -> None:
     """``fsdp_cpu_ram_efficient_loading``: later ``from_pretrained`` calls read weights on rank 0 only
-    (the others build on meta and get rank 0's values when prepared); see integrations/transformers."""
+    (the others build on meta and get rank 0's values when prepared); see ``integrations/_hf_loading``.
+    Only ``from_pretrained`` is patched: the transformers ``Trainer`` stays stock unless its integration is
+    imported."""
     os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "true"
     try:
-        import fsdp_plugin.integrations.transformers  # noqa: F401  (installs the from_pretrained hook)
+        from fsdp_plugin.integrations import _hf_loading
+
+        _hf_loading.install()
     except ImportError:  # no transformers: nothing loads pretrained weights through it
         pass
 

@@ -7,17 +7,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from fsdp_plugin.integrations import _torch_fsdp_args as torch_args
+
 from .settings import config_error
+
+enum_name = torch_args.enum_name
 
 _V1_NAMES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 _TRUE = ("true", "1", "yes", "y", "on", "t")
 _FALSE = ("false", "0", "no", "n", "off", "f")
-
-
-def enum_name(value: Any) -> Any:
-    """A torch/accelerate enum member → its name; anything else unchanged."""
-    name = getattr(value, "name", None)
-    return name if isinstance(name, str) and not isinstance(value, str) else value
 
 
 def parse_bool(value: Any, key: str) -> bool:
@@ -42,12 +40,11 @@ def strategy_from_name(value: Any, key: str) -> str:
     value = enum_name(value)
     text = str(value).strip().upper()
     if text.isdigit() and 1 <= int(text) <= len(_V1_NAMES):
-        text = _V1_NAMES[int(text) - 1]
-    if text == "HYBRID_SHARD_ZERO2":
-        raise config_error(key, value, "use HYBRID_SHARD (parameters resharded after forward inside the shard group)")
-    if text not in _V1_NAMES:
+        text = _V1_NAMES[int(text) - 1]  # accelerate's numbering of the config prompt
+    ours = torch_args.sharding_strategy(text, key, lambda k, _, why: config_error(k, value, why))
+    if ours not in torch_args.STRATEGY_NAMES.values():
         raise config_error(key, value, f"expected one of {', '.join(_V1_NAMES[:4])} or true/false")
-    return text.lower()
+    return ours
 
 
 def reshard_to_strategy(value: Any, key: str) -> str:
@@ -58,17 +55,12 @@ def reshard_to_strategy(value: Any, key: str) -> str:
 
 
 def parse_prefetch(value: Any, key: str) -> bool:
-    """BACKWARD_PRE / BACKWARD_POST → True, NO_PREFETCH / None → False."""
-    if value is None:
-        return False
-    text = str(enum_name(value)).strip().upper()
-    if text.isdigit():
+    """BACKWARD_PRE / BACKWARD_POST (or accelerate's digits 1, 2) → True, NO_PREFETCH (3) / None → False."""
+    text = str(enum_name(value)).strip().upper() if value is not None else None
+    if text is not None and text.isdigit():
         text = {"1": "BACKWARD_PRE", "2": "BACKWARD_POST", "3": "NO_PREFETCH"}.get(text, text)
-    if text in ("BACKWARD_PRE", "BACKWARD_POST"):
-        return True
-    if text in ("NO_PREFETCH", "NONE"):
-        return False
-    raise config_error(key, value, "expected BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH")
+    return torch_args.backward_prefetch(text, key, lambda k, _, why: config_error(
+        k, value, "expected BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH"))
 
 
 def parse_state_dict_type(value: Any, key: str) -> str:

@@ -5,7 +5,8 @@
 ``fp.save_checkpoint(..., async_save=...)``: training resumes after the host snapshot while a background
 thread writes and publishes. Lightning's own AsyncCheckpointIO runs a CheckpointIO in an executor thread;
 our save is collective and needs no CheckpointIO, so the plugin is only read as the request. The pending
-save is waited for by the next save or load and by the strategy's teardown (errors surface there).
+save (``fsdp_plugin.integrations._pending_save``) is waited for by the next save or load and by the
+strategy's teardown (errors surface there).
 """
 from __future__ import annotations
 
@@ -22,17 +23,3 @@ def requested(strategy: Any) -> bool | str:
     except ImportError:  # pragma: no cover - Lightning without the plugin
         return False
     return isinstance(getattr(strategy, "_checkpoint_io", None), AsyncCheckpointIO)
-
-
-def remember(strategy: Any, handle: Any) -> None:
-    """Keep the pending save's handle (None for a synchronous save); count the asynchronous saves."""
-    strategy._pending_save = handle
-    if handle is not None:
-        strategy.async_saves = getattr(strategy, "async_saves", 0) + 1
-
-
-def finish(strategy: Any) -> None:
-    """Wait for the pending save, if any; re-raise its failure."""
-    handle, strategy._pending_save = getattr(strategy, "_pending_save", None), None
-    if handle is not None:
-        handle.wait()

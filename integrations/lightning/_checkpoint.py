@@ -22,13 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from fsdp_plugin.checkpoint import codec
 from fsdp_plugin.checkpoint.errors import CheckpointStateError
 from safetensors import safe_open
 
 import fsdp_plugin as fp
-from fsdp_plugin.checkpoint._comm import deadline_of, raise_if_any_failed
+from fsdp_plugin.integrations._rank0_save import write_on_rank0
 from fsdp_plugin.integrations.lightning import _codec_v1
 from fsdp_plugin.integrations.lightning import _torch_file as torch_file
 
@@ -105,15 +104,8 @@ def save_full(path: Path, model: torch.nn.Module, meta: dict[str, Any], encoded:
     """
     header = inline_tensors(*encoded)
     json.dumps(header, allow_nan=False)  # fail on every rank, before the collective, if it is not strict JSON
-    state = fp.full_state_dict(model)  # collective: rank 0 gets the plain state dict, others {}
-    err = None
-    if _rank() == 0:
-        try:
-            torch_file.write(path, state, meta, {FULL_META_KEY: header})
-        except Exception as e:  # noqa: BLE001 - a failed write (disk full...) must fail every rank, not hang them
-            err = e
-    with deadline_of(model, "Lightning save_checkpoint"):
-        raise_if_any_failed(err)  # also the barrier: the file exists on return, on every rank
+    write_on_rank0(model, lambda state: torch_file.write(path, state, meta, {FULL_META_KEY: header}),
+                   "Lightning save_checkpoint")  # the file exists on return, on every rank
 
 
 def load_full(path: Path, model: torch.nn.Module) -> dict[str, Any]:
@@ -162,10 +154,6 @@ def _outline_tensors(doc: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]
     tensors = {k: _codec_v1.b64_tensor(node) if "b64" in node else codec.tensor_from_inline(node, f"tensor {k}")
                for k, node in doc.get("tensors", {}).items()}
     return doc["tree"], tensors
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def checkpoint_kind(path: Path) -> str | None:

@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
+from fsdp_plugin.checkpoint.codec import torch_dtype
 from fsdp_plugin.checkpoint.errors import CheckpointStateError
 
 TAGS = frozenset({"__tensor__", "__float__", "__tuple__", "__dict__", "__dtype__", "__device__", "__size__",
                   "__path__", "__namespace__", "__set__"})
-_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
 def is_v1(tree: Any) -> bool:
@@ -46,7 +46,7 @@ def _tagged(tag: str, val: Any, tensors: dict[str, torch.Tensor]) -> Any:
             raise CheckpointStateError(f"checkpoint metadata refers to tensor {val!r}, which the checkpoint does "
                                        "not hold")
         return tensors[val]
-    simple = {"__float__": float, "__dtype__": _DTYPES.__getitem__, "__device__": torch.device,
+    simple = {"__float__": float, "__dtype__": torch_dtype, "__device__": torch.device,
               "__size__": torch.Size, "__path__": pathlib.Path}
     if tag in simple:
         return simple[tag](val)
@@ -67,4 +67,4 @@ def b64_tensor(node: dict) -> torch.Tensor:
     """A first-release inline tensor (``{"dtype", "shape", "b64"}``) of a ``full`` file's header."""
     raw = bytearray(base64.b64decode(node["b64"]))
     flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-    return flat.view(_DTYPES[node["dtype"]]).reshape(node["shape"]).clone()
+    return flat.view(torch_dtype(node["dtype"])).reshape(node["shape"]).clone()

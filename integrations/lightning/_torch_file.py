@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
+from fsdp_plugin.checkpoint.codec import torch_dtype
 from fsdp_plugin.checkpoint.errors import CheckpointError, CorruptCheckpointError
 
 INDEX_RECORD = "fsdp_plugin.json"
 FORMAT = "fsdp_plugin.lightning_full"
 VERSION = 1
 _ZIP_MAGIC = b"PK\x03\x04"
-_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
 def is_torch_file(path: Path) -> bool:
@@ -142,11 +142,14 @@ def _read_index(zf: zipfile.ZipFile, prefix: str, path: Path) -> dict[str, Any]:
 
 def _read_tensor(zf: zipfile.ZipFile, prefix: str, entry: Any, path: Path, name: str) -> torch.Tensor:
     """Copy one stored record into a new tensor after checking dtype, shape and size against the index."""
-    ok = (isinstance(entry, dict) and entry.get("dtype") in _DTYPES and isinstance(entry.get("record"), str)
+    ok = (isinstance(entry, dict) and isinstance(entry.get("record"), str)
           and isinstance(entry.get("shape"), list) and all(type(d) is int and d >= 0 for d in entry["shape"]))
-    if not ok:
+    try:
+        dtype = torch_dtype(entry["dtype"]) if ok else None
+    except TypeError:
+        dtype = None
+    if dtype is None:
         raise CorruptCheckpointError(f"{path}: invalid index entry for {name!r}")
-    dtype = _DTYPES[entry["dtype"]]
     out = torch.empty(entry["shape"], dtype=dtype)
     try:
         info = zf.getinfo(prefix + entry["record"])

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from fsdp_plugin.integrations import _pending_save as pending_save
 from fsdp_plugin.integrations.lightning import _async_save, _compile
 from fsdp_plugin.integrations.lightning import _checkpoint as ckpt
 from fsdp_plugin.integrations.lightning import _common as common
@@ -70,9 +71,10 @@ class FSDPPluginStrategy(ParallelStrategy):
             unsharded gradients locally and communicate once per optimizer step (``fp.no_sync``).
         process_group_backend: default ``gloo`` on CPU, ``nccl`` on CUDA.
         timeout: process group timeout.
-        log_comm_stats: log ``fp.comm_stats`` after every optimizer step (``self.log``, on step): metrics
-            ``fsdp_plugin/comm_bytes/<kind>`` (per-rank ring bytes) and ``fsdp_plugin/comm_calls/<kind>`` since
-            the previous step, e.g. ``all_gather``, ``reduce_scatter``.
+        log_comm_stats: log ``fp.comm_stats`` on the optimizer steps whose metrics Lightning sends to the logger
+            (the Trainer's ``log_every_n_steps``; ``self.log``, on step): metrics ``fsdp_plugin/comm_bytes/<kind>``
+            (per-rank ring bytes) and ``fsdp_plugin/comm_calls/<kind>``, e.g. ``all_gather``, ``reduce_scatter``:
+            the mean per optimizer step since the previous logged one.
         **sharding: ``fp.ShardingConfig`` fields (``sharding_strategy``, ``auto_wrap_policy``,
             ``mixed_precision``, ``activation_checkpointing``, ``cpu_offload``, ...), or Lightning
             ``FSDPStrategy``'s spellings of them (torch enums, ``MixedPrecision``, ``ModuleWrapPolicy``,
@@ -115,6 +117,7 @@ class FSDPPluginStrategy(ParallelStrategy):
         self.accumulate_grads = accumulate_grads
         self.log_comm_stats = log_comm_stats
         self._comm_seen: dict[str, dict[str, int]] = {}
+        self._comm_steps = 0  # optimizer steps since _comm_seen
         self._async_save = async_save
         _compile.allow_in_trainer()
         self.num_nodes = 1
@@ -161,6 +164,11 @@ class FSDPPluginStrategy(ParallelStrategy):
     @property
     def process_group_backend(self) -> str | None:
         return self._process_group_backend
+
+    @property
+    def async_saves(self) -> int:
+        """Asynchronous checkpoint saves this strategy started."""
+        return pending_save.of(self).started
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -209,7 +217,7 @@ class FSDPPluginStrategy(ParallelStrategy):
             self.model = common.shard_module(self.model, cfg, self.root_device)
             _compile.apply(self.model, dynamo_ctx)
         self.barrier()
-        self._comm_seen = fp.comm_stats.snapshot()
+        self._comm_seen, self._comm_steps = fp.comm_stats.snapshot(), 0
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)  # built from the sharded parameters
@@ -228,17 +236,19 @@ class FSDPPluginStrategy(ParallelStrategy):
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.log_comm_stats:
+            self._comm_steps += 1
             self._log_comm_stats()
         return out
 
     def _log_comm_stats(self) -> None:
-        """Bytes and calls per collective kind since the previous optimizer step, as on-step metrics."""
-        now = fp.comm_stats.snapshot()
-        before, self._comm_seen = self._comm_seen, now
+        """On a step whose metrics reach the logger: bytes and calls per collective kind, mean per optimizer
+        step since the previous logged step, as on-step metrics (other steps only count)."""
         module = self.lightning_module
-        if module is None or module._trainer is None:
+        if module is None or module._trainer is None or not _logs_this_step(module._trainer):
             return
-        metrics = {f"fsdp_plugin/comm_{what}/{kind}": float(n - before.get(what, {}).get(kind, 0))
+        now, steps = fp.comm_stats.snapshot(), max(self._comm_steps, 1)
+        before, self._comm_seen, self._comm_steps = self._comm_seen, now, 0
+        metrics = {f"fsdp_plugin/comm_{what}/{kind}": (n - before.get(what, {}).get(kind, 0)) / steps
                    for what in ("bytes", "calls") for kind, n in now[what].items()}
         module.log_dict(metrics, on_step=True, on_epoch=False)
 
@@ -282,12 +292,12 @@ class FSDPPluginStrategy(ParallelStrategy):
         if self.state_dict_type == "full":
             ckpt.save_full(path, self.model, meta, encoded)
         else:
-            handle = ckpt.save_sharded(path, self.model, self.optimizers if with_optimizers else [], encoded,
-                                       async_save=_async_save.requested(self))
-            _async_save.remember(self, handle)
+            optimizers, mode = self.optimizers if with_optimizers else [], _async_save.requested(self)
+            pending_save.of(self).start(lambda: ckpt.save_sharded(path, self.model, optimizers, encoded, mode))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Collective. Loads model (+ optimizers when fitting) in place; returns Lightning's other state."""
+        pending_save.of(self).wait()  # the checkpoint being loaded may still be written
         path = Path(self.broadcast(str(checkpoint_path)))
         kind = ckpt.checkpoint_kind(path)
         assert self.model is not None and self.lightning_module is not None
@@ -315,10 +325,19 @@ class FSDPPluginStrategy(ParallelStrategy):
         """Like FSDPStrategy, but no ``.cpu()`` and no SyncBatchNorm revert: the model stays sharded in place
         (reverting would replace modules whose parameters the engine owns)."""
         assert self.cluster_environment is not None and self.accelerator is not None
-        _async_save.finish(self)  # before the process group goes away
+        pending_save.of(self).wait()  # before the process group goes away
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+
+
+def _logs_this_step(trainer: Any) -> bool:
+    """Whether Lightning sends this training step's on-step metrics to the logger (``log_every_n_steps``)."""
+    connector = getattr(trainer, "_logger_connector", None)
+    if connector is not None and hasattr(connector, "should_update_logs"):
+        return bool(connector.should_update_logs)
+    every = getattr(trainer, "log_every_n_steps", 1)  # a Lightning without the connector property
+    return bool(every) and (trainer.global_step % every == 0)
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

@@ -13,6 +13,7 @@ import warnings
 from typing import Any
 
 import fsdp_plugin as fp
+from fsdp_plugin.integrations import _pending_save as pending_save
 
 CHECKPOINT_DIR = "fsdp_plugin_state"
 FORMAT = "fsdp_plugin.transformers/1"
@@ -48,7 +49,13 @@ def save(trainer: Any, checkpoint: str, with_optimizer: bool = True) -> None:
     sched = getattr(trainer, "lr_scheduler", None) if with_optimizer else None
     extra = {"format": FORMAT, "lr_scheduler": sched.state_dict() if sched is not None else None}
     optimizer = _optimizer(trainer) if with_optimizer else None
-    fp.save_checkpoint(state_dir(checkpoint), trainer.model, optimizer, extra=extra)
+    _pending(trainer).start(lambda: fp.save_checkpoint(state_dir(checkpoint), trainer.model, optimizer, extra=extra))
+
+
+def _pending(trainer: Any) -> pending_save.PendingSave:
+    """The Accelerator's save tracker: a Trainer save or load waits for its ``save_state(async_save=...)``."""
+    accelerator = getattr(trainer, "accelerator", None)
+    return pending_save.of(accelerator) if accelerator is not None else pending_save.PendingSave()
 
 
 def _saved_optimizers(checkpoint: str) -> int:
@@ -61,6 +68,7 @@ def load(trainer: Any, checkpoint: str, with_optimizer: bool = True) -> None:
 
     Falls back to Hugging Face weights (model only) when the folder has no sharded state.
     """
+    _pending(trainer).wait()
     if has_state(checkpoint):
         optimizer = _optimizer(trainer) if with_optimizer and _saved_optimizers(checkpoint) else None
         extra = fp.load_checkpoint(state_dir(checkpoint), trainer.model, optimizer) or {}

@@ -8,7 +8,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from . import _loading, _save_pretrained, _trainer
+from .. import _hf_loading as _loading
+from . import _save_pretrained, _trainer
 
 _ORIGINALS: dict[str, Callable] = {}
 _MODULE_ACCELERATOR: list = []

@@ -11,6 +11,7 @@ import functools
 from collections.abc import Callable
 
 import fsdp_plugin as fp
+from fsdp_plugin.integrations._rank0_save import write_on_rank0
 
 _ORIGINALS: list[tuple[type, Callable]] = []
 
@@ -20,18 +21,8 @@ def _wrap(stock: Callable) -> Callable:
     def save_pretrained(self, save_directory, *args, **kwargs):
         if kwargs.get("state_dict") is not None or not fp.is_sharded(self):
             return stock(self, save_directory, *args, **kwargs)
-        from fsdp_plugin.checkpoint import _comm
-
-        state_dict = fp.full_state_dict(self)  # collective: rank 0 gets every tensor, other ranks {}
-        result, err = None, None
-        if _comm.rank() == 0:
-            try:
-                result = stock(self, save_directory, *args, **{**kwargs, "state_dict": state_dict,
-                                                               "is_main_process": True})
-            except Exception as e:  # noqa: BLE001 - re-raised on every rank below, so none waits forever
-                err = e
-        _comm.raise_if_any_failed(err)  # collective: also the barrier after which the files exist
-        return result
+        return write_on_rank0(self, lambda state_dict: stock(self, save_directory, *args, **{
+            **kwargs, "state_dict": state_dict, "is_main_process": True}), "save_pretrained")
 
     save_pretrained.__fsdp_plugin__ = True
     return save_pretrained

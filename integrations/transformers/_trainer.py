@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import fsdp_plugin as fp
+from fsdp_plugin.integrations._rank0_save import write_on_rank0
 
 from . import _checkpoint as ckpt
 
@@ -69,15 +69,8 @@ def save_model(stock, self, output_dir: str | None = None, _internal_call: bool 
     if _internal_call and not _full_state_dict_type(self):
         os.makedirs(output_dir, exist_ok=True)  # the Trainer looks for the folder (best checkpoint) right after
         return None
-    from fsdp_plugin.checkpoint import _comm
-
-    state_dict = fp.full_state_dict(self.model)  # collective: the main process gets everything, others {}
-    err = None
-    try:
-        self._save(output_dir, state_dict=state_dict)  # writes on the main process only
-    except Exception as e:  # noqa: BLE001 - re-raised on every rank below, so none waits forever
-        err = e
-    _comm.raise_if_any_failed(err)  # collective, and the barrier after which the files exist
+    # rank 0 writes (the Trainer's main process): weights, config, tokenizer, training arguments
+    write_on_rank0(self.model, lambda state_dict: self._save(output_dir, state_dict=state_dict), "Trainer.save_model")
     if self.args.push_to_hub and not _internal_call:
         self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
     return None

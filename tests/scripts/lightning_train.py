@@ -235,7 +235,7 @@ def main() -> None:
         max_steps=args.max_steps, accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip_val,
         gradient_clip_algorithm=args.clip_algo, callbacks=callbacks, logger=False,
         enable_checkpointing=bool(args.ckpt_dir), enable_progress_bar=False,
-        use_distributed_sampler=False, enable_model_summary=False,
+        use_distributed_sampler=False, enable_model_summary=False, log_every_n_steps=2,  # comm stats: steps 2, 4
         plugins=[AsyncCheckpointIO()] if args.async_ckpt else None,
     )
     with trainer.init_module(empty_init=True) if args.init_module else contextlib.nullcontext():

@@ -7,6 +7,9 @@ multi-process launch, ``PreTrainedModel.from_pretrained`` on every rank but 0 lo
 prepared, the engine finds rank 0 real and the others on meta and scatters rank 0's values, unit by unit
 (buffers too). transformers 5 itself loads full weights on every rank, so without this the flag would
 save nothing.
+
+Importing this module patches nothing: :func:`install` does (called by fsdp_plugin's ``Accelerator`` when the
+flag is on, and by the transformers ``Trainer`` integration), patching only ``from_pretrained``.
 """
 from __future__ import annotations
 
