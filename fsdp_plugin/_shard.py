@@ -168,10 +168,7 @@ def _build_handle(params, sites, names, mesh: Mesh, cfg: ShardingConfig, device,
     for p in params:
         slots.append(ParamSlot(p, names[id(p)], [(f, m, a) for f, m, a in sites[id(p)]], p.shape, offset))
         offset += p.numel()
-    mp = cfg.mixed_precision
-    floating = dtype.is_floating_point
-    compute = (mp.param_dtype or dtype) if (mp and floating) else dtype
-    reduce = mp.effective_reduce_dtype(dtype) if (mp and floating) else dtype
+    compute, reduce = handle_dtypes(cfg.mixed_precision, dtype)
     shard_device = torch.device("cpu") if cfg.cpu_offload else device
     handle = FlatParamHandle(slots, mesh, dtype, requires_grad, device, compute, reduce, shard_device,
                              label=label, timeout_s=comm.default_timeout_s(cfg.timeout_s))
@@ -181,6 +178,14 @@ def _build_handle(params, sites, names, mesh: Mesh, cfg: ShardingConfig, device,
         for slot, value in zip(slots, values):
             handle.fill_from_full(slot, value)
     return handle
+
+
+def handle_dtypes(mp, dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    """(compute, reduce) dtype of a flat handle whose master dtype is ``dtype`` under MixedPrecision ``mp``
+    (None: no mixed precision). Non-floating handles keep their dtype. Shared with ``fp.plan``."""
+    if mp is None or not dtype.is_floating_point:
+        return dtype, dtype
+    return mp.param_dtype or dtype, mp.effective_reduce_dtype(dtype)
 
 
 def _scatter_from_rank0(handle: FlatParamHandle, values, mesh: Mesh) -> None:

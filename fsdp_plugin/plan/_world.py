@@ -1,8 +1,8 @@
 """One world size's numbers: static bytes, the schedule replay, wire bytes and step time."""
 from __future__ import annotations
 
-import torch
-
+from .._mesh import mesh_dims
+from .._strategy import STRATEGIES
 from ..config import ShardingConfig
 from . import _optim
 from ._replay import Layout, replay
@@ -12,34 +12,12 @@ from ._units import buffer_bytes
 
 
 def layout_for(world: int, cfg: ShardingConfig, gpus_per_node: int, device=None) -> Layout:
-    """``device`` cpu means gloo, whose all-gather/reduce-scatter stage a full-size buffer while in flight
+    """Shard/replicate sizes from the engine's mesh rule (hybrid: one node of ``gpus_per_node`` ranks shards).
+    ``device`` cpu means gloo, whose all-gather/reduce-scatter stage a full-size buffer while in flight
     (measured with the heap tracker); NCCL writes in place."""
-    strategy = cfg.sharding_strategy
-    if strategy == "no_shard":
-        shard, rep = 1, world
-    elif strategy == "hybrid_shard":
-        shard = min(world, gpus_per_node)
-        shard = shard if world % shard == 0 else world
-        rep = world // shard
-    else:
-        shard, rep = world, 1
-    mp = cfg.mixed_precision
-    return Layout(strategy, world, shard, rep, mp.param_dtype if mp else None,
-                  (mp.reduce_dtype or (torch.float32 if mp.param_dtype is not None and mp.param_dtype.itemsize < 4
-                                       else None)) if mp else None,
-                  _prefetch_depth(cfg), cfg.backward_prefetch, cfg.forward_prefetch, cfg.cpu_offload,
-                  staging=getattr(device, "type", None) == "cpu")
-
-
-def _prefetch_depth(cfg: ShardingConfig) -> int:
-    """The engine's RootState.prefetch_depth rule, evaluated for ``cfg`` without building a RootState."""
-    from types import SimpleNamespace
-
-    from .._root import RootState
-    prop = getattr(RootState, "prefetch_depth", None)
-    if isinstance(prop, property):
-        return int(prop.fget(SimpleNamespace(config=cfg)))
-    return 1 if cfg.limit_all_gathers else 2
+    mesh = cfg.device_mesh if isinstance(cfg.device_mesh, tuple) else None
+    shard, rep = mesh_dims(STRATEGIES[cfg.sharding_strategy].scope, world, min(world, gpus_per_node), mesh)
+    return Layout(cfg, world, shard, rep, staging=getattr(device, "type", None) == "cpu")
 
 
 def world_plan(world: int, cfg: ShardingConfig, units, handles, tl, module, opt: str, cal,
