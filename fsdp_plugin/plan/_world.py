@@ -20,6 +20,21 @@ def layout_for(world: int, cfg: ShardingConfig, gpus_per_node: int, device=None)
     return Layout(cfg, world, shard, rep, staging=getattr(device, "type", None) == "cpu")
 
 
+# Heap the CPU runtime allocates during the first training step and keeps (kernel, dispatcher and autograd
+# caches: no tensor), measured once with the exact-heap tracker on GPT small (benchmarks/plan_accuracy.py,
+# "runtime" column, torch 2.13 CPU, gloo): 4.6 MiB with fp32 kernels, 10.1 MiB once bf16/fp16 kernels run.
+# A constant of the CPU runtime, not of the model; CUDA device memory has no such term (host memory only).
+CPU_RUNTIME_BYTES = {"fp32": int(4.6 * 2**20), "low_precision": int(10.1 * 2**20)}
+
+
+def runtime_bytes(device, lay: Layout, handles) -> int:
+    """The CPU runtime's own heap (see CPU_RUNTIME_BYTES) for a CPU target, else 0."""
+    if getattr(device, "type", None) != "cpu":
+        return 0
+    low = any(lay.compute(h).is_floating_point and lay.compute(h).itemsize < 4 for h in handles)
+    return CPU_RUNTIME_BYTES["low_precision" if low else "fp32"]
+
+
 def world_plan(world: int, cfg: ShardingConfig, units, handles, tl, module, opt: str, cal,
                foreach: bool, gpus_per_node: int, device=None) -> WorldPlan:
     lay = layout_for(world, cfg, gpus_per_node, device)
@@ -32,7 +47,8 @@ def world_plan(world: int, cfg: ShardingConfig, units, handles, tl, module, opt:
     step_temps = _optim.step_temporaries(opt, trainable, largest, foreach)
     buffers = buffer_bytes(module, cfg.mixed_precision.buffer_dtype if cfg.mixed_precision else None)
     on_device = 0 if cfg.cpu_offload else param_shards + opt_state
-    res = replay(units, handles, tl, lay, on_device + buffers + tl.input_bytes,
+    runtime = runtime_bytes(device, lay, handles)
+    res = replay(units, handles, tl, lay, on_device + buffers + tl.input_bytes + runtime,
                  0 if cfg.cpu_offload else step_temps)
     p = res.peak
     cal_w = cal(world) if callable(cal) else cal
@@ -43,9 +59,10 @@ def world_plan(world: int, cfg: ShardingConfig, units, handles, tl, module, opt:
     return WorldPlan(world_size=world, param_shards=param_shards, grad_shards=trainable, optimizer_state=opt_state,
                      buffers=buffers, unsharded_params=res.max_unsharded, unsharded_units=res.max_unsharded_units,
                      activations=tl.act_peak, comm_buffers=res.max_reducing, optimizer_step=step_temps,
-                     peak=p.total, peak_at={"static": p.static, "unsharded": p.unsharded, "reducing": p.reducing,
+                     peak=p.total, peak_at={"static": p.static - runtime, "runtime": runtime, "unsharded": p.unsharded, "reducing": p.reducing,
                                             "grad_shards": p.grad_shards, "activations": p.activations,
                                             "unsharded_units": list(p.unsharded_units)},
                      wire_bytes=dict(res.wire), wire_calls=dict(res.calls), step_s=t.get("step_s"),
                      compute_s=t.get("compute_s"), comm_s=t.get("comm_s"),
-                     host_bytes=(param_shards + opt_state + trainable) if cfg.cpu_offload else 0)
+                     host_bytes=(param_shards + opt_state + trainable) if cfg.cpu_offload else 0,
+                     runtime=runtime)

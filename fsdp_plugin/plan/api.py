@@ -165,6 +165,9 @@ def _unit_rows(units, handles) -> list:
 def _notes(device: torch.device, cpu_offload: bool) -> list:
     notes = [f"activations measured by one fake forward+backward on {device.type}; allocator rounding and "
              "fragmentation are not included"]
+    if device.type == "cpu":
+        notes.append("CPU target: the peak includes the CPU runtime's own heap (kernel caches, a constant measured "
+                     "once: WorldPlan.runtime)")
     if cpu_offload:
         notes.append("cpu_offload: shards, gradients and optimizer state are in host memory (host_bytes)")
     return notes
