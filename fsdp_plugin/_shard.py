@@ -19,7 +19,7 @@ from ._mesh import Mesh, build_mesh
 from ._root import RootState
 from ._strategy import STRATEGIES, unit_policy
 from ._unit import Unit
-from ._wrap import owner_unit, parameter_sites, select_unit_modules
+from ._wrap import owner_unit, params_by_unit, select_unit_modules
 from .config import ShardingConfig
 from .errors import ConfigError, ShardingError
 
@@ -102,17 +102,8 @@ def _apply_activation_checkpointing(model: nn.Module, policy) -> None:
 
 
 def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: RootState) -> None:
-    sites = parameter_sites(model, cfg.ignored_modules)
-    names: dict[int, str] = {}
-    by_id: dict[int, nn.Parameter] = {}
-    for n, p in model.named_parameters():
-        if id(p) in sites:
-            names.setdefault(id(p), n)
-            by_id[id(p)] = p
     unit_fqns = [f for f, _ in units]
-    owned: dict[str, list] = {f: [] for f in unit_fqns}
-    for pid in names:
-        owned[owner_unit([s[0] for s in sites[pid]], unit_fqns)].append(by_id[pid])
+    sites, names, owned = params_by_unit(model, unit_fqns, cfg.ignored_modules)
     model_kind(model)   # refuses a model partly changed after fp.deferred_init()
     scatter = decide_scatter(model, mesh.world_size, device)
     mat = Materializer(model, device, cfg.param_init_fn)

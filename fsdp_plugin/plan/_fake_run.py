@@ -22,6 +22,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
+_aten = torch.ops.aten
+# torch's formulas, plus the CPU flash-attention kernels (same arguments as the CUDA ones, absent from the
+# registry: without them CPU attention would be priced as memory traffic).
+_FLOP_FORMULAS = {
+    **flop_registry,
+    _aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[_aten._scaled_dot_product_flash_attention],
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        flop_registry[_aten._scaled_dot_product_flash_attention_backward],
+}
+
 from .errors import PlanError
 
 
@@ -61,7 +71,7 @@ class _Tracker(TorchDispatchMode):
         # FLOPs counted here with torch's formulas, not under FlopCounterMode: its module tracker hooks the
         # outputs of activation-checkpoint recomputation and keeps those graphs (and their tensors) alive to
         # the end of backward, which the real run frees unit by unit.
-        count_flops = flop_registry.get(func._overloadpacket)
+        count_flops = _FLOP_FORMULAS.get(func._overloadpacket)
         if count_flops is not None:
             self.tl.flops += int(count_flops(*args, **(kwargs or {}), out_val=out))
         elif not func.is_view:

@@ -83,6 +83,7 @@ class ReplayResult:
     max_reducing: int = 0
     wire: Counter = field(default_factory=Counter)     # bytes per step per rank, by collective kind
     calls: Counter = field(default_factory=Counter)
+    cast_bytes: int = 0     # bytes read+written by the engine's dtype casts (mixed precision), per step
 
 
 class _SimUnit:
@@ -165,6 +166,8 @@ class _Sim:
             self.unsharded += self.full[h]
             spec, lay = self.handles[h], self.lay
             src = spec.chunk(lay.shard_size) * lay.compute(spec).itemsize if lay.casts_source(spec) else 0
+            if src:
+                self.res.cast_bytes += src + spec.chunk(lay.shard_size) * spec.dtype.itemsize
             if lay.shard_size == 1:
                 self.check(extra=src)          # the cast copy, gone once copied into the full buffer
                 continue
@@ -199,6 +202,7 @@ class _Sim:
         g_compute, g_reduce = padded * lay.compute(spec).itemsize, padded * lay.reduce(spec).itemsize
         cast = lay.reduce(spec) != lay.compute(spec)
         held = g_reduce if cast else 0                 # without a cast the pending one is the flat gradient
+        self.res.cast_bytes += (g_compute + g_reduce) if cast else 0
         if lay.shard_size > 1:
             held += spec.chunk(lay.shard_size) * lay.reduce(spec).itemsize
             held += g_reduce if lay.staging else 0
