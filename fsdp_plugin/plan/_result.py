@@ -90,6 +90,8 @@ class Plan:
                 ("PEAK per rank", "peak")]
         width = 16
         lines = [head, f"{'per rank':<26}" + "".join(f"{'world ' + str(w):>{width}}" for w in ws)]
+        if not any(self.worlds[w].runtime for w in ws):
+            rows.remove(("CPU runtime state", "runtime"))
         for label, attr in rows:
             lines.append(f"{label:<26}" + "".join(f"{fmt_bytes(getattr(self.worlds[w], attr)):>{width}}" for w in ws))
         lines.append(f"{'wire bytes / step':<26}" + "".join(f"{fmt_bytes(self.worlds[w].wire_total):>{width}}"
