@@ -3,6 +3,7 @@ decisions, the fake run frees checkpoint recomputation unit by unit, and the pla
 helpers (mesh dims, size parser). Cheap and deterministic: no process group, fake tensors only."""
 import pytest
 import torch
+from models import GPT, Block
 from torch import nn
 
 import fsdp_plugin as fp
@@ -10,13 +11,11 @@ from fsdp_plugin._mesh import mesh_dims
 from fsdp_plugin._strategy import ShardScope
 from fsdp_plugin.checkpoint.hf_out import parse_size
 from fsdp_plugin.errors import ConfigError
-from fsdp_plugin.plan import PlanError, parse_bytes
-from fsdp_plugin.plan import _fake_run
+from fsdp_plugin.plan import PlanError, _fake_run, parse_bytes
 from fsdp_plugin.plan._fake_run import Event, Timeline
 from fsdp_plugin.plan._replay import Layout, replay
 from fsdp_plugin.plan._units import HandleSpec, UnitSpec, discover_units
 from fsdp_plugin.plan._world import CPU_RUNTIME_BYTES, layout_for
-from models import GPT, Block
 
 N = 1000          # elements per unit (fp32, even: no padding at world 2)
 SPIKE = 10**9     # activation bytes of one segment, so that the peak lands exactly there

@@ -9,9 +9,9 @@ import torch
 
 from ..checkpoint.hf_out import parse_size
 from ..errors import ConfigError
-from .api import _calibration, _mixed_precision, plan_strategies
 from ._capture import capture
 from ._result import Plan, fmt_bytes
+from .api import _calibration, _mixed_precision, plan_strategies
 from .errors import PlanError
 
 _PLAN_DEFAULTS = dict(auto_wrap_policy=None, optimizer="adamw", inputs=None, loss_fn=None, mixed_precision=None,
