@@ -72,17 +72,21 @@ def predict(model, world, strategy, ac, bf16, cal):
 
 
 def repredict(path):
-    """Same measurements, current planner: rewrite predicted_peak and the peak errors in place."""
+    """Same measurements, current planner: rewrite predicted_peak and the peak errors in place (and the step
+    time, for rows that recorded the calibration their worker measured)."""
     from fsdp_plugin.plan import Calibration
 
     rows = [json.loads(line) for line in open(path)]
     for r in rows:
-        wp = predict(r["model"], r["world"], r["strategy"], r["ac"], r["bf16"],
-                     Calibration(1e9, 1e9, 1e9).to_dict()).worlds[r["world"]]
+        cal = r.get("calibration") or Calibration(1e9, 1e9, 1e9).to_dict()
+        wp = predict(r["model"], r["world"], r["strategy"], r["ac"], r["bf16"], cal).worlds[r["world"]]
         got, rt = r["measured_peak"], r["runtime_bytes"]
         r.update(predicted_peak=wp.peak, peak_err=wp.peak / got - 1, peak_err_model=wp.peak / (got - rt) - 1)
+        if r.get("calibration"):
+            r.update(predicted_step_s=wp.step_s, step_err=wp.step_s / r["measured_step_s"] - 1)
         print(f"{r['model']} {r['world']} {r['strategy']} ac={r['ac']} bf16={r['bf16']}: "
-              f"{100 * r['peak_err']:+.1f}% ({100 * r['peak_err_model']:+.1f}% vs tensors)", flush=True)
+              f"{100 * r['peak_err']:+.1f}% ({100 * r['peak_err_model']:+.1f}% vs tensors)"
+              + (f", step {100 * r['step_err']:+.0f}%" if r.get("calibration") else ""), flush=True)
     Path(path).write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -125,7 +129,8 @@ def main():
             row = dict(model=m, world=w, strategy=s, ac=ac, bf16=bf16, predicted_peak=plan.peak, measured_peak=got,
                        peak_err=plan.peak / got - 1, runtime_bytes=rt, peak_err_model=plan.peak / (got - rt) - 1, predicted_step_s=plan.step_s, measured_step_s=meas["step_s"],
                        step_err=plan.step_s / meas["step_s"] - 1, predicted_wire=plan.wire_total,
-                       counted_wire=wire, load=os.getloadavg()[0], wall_s=time.time() - t0)
+                       counted_wire=wire, load=os.getloadavg()[0], wall_s=time.time() - t0,
+                       calibration=meas["calibration"])
             f.write(json.dumps(row) + "\n")
             f.flush()
             print(f"| {m} | {w} | {s} | {'on' if ac else 'off'} | {'on' if bf16 else 'off'} | {plan.peak / 2**20:.1f} "

@@ -72,17 +72,28 @@ def _build(scope: ShardScope, device_mesh) -> Mesh:
     return _hybrid_mesh(world, rank, device_mesh)
 
 
-def _hybrid_mesh(world: int, rank: int, device_mesh) -> Mesh:
-    if device_mesh is not None and not isinstance(device_mesh, tuple):
-        return _from_device_mesh(world, rank, device_mesh)
+def mesh_dims(scope: ShardScope, world: int, local_world: int, device_mesh=None) -> tuple[int, int]:
+    """(shard_size, replicate_size) of a strategy's scope at ``world`` ranks; hybrid shards over
+    ``local_world`` ranks (one node) unless ``device_mesh=(R, S)`` says otherwise. Pure: shared with fp.plan."""
+    if scope is ShardScope.WORLD:
+        return world, 1
+    if scope is ShardScope.NONE:
+        return 1, world
     if device_mesh is None:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        replicate, shard = max(world // max(local, 1), 1), local
+        replicate, shard = max(world // max(local_world, 1), 1), local_world
     else:
         replicate, shard = device_mesh
     if replicate * shard != world:
         raise ConfigError(f"hybrid_shard mesh (replicate={replicate}, shard={shard}) needs {replicate * shard} ranks "
                           f"but the world has {world}: pass device_mesh=(R, S) with R*S == {world}")
+    return shard, replicate
+
+
+def _hybrid_mesh(world: int, rank: int, device_mesh) -> Mesh:
+    if device_mesh is not None and not isinstance(device_mesh, tuple):
+        return _from_device_mesh(world, rank, device_mesh)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    shard, replicate = mesh_dims(ShardScope.NODE, world, local, device_mesh)
     shard_group, replicate_group = _hybrid_groups(world, replicate, shard)
     return Mesh(world, rank, shard, rank % shard, replicate, rank // shard, shard_group=shard_group,
                 replicate_group=replicate_group, shard_rank_of=tuple(r % shard for r in range(world)))

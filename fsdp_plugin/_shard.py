@@ -19,7 +19,7 @@ from ._mesh import Mesh, build_mesh
 from ._root import RootState
 from ._strategy import STRATEGIES, unit_policy
 from ._unit import Unit
-from ._wrap import owner_unit, parameter_sites, recompute_selector, select_unit_modules
+from ._wrap import owner_unit, params_by_unit, recompute_selector, select_unit_modules
 from .config import ShardingConfig
 from .errors import ConfigError, ShardingError
 
@@ -102,17 +102,8 @@ def _apply_activation_checkpointing(model: nn.Module, policy) -> None:
 
 
 def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: RootState) -> None:
-    sites = parameter_sites(model, cfg.ignored_modules)
-    names: dict[int, str] = {}
-    by_id: dict[int, nn.Parameter] = {}
-    for n, p in model.named_parameters():
-        if id(p) in sites:
-            names.setdefault(id(p), n)
-            by_id[id(p)] = p
     unit_fqns = [f for f, _ in units]
-    owned: dict[str, list] = {f: [] for f in unit_fqns}
-    for pid in names:
-        owned[owner_unit([s[0] for s in sites[pid]], unit_fqns)].append(by_id[pid])
+    sites, names, owned = params_by_unit(model, unit_fqns, cfg.ignored_modules)
     model_kind(model)   # refuses a model partly changed after fp.deferred_init()
     scatter = decide_scatter(model, mesh.world_size, device)
     mat = Materializer(model, device, cfg.param_init_fn)
@@ -168,10 +159,7 @@ def _build_handle(params, sites, names, mesh: Mesh, cfg: ShardingConfig, device,
     for p in params:
         slots.append(ParamSlot(p, names[id(p)], [(f, m, a) for f, m, a in sites[id(p)]], p.shape, offset))
         offset += p.numel()
-    mp = cfg.mixed_precision
-    floating = dtype.is_floating_point
-    compute = (mp.param_dtype or dtype) if (mp and floating) else dtype
-    reduce = mp.effective_reduce_dtype(dtype) if (mp and floating) else dtype
+    compute, reduce = handle_dtypes(cfg.mixed_precision, dtype)
     shard_device = torch.device("cpu") if cfg.cpu_offload else device
     handle = FlatParamHandle(slots, mesh, dtype, requires_grad, device, compute, reduce, shard_device,
                              label=label, timeout_s=comm.default_timeout_s(cfg.timeout_s))
@@ -181,6 +169,14 @@ def _build_handle(params, sites, names, mesh: Mesh, cfg: ShardingConfig, device,
         for slot, value in zip(slots, values):
             handle.fill_from_full(slot, value)
     return handle
+
+
+def handle_dtypes(mp, dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    """(compute, reduce) dtype of a flat handle whose master dtype is ``dtype`` under MixedPrecision ``mp``
+    (None: no mixed precision). Non-floating handles keep their dtype. Shared with ``fp.plan``."""
+    if mp is None or not dtype.is_floating_point:
+        return dtype, dtype
+    return mp.param_dtype or dtype, mp.effective_reduce_dtype(dtype)
 
 
 def _scatter_from_rank0(handle: FlatParamHandle, values, mesh: Mesh) -> None:

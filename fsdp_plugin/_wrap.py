@@ -120,3 +120,17 @@ def owner_unit(site_fqns: list[str], unit_fqns: list[str]) -> str:
     for f in site_fqns[1:]:
         common &= set(enclosing(f))
     return max(common, key=lambda u: (u.count(".") + (1 if u else 0), len(u)))
+
+
+def params_by_unit(model: nn.Module, unit_fqns: list[str], ignored: Iterable[nn.Module]) -> tuple[dict, dict, dict]:
+    """Parameter ownership, the one rule fp.shard and fp.plan share: ``(sites, names, owned)`` with ``sites``
+    from `parameter_sites`, ``names[id(p)]`` p's first name in ``named_parameters`` order, and
+    ``owned[unit_fqn]`` the parameters each unit flattens (the `owner_unit` of their sites), in that order."""
+    sites = parameter_sites(model, ignored)
+    names: dict[int, str] = {}
+    owned: dict[str, list] = {f: [] for f in unit_fqns}
+    for n, p in model.named_parameters():
+        if id(p) in sites and id(p) not in names:
+            names[id(p)] = n
+            owned[owner_unit([s[0] for s in sites[id(p)]], unit_fqns)].append(p)
+    return sites, names, owned

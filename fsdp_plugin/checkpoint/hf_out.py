@@ -24,10 +24,11 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 
 
 def parse_size(size) -> int:
-    """``"5GB"`` -> 5_000_000_000 (decimal, like the hub); ``"2GiB"`` binary; ints pass through."""
-    if isinstance(size, int):
-        return size
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(size))
+    """``"5GB"`` -> 5_000_000_000 (decimal, like the hub); ``"2GiB"`` binary; ``"1e9"``; numbers pass through.
+    The one size parser (``fp.plan.parse_bytes`` uses it too)."""
+    if isinstance(size, (int, float)):
+        return int(size)
+    m = re.fullmatch(r"\s*([0-9.]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(size))
     if not m or m.group(2).upper() not in _UNITS:
         raise ConfigError(f"invalid size {size!r}: use e.g. 5GB, 500MB or 2GiB")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])

@@ -2,15 +2,16 @@
 predicted peak per rank fits a memory budget."""
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from .api import _calibration, _mixed_precision, plan_strategies
+from ..checkpoint.hf_out import parse_size
+from ..errors import ConfigError
 from ._capture import capture
 from ._result import Plan, fmt_bytes
+from .api import _calibration, _mixed_precision, plan_strategies
 from .errors import PlanError
 
 _PLAN_DEFAULTS = dict(auto_wrap_policy=None, optimizer="adamw", inputs=None, loss_fn=None, mixed_precision=None,
@@ -18,18 +19,14 @@ _PLAN_DEFAULTS = dict(auto_wrap_policy=None, optimizer="adamw", inputs=None, los
                       forward_prefetch=False, limit_all_gathers=True, batch_size=1, seq_len=128, device=None,
                       calibration=None, gpus_per_node=8, ignored_modules=(), foreach=None)
 _PREFERENCE = ("no_shard", "shard_grad_op", "full_shard")   # least communication first
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
 def parse_bytes(text) -> int:
-    """"80GB", "24GiB", "512MiB", "1e9" -> bytes."""
-    if isinstance(text, (int, float)):
-        return int(text)
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?I?B?)\s*", str(text).upper())
-    if not m or m.group(2) not in _UNITS:
-        raise PlanError(f"memory {text!r}: write it like 80GB, 24GiB or 512MiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
+    """"80GB", "24GiB", "512MiB", "1e9" -> bytes (the checkpoint writer's parser: one rule for sizes)."""
+    try:
+        return parse_size(text)
+    except (ConfigError, ValueError) as e:
+        raise PlanError(f"memory {text!r}: write it like 80GB, 24GiB or 512MiB") from e
 
 
 @dataclass

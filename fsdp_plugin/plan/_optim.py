@@ -4,9 +4,11 @@ from __future__ import annotations
 from ..errors import ConfigError
 
 # State tensors per parameter element (each in the parameter's dtype) and bytes read+written per element by
-# one step in fp32 (param, grad and state read, param and state written).
+# one fp32 step, pass by pass as torch's implementations run them (for-loop and foreach alike): SGD
+# param.add_(grad) 12; momentum buf.mul_().add_(grad) 20 + 12; Adam exp_avg.lerp_ 12, exp_avg_sq.mul_().addcmul_
+# 20, denom = sqrt / bias correction + eps 24, param.addcdiv_ 16; AdamW adds param.mul_(1 - lr*wd) 8.
 _STATE = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
-_STEP_TRAFFIC = {"sgd": 12, "sgd-momentum": 20, "adam": 28, "adamw": 28}
+_STEP_TRAFFIC = {"sgd": 12, "sgd-momentum": 32, "adam": 72, "adamw": 80}
 OPTIMIZERS = tuple(_STATE)
 
 

@@ -1,50 +1,62 @@
-"""Lay the engine's schedule (``_unit.py``/``_root.py``) over a recorded activation curve, for one strategy
-and world size: which units are unsharded when, which gradients wait for their reduction, and the wire bytes
-each collective moves (``_collectives.ring_bytes``, the counters' own formula).
+"""Lay the engine's schedule over a recorded activation curve, for one strategy and world size: which units
+are unsharded when, which gradients wait for their reduction, and the wire bytes each collective moves
+(``_collectives.ring_bytes``, the counters' own formula).
 
-Memory is per rank and all ranks are alike (every shard has ``chunk`` elements, padding included).
+The schedule is the engine's, not a copy of its rules: a real ``RootState`` (``_root.py``) holds the replay's
+stand-in units and handles and decides the forward/backward prefetches (``after_unshard_in_forward``,
+``prefetch_backward``: e.g. the root prefetches the last unit, whose backward follows the root's head), how
+many reductions stay in flight (``enqueue_reduce``: none once the root's gradient is next) and the prefetch
+depth; ``unit_policy`` (``_strategy.py``) decides which units reshard after forward. The stand-ins only
+account bytes. Memory is per rank and all ranks are alike (every shard has ``chunk`` elements, padding
+included).
 """
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from .. import _root
 from .._collectives import ring_bytes
-
-# The engine's own bound on reductions in flight (read, not copied, so the replay follows the engine).
-_MAX_PENDING_REDUCES = getattr(_root, "_MAX_PENDING_REDUCES", 1)
+from .._root import RootState
+from .._shard import handle_dtypes
+from .._states import OrderState
+from .._strategy import unit_policy
+from ..config import ShardingConfig
 
 
 @dataclass
 class Layout:
     """How one configuration places a handle: shard group size S, replicas R, dtypes, where shards live."""
 
-    strategy: str
+    config: ShardingConfig
     world: int
     shard_size: int
     replicate_size: int
-    compute_dtype: Optional[torch.dtype]
-    reduce_dtype: Optional[torch.dtype]
-    prefetch_depth: int
-    backward_prefetch: bool
-    forward_prefetch: bool
-    cpu_offload: bool
     staging: bool = False        # the backend stages a full-size copy while a gather/reduce-scatter is in flight
 
+    @property
+    def strategy(self) -> str:
+        return self.config.sharding_strategy
+
+    @property
+    def cpu_offload(self) -> bool:
+        return self.config.cpu_offload
+
     def compute(self, h) -> torch.dtype:
-        return self.compute_dtype if (self.compute_dtype and h.dtype.is_floating_point) else h.dtype
+        return handle_dtypes(self.config.mixed_precision, h.dtype)[0]
 
     def reduce(self, h) -> torch.dtype:
-        if self.reduce_dtype and h.dtype.is_floating_point:
-            return self.reduce_dtype
-        return self.compute(h)
+        return handle_dtypes(self.config.mixed_precision, h.dtype)[1]
 
     def aliases(self, h) -> bool:
+        """The engine's FlatParamHandle._aliases_shard: the leaf is the shard itself (never gathered)."""
         return self.shard_size == 1 and self.compute(h) == h.dtype and not self.cpu_offload
+
+    def casts_source(self, h) -> bool:
+        """``unshard`` copies the shard (to the compute dtype / device) before gathering it."""
+        return self.compute(h) != h.dtype or self.cpu_offload
 
 
 @dataclass
@@ -71,6 +83,34 @@ class ReplayResult:
     max_reducing: int = 0
     wire: Counter = field(default_factory=Counter)     # bytes per step per rank, by collective kind
     calls: Counter = field(default_factory=Counter)
+    cast_bytes: int = 0     # bytes read+written by the engine's dtype casts (mixed precision), per step
+
+
+class _SimUnit:
+    """What ``RootState`` reads of a unit (``in_backward``, ``unshard``, ``name``), backed by the replay."""
+
+    def __init__(self, sim: "_Sim", index: int, name: str):
+        self.sim, self.index, self.name = sim, index, name
+
+    @property
+    def in_backward(self) -> bool:
+        return self.index in self.sim.started
+
+    def unshard(self) -> None:
+        self.sim.unshard(self.index)
+
+
+class _SimHandle:
+    """What ``RootState.enqueue_reduce`` calls on a handle."""
+
+    def __init__(self, sim: "_Sim", index: int):
+        self.sim, self.index = sim, index
+
+    def start_reduce(self, _grad) -> None:
+        self.sim.start_reduce(self.index)
+
+    def finish_reduce(self) -> None:
+        self.sim.finish(self.index)
 
 
 class _Sim:
@@ -80,26 +120,34 @@ class _Sim:
         self.full = [0 if lay.aliases(h) else h.padded(lay.shard_size) * lay.compute(h).itemsize for h in handles]
         self.unsh = [lay.aliases(h) for h in handles]
         self.unsharded = self.reducing = self.grad_shards = 0
-        self.inflight: dict[int, int] = {}     # handle -> staging bytes of its all-gather until it is waited on
-        self.pending: deque = deque()
+        self.inflight: dict[int, int] = {}     # handle -> bytes its all-gather holds until it is waited on
         self.reduce_bytes: dict[int, int] = {}
         self.has_grad: set = set()
-        self.depth = [0] * len(units)
         self.started: set = set()
-        self.order: list = []
         self.act = 0
         self.res = ReplayResult(Moment())
+        cfg = lay.config
+        self.reshard_after_forward = [unit_policy(cfg, None, u.fqn, u.module).reshard_after_forward for u in units]
+        self.sim_units = [_SimUnit(self, i, u.name) for i, u in enumerate(units)]
+        self.sim_handles = [_SimHandle(self, h) for h in range(len(handles))]
+        self.root = RootState(cfg, None, torch.device("cpu"))
+        self.root.units = list(self.sim_units)
+
+    def freeze_order(self, order: list) -> None:
+        """The execution order the engine records in the first forward and follows from then on."""
+        self.root.exec_order = [self.sim_units[i] for i in order]
+        self.root.order_state = OrderState.FROZEN
 
     # ------------------------------------------------------------ accounting
-    def check(self, act: Optional[int] = None) -> None:
+    def check(self, act: Optional[int] = None, extra: int = 0) -> None:
         act = self.act if act is None else act
-        m = Moment(self.static, self.unsharded, self.reducing, self.grad_shards, act)
+        m = Moment(self.static, self.unsharded, self.reducing + extra, self.grad_shards, act)
         if m.total > self.res.peak.total:
             m.unsharded_units = self._unsharded_names()
             self.res.peak = m
         if self.unsharded > self.res.max_unsharded:
             self.res.max_unsharded, self.res.max_unsharded_units = self.unsharded, self._unsharded_names()
-        self.res.max_reducing = max(self.res.max_reducing, self.reducing)
+        self.res.max_reducing = max(self.res.max_reducing, self.reducing + extra)
 
     def _unsharded_names(self) -> tuple:
         return tuple(u.name for u in self.units if any(self.unsh[h] and self.full[h] for h in u.handles))
@@ -109,27 +157,33 @@ class _Sim:
             self.res.calls[kind] += 1
             self.res.wire[kind] += ring_bytes(elems, itemsize, n, factor)
 
-    # ------------------------------------------------------------ state moves
+    # ------------------------------------------------------------ state moves (FlatParamHandle's bytes)
     def unshard(self, u: int) -> None:
         for h in self.units[u].handles:
             if self.unsh[h]:
                 continue
             self.unsh[h] = True
             self.unsharded += self.full[h]
-            spec = self.handles[h]
-            self.comm("all_gather", spec.padded(self.lay.shard_size), self.lay.compute(spec).itemsize,
-                      self.lay.shard_size)
-            if self.lay.staging and self.lay.shard_size > 1:
-                self.inflight[h] = self.full[h]
-                self.reducing += self.full[h]
+            spec, lay = self.handles[h], self.lay
+            src = spec.chunk(lay.shard_size) * lay.compute(spec).itemsize if lay.casts_source(spec) else 0
+            if src:
+                self.res.cast_bytes += src + spec.chunk(lay.shard_size) * spec.dtype.itemsize
+            if lay.shard_size == 1:
+                self.check(extra=src)          # the cast copy, gone once copied into the full buffer
+                continue
+            self.comm("all_gather", spec.padded(lay.shard_size), lay.compute(spec).itemsize, lay.shard_size)
+            held = src + (self.full[h] if lay.staging else 0)   # the source chunk (and gloo's copy) until waited
+            self.inflight[h] = held
+            self.reducing += held
         self.check()
 
     def use(self, u: int) -> None:
-        """The unit waits for its all-gathers (wait_and_use_views): their staging is released."""
+        """The unit waits for its all-gathers (wait_and_use_views): what they held is released."""
         for h in self.units[u].handles:
             self.reducing -= self.inflight.pop(h, 0)
 
     def reshard_handle(self, h: int) -> None:
+        self.reducing -= self.inflight.pop(h, 0)     # reshard waits for a prefetch that was not used
         if self.unsh[h] and self.full[h]:
             self.unsh[h] = False
             self.unsharded -= self.full[h]
@@ -140,30 +194,34 @@ class _Sim:
         self.reducing += spec.padded(lay.shard_size) * lay.compute(spec).itemsize
         self.check()
 
-    def grads_dropped(self, h: int) -> None:
-        """post-backward: cast to the reduce dtype, issue the reduction, keep one in flight, reshard."""
+    def start_reduce(self, h: int) -> None:
+        """FlatParamHandle.start_reduce: cast to the reduce dtype, issue the reduction; the pending reduction
+        keeps the cast gradient, this rank's output chunk and (gloo) a staged copy until it is finished."""
         spec, lay = self.handles[h], self.lay
         padded = spec.padded(lay.shard_size)
-        g_compute = padded * lay.compute(spec).itemsize
-        g_reduce = padded * lay.reduce(spec).itemsize
-        if lay.reduce(spec) != lay.compute(spec):
-            self.reducing += g_reduce
-            self.check()
-            self.reducing -= g_compute
-        held = g_reduce
+        g_compute, g_reduce = padded * lay.compute(spec).itemsize, padded * lay.reduce(spec).itemsize
+        cast = lay.reduce(spec) != lay.compute(spec)
+        held = g_reduce if cast else 0                 # without a cast the pending one is the flat gradient
+        self.res.cast_bytes += (g_compute + g_reduce) if cast else 0
         if lay.shard_size > 1:
             held += spec.chunk(lay.shard_size) * lay.reduce(spec).itemsize
             held += g_reduce if lay.staging else 0
             self.comm("reduce_scatter", padded, lay.reduce(spec).itemsize, lay.shard_size)
         elif lay.replicate_size > 1:
             self.comm("all_reduce", padded, lay.reduce(spec).itemsize, lay.replicate_size, factor=2)
-        self.reducing += held - g_reduce
-        self.reduce_bytes[h] = held
+        self.reducing += held
+        self.reduce_bytes[h] = held + (0 if cast else g_compute)
         self.check()
-        self.pending.append(h)
-        while len(self.pending) > _MAX_PENDING_REDUCES:
-            self.finish(self.pending.popleft())
+
+    def grads_dropped(self, h: int) -> None:
+        """The engine's post_backward: enqueue the reduction (RootState finishes older ones), then the
+        compute-dtype gradient is dropped (if a cast was made) and the handle resharded."""
+        spec, lay = self.handles[h], self.lay
+        self.root.enqueue_reduce(self.sim_handles[h], None, self.sim_units[spec.unit])
+        if lay.reduce(spec) != lay.compute(spec):
+            self.reducing -= spec.padded(lay.shard_size) * lay.compute(spec).itemsize
         self.reshard_handle(h)
+        self.check()
 
     def finish(self, h: int) -> None:
         spec, lay = self.handles[h], self.lay
@@ -176,18 +234,14 @@ class _Sim:
             self.grad_shards += chunk * spec.dtype.itemsize
             self.check()
 
-    # ------------------------------------------------------------ events
-    def pre_forward(self, u: int, in_bwd: bool) -> None:
+    # ------------------------------------------------------------ events (Unit's hooks)
+    def pre_forward(self, u: int) -> None:
         self.unshard(u)
         self.use(u)
-        if self.lay.forward_prefetch and not in_bwd and u in self.order:
-            i = self.order.index(u)
-            for nxt in self.order[i + 1:i + 1 + self.lay.prefetch_depth]:
-                self.unshard(nxt)
+        self.root.after_unshard_in_forward(self.sim_units[u])
 
     def post_forward(self, u: int, in_bwd: bool) -> None:
-        keep_sharded = self.lay.strategy in ("full_shard", "hybrid_shard") and u != 0
-        if not in_bwd and keep_sharded:
+        if not in_bwd and self.reshard_after_forward[u]:
             for h in self.units[u].handles:
                 self.reshard_handle(h)
 
@@ -197,17 +251,11 @@ class _Sim:
         self.started.add(u)
         self.unshard(u)
         self.use(u)
-        if self.lay.backward_prefetch and u in self.order:
-            i = self.order.index(u)
-            for nxt in reversed(self.order[max(0, i - self.lay.prefetch_depth):i]):
-                if nxt not in self.started:
-                    self.unshard(nxt)
+        self.root.prefetch_backward(self.sim_units[u])
 
     def end_backward(self) -> None:
-        while self.pending:
-            self.finish(self.pending.popleft())
-        for u in range(len(self.units)):
-            self.use(u)                  # a prefetch nobody used is waited on by the reshard
+        while self.root._pending:
+            self.root._pending.popleft().finish_reduce()
         for h in range(len(self.handles)):
             self.reshard_handle(h)
         self.started.clear()
@@ -220,15 +268,17 @@ def replay(units, handles, timeline, lay: Layout, static: int, optimizer_step_ex
     ``optimizer_step_extra``: temporaries of ``optimizer.step()`` (added once gradients are all reduced).
     """
     sim = _Sim(units, handles, lay, static)
+    order: list = []
     for ev in timeline.events:          # the execution order the engine freezes after the first forward
-        if ev.kind == "pre_forward" and not ev.in_backward and ev.index not in sim.order:
-            sim.order.append(ev.index)
+        if ev.kind == "pre_forward" and not ev.in_backward and ev.index not in order:
+            order.append(ev.index)
+    sim.freeze_order(order)
     for ev in timeline.events:
         sim.act = ev.act_max
         sim.check()                      # the largest activation level between the previous event and this one
         sim.act = ev.act_now
         if ev.kind == "pre_forward":
-            sim.pre_forward(ev.index, ev.in_backward)
+            sim.pre_forward(ev.index)
         elif ev.kind == "post_forward":
             sim.post_forward(ev.index, ev.in_backward)
         elif ev.kind == "pre_backward":

@@ -34,6 +34,7 @@ class WorldPlan:
     compute_s: Optional[float] = None
     comm_s: Optional[float] = None
     host_bytes: int = 0        # with cpu_offload: shards, gradients and optimizer state in host memory
+    runtime: int = 0           # CPU targets: heap the runtime keeps after the first step (in the peak)
 
     @property
     def wire_total(self) -> int:
@@ -85,9 +86,12 @@ class Plan:
                 ("optimizer state", "optimizer_state"), ("buffers", "buffers"),
                 ("unsharded units (max)", "unsharded_params"), ("activations (peak)", "activations"),
                 ("reduction buffers (max)", "comm_buffers"), ("optimizer step temps", "optimizer_step"),
+                ("CPU runtime state", "runtime"),
                 ("PEAK per rank", "peak")]
         width = 16
         lines = [head, f"{'per rank':<26}" + "".join(f"{'world ' + str(w):>{width}}" for w in ws)]
+        if not any(self.worlds[w].runtime for w in ws):
+            rows.remove(("CPU runtime state", "runtime"))
         for label, attr in rows:
             lines.append(f"{label:<26}" + "".join(f"{fmt_bytes(getattr(self.worlds[w], attr)):>{width}}" for w in ws))
         lines.append(f"{'wire bytes / step':<26}" + "".join(f"{fmt_bytes(self.worlds[w].wire_total):>{width}}"

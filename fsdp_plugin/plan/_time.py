@@ -81,9 +81,7 @@ def calibrate(device: Optional[torch.device] = None, dtype: torch.dtype = torch.
     """Measure matmul FLOP/s, memory bandwidth and (under an initialized process group) all-gather bandwidth
     and latency on this process. Collective: every rank of ``group`` must call it."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    n = 2048 if device.type == "cuda" else 384
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    flops = 2 * n ** 3 / _timed(lambda: (torch.mm(a, a), _sync(device)), seconds)
+    flops = _matmul_rate(device, dtype, 2048 if device.type == "cuda" else 512, seconds)
     big = torch.empty(8 * 2**20 if device.type == "cpu" else 64 * 2**20, device=device)
     mem = 2 * big.numel() * big.element_size() / _timed(lambda: (big.mul_(1.0), _sync(device)), seconds)
     bus, latency, world = 1e12, 0.0, comm.group_size(group)
@@ -92,6 +90,17 @@ def calibrate(device: Optional[torch.device] = None, dtype: torch.dtype = torch.
     overlap = 1.0 if device.type == "cuda" else 0.0
     return Calibration(flops, mem, bus, latency, overlap, f"measured on {device.type}, world {world}",
                        op_overhead_s=_op_overhead(device, seconds))
+
+
+def _matmul_rate(device, dtype, n: int, seconds: float) -> float:
+    """FLOP/s of n x n matmuls in the three layouts training runs (forward x @ w.t(), input gradient g @ w,
+    weight gradient g.t() @ x): transposed operands are slower on some kernels (CPU: ~15% below a plain
+    square matmul, measured on the benchmark models' own shapes)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    per = sum(_timed(lambda x=x, y=y: (torch.mm(x, y), _sync(device)), seconds / 3)
+              for x, y in ((a, b.t()), (a, b), (a.t(), b)))
+    return 3 * 2 * n ** 3 / per
 
 
 def _op_overhead(device, seconds: float) -> float:

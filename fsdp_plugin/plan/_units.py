@@ -1,13 +1,13 @@
 """The units `fp.shard` would build, found with the engine's own wrap-policy code (no allocation)."""
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from .._wrap import owner_unit, parameter_sites, select_unit_modules
+from .._shard import _group_params
+from .._wrap import params_by_unit, select_unit_modules
 
 
 @dataclass
@@ -42,22 +42,11 @@ class UnitSpec:
 def discover_units(model: nn.Module, policy, ignored=()) -> tuple[list[UnitSpec], list[HandleSpec]]:
     """Units root first (as fp.shard orders them) and their handles, grouped exactly like fp.shard."""
     chosen = select_unit_modules(model, policy, ignored)
-    sites = parameter_sites(model, ignored)
-    by_id: dict[int, nn.Parameter] = {}
-    for _, p in model.named_parameters():
-        if id(p) in sites:
-            by_id.setdefault(id(p), p)
-    fqns = [f for f, _ in chosen]
-    owned: dict[str, list] = {f: [] for f in fqns}
-    for pid, p in by_id.items():
-        owned[owner_unit([s[0] for s in sites[pid]], fqns)].append(p)
+    _, _, owned = params_by_unit(model, [f for f, _ in chosen], ignored)
     units, handles = [], []
     for i, (fqn, module) in enumerate(chosen):
         unit = UnitSpec(fqn, module)
-        groups: OrderedDict = OrderedDict()
-        for p in owned[fqn]:
-            groups.setdefault((p.dtype, p.requires_grad), []).append(p)
-        for (dtype, rg), params in groups.items():
+        for (dtype, rg), params in _group_params(owned[fqn]).items():
             unit.handles.append(len(handles))
             handles.append(HandleSpec(i, dtype, rg, sum(p.numel() for p in params), [id(p) for p in params],
                                       max(p.numel() for p in params)))

@@ -1,8 +1,8 @@
 """One world size's numbers: static bytes, the schedule replay, wire bytes and step time."""
 from __future__ import annotations
 
-import torch
-
+from .._mesh import mesh_dims
+from .._strategy import STRATEGIES
 from ..config import ShardingConfig
 from . import _optim
 from ._replay import Layout, replay
@@ -12,34 +12,27 @@ from ._units import buffer_bytes
 
 
 def layout_for(world: int, cfg: ShardingConfig, gpus_per_node: int, device=None) -> Layout:
-    """``device`` cpu means gloo, whose all-gather/reduce-scatter stage a full-size buffer while in flight
+    """Shard/replicate sizes from the engine's mesh rule (hybrid: one node of ``gpus_per_node`` ranks shards).
+    ``device`` cpu means gloo, whose all-gather/reduce-scatter stage a full-size buffer while in flight
     (measured with the heap tracker); NCCL writes in place."""
-    strategy = cfg.sharding_strategy
-    if strategy == "no_shard":
-        shard, rep = 1, world
-    elif strategy == "hybrid_shard":
-        shard = min(world, gpus_per_node)
-        shard = shard if world % shard == 0 else world
-        rep = world // shard
-    else:
-        shard, rep = world, 1
-    mp = cfg.mixed_precision
-    return Layout(strategy, world, shard, rep, mp.param_dtype if mp else None,
-                  (mp.reduce_dtype or (torch.float32 if mp.param_dtype is not None and mp.param_dtype.itemsize < 4
-                                       else None)) if mp else None,
-                  _prefetch_depth(cfg), cfg.backward_prefetch, cfg.forward_prefetch, cfg.cpu_offload,
-                  staging=getattr(device, "type", None) == "cpu")
+    mesh = cfg.device_mesh if isinstance(cfg.device_mesh, tuple) else None
+    shard, rep = mesh_dims(STRATEGIES[cfg.sharding_strategy].scope, world, min(world, gpus_per_node), mesh)
+    return Layout(cfg, world, shard, rep, staging=getattr(device, "type", None) == "cpu")
 
 
-def _prefetch_depth(cfg: ShardingConfig) -> int:
-    """The engine's RootState.prefetch_depth rule, evaluated for ``cfg`` without building a RootState."""
-    from types import SimpleNamespace
+# Heap the CPU runtime allocates during the first training step and keeps (kernel, dispatcher and autograd
+# caches: no tensor), measured once with the exact-heap tracker on GPT small (benchmarks/plan_accuracy.py,
+# "runtime" column, torch 2.13 CPU, gloo): 4.6 MiB with fp32 kernels, 10.1 MiB once bf16/fp16 kernels run.
+# A constant of the CPU runtime, not of the model; CUDA device memory has no such term (host memory only).
+CPU_RUNTIME_BYTES = {"fp32": int(4.6 * 2**20), "low_precision": int(10.1 * 2**20)}
 
-    from .._root import RootState
-    prop = getattr(RootState, "prefetch_depth", None)
-    if isinstance(prop, property):
-        return int(prop.fget(SimpleNamespace(config=cfg)))
-    return 1 if cfg.limit_all_gathers else 2
+
+def runtime_bytes(device, lay: Layout, handles) -> int:
+    """The CPU runtime's own heap (see CPU_RUNTIME_BYTES) for a CPU target, else 0."""
+    if getattr(device, "type", None) != "cpu":
+        return 0
+    low = any(lay.compute(h).is_floating_point and lay.compute(h).itemsize < 4 for h in handles)
+    return CPU_RUNTIME_BYTES["low_precision" if low else "fp32"]
 
 
 def world_plan(world: int, cfg: ShardingConfig, units, handles, tl, module, opt: str, cal,
@@ -54,20 +47,22 @@ def world_plan(world: int, cfg: ShardingConfig, units, handles, tl, module, opt:
     step_temps = _optim.step_temporaries(opt, trainable, largest, foreach)
     buffers = buffer_bytes(module, cfg.mixed_precision.buffer_dtype if cfg.mixed_precision else None)
     on_device = 0 if cfg.cpu_offload else param_shards + opt_state
-    res = replay(units, handles, tl, lay, on_device + buffers + tl.input_bytes,
+    runtime = runtime_bytes(device, lay, handles)
+    res = replay(units, handles, tl, lay, on_device + buffers + tl.input_bytes + runtime,
                  0 if cfg.cpu_offload else step_temps)
     p = res.peak
     cal_w = cal(world) if callable(cal) else cal
     n_tensors = sum(len(h.param_ids) for h in handles if h.requires_grad)
     ops = tl.ops + _optim.step_ops(opt, n_tensors, foreach)
-    t = predict(tl.flops, tl.other_bytes, _optim.step_traffic(opt, trainable_elems), sum(res.wire.values()),
+    t = predict(tl.flops, tl.other_bytes + res.cast_bytes, _optim.step_traffic(opt, trainable_elems), sum(res.wire.values()),
                 sum(res.calls.values()), cal_w, ops) if cal_w is not None else {}
     return WorldPlan(world_size=world, param_shards=param_shards, grad_shards=trainable, optimizer_state=opt_state,
                      buffers=buffers, unsharded_params=res.max_unsharded, unsharded_units=res.max_unsharded_units,
                      activations=tl.act_peak, comm_buffers=res.max_reducing, optimizer_step=step_temps,
-                     peak=p.total, peak_at={"static": p.static, "unsharded": p.unsharded, "reducing": p.reducing,
+                     peak=p.total, peak_at={"static": p.static - runtime, "runtime": runtime, "unsharded": p.unsharded, "reducing": p.reducing,
                                             "grad_shards": p.grad_shards, "activations": p.activations,
                                             "unsharded_units": list(p.unsharded_units)},
                      wire_bytes=dict(res.wire), wire_calls=dict(res.calls), step_s=t.get("step_s"),
                      compute_s=t.get("compute_s"), comm_s=t.get("comm_s"),
-                     host_bytes=(param_shards + opt_state + trainable) if cfg.cpu_offload else 0)
+                     host_bytes=(param_shards + opt_state + trainable) if cfg.cpu_offload else 0,
+                     runtime=runtime)

@@ -71,7 +71,7 @@ def plan_strategies(model: ModelSource, world_size, strategies: list, **opts) ->
     tl = run(module, units, handles, spec, make_inputs, opts["loss_fn"])
     cal = _calibration(opts["calibration"], device, mp)
     foreach = device.type == "cuda" if opts["foreach"] is None else opts["foreach"]
-    notes = _notes(run_device, opts["cpu_offload"]) + (
+    notes = _notes(run_device, device, opts["cpu_offload"]) + (
         [f"target {device.type} has no device here: activations measured with CPU kernels"]
         if run_device != device else [])
     out = []
@@ -162,9 +162,12 @@ def _unit_rows(units, handles) -> list:
     return rows
 
 
-def _notes(device: torch.device, cpu_offload: bool) -> list:
+def _notes(device: torch.device, target: torch.device, cpu_offload: bool) -> list:
     notes = [f"activations measured by one fake forward+backward on {device.type}; allocator rounding and "
              "fragmentation are not included"]
+    if target.type == "cpu":
+        notes.append("CPU target: the peak includes the CPU runtime's own heap (kernel caches, a constant measured "
+                     "once: WorldPlan.runtime)")
     if cpu_offload:
         notes.append("cpu_offload: shards, gradients and optimizer state are in host memory (host_bytes)")
     return notes
