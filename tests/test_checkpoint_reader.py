@@ -15,6 +15,7 @@ from fsdp_plugin.checkpoint.writer import write_safetensors
 def test_random_ranged_reads_match_slices(tmp_path, monkeypatch, seed):
     rng = random.Random(seed)
     monkeypatch.setattr(reader, "BOUNCE_BYTES", rng.choice([64, 4096, 1 << 20]))
+    monkeypatch.setattr(reader, "WINDOW_BYTES", rng.choice([1, 700, 5000, 16 << 20]))  # pipelined CRC windows
     dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.float16, torch.uint8]
     tensors = []
     for i in range(rng.randint(1, 12)):
@@ -59,5 +60,27 @@ def test_crc_failure_names_block_and_tensor(tmp_path):
     plan.execute()
     plan.add("f.safetensors", e.begin + 4800, torch.float32, torch.zeros(100), "x")
     with pytest.raises(CorruptCheckpointError, match=r"block 8 \(bytes 8,192-9,216\).*tensors x"):
+        plan.execute()
+    plan.close()
+
+
+@pytest.mark.parametrize("window", [1024, 3000, 1 << 20])
+def test_crc_failure_found_in_any_window(tmp_path, monkeypatch, window):
+    """A whole-file read split into windows (CRC on a helper thread) still names the corrupted block."""
+    monkeypatch.setattr(reader, "WINDOW_BYTES", window)
+    t = torch.arange(8192, dtype=torch.float32)
+    path = tmp_path / "f.safetensors"
+    rec = write_safetensors(str(path), [("x", t, (8192,))], None, block_bytes=1024).to_json()
+    plan = reader.ReadPlan(str(tmp_path), {"f.safetensors": rec})
+    e = plan.header("f.safetensors").entries["x"]
+    dest = torch.zeros(8192)
+    plan.add("f.safetensors", e.begin, torch.float32, dest, "x")
+    plan.execute()
+    assert torch.equal(dest, t)
+    with open(path, "r+b") as f:
+        f.seek(rec["data_start"] + 20000)
+        f.write(b"\xff")
+    plan.add("f.safetensors", e.begin, torch.float32, dest, "x")
+    with pytest.raises(CorruptCheckpointError, match=r"block 23 \(bytes 23,552-24,576\).*tensors x"):
         plan.execute()
     plan.close()
