@@ -24,7 +24,6 @@ import torch
 
 from . import _async, _comm, _format, _model, _publish, codec, manifest, optim
 from .errors import CheckpointError
-from .fsio import fsync_path
 from .writer import write_safetensors
 
 
@@ -253,8 +252,7 @@ def _write_manifest(tmp: str, doc: dict) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.rename(part, os.path.join(tmp, manifest.NAME))
-    fsync_path(tmp, directory=True)
+    os.rename(part, os.path.join(tmp, manifest.NAME))  # the directory is fsynced by _publish.publish
 
 
 def _version() -> str:
