@@ -65,7 +65,7 @@ def save_checkpoint(path, model, optimizer=None, extra=None, *,
     rank, world = _comm.rank(), _comm.world_size()
     uid = _begin(path, rank)
     tmp = _publish.tmp_name(path, uid)
-    stager = _async.Stager(deferred=async_save == "deferred") if async_save else None
+    stager = _async.Stager(model, deferred=async_save == "deferred") if async_save else None
     group = _async.checkpoint_group() if async_save else None
     err, job = None, None
     try:
