@@ -166,7 +166,9 @@ class Stager:
     def _copy_on_side_stream(self, t: torch.Tensor, buf: torch.Tensor) -> None:
         side = self._side.get(t.device)
         if side is None:
-            side = self._side[t.device] = _copy_streams.setdefault(t.device, torch.cuda.Stream(t.device))
+            if t.device not in _copy_streams:
+                _copy_streams[t.device] = torch.cuda.Stream(t.device)
+            side = self._side[t.device] = _copy_streams[t.device]
         src = t.reshape(-1)  # may itself be a copy queued on the caller's stream: wait after it
         side.wait_stream(self._streams[t.device])
         with torch.cuda.stream(side):
