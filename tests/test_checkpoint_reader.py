@@ -84,3 +84,22 @@ def test_crc_failure_found_in_any_window(tmp_path, monkeypatch, window):
     with pytest.raises(CorruptCheckpointError, match=r"block 23 \(bytes 23,552-24,576\).*tensors x"):
         plan.execute()
     plan.close()
+
+
+def test_fast_crc32_matches_zlib():
+    """fsio.crc32 (libdeflate when installed) is zlib's CRC-32, chained, on any buffer it may get."""
+    import zlib
+
+    from fsdp_plugin.checkpoint import fsio
+
+    t = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
+    view = fsio.byte_view(t)
+    for lo, hi in [(0, 0), (0, 100), (1, 70000), (12345, 3 << 20)]:
+        assert fsio.crc32(view[lo:hi], 7) == zlib.crc32(view[lo:hi], 7)
+    assert fsio.crc32(memoryview(bytes(view[:100000]))) == zlib.crc32(view[:100000])  # read-only: zlib
+    f32 = memoryview(t.view(torch.float32).numpy())  # not a byte view: nbytes, not len
+    assert fsio.crc32(f32) == zlib.crc32(view)
+    crc = fsio.BlockCrc(1 << 20)
+    crc.update(view[:1500000])
+    crc.update(view[1500000:])
+    assert crc.finish() == [zlib.crc32(view[i:i + (1 << 20)]) for i in range(0, 3 << 20, 1 << 20)]

@@ -6,6 +6,7 @@ and are opened with ``O_NOFOLLOW``; nothing here allocates a copy of tensor data
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import os
 import zlib
 
@@ -132,6 +133,37 @@ def fsync_path(path: str, directory: bool = False) -> None:
         os.close(fd)
 
 
+def _libdeflate_crc32():
+    """libdeflate's CRC32 (the same CRC-32 as zlib's; PCLMUL/AVX: ~14 GB/s here vs zlib 1.2's ~4 GB/s), or None.
+
+    Optional: the system library ``libdeflate.so.0`` (Debian/Ubuntu ``libdeflate0``); found with ctypes,
+    checked against zlib once. ctypes drops the GIL during the call, like ``zlib.crc32`` on large buffers.
+    """
+    name = ctypes.util.find_library("deflate")
+    if not name or os.environ.get("FSDP_PLUGIN_ZLIB_CRC32") == "1":
+        return None
+    try:
+        fn = ctypes.CDLL(name).libdeflate_crc32
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_uint32
+    fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+    probe = (ctypes.c_char * 9).from_buffer_copy(b"123456789")
+    return fn if fn(0, ctypes.addressof(probe), 9) == zlib.crc32(b"123456789") else None
+
+
+_DEFLATE_CRC32 = _libdeflate_crc32()
+
+
+def crc32(data: memoryview, value: int = 0) -> int:
+    """``zlib.crc32(data, value)``, computed by libdeflate when it is installed and ``data`` is writable."""
+    n = data.nbytes
+    if _DEFLATE_CRC32 is None or n < 65536 or data.readonly or not data.c_contiguous:
+        return zlib.crc32(data, value)
+    buf = (ctypes.c_char * n).from_buffer(data)  # no copy; keeps the export alive during the call
+    return _DEFLATE_CRC32(value, ctypes.addressof(buf), n)
+
+
 class BlockCrc:
     """CRC32 of consecutive ``block_bytes`` blocks of a byte stream fed in order with :meth:`update`."""
 
@@ -144,7 +176,7 @@ class BlockCrc:
     def update(self, data: memoryview) -> None:
         while len(data):
             take = min(len(data), self.block_bytes - self._fill)
-            self._crc = zlib.crc32(data[:take], self._crc)
+            self._crc = crc32(data[:take], self._crc)
             self._fill += take
             data = data[take:]
             if self._fill == self.block_bytes:

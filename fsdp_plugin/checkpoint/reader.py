@@ -181,7 +181,7 @@ class ReadPlan:
         """Read ``bufs`` (starting at block-aligned ``start``) and check every block's CRC32.
 
         A long run is read in windows of whole blocks; each window's CRC32s are computed on a helper thread
-        while the next window is read (``preadv`` and ``zlib.crc32`` both release the GIL), so the checksum
+        while the next window is read (``preadv`` and the CRC32 both release the GIL), so the checksum
         overlaps the disk instead of following it (it costs as much CPU as the read itself).
         """
         b = f.record["block_bytes"]
