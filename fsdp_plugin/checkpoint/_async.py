@@ -28,7 +28,7 @@ _lock = threading.Lock()
 _pending: "AsyncSave | None" = None
 #: Staging buffers of each model's last finished save, reused by its next: model -> {(dtype, numel): [t]}.
 #: An entry goes away with its model (weak key), with :func:`release_staging_buffers` and with ``fp.shutdown``.
-_pools: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _generation = 0           # bumped by release_staging_buffers: a save pending across it does not re-pool
 _group_cache: tuple = ()  # (default group object, checkpoint group)
 _copy_streams: dict = {}  # CUDA device -> the side stream of staging copies
