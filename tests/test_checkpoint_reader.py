@@ -99,6 +99,8 @@ def test_fast_crc32_matches_zlib():
     assert fsio.crc32(memoryview(bytes(view[:100000]))) == zlib.crc32(view[:100000])  # read-only: zlib
     f32 = memoryview(t.view(torch.float32).numpy())  # not a byte view: nbytes, not len
     assert fsio.crc32(f32) == zlib.crc32(view)
+    if os.path.exists("/usr/lib/x86_64-linux-gnu/libdeflate.so.0") and not os.environ.get("FSDP_PLUGIN_ZLIB_CRC32"):
+        assert fsio._DEFLATE_CRC32 is not None, "libdeflate is installed but not used"
     crc = fsio.BlockCrc(1 << 20)
     crc.update(view[:1500000])
     crc.update(view[1500000:])

@@ -6,7 +6,6 @@ and are opened with ``O_NOFOLLOW``; nothing here allocates a copy of tensor data
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import zlib
 
@@ -136,15 +135,19 @@ def fsync_path(path: str, directory: bool = False) -> None:
 def _libdeflate_crc32():
     """libdeflate's CRC32 (the same CRC-32 as zlib's; PCLMUL/AVX: ~14 GB/s here vs zlib 1.2's ~4 GB/s), or None.
 
-    Optional: the system library ``libdeflate.so.0`` (Debian/Ubuntu ``libdeflate0``); found with ctypes,
-    checked against zlib once. ctypes drops the GIL during the call, like ``zlib.crc32`` on large buffers.
+    Optional: the system library ``libdeflate.so.0`` (Debian/Ubuntu ``libdeflate0``), opened with ctypes
+    (``dlopen``, no subprocess) on first use and checked against zlib once. ctypes drops the GIL during the
+    call, like ``zlib.crc32`` on large buffers. ``FSDP_PLUGIN_ZLIB_CRC32=1`` forces zlib.
     """
-    name = ctypes.util.find_library("deflate")
-    if not name or os.environ.get("FSDP_PLUGIN_ZLIB_CRC32") == "1":
+    if os.environ.get("FSDP_PLUGIN_ZLIB_CRC32") == "1":
         return None
-    try:
-        fn = ctypes.CDLL(name).libdeflate_crc32
-    except (OSError, AttributeError):
+    for name in ("libdeflate.so.0", "libdeflate.so", "libdeflate.0.dylib", "libdeflate.dylib"):
+        try:
+            fn = ctypes.CDLL(name).libdeflate_crc32
+            break
+        except (OSError, AttributeError):
+            continue
+    else:
         return None
     fn.restype = ctypes.c_uint32
     fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
@@ -152,13 +155,19 @@ def _libdeflate_crc32():
     return fn if fn(0, ctypes.addressof(probe), 9) == zlib.crc32(b"123456789") else None
 
 
-_DEFLATE_CRC32 = _libdeflate_crc32()
+_DEFLATE_CRC32 = None
+_deflate_probed = False
 
 
 def crc32(data: memoryview, value: int = 0) -> int:
     """``zlib.crc32(data, value)``, computed by libdeflate when it is installed and ``data`` is writable."""
+    global _DEFLATE_CRC32, _deflate_probed
     n = data.nbytes
-    if _DEFLATE_CRC32 is None or n < 65536 or data.readonly or not data.c_contiguous:
+    if n < 65536 or data.readonly or not data.c_contiguous:
+        return zlib.crc32(data, value)
+    if not _deflate_probed:
+        _DEFLATE_CRC32, _deflate_probed = _libdeflate_crc32(), True
+    if _DEFLATE_CRC32 is None:
         return zlib.crc32(data, value)
     buf = (ctypes.c_char * n).from_buffer(data)  # no copy; keeps the export alive during the call
     return _DEFLATE_CRC32(value, ctypes.addressof(buf), n)
