@@ -83,6 +83,16 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def timed_into(res: dict, key: str, fn) -> None:
+    """Wall seconds of ``fn`` into ``res[key]``; the busiest rank's CPU seconds (all its threads) into
+    ``res["cpu_" + key]``: CPU work does not stretch with the machine's load the way wall time does."""
+    c0 = time.process_time()
+    res[key].append(timed(fn))
+    cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64)
+    dist.all_reduce(cpu, op=dist.ReduceOp.MAX)
+    res.setdefault("cpu_" + key, []).append(float(cpu))
+
+
 def timed_async(start, wait) -> tuple[float, float]:
     """(blocking, total) seconds of an asynchronous save, the slowest rank's each."""
     dist.barrier()
@@ -172,9 +182,9 @@ def world2(rank, world, base, gb, reps):
             if rank == 0:
                 shutil.rmtree(ours if which == 0 else theirs, ignore_errors=True)
             if which == 0:
-                res["save_ours"].append(timed(lambda: save_checkpoint(ours, model)))
+                timed_into(res, "save_ours", lambda: save_checkpoint(ours, model))
             else:
-                res["save_dcp"].append(timed(lambda: dcp.save(state, checkpoint_id=theirs)))
+                timed_into(res, "save_dcp", lambda: dcp.save(state, checkpoint_id=theirs))
         async_saves(model, state, ours, theirs, (0, 1) if rep % 2 == 0 else (1, 0), res, pg)
         for which in ((0, 1) if rep % 2 == 0 else (1, 0)):
             for sh in param_shards(model):
@@ -182,9 +192,9 @@ def world2(rank, world, base, gb, reps):
             if rank == 0:
                 evict(ours, theirs)
             if which == 0:
-                res["load_ours"].append(timed(lambda: load_checkpoint(ours, model)))
+                timed_into(res, "load_ours", lambda: load_checkpoint(ours, model))
             else:
-                res["load_dcp"].append(timed(lambda: dcp.load(state, checkpoint_id=theirs)))
+                timed_into(res, "load_dcp", lambda: dcp.load(state, checkpoint_id=theirs))
             assert all(torch.equal(a, sh.param.detach()) for a, sh in zip(ref, param_shards(model))), which
     total = torch.tensor([local_bytes(model)])
     dist.all_reduce(total)
@@ -203,9 +213,9 @@ def world1(rank, world, base, gb, reps, sums):
                 sh.param.detach().zero_()
             evict(f"{base}/ours", f"{base}/dcp")
             if which == 0:
-                res["reshard_ours"].append(timed(lambda: load_checkpoint(f"{base}/ours", model)))
+                timed_into(res, "reshard_ours", lambda: load_checkpoint(f"{base}/ours", model))
             else:
-                res["reshard_dcp"].append(timed(lambda: dcp.load(state, checkpoint_id=f"{base}/dcp")))
+                timed_into(res, "reshard_dcp", lambda: dcp.load(state, checkpoint_id=f"{base}/dcp"))
             for sh in param_shards(model):
                 got = float(sh.param.detach().double().sum())
                 assert abs(got - sums[sh.fqn]) <= 1e-6 * max(1.0, abs(got)), (which, sh.fqn)
@@ -275,8 +285,19 @@ def render(res, nbytes, args, load_before, load_after) -> str:
     lines += ["", "Async blocking time as a share of the same implementation's synchronous save (median "
               f"seconds): ours {share(res['ablock_ours'], res['save_ours'])}, ours deferred "
               f"{share(res['dblock_ours'], res['save_ours'])}, DCP "
-              f"{share(res['ablock_dcp'], res['save_dcp'])}."]
+              f"{share(res['ablock_dcp'], res['save_dcp'])}.", "",
+              "CPU seconds of the busiest rank (all its threads), median [min–max]; ratio = DCP ÷ ours per "
+              "repetition (less sensitive to other programs on the machine than wall time):", "",
+              "| operation | fsdp_plugin CPU s | DCP CPU s | DCP ÷ ours |", "|---|---|---|---|"]
+    for label, ours, theirs in (rows[2], rows[7], rows[8]):
+        a, b = res["cpu_" + ours], res["cpu_" + theirs]
+        lines.append(f"| {label} | {spread(a)} | {spread(b)} | {ratio(a, b)} |")
     return "\n".join(lines) + "\n"
+
+
+def spread(xs: list[float]) -> str:
+    xs = sorted(xs)
+    return f"{statistics.median(xs):.3f} [{xs[0]:.3f}–{xs[-1]:.3f}]"
 
 
 def share(block: list[float], sync: list[float]) -> str:

@@ -51,9 +51,9 @@ def shutdown(timeout_s: Optional[float] = None) -> bool:
     Raises :class:`CollectiveError` if another rank does not arrive in time (it probably failed); the
     groups are then left alone, since their threads may still be inside the failed collective.
     """
-    from .checkpoint._async import wait_pending
+    from .checkpoint._async import shutdown as checkpoint_shutdown
 
-    wait_pending()  # a background save's collectives need the groups destroyed below
+    checkpoint_shutdown()  # a background save's collectives need the groups destroyed below; frees staging
     if dist.is_available() and dist.is_initialized():
         comm.barrier("fp.shutdown (waiting for every rank to finish)", timeout_s)
         _settle()

@@ -155,3 +155,56 @@ def test_exit_finishes_pending_save(tmp_path):
     m = torch.nn.Linear(64, 64)
     assert load_checkpoint(path, m)["v"] == 9 and torch.all(m.weight == 2.0)
     assert verify_checkpoint(path) == []
+
+
+def _slowed_write(monkeypatch, delay=0.2):
+    """The background write starts ``delay`` s late: changes made right after the call win any race."""
+    import time
+
+    real = save_mod.write_safetensors
+    monkeypatch.setattr(save_mod, "write_safetensors", lambda *a, **k: (time.sleep(delay), real(*a, **k))[1])
+
+
+def test_staging_buffers_reused_and_each_save_holds_its_calls_values(tmp_path, monkeypatch):
+    """Saves of one model reuse its staging buffers; in-place changes right after each call (outside any
+    optimizer step, while the write is pending) never reach that call's files."""
+    _slowed_write(monkeypatch)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    snaps, ptrs = [], []
+    for k in range(3):
+        snaps.append([p.detach().clone() for p in model.parameters()])
+        h = save_checkpoint(str(tmp_path / f"ck{k}"), model, async_save=True)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        assert not h.done(), "the write finished before the change: the test cannot fail"
+        h.wait()
+        ptrs.append(sorted(t.data_ptr() for ts in _async._pools[model].values() for t in ts))
+    assert ptrs[0] == ptrs[1] == ptrs[2], "the staging buffers were not reused"
+    for k, snap in enumerate(snaps):
+        m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+        load_checkpoint(str(tmp_path / f"ck{k}"), m)
+        assert _same([p.detach() for p in m.parameters()], snap), f"save {k} does not hold its call's values"
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert _async.release_staging_buffers(model) == nbytes and model not in _async._pools
+
+
+def test_staging_buffers_released_by_call_pending_save_and_gc(tmp_path, monkeypatch):
+    import gc
+    import weakref
+
+    from fsdp_plugin.checkpoint import release_staging_buffers
+
+    _slowed_write(monkeypatch)
+    model = torch.nn.Linear(32, 32)
+    h = save_checkpoint(str(tmp_path / "a"), model, async_save=True)
+    assert release_staging_buffers() == 0  # pending: its buffers are freed when it finishes, not re-pooled
+    h.wait()
+    assert model not in _async._pools
+    save_checkpoint(str(tmp_path / "b"), model, async_save=True).wait()
+    assert model in _async._pools
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None and len(_async._pools) == 0, "the staging buffers outlived their model"

@@ -6,7 +6,7 @@
 * :func:`save_pretrained` / :func:`load_pretrained`: Hugging Face safetensors (+ index) in and out.
 * :func:`consolidate`: offline export of a checkpoint to Hugging Face safetensors (CLI ``fsdp-plugin``).
 """
-from ._async import AsyncSave
+from ._async import AsyncSave, release_staging_buffers
 from .consolidate import consolidate
 from .errors import (
     CheckpointError,
@@ -40,6 +40,7 @@ __all__ = [
     "inspect_checkpoint",
     "load_checkpoint",
     "load_pretrained",
+    "release_staging_buffers",
     "save_checkpoint",
     "save_pretrained",
     "verify_checkpoint",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextvars
 import sys
 import threading
+import weakref
 from datetime import timedelta
 
 import torch
@@ -25,8 +26,12 @@ from . import _comm
 
 _lock = threading.Lock()
 _pending: "AsyncSave | None" = None
-_pool: dict = {}          # staging buffers of the last finished save, reused by the next: (dtype, numel) -> [t]
+#: Staging buffers of each model's last finished save, reused by its next: model -> {(dtype, numel): [t]}.
+#: An entry goes away with its model (weak key), with :func:`release_staging_buffers` and with ``fp.shutdown``.
+_pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_generation = 0           # bumped by release_staging_buffers: a save pending across it does not re-pool
 _group_cache: tuple = ()  # (default group object, checkpoint group)
+_copy_streams: dict = {}  # CUDA device -> the side stream of staging copies
 
 
 class AsyncSave:
@@ -93,22 +98,53 @@ def checkpoint_group():
     return group
 
 
+def release_staging_buffers(model=None) -> int:
+    """Free the host staging buffers kept for asynchronous saves; return how many bytes were released.
+
+    ``async_save=True`` keeps one host copy of each model's local state between saves, so the next save
+    copies into memory that is already mapped (fresh memory page-faults on first touch, ~5x slower than the
+    copy itself). The copy goes away with the model (garbage collection), with ``fp.shutdown()``, or here:
+    ``model`` = that model's buffers, None = every model's. A save still pending keeps its buffers until it
+    finishes, then frees them instead of keeping them.
+    """
+    global _generation
+    with _lock:
+        _generation += 1
+        pools = [_pools.pop(model, {})] if model is not None else list(_pools.values())
+        if model is None:
+            _pools.clear()
+    return sum(t.numel() * t.element_size() for pool in pools for ts in pool.values() for t in ts)
+
+
+def shutdown() -> None:
+    """``fp.shutdown``: wait for the pending save, then free every staging buffer."""
+    wait_pending()
+    release_staging_buffers()
+
+
 class Stager:
-    """Host copies of tensors (pinned for device tensors), reusing the previous save's buffers.
+    """Host copies of tensors (pinned for CUDA tensors), reusing the same model's previous staging buffers.
 
     ``deferred=False``: every copy is made when the tensor is staged (before ``save_checkpoint`` returns).
+    CPU tensors are copied at once; CUDA tensors are copied on a side stream that first waits for the caller's
+    stream, and :meth:`finish` makes the caller's stream wait for those copies (later kernels, which may
+    overwrite the sources, run after them), so the call does not wait for the device: the checkpoint
+    thread waits for the copies' event before writing.
     ``deferred=True``: large state (parameters, optimizer state) is copied by :meth:`copy_deferred` on the
     checkpoint thread, fenced by every optimizer's ``step()``; small tensors (buffers, ``extra``) still now.
     """
 
-    def __init__(self, deferred: bool = False):
-        global _pool
+    def __init__(self, model, deferred: bool = False):
         with _lock:
-            self._free, _pool = _pool, {}
+            self._free = _pools.pop(model, {})
+            self._generation = _generation
+        self._owner = weakref.ref(model)
         self.deferred = deferred
         self.used: list[torch.Tensor] = []
         self._later: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._streams: dict = {}  # device -> the caller's stream (device copies are ordered on it)
+        self._streams: dict = {}  # device -> the caller's stream (deferred copies are ordered on it)
+        self._side: dict = {}     # device -> side stream of this save's copies at the call
+        self._events: list = []   # recorded after the copies at the call, waited for by the checkpoint thread
 
     def __call__(self, t: torch.Tensor, large: bool = False) -> torch.Tensor:
         """A 1-D host buffer that holds (or, deferred and ``large``, will hold) ``t``'s values now."""
@@ -116,45 +152,64 @@ class Stager:
         key = (t.dtype, t.numel())
         free = self._free.get(key)
         buf = free.pop() if free else torch.empty(t.numel(), dtype=t.dtype, pin_memory=t.is_cuda)
+        self.used.append(buf)
         if t.is_cuda and t.device not in self._streams:
             self._streams[t.device] = torch.cuda.current_stream(t.device)
-        self.used.append(buf)
         if self.deferred and large:
             self._later.append((t, buf))
+        elif t.is_cuda:
+            self._copy_on_side_stream(t, buf)
         else:
-            buf.copy_(t.reshape(-1), non_blocking=t.is_cuda)
+            buf.copy_(t.reshape(-1))
         return buf
 
+    def _copy_on_side_stream(self, t: torch.Tensor, buf: torch.Tensor) -> None:
+        side = self._side.get(t.device)
+        if side is None:
+            if t.device not in _copy_streams:
+                _copy_streams[t.device] = torch.cuda.Stream(t.device)
+            side = self._side[t.device] = _copy_streams[t.device]
+        src = t.reshape(-1)  # may itself be a copy queued on the caller's stream: wait after it
+        side.wait_stream(self._streams[t.device])
+        with torch.cuda.stream(side):
+            buf.copy_(src, non_blocking=True)
+        src.record_stream(side)  # the caching allocator must not hand src's memory out before the copy ran
+
     def finish(self) -> None:
-        """Caller side, before returning: drop unused old buffers; in copy mode wait for device copies."""
+        """Caller side, before returning: drop unused old buffers; order later device work after the copies."""
         self._free = {}
-        if not self.deferred:
-            self._sync()
+        for device, side in self._side.items():
+            event = torch.cuda.Event()
+            event.record(side)
+            self._streams[device].wait_event(event)  # no host wait: the caller's next kernels queue behind
+            self._events.append(event)
 
     def copy_deferred(self) -> None:
-        """Checkpoint thread: make the deferred copies (on the caller's device streams) and wait for them."""
+        """Checkpoint thread: make the deferred copies (on the caller's device streams) and wait for every
+        device copy of this save (deferred or not) before anything is written."""
         for src, buf in self._later:
             if src.is_cuda:
                 with torch.cuda.stream(self._streams[src.device]):
                     buf.copy_(src.reshape(-1), non_blocking=True)
             else:
                 buf.copy_(src.reshape(-1))
+        for event in self._events:
+            event.synchronize()
+        if self._later:
+            for stream in self._streams.values():
+                stream.synchronize()
         self._later = []
-        self._sync()
-
-    def _sync(self) -> None:
-        for stream in self._streams.values():
-            stream.synchronize()
 
     def release(self) -> None:
-        """Give this save's buffers to the next one."""
-        global _pool
+        """Keep this save's buffers for the model's next save (unless released meanwhile or the model is gone)."""
         pool: dict = {}
         for buf in self.used:
             pool.setdefault((buf.dtype, buf.numel()), []).append(buf)
-        with _lock:
-            _pool = pool
         self.used = []
+        owner = self._owner()
+        with _lock:
+            if owner is not None and self._generation == _generation:
+                _pools[owner] = pool
 
 
 def _fence(optimizer, args, kwargs) -> None:

@@ -108,10 +108,13 @@ def _sync_file_range():
 
 
 _SFR = _sync_file_range()
-#: Start each written chunk's writeback at once (``sync_file_range(SYNC_FILE_RANGE_WRITE)``) so the final
-#: fsync has less to wait for. Off by default: on the shared 2-core test VM it cost CPU in the saving process
-#: and no wall-time gain could be shown (see benchmarks/RESULTS.md); worth measuring on a quiet machine.
-EARLY_WRITEBACK = False
+#: Start the writeback of every ``WRITEBACK_BYTES`` just written (``sync_file_range(SYNC_FILE_RANGE_WRITE)``,
+#: no wait) so the disk works while the rest of the file is checksummed and written, and the final fsync has
+#: little left to wait for. Without it the kernel starts writing only at its dirty thresholds (GBs), i.e.
+#: inside the fsync, after all the CPU work. Measured on a 235 MB file (2-core VM): fsync 0.12 s -> 0.015 s
+#: for ~10% more CPU in the writing loop. Durability is unchanged: every file is still fsynced.
+EARLY_WRITEBACK = True
+WRITEBACK_BYTES = 8 << 20
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
@@ -129,6 +132,47 @@ def fsync_path(path: str, directory: bool = False) -> None:
         os.close(fd)
 
 
+def _libdeflate_crc32():
+    """libdeflate's CRC32 (the same CRC-32 as zlib's; PCLMUL/AVX: ~14 GB/s here vs zlib 1.2's ~4 GB/s), or None.
+
+    Optional: the system library ``libdeflate.so.0`` (Debian/Ubuntu ``libdeflate0``), opened with ctypes
+    (``dlopen``, no subprocess) on first use and checked against zlib once. ctypes drops the GIL during the
+    call, like ``zlib.crc32`` on large buffers. ``FSDP_PLUGIN_ZLIB_CRC32=1`` forces zlib.
+    """
+    if os.environ.get("FSDP_PLUGIN_ZLIB_CRC32") == "1":
+        return None
+    for name in ("libdeflate.so.0", "libdeflate.so", "libdeflate.0.dylib", "libdeflate.dylib"):
+        try:
+            fn = ctypes.CDLL(name).libdeflate_crc32
+            break
+        except (OSError, AttributeError):
+            continue
+    else:
+        return None
+    fn.restype = ctypes.c_uint32
+    fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+    probe = (ctypes.c_char * 9).from_buffer_copy(b"123456789")
+    return fn if fn(0, ctypes.addressof(probe), 9) == zlib.crc32(b"123456789") else None
+
+
+_DEFLATE_CRC32 = None
+_deflate_probed = False
+
+
+def crc32(data: memoryview, value: int = 0) -> int:
+    """``zlib.crc32(data, value)``, computed by libdeflate when it is installed and ``data`` is writable."""
+    global _DEFLATE_CRC32, _deflate_probed
+    n = data.nbytes
+    if n < 65536 or data.readonly or not data.c_contiguous:
+        return zlib.crc32(data, value)
+    if not _deflate_probed:
+        _DEFLATE_CRC32, _deflate_probed = _libdeflate_crc32(), True
+    if _DEFLATE_CRC32 is None:
+        return zlib.crc32(data, value)
+    buf = (ctypes.c_char * n).from_buffer(data)  # no copy; keeps the export alive during the call
+    return _DEFLATE_CRC32(value, ctypes.addressof(buf), n)
+
+
 class BlockCrc:
     """CRC32 of consecutive ``block_bytes`` blocks of a byte stream fed in order with :meth:`update`."""
 
@@ -141,7 +185,7 @@ class BlockCrc:
     def update(self, data: memoryview) -> None:
         while len(data):
             take = min(len(data), self.block_bytes - self._fill)
-            self._crc = zlib.crc32(data[:take], self._crc)
+            self._crc = crc32(data[:take], self._crc)
             self._fill += take
             data = data[take:]
             if self._fill == self.block_bytes:

@@ -24,7 +24,6 @@ import torch
 
 from . import _async, _comm, _format, _model, _publish, codec, manifest, optim
 from .errors import CheckpointError
-from .fsio import fsync_path
 from .writer import write_safetensors
 
 
@@ -66,7 +65,7 @@ def save_checkpoint(path, model, optimizer=None, extra=None, *,
     rank, world = _comm.rank(), _comm.world_size()
     uid = _begin(path, rank)
     tmp = _publish.tmp_name(path, uid)
-    stager = _async.Stager(deferred=async_save == "deferred") if async_save else None
+    stager = _async.Stager(model, deferred=async_save == "deferred") if async_save else None
     group = _async.checkpoint_group() if async_save else None
     err, job = None, None
     try:
@@ -253,8 +252,7 @@ def _write_manifest(tmp: str, doc: dict) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.rename(part, os.path.join(tmp, manifest.NAME))
-    fsync_path(tmp, directory=True)
+    os.rename(part, os.path.join(tmp, manifest.NAME))  # the directory is fsynced by _publish.publish
 
 
 def _version() -> str:

@@ -63,15 +63,18 @@ def write_safetensors(path: str, tensors: list[tuple[str, torch.Tensor, tuple[in
 
 def _write_chunks(fd: int, header: bytes, tensors: list, crc: BlockCrc) -> int:
     """Checksum then write each chunk while it is still in cache (measured: ~35% less CPU than whole tensors)."""
-    _write_and_crc(fd, memoryview(header), crc, 0)
-    size = len(header)
+    _write_and_crc(fd, memoryview(header), crc)
+    size = flushed = len(header)
     for _, t, _ in tensors:
         flat = flat_cpu(t)  # keeps a temporary host copy alive while its view is written
         view = byte_view(flat)
         for pos in range(0, len(view), CHUNK_BYTES):
             chunk = view[pos:pos + CHUNK_BYTES]
-            _write_and_crc(fd, chunk, crc, size)
+            _write_and_crc(fd, chunk, crc)
             size += len(chunk)
+            if size - flushed >= fsio.WRITEBACK_BYTES:
+                start_writeback(fd, flushed, size - flushed)
+                flushed = size
     return size
 
 
@@ -79,7 +82,6 @@ def _write_chunks(fd: int, header: bytes, tensors: list, crc: BlockCrc) -> int:
 CHUNK_BYTES = 1 << 20
 
 
-def _write_and_crc(fd: int, data: memoryview, crc: BlockCrc, offset: int) -> None:
+def _write_and_crc(fd: int, data: memoryview, crc: BlockCrc) -> None:
     crc.update(data)
     write_all(fd, data)
-    start_writeback(fd, offset, len(data))
