@@ -65,10 +65,62 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = Fal
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
-    """Sum ``inp`` across ranks and keep this rank's chunk in ``out`` (``inp.numel() / n`` elements)."""
+    """Sum ``inp`` across ranks and keep this rank's chunk in ``out`` (``inp.numel() / n`` elements).
+
+    On gloo with CPU tensors the chunks are exchanged point to point (`_P2PReduceScatter`): torch's gloo
+    reduce-scatter copies the whole input and all-reduces it, moving twice the ring bytes."""
     n = group_size(group)
     _count("reduce_scatter", inp.numel(), inp.element_size(), n)
+    if inp.device.type == "cpu" and inp.is_contiguous() and dist.get_backend(group) == "gloo":
+        work = _P2PReduceScatter(out, inp, group, n)
+        if not async_op:
+            work.wait()
+        return work if async_op else None
     return dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+_P2P_TAG_BASE = 1 << 20          # above the tags of plain send/recv (0); one tag per reduce-scatter of a group
+_p2p_tags: dict = {}
+
+
+class _P2PReduceScatter:
+    """A reduce-scatter as sends and receives: rank ``r`` sends chunk ``j`` of its input to rank ``j`` and
+    receives every peer's chunk ``r``; ``wait`` sums them in rank order into ``out``. Per rank it writes
+    ``total·(N−1)/N`` bytes (the ring formula) and copies nothing; at N = 2 the sum is bit-equal to an
+    all-reduce's (one addition is commutative). Every rank of the group issues its reduce-scatters in the same
+    order (the engine's contract), so a per-group counter gives matching tags."""
+
+    def __init__(self, out: torch.Tensor, inp: torch.Tensor, group, n: int):
+        me = dist.get_rank(group)
+        tag = _P2P_TAG_BASE + _p2p_tags.get(group, 0)
+        _p2p_tags[group] = (_p2p_tags.get(group, 0) + 1) % _P2P_TAG_BASE
+        chunks = inp.view(n, -1)
+        self.out, self.mine, self.me = out, chunks[me], me
+        self.recv = torch.empty((n - 1, out.numel()), dtype=inp.dtype)
+        self.works = []
+        for j in range(n):
+            if j != me:
+                peer = dist.get_global_rank(group, j) if group is not None else j
+                buf = self.recv[j if j < me else j - 1]
+                self.works.append(dist.irecv(buf, src=peer, group=group, tag=tag))
+                self.works.append(dist.isend(chunks[j], dst=peer, group=group, tag=tag))
+        self.keep = inp
+
+    def wait(self, timeout=None) -> bool:
+        for w in self.works:
+            if (w.wait(timeout) if timeout is not None else w.wait()) is False:
+                return False
+        if self.mine is not None:
+            self.works = []
+            parts = [*self.recv[:self.me], self.mine, *self.recv[self.me:]]
+            if len(parts) == 1:
+                self.out.copy_(parts[0])
+            else:
+                torch.add(parts[0], parts[1], out=self.out)
+            for p in parts[2:]:
+                self.out.add_(p)
+            self.recv = self.keep = self.mine = None
+        return True
 
 
 def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False, kind: str = "all_reduce",
