@@ -42,3 +42,27 @@ def test_p2p_reduce_scatter_matches_the_sum(world):
     for r in results:
         if r is not None:
             assert max(r) <= 1e-5 if world == 3 else max(r) == 0.0, r
+
+
+def _all_gather(rank, world):
+    group = None
+    if world == 3:
+        group = dist.new_group([1, 2])
+        if rank == 0:
+            return None
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    members = [1, 2] if world == 3 else list(range(world))
+    mine = [torch.arange(5.0) + 100 * rank + k for k in range(2)]
+    outs = [torch.empty(5 * n) for _ in mine]
+    works = [comm.all_gather(o, i, group, async_op=True) for o, i in zip(outs, mine)]
+    assert isinstance(works[0], comm._P2PAllGather)
+    for w in reversed(works):
+        comm.wait(w, "test all-gather", 30)
+    want = [torch.cat([torch.arange(5.0) + 100 * r + k for r in members]) for k in range(2)]
+    assert me == members.index(rank)
+    return all(torch.equal(o, w) for o, w in zip(outs, want))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_p2p_all_gather_in_rank_order(world):
+    assert all(r in (None, True) for r in run_ranks(_all_gather, world, timeout=60))
