@@ -21,6 +21,7 @@ import cProfile
 import json
 import os
 import pstats
+import resource
 import statistics
 import sys
 import time
@@ -48,14 +49,18 @@ def step(model, opt, x, y):
 
 
 def clocks(model, opt, batches) -> dict:
-    proc, main = [], []
+    proc, main, sys_s, faults = [], [], [], []
     for x, y in batches:
-        p0, t0 = time.process_time(), time.thread_time()
+        r0, p0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.process_time(), time.thread_time()
         step(model, opt, x, y)
         proc.append(time.process_time() - p0)
         main.append(time.thread_time() - t0)
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        sys_s.append(r1.ru_stime - r0.ru_stime)
+        faults.append(r1.ru_minflt - r0.ru_minflt)
     return {"proc_cpu_s": statistics.median(proc), "main_cpu_s": statistics.median(main),
-            "other_threads_cpu_s": statistics.median(p - m for p, m in zip(proc, main))}
+            "other_threads_cpu_s": statistics.median(p - m for p, m in zip(proc, main)),
+            "system_cpu_s": statistics.median(sys_s), "minor_faults": statistics.median(faults)}
 
 
 def _group(filename: str) -> str:
@@ -114,6 +119,7 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--clocks-only", action="store_true", help="pass 1 only (A/B runs of CPU time)")
     a = p.parse_args(argv)
     a.global_batch = PRESET_BATCH[a.preset]
     torch.set_num_threads(1)
@@ -134,10 +140,11 @@ def main(argv=None):
     rec = {"rank": rank, "clocks": clocks(model, opt, batches)}
     if stats is not None:
         rec["collectives_per_step"] = {k: v / a.steps for k, v in stats.calls.items()}
-    dist.barrier()
-    rec["python"] = profile_python(model, opt, batches)
-    dist.barrier()
-    rec["ops"] = profile_ops(model, opt, batches)
+    if not a.clocks_only:
+        dist.barrier()
+        rec["python"] = profile_python(model, opt, batches)
+        dist.barrier()
+        rec["ops"] = profile_ops(model, opt, batches)
     recs = [None] * world
     dist.all_gather_object(recs, rec)
     if rank == 0:
@@ -155,8 +162,11 @@ def summary(backend: str, recs: list) -> None:
     print(f"process CPU {c['proc_cpu_s'] * 1e3:.1f} = main thread {c['main_cpu_s'] * 1e3:.1f} "
           f"+ other threads {c['other_threads_cpu_s'] * 1e3:.1f};  other ranks' process CPU: "
           + ", ".join(f"{x['clocks']['proc_cpu_s'] * 1e3:.1f}" for x in recs[1:]))
+    print(f"of which kernel (system) CPU {c['system_cpu_s'] * 1e3:.1f}; minor page faults {c['minor_faults']:.0f}")
     if "collectives_per_step" in r:
         print("collectives per step:", {k: round(v, 2) for k, v in r["collectives_per_step"].items()})
+    if "python" not in r:
+        return
     py = r["python"]
     print("main-thread self CPU by group (cProfile):", {k: round(v, 1) for k, v in py["self_cpu_ms_by_group"].items()})
     print(f"fsdp_plugin Python calls per step: {py['fsdp_plugin_calls_per_step']:.0f}")
