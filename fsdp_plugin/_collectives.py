@@ -109,12 +109,14 @@ class _P2PWork:
         tag = _P2P_TAG_BASE + _p2p_tags.get(group, 0)
         _p2p_tags[group] = (_p2p_tags.get(group, 0) + 1) % _P2P_TAG_BASE
         self.me = dist.get_rank(group)
+        # The process group's own send/recv take group ranks and skip dist.isend's Python checks (they cost
+        # more than the call itself at a few dozen calls per step).
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
         self.works = []
         for j in range(n):
             if j != self.me:
-                peer = dist.get_global_rank(group, j) if group is not None else j
-                self.works.append(dist.irecv(recvs[j], src=peer, group=group, tag=tag))
-                self.works.append(dist.isend(sends[j], dst=peer, group=group, tag=tag))
+                self.works.append(pg.recv([recvs[j]], j, tag))
+                self.works.append(pg.send([sends[j]], j, tag))
         self.done = False
 
     def wait(self, timeout=None) -> bool:
