@@ -149,7 +149,7 @@ class RootState:
         handle.start_reduce(grad)
         self._pending.append(handle)
         # The root's gradient is assembled last (embedding backward + the flat leaf's gradient: its peak of the
-        # step); a reduction still in flight then would hold its unit's full gradient and gloo's copy of it.
+        # step); a reduction still in flight then would hold its unit's full gradient and the reduction's buffers.
         limit = 0 if unit is not None and unit is self._unit_before_root else _MAX_PENDING_REDUCES
         while len(self._pending) > limit:
             self._pending.popleft().finish_reduce()
