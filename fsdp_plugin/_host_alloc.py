@@ -5,7 +5,7 @@ gradient, the reduction's chunks). On CUDA torch's caching allocator keeps freed
 on the CPU every tensor is a ``malloc`` block, and glibc hands large freed blocks back to the kernel (``munmap``
 above the mmap threshold, ``trim`` of the heap's top above the trim threshold), so the next step takes a page
 fault per 4 KiB page to get them again. Measured on the small GPT at world 2 (benchmarks/profile_step.py):
-4 000–16 000 minor faults per step and 30–50 ms of kernel CPU, against ~1 000 and ~15 ms for DDP, whose
+4 000–16 000 minor faults per step and 30–50 ms of kernel CPU, against 0–3 000 and 9–18 ms for DDP, whose
 buckets persist. Fixing both thresholds (glibc's own knobs, as ``MALLOC_MMAP_THRESHOLD_`` /
 ``MALLOC_TRIM_THRESHOLD_`` would) keeps up to ``_TRIM_BYTES`` of freed heap for reuse, like a caching
 allocator: the live heap (what the memory targets count) does not change, only what the process keeps
