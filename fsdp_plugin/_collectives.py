@@ -58,17 +58,113 @@ def _count(kind: str, total_elems: int, elem_size: int, n: int, factor: int = 1)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False, kind: str = "all_gather"):
-    """Gather ``inp`` (one chunk per rank) into ``out`` (``n * inp.numel()`` elements), rank order."""
+    """Gather ``inp`` (one chunk per rank) into ``out`` (``n * inp.numel()`` elements), rank order.
+
+    On gloo with CPU tensors the chunks go point to point (`_P2PAllGather`): torch's gloo all-gather gathers
+    into a temporary flat buffer and copies it out, one extra full-size buffer and copy per call."""
     n = group_size(group)
     _count(kind, out.numel(), out.element_size(), n)
+    if _p2p_ok(group, out, inp):
+        return _issued(_P2PAllGather(out, inp, group, n), async_op)
     return dist.all_gather_single(out, inp, group=group, async_op=async_op)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
-    """Sum ``inp`` across ranks and keep this rank's chunk in ``out`` (``inp.numel() / n`` elements)."""
+    """Sum ``inp`` across ranks and keep this rank's chunk in ``out`` (``inp.numel() / n`` elements).
+
+    On gloo with CPU tensors the chunks go point to point (`_P2PReduceScatter`): torch's gloo reduce-scatter
+    copies the whole input and all-reduces it, moving twice the ring bytes."""
     n = group_size(group)
     _count("reduce_scatter", inp.numel(), inp.element_size(), n)
+    if _p2p_ok(group, out, inp):
+        return _issued(_P2PReduceScatter(out, inp, group, n), async_op)
     return dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def _p2p_ok(group, out: torch.Tensor, inp: torch.Tensor) -> bool:
+    return (out.device.type == "cpu" and inp.device.type == "cpu" and out.is_contiguous() and inp.is_contiguous()
+            and dist.get_backend(group) == "gloo")
+
+
+def _issued(work, async_op: bool):
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+_P2P_TAG_BASE = 1 << 20          # above the tags of plain send/recv (0); one tag per collective of a group
+_p2p_tags: dict = {}
+
+
+class _P2PWork:
+    """A collective as sends and receives to every peer of ``group`` (gloo, CPU), waited like a torch Work.
+
+    Per rank it writes ``chunk·(N−1)`` bytes, the ring formula of the counters. Every rank of a group issues its
+    collectives in the same order (the contract of any collective), so a per-group counter gives matching tags;
+    the tag keeps two collectives in flight between the same ranks apart."""
+
+    def __init__(self, group, n: int, sends: list, recvs: list):
+        """``sends[j]`` / ``recvs[j]``: the tensor for group rank ``j`` (None for this rank)."""
+        tag = _P2P_TAG_BASE + _p2p_tags.get(group, 0)
+        _p2p_tags[group] = (_p2p_tags.get(group, 0) + 1) % _P2P_TAG_BASE
+        self.me = dist.get_rank(group)
+        # The process group's own send/recv take group ranks and skip dist.isend's Python checks (they cost
+        # more than the call itself at a few dozen calls per step).
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        self.works = []
+        for j in range(n):
+            if j != self.me:
+                self.works.append(pg.recv([recvs[j]], j, tag))
+                self.works.append(pg.send([sends[j]], j, tag))
+        self.done = False
+
+    def wait(self, timeout=None) -> bool:
+        for w in self.works:
+            if (w.wait(timeout) if timeout is not None else w.wait()) is False:
+                return False
+        if not self.done:
+            self.done, self.works = True, []
+            self._finish()
+        return True
+
+    def _finish(self) -> None:
+        pass
+
+
+class _P2PAllGather(_P2PWork):
+    """Rank ``r`` copies its chunk into ``out`` chunk ``r`` and receives every peer's chunk in place."""
+
+    def __init__(self, out: torch.Tensor, inp: torch.Tensor, group, n: int):
+        me = dist.get_rank(group)
+        chunks = out.view(n, -1)
+        chunks[me].copy_(inp.view(-1))
+        super().__init__(group, n, [inp.view(-1)] * n, list(chunks))
+        self.keep = inp
+
+
+class _P2PReduceScatter(_P2PWork):
+    """Rank ``r`` sends chunk ``j`` of its input to rank ``j``, receives every peer's chunk ``r`` and, in ``wait``,
+    sums them in rank order into ``out`` (at N = 2 bit-equal to an all-reduce's sum: one commutative addition).
+    No copy of the input."""
+
+    def __init__(self, out: torch.Tensor, inp: torch.Tensor, group, n: int):
+        me = dist.get_rank(group)
+        self.out, self.chunks = out, inp.view(n, -1)
+        recv = list(torch.empty((n - 1, out.numel()), dtype=inp.dtype))
+        self.recvs = recv[:me] + [None] + recv[me:]
+        super().__init__(group, n, list(self.chunks), self.recvs)
+        self.keep = inp
+
+    def _finish(self) -> None:
+        parts = [self.chunks[j] if j == self.me else self.recvs[j] for j in range(len(self.chunks))]
+        if len(parts) == 1:
+            self.out.copy_(parts[0])
+        else:
+            torch.add(parts[0], parts[1], out=self.out)
+        for p in parts[2:]:
+            self.out.add_(p)
+        self.recvs = self.chunks = self.keep = None
 
 
 def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False, kind: str = "all_reduce",

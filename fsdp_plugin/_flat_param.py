@@ -56,6 +56,23 @@ class _PendingReduce:
     keep: torch.Tensor           # input kept alive until the collective finishes
 
 
+class _LeafViews(torch.autograd.Function):
+    """Every slot's full-shape view of a handle's leaf in one autograd node (instead of a split node, a view
+    node and a Python hook per slot). Gradients of unused views arrive as None: the backward marks the
+    others used and concatenates the leaf's gradient (zeros for unused slots and the padding), as the split's
+    own backward would."""
+
+    @staticmethod
+    def forward(ctx, handle, leaf):
+        ctx.handle = handle
+        ctx.set_materialize_grads(False)
+        return tuple(p.view(s) for p, s in zip(leaf.split_with_sizes(handle._split_sizes), handle._shapes))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return None, ctx.handle.flat_grad(grads)
+
+
 class FlatParamHandle:
     """Owns one flat buffer: layout, unshard/reshard, gradient reduction."""
 
@@ -94,7 +111,6 @@ class FlatParamHandle:
         self._full = self.leaf.data
         self._split_sizes = [s.numel for s in self.slots] + ([self.padded - self.total] if self.padded > self.total else [])
         self._shapes = [s.shape for s in self.slots]
-        self._markers = [self._mark_used(i) for i in range(len(self.slots))]
 
     def _bind_local_pieces(self) -> None:
         for s in self.slots:
@@ -205,22 +221,26 @@ class FlatParamHandle:
     def views(self) -> list[torch.Tensor]:
         """Full-shape views of the unsharded leaf, one per slot (autograd-connected in grad mode).
 
-        In grad mode each view gets a hook that marks its slot used: autograd runs a view's backward only
-        if the view reached the loss, so the marks say which parameters got a gradient (``SlotUsage``).
+        In grad mode the views come from one `_LeafViews` node, whose backward marks the slots that got a
+        gradient (``SlotUsage``): autograd hands it None for a view that did not reach the loss.
         """
+        if self.requires_grad and torch.is_grad_enabled() and self.slots:
+            return list(_LeafViews.apply(self, self.leaf))
         pieces = self.leaf.split_with_sizes(self._split_sizes)
-        views = [piece.view(shape) for piece, shape in zip(pieces, self._shapes)]
-        if views and views[0].requires_grad:
-            for v, mark in zip(views, self._markers):
-                v.register_hook(mark)
-        return views
+        return [piece.view(shape) for piece, shape in zip(pieces, self._shapes)]
 
-    def _mark_used(self, i: int):
-        """Hook marking slot ``i`` used; made once per slot (views are made twice per step), reading
-        ``self.usage`` when it runs since ``abandon_step`` replaces it."""
-        def mark(_grad):
-            self.usage.now[i] = 1
-        return mark
+    def flat_grad(self, grads) -> torch.Tensor:
+        """The leaf's gradient from per-slot gradients (None: unused, zeros), marking used slots."""
+        now, parts = self.usage.now, []
+        for i, (g, n) in enumerate(zip(grads, self._split_sizes)):
+            if g is None:
+                parts.append(torch.zeros(n, dtype=self.compute_dtype, device=self.device))
+            else:
+                now[i] = 1
+                parts.append(g.reshape(-1))
+        if self.padded > self.total:
+            parts.append(torch.zeros(self.padded - self.total, dtype=self.compute_dtype, device=self.device))
+        return torch.cat(parts)
 
     # ------------------------------------------------------------- gradients
     def take_unsharded_grad(self) -> Optional[torch.Tensor]:

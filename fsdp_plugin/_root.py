@@ -11,6 +11,7 @@ from torch.utils._pytree import tree_map
 from . import _collectives as comm
 from .config import ShardingConfig
 from .errors import CollectiveError
+from ._host_alloc import keep_freed_host_memory
 from ._mesh import Mesh
 from ._states import OrderState, RootPhase
 from ._usage import UsageAgreement
@@ -25,6 +26,8 @@ class RootState:
 
     def __init__(self, config: ShardingConfig, mesh: Mesh, device: torch.device):
         self.config, self.mesh, self.device = config, mesh, device
+        if device.type == "cpu" and mesh.world_size > 1:
+            keep_freed_host_memory()    # per-step buffers are malloc blocks on the CPU (see _host_alloc)
         self.units: list = []               # root first, parents before children
         self.no_sync = False
         self.phase = RootPhase.IDLE
@@ -32,6 +35,11 @@ class RootState:
         self.order_state = OrderState.RECORDING
         self._pending: deque = deque()
         self._phase_before_full = RootPhase.IDLE
+        # Filled once when the order freezes (``_freeze_order``): the hot path only looks them up.
+        self._forward_next: dict = {}       # unit -> units to prefetch after its unshard in forward
+        self._backward_next: dict = {}      # unit -> units to prefetch at its pre-backward, nearest first
+        self._unit_before_root = None       # the unit whose reduction the root's comes right after
+        self._agreement = None              # a usage-mask all-reduce issued and not yet finished
 
     @property
     def root_unit(self):
@@ -86,14 +94,21 @@ class RootState:
 
     def after_unshard_in_forward(self, unit) -> None:
         if self.config.forward_prefetch and self.order_state is OrderState.FROZEN and torch.is_grad_enabled():
-            for k in range(1, self.prefetch_depth + 1):
-                nxt = self._neighbour(unit, +k)
-                if nxt is not None:
-                    nxt.unshard()
+            for nxt in self._forward_next.get(unit, ()):
+                nxt.unshard()
 
     def after_unit_forward(self, unit) -> None:
-        if unit is self.root_unit:
+        if unit is self.root_unit and self.order_state is OrderState.RECORDING:
             self.order_state = OrderState.FROZEN
+            self._freeze_order()
+
+    def _freeze_order(self) -> None:
+        """RECORDING -> FROZEN: every prefetch target and the root-reduces-next unit, computed once."""
+        order, depth = self.exec_order, self.prefetch_depth
+        self._forward_next = {u: order[i + 1:i + 1 + depth] for i, u in enumerate(order)}
+        self._backward_next = {u: [n for n in (self._backward_neighbour(u, k) for k in range(1, depth + 1))
+                                   if n is not None] for u in order}
+        self._unit_before_root = order[1] if len(order) > 1 and order[0] is self.root_unit else None
 
     def _cast_inputs(self, args, kwargs):
         mp = self.config.mixed_precision
@@ -105,12 +120,6 @@ class RootState:
                 return x.to(mp.param_dtype)
             return x
         return tree_map(cast, args), tree_map(cast, kwargs)
-
-    def _neighbour(self, unit, step: int):
-        if unit not in self.exec_order:
-            return None
-        i = self.exec_order.index(unit) + step
-        return self.exec_order[i] if 0 <= i < len(self.exec_order) else None
 
     # ---------------------------------------------------------------- backward
     def on_backward_hook(self) -> None:
@@ -132,29 +141,23 @@ class RootState:
 
     def prefetch_backward(self, unit) -> None:
         if self.config.backward_prefetch:
-            for k in range(1, self.prefetch_depth + 1):
-                nxt = self._backward_neighbour(unit, k)
-                if nxt is not None and not nxt.in_backward:
+            for nxt in self._backward_next.get(unit, ()):
+                if not nxt.in_backward:
                     nxt.unshard()
 
     def enqueue_reduce(self, handle, grad: torch.Tensor, unit=None) -> None:
         handle.start_reduce(grad)
         self._pending.append(handle)
         # The root's gradient is assembled last (embedding backward + the flat leaf's gradient: its peak of the
-        # step); a reduction still in flight then would hold its unit's full gradient and gloo's copy of it.
-        limit = 0 if unit is not None and self._root_reduces_next(unit) else _MAX_PENDING_REDUCES
+        # step); a reduction still in flight then would hold its unit's full gradient and the reduction's buffers.
+        limit = 0 if unit is not None and unit is self._unit_before_root else _MAX_PENDING_REDUCES
         while len(self._pending) > limit:
             self._pending.popleft().finish_reduce()
-
-    def _root_reduces_next(self, unit) -> bool:
-        order = self.exec_order
-        return (self.order_state is OrderState.FROZEN and len(order) > 1 and order[0] is self.root_unit
-                and order[1] is unit)
 
     def _end_of_backward(self) -> None:
         """BACKWARD -> IDLE: finish reductions, reshard every unit, agree on unused parameters (the mask
         all-reduce is issued first so that it overlaps the last reduction)."""
-        agreement = None if self.no_sync else UsageAgreement(self)
+        agreement = self._agreement = None if self.no_sync else UsageAgreement(self)
         try:
             while self._pending:
                 self._pending.popleft().finish_reduce()
@@ -162,6 +165,8 @@ class RootState:
             for unit in self.units:
                 unit.end_backward()
             self.phase = RootPhase.IDLE
+        # A reduction that raised leaves the mask all-reduce in flight: fp.reset waits for it (``reset``).
+        self._agreement = None
         if agreement is not None:
             agreement.finish()
 
@@ -170,6 +175,12 @@ class RootState:
         collectives finished, unreduced gradients dropped. Raises the first CollectiveError after cleaning up."""
         error = None
         self._pending.clear()
+        agreement, self._agreement = self._agreement, None
+        if agreement is not None:
+            try:
+                agreement.drain()
+            except Exception as e:  # noqa: BLE001 - the handles are still cleaned; the first error is re-raised
+                error = e
         for unit in self.units:
             for h in unit.handles:
                 try:

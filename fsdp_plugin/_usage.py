@@ -71,6 +71,12 @@ class UsageAgreement:
             self.flat = torch.frombuffer(bytearray(b"".join(self.masks)), dtype=torch.uint8).to(root.device)
             self.work = comm.all_reduce(self.flat, None, op=dist.ReduceOp.MAX, async_op=True, kind="control")
 
+    def drain(self) -> None:
+        """Wait for the all-reduce without using its result (fp.reset of a backward that raised)."""
+        work, self.work, self.flat = self.work, None, None
+        if work is not None:
+            comm.wait(work, "unused-parameter mask all-reduce", self.handles[0].timeout_s)
+
     def finish(self) -> None:
         if self.flat is not None:
             comm.wait(self.work, "unused-parameter mask all-reduce", self.handles[0].timeout_s)

@@ -99,3 +99,43 @@ def test_reset_after_exception_in_backward(world, strategy, quiet_first):
         assert max(abs(a - b) for a, b in zip(losses, want_losses)) <= 1e-5, (losses, want_losses)
     for k, v in want_state.items():
         assert (results[0][1][k] - v).abs().max().item() <= 1e-5, k
+
+
+def _failing_reduce_worker(rank, world):
+    torch.manual_seed(0)
+    model = fp.shard(Net(), auto_wrap_policy={nn.Sequential}, sharding_strategy="full_shard")
+    opt = make_optimizer("sgd", model.parameters())
+    root = model._fp_root
+    out = []
+    for s in range(STEPS):
+        opt.zero_grad()
+        if s == BOOM:   # the root's reduction, finished at the end of backward, raises there
+            h = root.root_unit.handles[0]
+
+            def boom():
+                raise RuntimeError("boom in finish_reduce")
+            h.finish_reduce = boom
+            loss = model(*batch(s, rank))
+            with pytest.raises(RuntimeError, match="boom"):
+                loss.backward()
+            del h.finish_reduce
+            agreement = root._agreement
+            assert agreement is not None and agreement.work is not None, "the mask all-reduce was issued"
+            fp.reset(model)
+            assert root._agreement is None and agreement.work is None, "fp.reset waited for the mask all-reduce"
+            assert all(hh.pending_reduce is None for u in root.units for hh in u.handles)
+            continue
+        loss = model(*batch(s, rank))
+        loss.backward()
+        opt.step()
+        out.append(global_mean(loss, world))
+    return out, fp.full_state_dict(model)
+
+
+def test_reset_after_a_reduction_raised_at_the_end_of_backward():
+    want_losses, want_state = reference(2)
+    results = run_ranks(_failing_reduce_worker, 2, timeout=120)
+    for losses, _ in results:
+        assert max(abs(a - b) for a, b in zip(losses, want_losses)) <= 1e-5, (losses, want_losses)
+    for k, v in want_state.items():
+        assert (results[0][1][k] - v).abs().max().item() <= 1e-5, k
