@@ -86,6 +86,16 @@ def _p2p_ok(group, out: torch.Tensor, inp: torch.Tensor) -> bool:
             and dist.get_backend(group) == "gloo")
 
 
+def inflight_host_bytes(kind: str, full_bytes: int, n: int, gloo_cpu: bool) -> int:
+    """Bytes a sharded collective allocates beside its input and output while in flight (the planner's rule).
+
+    The point-to-point gloo path receives every peer's chunk of a reduce-scatter before summing: ``(n - 1)``
+    chunks, ``full_bytes·(n−1)/n``; its all-gather receives in place (0). NCCL writes in place (0)."""
+    if not gloo_cpu or n <= 1 or kind != "reduce_scatter":
+        return 0
+    return full_bytes * (n - 1) // n
+
+
 def _issued(work, async_op: bool):
     if async_op:
         return work

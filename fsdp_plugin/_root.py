@@ -11,7 +11,6 @@ from torch.utils._pytree import tree_map
 from . import _collectives as comm
 from .config import ShardingConfig
 from .errors import CollectiveError
-from ._host_alloc import keep_freed_host_memory
 from ._mesh import Mesh
 from ._states import OrderState, RootPhase
 from ._usage import UsageAgreement
@@ -26,8 +25,6 @@ class RootState:
 
     def __init__(self, config: ShardingConfig, mesh: Mesh, device: torch.device):
         self.config, self.mesh, self.device = config, mesh, device
-        if device.type == "cpu" and mesh.world_size > 1:
-            keep_freed_host_memory()    # per-step buffers are malloc blocks on the CPU (see _host_alloc)
         self.units: list = []               # root first, parents before children
         self.no_sync = False
         self.phase = RootPhase.IDLE

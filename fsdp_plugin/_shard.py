@@ -13,6 +13,7 @@ from . import _collectives as comm
 from . import _log
 from ._flat_param import FlatParamHandle, ParamSlot
 from ._guards import install_guards
+from ._host_alloc import keep_freed_host_memory
 from ._init import Materializer, decide_scatter, model_kind
 from ._init_hf import retie
 from ._mesh import Mesh, build_mesh
@@ -46,6 +47,8 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
         _apply_activation_checkpointing(model, cfg.activation_checkpointing)
     retie(model)
     units = select_unit_modules(model, cfg.auto_wrap_policy, cfg.ignored_modules)
+    if device.type == "cpu" and mesh.world_size > 1:
+        keep_freed_host_memory()    # per-step buffers are malloc blocks on the CPU (see _host_alloc)
     root = RootState(cfg, mesh, device)
     _build_units(model, units, cfg, mesh, device, root)
     _finish_buffers(model, cfg, mesh, device)

@@ -22,6 +22,7 @@ from .._collectives import ring_bytes
 from .._root import RootState
 from .._shard import handle_dtypes
 from .._states import OrderState
+from .._collectives import inflight_host_bytes
 from .._strategy import unit_policy
 from ..config import ShardingConfig
 
@@ -34,7 +35,7 @@ class Layout:
     world: int
     shard_size: int
     replicate_size: int
-    staging: bool = False        # the backend stages a full-size copy while a gather/reduce-scatter is in flight
+    staging: bool = False        # gloo on CPU: collectives take the point-to-point path (_collectives)
 
     @property
     def strategy(self) -> str:
@@ -172,7 +173,7 @@ class _Sim:
                 self.check(extra=src)          # the cast copy, gone once copied into the full buffer
                 continue
             self.comm("all_gather", spec.padded(lay.shard_size), lay.compute(spec).itemsize, lay.shard_size)
-            held = src + (self.full[h] if lay.staging else 0)   # the source chunk (and gloo's copy) until waited
+            held = src + inflight_host_bytes("all_gather", self.full[h], lay.shard_size, lay.staging)
             self.inflight[h] = held
             self.reducing += held
         self.check()
@@ -196,7 +197,7 @@ class _Sim:
 
     def start_reduce(self, h: int) -> None:
         """FlatParamHandle.start_reduce: cast to the reduce dtype, issue the reduction; the pending reduction
-        keeps the cast gradient, this rank's output chunk and (gloo) a staged copy until it is finished."""
+        keeps the cast gradient, this rank's output chunk and (gloo) the peers' received chunks until finished."""
         spec, lay = self.handles[h], self.lay
         padded = spec.padded(lay.shard_size)
         g_compute, g_reduce = padded * lay.compute(spec).itemsize, padded * lay.reduce(spec).itemsize
@@ -205,7 +206,7 @@ class _Sim:
         self.res.cast_bytes += (g_compute + g_reduce) if cast else 0
         if lay.shard_size > 1:
             held += spec.chunk(lay.shard_size) * lay.reduce(spec).itemsize
-            held += g_reduce if lay.staging else 0
+            held += inflight_host_bytes("reduce_scatter", g_reduce, lay.shard_size, lay.staging)
             self.comm("reduce_scatter", padded, lay.reduce(spec).itemsize, lay.shard_size)
         elif lay.replicate_size > 1:
             self.comm("all_reduce", padded, lay.reduce(spec).itemsize, lay.replicate_size, factor=2)

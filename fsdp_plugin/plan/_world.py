@@ -13,8 +13,8 @@ from ._units import buffer_bytes
 
 def layout_for(world: int, cfg: ShardingConfig, gpus_per_node: int, device=None) -> Layout:
     """Shard/replicate sizes from the engine's mesh rule (hybrid: one node of ``gpus_per_node`` ranks shards).
-    ``device`` cpu means gloo, whose all-gather/reduce-scatter stage a full-size buffer while in flight
-    (measured with the heap tracker); NCCL writes in place."""
+    ``device`` cpu means gloo, whose collectives take the engine's point-to-point path (its in-flight bytes:
+    `_collectives.inflight_host_bytes`); NCCL writes in place."""
     mesh = cfg.device_mesh if isinstance(cfg.device_mesh, tuple) else None
     shard, rep = mesh_dims(STRATEGIES[cfg.sharding_strategy].scope, world, min(world, gpus_per_node), mesh)
     return Layout(cfg, world, shard, rep, staging=getattr(device, "type", None) == "cpu")
@@ -22,9 +22,10 @@ def layout_for(world: int, cfg: ShardingConfig, gpus_per_node: int, device=None)
 
 # Heap the CPU runtime allocates during the first training step and keeps (kernel, dispatcher and autograd
 # caches: no tensor), measured once with the exact-heap tracker on GPT small (benchmarks/plan_accuracy.py,
-# "runtime" column, torch 2.13 CPU, gloo): 4.6 MiB with fp32 kernels, 10.1 MiB once bf16/fp16 kernels run.
-# A constant of the CPU runtime, not of the model; CUDA device memory has no such term (host memory only).
-CPU_RUNTIME_BYTES = {"fp32": int(4.6 * 2**20), "low_precision": int(10.1 * 2**20)}
+# "runtime" column, torch 2.13 CPU, gloo, engine with one autograd node per unit): 3.7 MiB with fp32 kernels,
+# 10.0 MiB once bf16/fp16 kernels run. A constant of the CPU runtime, not of the model; CUDA device memory has
+# no such term (host memory only).
+CPU_RUNTIME_BYTES = {"fp32": int(3.7 * 2**20), "low_precision": int(10.0 * 2**20)}
 
 
 def runtime_bytes(device, lay: Layout, handles) -> int:
