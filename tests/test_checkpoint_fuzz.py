@@ -154,3 +154,14 @@ def test_byte_damage_campaign(pristine, tmp_path_factory, case):
 @given(field=MANIFEST_FIELDS, value=HOSTILE_VALUES)
 def test_manifest_lies_campaign(pristine, tmp_path_factory, field, value):
     _campaign(pristine, tmp_path_factory, (field, value), "manifest")
+
+
+@pytest.mark.parametrize("key", ["params", "buffers"])
+def test_manifest_missing_a_section_is_corrupt(pristine, tmp_path_factory, key):
+    """A flipped byte in a section's key leaves valid JSON without that section (found by the byte campaign)."""
+    d = _fresh(pristine, tmp_path_factory)
+    manifest = json.loads((d / "manifest.json").read_text())
+    manifest[key + "x"] = manifest.pop(key)
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(fp.CorruptCheckpointError, match=f"'{key}' is missing"):
+        fp.load_checkpoint(str(d), _model())

@@ -103,7 +103,7 @@ def validate(doc, where: str) -> None:
         _fail(where, "'files' must be an object")
     for name, rec in files.items():
         _validate_file(name, rec, world, where)
-    params = _dict(doc, "params", where)
+    params = _dict(doc, "params", where, required=True)
     for fqn, e in params.items():
         if isinstance(e, dict) and "alias_of" in e:
             target = params.get(e["alias_of"])
@@ -111,7 +111,7 @@ def validate(doc, where: str) -> None:
                 _fail(where, f"parameter {fqn!r} is an alias of {e['alias_of']!r}, which is not a stored parameter")
         else:
             validate_entry(e, f"{where}: parameter {fqn!r}", world, files, "model")
-    for name, e in _dict(doc, "buffers", where).items():
+    for name, e in _dict(doc, "buffers", where, required=True).items():
         validate_entry(e, f"{where}: buffer {name!r}", world, files, "model")
     opts = doc.get("optimizers", [])
     if not isinstance(opts, list):
@@ -122,7 +122,10 @@ def validate(doc, where: str) -> None:
         _fail(where, "'extra' must be an object")
 
 
-def _dict(doc: dict, key: str, where: str) -> dict:
+def _dict(doc: dict, key: str, where: str, required: bool = False) -> dict:
+    if required and key not in doc:
+        _fail(where, f"{key!r} is missing (every save writes it: the manifest was damaged or not written by "
+                     "fsdp_plugin)")
     v = doc.get(key, {})
     if not isinstance(v, dict):
         _fail(where, f"{key!r} must be an object")
