@@ -104,7 +104,7 @@ def _issued(work, async_op: bool):
 
 
 _P2P_TAG_BASE = 1 << 20          # above the tags of plain send/recv (0); one tag per collective of a group
-_p2p_tags: dict = {}
+_p2p_tags: dict = {}              # group name -> collectives issued (names, not groups: no reference kept)
 
 
 class _P2PWork:
@@ -116,12 +116,13 @@ class _P2PWork:
 
     def __init__(self, group, n: int, sends: list, recvs: list):
         """``sends[j]`` / ``recvs[j]``: the tensor for group rank ``j`` (None for this rank)."""
-        tag = _P2P_TAG_BASE + _p2p_tags.get(group, 0)
-        _p2p_tags[group] = (_p2p_tags.get(group, 0) + 1) % _P2P_TAG_BASE
-        self.me = dist.get_rank(group)
         # The process group's own send/recv take group ranks and skip dist.isend's Python checks (they cost
         # more than the call itself at a few dozen calls per step).
         pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        key = pg.group_name      # holding the group itself would keep it alive past fp.shutdown
+        tag = _P2P_TAG_BASE + _p2p_tags.get(key, 0)
+        _p2p_tags[key] = (_p2p_tags.get(key, 0) + 1) % _P2P_TAG_BASE
+        self.me = dist.get_rank(group)
         self.works = []
         for j in range(n):
             if j != self.me:

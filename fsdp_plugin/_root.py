@@ -32,7 +32,7 @@ class RootState:
         self.order_state = OrderState.RECORDING
         self._pending: deque = deque()
         self._phase_before_full = RootPhase.IDLE
-        # Filled once when the order freezes (``_freeze_order``): the hot path only looks them up.
+        # Filled once when the order freezes (``freeze_order``): the hot path only looks them up.
         self._forward_next: dict = {}       # unit -> units to prefetch after its unshard in forward
         self._backward_next: dict = {}      # unit -> units to prefetch at its pre-backward, nearest first
         self._unit_before_root = None       # the unit whose reduction the root's comes right after
@@ -96,12 +96,13 @@ class RootState:
 
     def after_unit_forward(self, unit) -> None:
         if unit is self.root_unit and self.order_state is OrderState.RECORDING:
-            self.order_state = OrderState.FROZEN
-            self._freeze_order()
+            self.freeze_order(self.exec_order)
 
-    def _freeze_order(self) -> None:
-        """RECORDING -> FROZEN: every prefetch target and the root-reduces-next unit, computed once."""
-        order, depth = self.exec_order, self.prefetch_depth
+    def freeze_order(self, order: list) -> None:
+        """RECORDING -> FROZEN with ``order`` (forward order of units): every prefetch target and the
+        root-reduces-next unit, computed once (the planner's replay freezes a recorded order the same way)."""
+        self.exec_order, self.order_state, depth = list(order), OrderState.FROZEN, self.prefetch_depth
+        order = self.exec_order
         self._forward_next = {u: order[i + 1:i + 1 + depth] for i, u in enumerate(order)}
         self._backward_next = {u: [n for n in (self._backward_neighbour(u, k) for k in range(1, depth + 1))
                                    if n is not None] for u in order}

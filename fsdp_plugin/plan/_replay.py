@@ -21,7 +21,6 @@ import torch
 from .._collectives import ring_bytes
 from .._root import RootState
 from .._shard import handle_dtypes
-from .._states import OrderState
 from .._collectives import inflight_host_bytes
 from .._strategy import unit_policy
 from ..config import ShardingConfig
@@ -136,8 +135,7 @@ class _Sim:
 
     def freeze_order(self, order: list) -> None:
         """The execution order the engine records in the first forward and follows from then on."""
-        self.root.exec_order = [self.sim_units[i] for i in order]
-        self.root.order_state = OrderState.FROZEN
+        self.root.freeze_order([self.sim_units[i] for i in order])
 
     # ------------------------------------------------------------ accounting
     def check(self, act: Optional[int] = None, extra: int = 0) -> None:
