@@ -114,18 +114,18 @@ class _P2PWork:
     collectives in the same order (the contract of any collective), so a per-group counter gives matching tags;
     the tag keeps two collectives in flight between the same ranks apart."""
 
-    def __init__(self, group, n: int, sends: list, recvs: list):
-        """``sends[j]`` / ``recvs[j]``: the tensor for group rank ``j`` (None for this rank)."""
+    def __init__(self, group, me: int, sends: list, recvs: list):
+        """``me``: this rank in ``group``; ``sends[j]`` / ``recvs[j]``: the tensor for group rank ``j``."""
         # The process group's own send/recv take group ranks and skip dist.isend's Python checks (they cost
         # more than the call itself at a few dozen calls per step).
         pg = group if group is not None else dist.distributed_c10d._get_default_group()
         key = pg.group_name      # holding the group itself would keep it alive past fp.shutdown
         tag = _P2P_TAG_BASE + _p2p_tags.get(key, 0)
         _p2p_tags[key] = (_p2p_tags.get(key, 0) + 1) % _P2P_TAG_BASE
-        self.me = dist.get_rank(group)
+        self.me = me
         self.works = []
-        for j in range(n):
-            if j != self.me:
+        for j in range(len(sends)):
+            if j != me:
                 self.works.append(pg.recv([recvs[j]], j, tag))
                 self.works.append(pg.send([sends[j]], j, tag))
         self.done = False
@@ -150,7 +150,7 @@ class _P2PAllGather(_P2PWork):
         me = dist.get_rank(group)
         chunks = out.view(n, -1)
         chunks[me].copy_(inp.view(-1))
-        super().__init__(group, n, [inp.view(-1)] * n, list(chunks))
+        super().__init__(group, me, [inp.view(-1)] * n, list(chunks))
         self.keep = inp
 
 
@@ -164,7 +164,7 @@ class _P2PReduceScatter(_P2PWork):
         self.out, self.chunks = out, inp.view(n, -1)
         recv = list(torch.empty((n - 1, out.numel()), dtype=inp.dtype))
         self.recvs = recv[:me] + [None] + recv[me:]
-        super().__init__(group, n, list(self.chunks), self.recvs)
+        super().__init__(group, me, list(self.chunks), self.recvs)
         self.keep = inp
 
     def _finish(self) -> None:
@@ -349,13 +349,10 @@ def gather_bytes(data: bytes, dst: int = 0, group=None, what: str = "gather", ti
     if not dist.is_initialized():
         return [data]
     dev, world, me = dev or device(), group_size(group), dist.get_rank()
-    n = torch.tensor([len(data)], dtype=torch.int64, device=dev)
-    sizes = [torch.zeros_like(n) for _ in range(world)] if me == dst else None
-    gather(n, sizes, dst, group, what=what, timeout_s=timeout_s)
-    lens = torch.cat(sizes).tolist() if sizes is not None else None  # one host sync for every rank's length
-    cap = torch.tensor([max(lens) if lens is not None else 0], dtype=torch.int64, device=dev)
-    broadcast(cap, dst, group, what=what, timeout_s=timeout_s, kind="control")
-    mine = _as_tensor(data, int(cap.item()), dev)
+    # Every rank needs the longest length (the padded size of the gather): one all-gather of lengths instead of
+    # a gather to ``dst`` and a broadcast of the maximum.
+    lens = all_gather_lengths(len(data), group, what, timeout_s, dev)
+    mine = _as_tensor(data, max(lens), dev)
     outs = [torch.zeros_like(mine) for _ in range(world)] if me == dst else None
     gather(mine, outs, dst, group, what=what, timeout_s=timeout_s)
     return [_to_bytes(o[:k]) for o, k in zip(outs, lens)] if outs is not None else None

@@ -101,8 +101,8 @@ class RootState:
     def freeze_order(self, order: list) -> None:
         """RECORDING -> FROZEN with ``order`` (forward order of units): every prefetch target and the
         root-reduces-next unit, computed once (the planner's replay freezes a recorded order the same way)."""
-        self.exec_order, self.order_state, depth = list(order), OrderState.FROZEN, self.prefetch_depth
-        order = self.exec_order
+        order = self.exec_order = list(order)
+        self.order_state, depth = OrderState.FROZEN, self.prefetch_depth
         self._forward_next = {u: order[i + 1:i + 1 + depth] for i, u in enumerate(order)}
         self._backward_next = {u: [n for n in (self._backward_neighbour(u, k) for k in range(1, depth + 1))
                                    if n is not None] for u in order}
