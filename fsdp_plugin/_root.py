@@ -36,6 +36,7 @@ class RootState:
         self._forward_next: dict = {}       # unit -> units to prefetch after its unshard in forward
         self._backward_next: dict = {}      # unit -> units to prefetch at its pre-backward, nearest first
         self._unit_before_root = None       # the unit whose reduction the root's comes right after
+        self._kept_last = None              # the last unit in forward order, kept unsharded until its backward
         self._agreement = None              # a usage-mask all-reduce issued and not yet finished
 
     @property
@@ -107,6 +108,15 @@ class RootState:
         self._backward_next = {u: [n for n in (self._backward_neighbour(u, k) for k in range(1, depth + 1))
                                    if n is not None] for u in order}
         self._unit_before_root = order[1] if len(order) > 1 and order[0] is self.root_unit else None
+        default_policy = self.config.reshard_after_forward is None
+        self._kept_last = order[-1] if default_policy and order and order[-1] is not self.root_unit else None
+
+    def keeps_after_forward(self, unit) -> bool:
+        """Whether ``unit`` keeps its full parameters from its forward to its backward although its policy
+        reshards: the last unit of the frozen forward order, under the strategy's default policy. Backward
+        needs it first (the root's pre-backward prefetches it), so resharding it would only all-gather it again
+        at once (torchtitan keeps its last block the same way); an explicit ``reshard_after_forward`` is obeyed."""
+        return unit is self._kept_last
 
     def _cast_inputs(self, args, kwargs):
         mp = self.config.mixed_precision

@@ -85,10 +85,11 @@ class ShardingConfig:
         ``reset_parameters()``); "skip" leaves zero-filled shards and persistent buffers (a checkpoint fills
         them next) but still computes non-persistent buffers, which no checkpoint holds.
     reshard_after_forward: per-unit override of the strategy's choice to free a unit's full parameters after
-        its forward (all-gathered again in backward): None (full_shard, hybrid_shard: True; shard_grad_op,
-        no_shard: False), a bool for every unit, a set of module classes whose units reshard (others keep
-        them), or ``callable(fqn, module) -> bool`` (e.g. ``lambda fqn, m: fqn != "layers.11"``: keep the last
-        block, whose backward comes first). The root unit never reshards after forward.
+        its forward (all-gathered again in backward): None (full_shard, hybrid_shard: True, except the last
+        unit in forward order, whose backward comes first and would be all-gathered again at once;
+        shard_grad_op, no_shard: False), a bool for every unit, a set of module classes whose units reshard
+        (others keep them), or ``callable(fqn, module) -> bool`` (e.g. ``lambda fqn, m: fqn != "layers.11"``).
+        The root unit never reshards after forward.
     backward_prefetch / forward_prefetch: issue the next unit's all-gather early.
     limit_all_gathers: bound the number of unsharded units alive at once (memory).
     cpu_offload: keep shards, gradients and optimizer state on CPU (a no-op on CPU-only machines).

@@ -45,12 +45,21 @@ def _replay(spike_before, **cfg):
 
 
 def test_root_backward_prefetches_the_last_unit():
-    """The engine's RootState decides: the root's backward starts by all-gathering the last unit."""
-    peak = _replay(("pre_backward", 2))
+    """The engine's RootState decides: the root's backward starts by all-gathering the last unit (when an
+    explicit policy resharded it after forward)."""
+    peak = _replay(("pre_backward", 2), reshard_after_forward=True)
     assert peak.activations == SPIKE
     assert peak.unsharded_units == ("<root>", "u2") and peak.unsharded == 2 * N * 4
-    off = _replay(("pre_backward", 2), backward_prefetch=False)
+    off = _replay(("pre_backward", 2), reshard_after_forward=True, backward_prefetch=False)
     assert off.unsharded_units == ("<root>",)
+
+
+def test_last_unit_kept_from_forward_to_backward_under_the_default_policy():
+    """RootState.keeps_after_forward: the last unit in forward order is not resharded only to be gathered again."""
+    kept = _replay(("pre_backward", 0))          # between the end of forward and the root's backward
+    assert kept.unsharded_units == ("<root>", "u2")
+    assert _replay(("pre_backward", 0), reshard_after_forward=True).unsharded_units == ("<root>",)
+    assert _replay(("pre_backward", 2), backward_prefetch=False).unsharded_units == ("<root>", "u2")
 
 
 def test_no_reduction_in_flight_when_the_roots_gradient_is_assembled():

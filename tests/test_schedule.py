@@ -9,9 +9,9 @@ from fsdp_plugin._states import ShardedState
 from fsdp_plugin._unit import Unit
 
 
-def _schedule(rank, world):
+def _schedule(rank, world, reshard_after_forward=True):
     torch.manual_seed(0)
-    model = fp.shard(GPT(n_layer=3), auto_wrap_policy={Block})
+    model = fp.shard(GPT(n_layer=3), auto_wrap_policy={Block}, reshard_after_forward=reshard_after_forward)
     root = model._fp_root
     events = []
     gather, pre_bwd, enqueue = FlatParamHandle.unshard, Unit._pre_backward, root.enqueue_reduce
@@ -43,9 +43,9 @@ def _schedule(rank, world):
 
 
 def test_root_prefetches_last_unit_and_no_reduction_in_flight_at_the_root():
-    """The root's backward runs first (its head): it must start the last block's all-gather (else that
-    all-gather is fully exposed), and the root's big gradient must not be assembled while a block's reduction
-    (its full gradient and gloo's copy of it) is still in flight."""
+    """The root's backward runs first (its head): it must start the last block's all-gather when the last
+    block was resharded after forward (else that all-gather is fully exposed), and the root's big gradient must
+    not be assembled while a block's reduction (its full gradient and gloo's copy of it) is still in flight."""
     events = run_ranks(_schedule, 2)[0]
     i_root = events.index(("pre", "<root>"))
     i_gather = events.index(("gather", "blocks.2"))
@@ -55,3 +55,11 @@ def test_root_prefetches_last_unit_and_no_reduction_in_flight_at_the_root():
     assert root_reduce == [("reduce", "<root>", 0)], events
     # blocks keep one reduction in flight while the next block computes (overlap)
     assert ("reduce", "blocks.1", 1) in events, events
+
+
+def test_default_policy_keeps_the_last_unit_from_forward_to_backward():
+    """Under the default policy the last block is never resharded between its forward and its backward (the
+    second step runs with the order frozen), so backward all-gathers only the blocks before it."""
+    events = run_ranks(_schedule, 2, None)[0]
+    gathers = [e[1] for e in events if e[0] == "gather"]
+    assert gathers == ["blocks.1", "blocks.0"], events

@@ -30,7 +30,7 @@ def test_reshard_after_forward_per_unit(kwargs, want):
 
 def _worker(rank, world, steps):
     out = {}
-    for name, rule in (("default", None), ("keep_last", lambda fqn, m: fqn != "blocks.2")):
+    for name, rule in (("reshard_all", True), ("default", None), ("keep_last", lambda fqn, m: fqn != "blocks.2")):
         import torch
         torch.manual_seed(0)
         model = fp.shard(GPT(), auto_wrap_policy={Block}, reshard_after_forward=rule)
@@ -46,6 +46,8 @@ def test_keeping_the_last_block_saves_its_backward_all_gather_and_matches_single
     want, _ = single_process(2, "sgd", steps=steps)
     results = run_ranks(_worker, 2, steps, timeout=120)
     for out in results:
-        assert_close_losses(out["default"][0], want)
-        assert_close_losses(out["keep_last"][0], want)
-        assert out["default"][1] - out["keep_last"][1] == steps, out   # one all-gather fewer per step
+        for name in ("reshard_all", "default", "keep_last"):
+            assert_close_losses(out[name][0], want)
+        assert out["reshard_all"][1] - out["keep_last"][1] == steps, out   # one all-gather fewer per step
+        # the default keeps the last unit once the first forward has recorded the order
+        assert out["reshard_all"][1] - out["default"][1] == steps - 1, out

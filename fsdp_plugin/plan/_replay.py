@@ -6,7 +6,8 @@ The schedule is the engine's, not a copy of its rules: a real ``RootState`` (``_
 stand-in units and handles and decides the forward/backward prefetches (``after_unshard_in_forward``,
 ``prefetch_backward``: e.g. the root prefetches the last unit, whose backward follows the root's head), how
 many reductions stay in flight (``enqueue_reduce``: none once the root's gradient is next) and the prefetch
-depth; ``unit_policy`` (``_strategy.py``) decides which units reshard after forward. The stand-ins only
+depth; ``unit_policy`` (``_strategy.py``) decides which units reshard after forward, and the root which one
+keeps its parameters to its backward anyway (``keeps_after_forward``: the last). The stand-ins only
 account bytes. Memory is per rank and all ranks are alike (every shard has ``chunk`` elements, padding
 included).
 """
@@ -240,7 +241,7 @@ class _Sim:
         self.root.after_unshard_in_forward(self.sim_units[u])
 
     def post_forward(self, u: int, in_bwd: bool) -> None:
-        if not in_bwd and self.reshard_after_forward[u]:
+        if not in_bwd and self.reshard_after_forward[u] and not self.root.keeps_after_forward(self.sim_units[u]):
             for h in self.units[u].handles:
                 self.reshard_handle(h)
 
