@@ -4,7 +4,7 @@ from torch import nn
 
 import fsdp_plugin as fp
 from _dist import run_ranks
-from _parity import assert_close_losses, make_optimizer, single_process, train
+from _parity import assert_close_losses, assert_close_state, make_optimizer, single_process, train
 from models import GPT, Block
 
 
@@ -51,3 +51,33 @@ def test_keeping_the_last_block_saves_its_backward_all_gather_and_matches_single
         assert out["reshard_all"][1] - out["keep_last"][1] == steps, out   # one all-gather fewer per step
         # the default keeps the last unit once the first forward has recorded the order
         assert out["reshard_all"][1] - out["default"][1] == steps - 1, out
+
+
+def _two_forwards(rank, world, steps, sharded):
+    """Each step: a grad-enabled forward whose output is dropped (no backward), then two forwards on two
+    batches and one backward of their mean. Under the default policy the last block stays unsharded across all
+    three forwards (the order is frozen after the first step); the result must not depend on that."""
+    import torch
+    from models import gpt_batch
+    torch.manual_seed(0)
+    model = GPT()
+    if sharded:
+        model = fp.shard(model, auto_wrap_policy={Block})
+    opt = make_optimizer("sgd", model.parameters())
+    for s in range(steps):
+        batches = [gpt_batch(2 * s + i, r) for i in range(2) for r in (range(world) if not sharded else [rank])]
+        if not sharded:   # one process on the global batch of each micro-step
+            batches = [tuple(torch.cat(t) for t in zip(*batches[i * world:(i + 1) * world])) for i in range(2)]
+        model(*batches[0]).detach()
+        if sharded:   # the scenario under test: kept once the order is frozen
+            assert model._fp_root.exec_order[-1].handles[0].is_unsharded == (s > 0)
+        loss = (model(*batches[0]) + model(*batches[1])) / 2
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return fp.full_state_dict(model) if sharded else model.state_dict()
+
+
+def test_kept_last_unit_survives_extra_forwards_before_backward():
+    want = _two_forwards(0, 2, 3, sharded=False)
+    assert_close_state(run_ranks(_two_forwards, 2, 3, True, timeout=120)[0], want)
