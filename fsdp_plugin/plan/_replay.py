@@ -83,7 +83,7 @@ class ReplayResult:
     max_reducing: int = 0
     wire: Counter = field(default_factory=Counter)     # bytes per step per rank, by collective kind
     calls: Counter = field(default_factory=Counter)
-    cast_bytes: int = 0     # bytes read+written by the engine's dtype casts (mixed precision), per step
+    engine_bytes: int = 0   # bytes read+written by the engine's own kernels (casts, flat gradients), per step
 
 
 class _SimUnit:
@@ -166,7 +166,7 @@ class _Sim:
             spec, lay = self.handles[h], self.lay
             src = spec.chunk(lay.shard_size) * lay.compute(spec).itemsize if lay.casts_source(spec) else 0
             if src:
-                self.res.cast_bytes += src + spec.chunk(lay.shard_size) * spec.dtype.itemsize
+                self.res.engine_bytes += src + spec.chunk(lay.shard_size) * spec.dtype.itemsize
             if lay.shard_size == 1:
                 self.check(extra=src)          # the cast copy, gone once copied into the full buffer
                 continue
@@ -190,7 +190,9 @@ class _Sim:
     def grad_ready(self, h: int) -> None:
         """The unit's flat gradient (compute dtype) is built while its per-parameter pieces still exist."""
         spec, lay = self.handles[h], self.lay
-        self.reducing += spec.padded(lay.shard_size) * lay.compute(spec).itemsize
+        flat = spec.padded(lay.shard_size) * lay.compute(spec).itemsize
+        self.reducing += flat
+        self.res.engine_bytes += 2 * flat      # torch.cat of the pieces: read them, write the flat gradient
         self.check()
 
     def start_reduce(self, h: int) -> None:
@@ -201,7 +203,7 @@ class _Sim:
         g_compute, g_reduce = padded * lay.compute(spec).itemsize, padded * lay.reduce(spec).itemsize
         cast = lay.reduce(spec) != lay.compute(spec)
         held = g_reduce if cast else 0                 # without a cast the pending one is the flat gradient
-        self.res.cast_bytes += (g_compute + g_reduce) if cast else 0
+        self.res.engine_bytes += (g_compute + g_reduce) if cast else 0
         if lay.shard_size > 1:
             held += spec.chunk(lay.shard_size) * lay.reduce(spec).itemsize
             held += inflight_host_bytes("reduce_scatter", g_reduce, lay.shard_size, lay.staging)
