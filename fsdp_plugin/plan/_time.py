@@ -1,8 +1,9 @@
 """Step time: compute throughput and collective bandwidth, measured (`calibrate`) or named (`HARDWARE`).
 
 predicted step = compute + communication - overlap * min(compute, communication), where
-compute = kernels (+ or max) ops * op_overhead_s, kernels = FLOPs / flops_per_s + other bytes /
-elementwise_bytes_per_s + optimizer bytes / optimizer_bytes_per_s, and communication = wire bytes /
+compute = kernels (+ or max) ops * op_overhead_s, kernels = matmul FLOPs / flops_per_s + attention FLOPs /
+attention_flops_per_s + other bytes / elementwise_bytes_per_s + optimizer bytes / optimizer_bytes_per_s,
+and communication = wire bytes /
 bus_bytes_per_s + calls * latency_s. ``overlap`` is 1 where collectives run beside compute (CUDA streams) and
 0 where they compete for the same cores (CPU/gloo). `calibrate` measures the kernel rates on a transformer
 layer's own kernels (`_workload`), priced with the fake run's rule, so FLOPs and bytes are divided by rates
@@ -35,6 +36,7 @@ class Calibration:
     # optimizer step's traffic (None: mem_bytes_per_s); mem_bytes_per_s is a streaming in-place multiply.
     elementwise_bytes_per_s: Optional[float] = None
     optimizer_bytes_per_s: Optional[float] = None
+    attention_flops_per_s: Optional[float] = None   # fused attention kernels (None: flops_per_s)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -86,7 +88,7 @@ def _sync(device):
 def calibrate(device: Optional[torch.device] = None, dtype: torch.dtype = torch.float32, group=None,
               seconds: float = 0.5) -> Calibration:
     """Measure, on this process: the kernel rates of a transformer layer's forward+backward and AdamW step in
-    ``dtype`` (`_workload`: matmul/attention FLOP/s, other ops' bytes/s, optimizer bytes/s), streaming memory
+    ``dtype`` (`_workload`: matmul and attention FLOP/s, other ops' bytes/s, optimizer bytes/s), streaming memory
     bandwidth, host seconds per op and (under an initialized process group) all-gather bandwidth and
     latency. ``seconds``: rough budget per measurement (the whole call takes ~4x it). Collective: every rank
     of ``group`` must call it."""
@@ -98,7 +100,7 @@ def calibrate(device: Optional[torch.device] = None, dtype: torch.dtype = torch.
         # defaults the workload's freshly allocated outputs page-fault, ~1.4x slower (measured).
         from .._host_alloc import keep_freed_host_memory
         keep_freed_host_memory()
-    rates = _workload.measure(device, dtype, seconds, _sync)
+    rates = _workload.measure(device, dtype, seconds)
     big = torch.empty(8 * 2**20 if device.type == "cpu" else 64 * 2**20, device=device)
     mem = 2 * big.numel() * big.element_size() / _timed(lambda: (big.mul_(1.0), _sync(device)), seconds / 2)
     bus, latency, world = 1e12, 0.0, comm.group_size(group)
@@ -108,7 +110,8 @@ def calibrate(device: Optional[torch.device] = None, dtype: torch.dtype = torch.
     return Calibration(rates["flops_per_s"], mem, bus, latency, overlap,
                        f"measured on {device.type}, world {world}", op_overhead_s=_op_overhead(device, seconds),
                        elementwise_bytes_per_s=rates["elementwise_bytes_per_s"],
-                       optimizer_bytes_per_s=rates["optimizer_bytes_per_s"])
+                       optimizer_bytes_per_s=rates["optimizer_bytes_per_s"],
+                       attention_flops_per_s=rates["attention_flops_per_s"])
 
 
 def _op_overhead(device, seconds: float) -> float:
@@ -167,10 +170,13 @@ def _measure_collectives(device, group, world: int, seconds: float) -> tuple[flo
 
 
 def predict(flops: int, other_bytes: int, optimizer_bytes: int, wire_bytes: int, calls: int,
-            cal: Calibration, ops: int = 0) -> dict:
-    """Seconds per step. Host op overhead adds to the kernels where they share cores (overlap 0, CPU) and
-    bounds them from below where the host runs ahead of the device (overlap 1, CUDA)."""
-    kernels = (flops / cal.flops_per_s + other_bytes / (cal.elementwise_bytes_per_s or cal.mem_bytes_per_s)
+            cal: Calibration, ops: int = 0, attention_flops: int = 0) -> dict:
+    """Seconds per step. ``flops`` includes ``attention_flops``. Host op overhead adds to the kernels where
+    they share cores (overlap 0, CPU) and bounds them from below where the host runs ahead of the device
+    (overlap 1, CUDA)."""
+    kernels = ((flops - attention_flops) / cal.flops_per_s
+               + attention_flops / (cal.attention_flops_per_s or cal.flops_per_s)
+               + other_bytes / (cal.elementwise_bytes_per_s or cal.mem_bytes_per_s)
                + optimizer_bytes / (cal.optimizer_bytes_per_s or cal.mem_bytes_per_s))
     host = ops * cal.op_overhead_s
     compute = kernels + host if cal.overlap < 1 else max(kernels, host)
