@@ -101,10 +101,13 @@ def calibrate(device: Optional[torch.device] = None, dtype: torch.dtype = torch.
         # defaults the workload's freshly allocated outputs page-fault, ~1.4x slower (measured).
         from .._host_alloc import keep_freed_host_memory
         keep_freed_host_memory()
+    world = comm.group_size(group)
+    if world > 1:      # ranks train side by side (sharing memory bandwidth, or cores): measure side by side
+        comm.barrier("plan --calibrate", None, group)
     rates = _workload.measure(device, dtype, seconds)
     big = torch.empty(8 * 2**20 if device.type == "cpu" else 64 * 2**20, device=device)
     mem = 2 * big.numel() * big.element_size() / _timed(lambda: (big.mul_(1.0), _sync(device)), seconds / 2)
-    bus, latency, world = 1e12, 0.0, comm.group_size(group)
+    bus, latency = 1e12, 0.0
     if world > 1:
         bus, latency = _measure_collectives(device, group, world, seconds)
     overlap = 1.0 if device.type == "cuda" else 0.0
