@@ -140,3 +140,25 @@ def test_cli_json_and_fit(capsys):
 def test_bad_model_is_a_plan_error():
     with pytest.raises(PlanError, match="pkg.module:factory"):
         fp.plan("not a model")
+
+
+def test_calibration_measures_each_kernel_class_and_predict_prices_each():
+    """`calibrate` measures every rate on the transformer-layer workload (JSON round trip for the CLI and the
+    benchmark), and `predict` divides each class of work by its own rate (None: the older fields)."""
+    from fsdp_plugin.plan import Calibration, calibrate
+    from fsdp_plugin.plan._time import predict
+
+    cal = calibrate(torch.device("cpu"), seconds=0.02)
+    rates = ("flops_per_s", "attention_flops_per_s", "elementwise_bytes_per_s", "optimizer_bytes_per_s",
+             "mem_bytes_per_s", "op_overhead_s")
+    assert all(getattr(cal, k) > 0 for k in rates), cal
+    assert Calibration(**json.loads(json.dumps(cal.to_dict()))) == cal
+    base = Calibration(flops_per_s=1e9, mem_bytes_per_s=1e9, bus_bytes_per_s=1e9, overlap=0.0,
+                       attention_flops_per_s=0.5e9, elementwise_bytes_per_s=0.25e9, optimizer_bytes_per_s=2e9)
+    t = predict(3e9, 1e9, 4e9, 0, 0, base, attention_flops=1e9)["step_s"]
+    assert t == pytest.approx(2e9 / 1e9 + 1e9 / 0.5e9 + 1e9 / 0.25e9 + 4e9 / 2e9)
+    named = Calibration(flops_per_s=1e9, mem_bytes_per_s=1e9, bus_bytes_per_s=1e9, overlap=0.0)
+    assert predict(3e9, 1e9, 4e9, 0, 0, named, attention_flops=1e9)["step_s"] == pytest.approx(8.0)
+    plan = _plan(world=(1,), calibration=base).worlds[1]
+    slower = _plan(world=(1,), calibration=Calibration(**{**base.to_dict(), "attention_flops_per_s": 0.25e9}))
+    assert slower.worlds[1].step_s > plan.step_s      # the model's attention is priced at the attention rate

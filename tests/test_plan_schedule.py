@@ -111,3 +111,31 @@ def test_one_size_parser():
     assert parse_bytes("1e9") == 10**9 and parse_bytes("2 GiB") == 2 * 2**30
     with pytest.raises(PlanError, match="80GB"):
         parse_bytes("lots")
+
+
+def test_fake_run_prices_exactly_the_ops_a_real_run_dispatches():
+    """The step-time inputs (FLOPs, attention FLOPs, other bytes, ops) of the fake run equal those of a real
+    forward+backward priced op by op with the same rule (FakeTensor's own prim.device queries once counted as
+    ~4x the model's real non-matmul bytes)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Priced(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.total = {"flop": 0, "attention": 0, "bytes": 0, "ops": 0}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            kind, amount = _fake_run.op_cost(func, args, kwargs or {}, out)
+            if kind != "meta":
+                self.total["ops"] += 1
+                self.total[kind] = self.total.get(kind, 0) + amount
+            return out
+    torch.manual_seed(0)
+    model, idx = GPT(vocab=64, d=32, n_layer=3, seq=16), torch.randint(0, 64, (8, 16))
+    with Priced() as real:
+        model(idx).float().sum().backward()
+    fake = _fake_timeline(False)
+    assert real.total["attention"] == fake.attention_flops > 0
+    assert (real.total["flop"] + real.total["attention"], real.total["bytes"], real.total["ops"]) == \
+        (fake.flops, fake.other_bytes, fake.ops)

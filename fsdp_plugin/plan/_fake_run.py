@@ -50,6 +50,7 @@ class Timeline:
     act_peak: int = 0
     act_end: int = 0
     flops: int = 0               # matmul/conv/attention FLOPs of forward+backward (recompute included)
+    attention_flops: int = 0     # the attention kernels' share of ``flops`` (their own, lower, throughput)
     other_bytes: int = 0         # bytes read+written by every other op (memory-bound work)
     input_bytes: int = 0
     ops: int = 0                 # aten ops dispatched (host overhead per op is part of the step time)
@@ -64,19 +65,15 @@ class _Tracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        kind, amount = op_cost(func, args, kwargs, out)
+        if kind == "meta":
+            return out
         self.tl.ops += 1
-        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        in_keys = {_key(t) for t in ins}
-        # FLOPs counted here with torch's formulas, not under FlopCounterMode: its module tracker hooks the
-        # outputs of activation-checkpoint recomputation and keeps those graphs (and their tensors) alive to
-        # the end of backward, which the real run frees unit by unit.
-        count_flops = _FLOP_FORMULAS.get(func._overloadpacket)
-        if count_flops is not None:
-            self.tl.flops += int(count_flops(*args, **(kwargs or {}), out_val=out))
-        elif not func.is_view:
-            self.tl.other_bytes += sum(t.numel() * t.element_size() for t in ins + outs)
-        for t in outs:
+        self.tl.flops += amount if kind in ("flop", "attention") else 0
+        self.tl.attention_flops += amount if kind == "attention" else 0
+        self.tl.other_bytes += amount if kind == "bytes" else 0
+        in_keys = {_key(t) for t in _tensors((args, kwargs))}
+        for t in _tensors(out):
             k = _key(t)
             if k in in_keys or k in self._seen:
                 continue
@@ -96,6 +93,31 @@ class _Tracker(TorchDispatchMode):
     def mark(self, kind: str, index: int, in_backward: bool) -> None:
         self.tl.events.append(Event(kind, index, in_backward, self.live, self.seg_max))
         self.seg_max = self.live
+
+
+def _tensors(tree) -> list:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def op_cost(func, args, kwargs, out) -> tuple:
+    """The planner's price of one aten op, shared with the calibration workload (`_workload`) so that the
+    throughputs are measured in the units they are applied to: ("flop", FLOPs) for matmul/conv,
+    ("attention", FLOPs) for fused attention kernels (CPU bf16: 25-50 GFLOP/s against ~150 for matmuls),
+    ("view", 0), ("meta", 0) for ``prim`` metadata queries (FakeTensor dispatches ``prim.device`` on every
+    ``.device`` read, ~1000 per GPT-small step, each "reading" its whole tensor; a real run dispatches none),
+    else ("bytes", bytes of every tensor argument and output)."""
+    if func.namespace == "prim":
+        return "meta", 0
+    # FLOPs counted with torch's formulas, not under FlopCounterMode: its module tracker hooks the outputs of
+    # activation-checkpoint recomputation and keeps those graphs (and their tensors) alive to the end of
+    # backward, which the real run frees unit by unit.
+    count_flops = _FLOP_FORMULAS.get(func._overloadpacket)
+    if count_flops is not None:
+        kind = "attention" if "attention" in func._overloadpacket.__name__ else "flop"
+        return kind, int(count_flops(*args, **(kwargs or {}), out_val=out))
+    if func.is_view:
+        return "view", 0
+    return "bytes", sum(t.numel() * t.element_size() for t in _tensors((args, kwargs)) + _tensors(out))
 
 
 def _key(t: torch.Tensor) -> int:

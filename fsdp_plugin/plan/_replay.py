@@ -84,7 +84,7 @@ class ReplayResult:
     max_reducing: int = 0
     wire: Counter = field(default_factory=Counter)     # bytes per step per rank, by collective kind
     calls: Counter = field(default_factory=Counter)
-    cast_bytes: int = 0     # bytes read+written by the engine's dtype casts (mixed precision), per step
+    engine_bytes: int = 0   # bytes read+written by the engine's own kernels (casts, flat gradients), per step
 
 
 class _SimUnit:
@@ -167,11 +167,14 @@ class _Sim:
             spec, lay = self.handles[h], self.lay
             src = spec.chunk(lay.shard_size) * lay.compute(spec).itemsize if lay.casts_source(spec) else 0
             if src:
-                self.res.cast_bytes += src + spec.chunk(lay.shard_size) * spec.dtype.itemsize
+                self.res.engine_bytes += src + spec.chunk(lay.shard_size) * spec.dtype.itemsize
             if lay.shard_size == 1:
                 self.check(extra=src)          # the cast copy, gone once copied into the full buffer
                 continue
             self.comm("all_gather", spec.padded(lay.shard_size), lay.compute(spec).itemsize, lay.shard_size)
+            # gloo/CPU point-to-point all-gather copies this rank's chunk into the full buffer (NCCL: in place);
+            # bytes as the fake run's rule prices a copy_: source, destination read and written
+            self.res.engine_bytes += 3 * spec.chunk(lay.shard_size) * lay.compute(spec).itemsize * lay.staging
             held = src + inflight_host_bytes("all_gather", self.full[h], lay.shard_size, lay.staging)
             self.inflight[h] = held
             self.reducing += held
@@ -191,7 +194,9 @@ class _Sim:
     def grad_ready(self, h: int) -> None:
         """The unit's flat gradient (compute dtype) is built while its per-parameter pieces still exist."""
         spec, lay = self.handles[h], self.lay
-        self.reducing += spec.padded(lay.shard_size) * lay.compute(spec).itemsize
+        flat = spec.padded(lay.shard_size) * lay.compute(spec).itemsize
+        self.reducing += flat
+        self.res.engine_bytes += 2 * flat      # torch.cat of the pieces: read them, write the flat gradient
         self.check()
 
     def start_reduce(self, h: int) -> None:
@@ -202,7 +207,8 @@ class _Sim:
         g_compute, g_reduce = padded * lay.compute(spec).itemsize, padded * lay.reduce(spec).itemsize
         cast = lay.reduce(spec) != lay.compute(spec)
         held = g_reduce if cast else 0                 # without a cast the pending one is the flat gradient
-        self.res.cast_bytes += (g_compute + g_reduce) if cast else 0
+        self.res.engine_bytes += (g_compute + g_reduce) if cast else 0
+        self.res.engine_bytes += self._reduce_kernel_bytes(spec)
         if lay.shard_size > 1:
             held += spec.chunk(lay.shard_size) * lay.reduce(spec).itemsize
             held += inflight_host_bytes("reduce_scatter", g_reduce, lay.shard_size, lay.staging)
@@ -212,6 +218,18 @@ class _Sim:
         self.reducing += held
         self.reduce_bytes[h] = held + (0 if cast else g_compute)
         self.check()
+
+    def _reduce_kernel_bytes(self, spec) -> int:
+        """The engine's own arithmetic around a reduction, priced by the fake run's rule (`op_cost`): the
+        gloo/CPU point-to-point reduce-scatter sums the N chunks (``torch.add(.., out=)`` 4 chunks, then N - 2
+        ``add_`` of 3; NCCL sums inside the collective), finish_reduce divides the reduced gradient by the world
+        (``div_``: 2)."""
+        lay = self.lay
+        size = lay.reduce(spec).itemsize
+        chunk = spec.chunk(lay.shard_size) * size
+        summed = (4 + 3 * (lay.shard_size - 2)) * chunk if lay.staging and lay.shard_size > 1 else 0
+        averaged = 2 * (chunk if lay.shard_size > 1 else spec.padded(lay.shard_size) * size) if lay.world > 1 else 0
+        return summed + averaged
 
     def grads_dropped(self, h: int) -> None:
         """The engine's post_backward: enqueue the reduction (RootState finishes older ones), then the

@@ -1,9 +1,14 @@
 """Step time: compute throughput and collective bandwidth, measured (`calibrate`) or named (`HARDWARE`).
 
 predicted step = compute + communication - overlap * min(compute, communication), where
-compute = FLOPs / flops_per_s + other bytes / mem_bytes_per_s + optimizer bytes / mem_bytes_per_s and
-communication = wire bytes / bus_bytes_per_s + calls * latency_s. ``overlap`` is 1 where collectives run
-beside compute (CUDA streams) and 0 where they compete for the same cores (CPU/gloo).
+compute = kernels (+ or max) ops * op_overhead_s,
+kernels = matmul FLOPs / flops_per_s + attention FLOPs / attention_flops_per_s
+          + other bytes / elementwise_bytes_per_s + optimizer bytes / optimizer_bytes_per_s,
+communication = wire bytes / bus_bytes_per_s + calls * latency_s.
+``overlap`` is 1 where collectives run beside compute (CUDA streams) and 0 where they compete for the same
+cores (CPU/gloo). `calibrate` measures the kernel rates on a transformer layer's own kernels (`_workload`),
+priced with the fake run's rule, so FLOPs and bytes are divided by rates measured in the same units (a
+square-matmul FLOP/s and a streaming ``mul_`` bandwidth under-predicted CPU steps by 15-35%).
 """
 from __future__ import annotations
 
@@ -28,6 +33,11 @@ class Calibration:
     overlap: float = 1.0
     source: str = "assumed"
     op_overhead_s: float = 0.0     # host time per dispatched op (Python + dispatcher + autograd; kernel launch)
+    # Bytes/s of the forward/backward ops other than matmul/attention (None: mem_bytes_per_s) and of the
+    # optimizer step's traffic (None: mem_bytes_per_s); mem_bytes_per_s is a streaming in-place multiply.
+    elementwise_bytes_per_s: Optional[float] = None
+    optimizer_bytes_per_s: Optional[float] = None
+    attention_flops_per_s: Optional[float] = None   # fused attention kernels (None: flops_per_s)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -78,29 +88,34 @@ def _sync(device):
 
 def calibrate(device: Optional[torch.device] = None, dtype: torch.dtype = torch.float32, group=None,
               seconds: float = 0.5) -> Calibration:
-    """Measure matmul FLOP/s, memory bandwidth and (under an initialized process group) all-gather bandwidth
-    and latency on this process. Collective: every rank of ``group`` must call it."""
+    """Measure, on this process: the kernel rates of a transformer layer's forward+backward and AdamW step in
+    ``dtype`` (`_workload`: matmul and attention FLOP/s, other ops' bytes/s, optimizer bytes/s), streaming memory
+    bandwidth, host seconds per op and (under an initialized process group) all-gather bandwidth and
+    latency. ``seconds``: rough budget per measurement (the whole call takes ~4x it). Collective: every rank
+    of ``group`` must call it."""
+    from . import _workload
+
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    flops = _matmul_rate(device, dtype, 2048 if device.type == "cuda" else 512, seconds)
+    if device.type == "cpu":
+        # Measure under the host allocator settings fp.shard applies to the step it predicts: with glibc's
+        # defaults the workload's freshly allocated outputs page-fault, ~1.4x slower (measured).
+        from .._host_alloc import keep_freed_host_memory
+        keep_freed_host_memory()
+    world = comm.group_size(group)
+    if world > 1:      # ranks train side by side (sharing memory bandwidth, or cores): measure side by side
+        comm.barrier("plan --calibrate", None, group)
+    rates = _workload.measure(device, dtype, seconds)
     big = torch.empty(8 * 2**20 if device.type == "cpu" else 64 * 2**20, device=device)
-    mem = 2 * big.numel() * big.element_size() / _timed(lambda: (big.mul_(1.0), _sync(device)), seconds)
-    bus, latency, world = 1e12, 0.0, comm.group_size(group)
+    mem = 2 * big.numel() * big.element_size() / _timed(lambda: (big.mul_(1.0), _sync(device)), seconds / 2)
+    bus, latency = 1e12, 0.0
     if world > 1:
         bus, latency = _measure_collectives(device, group, world, seconds)
     overlap = 1.0 if device.type == "cuda" else 0.0
-    return Calibration(flops, mem, bus, latency, overlap, f"measured on {device.type}, world {world}",
-                       op_overhead_s=_op_overhead(device, seconds))
-
-
-def _matmul_rate(device, dtype, n: int, seconds: float) -> float:
-    """FLOP/s of n x n matmuls in the three layouts training runs (forward x @ w.t(), input gradient g @ w,
-    weight gradient g.t() @ x): transposed operands are slower on some kernels (CPU: ~15% below a plain
-    square matmul, measured on the benchmark models' own shapes)."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    per = sum(_timed(lambda x=x, y=y: (torch.mm(x, y), _sync(device)), seconds / 3)
-              for x, y in ((a, b.t()), (a, b), (a.t(), b)))
-    return 3 * 2 * n ** 3 / per
+    return Calibration(rates["flops_per_s"], mem, bus, latency, overlap,
+                       f"measured on {device.type}, world {world}", op_overhead_s=_op_overhead(device, seconds),
+                       elementwise_bytes_per_s=rates["elementwise_bytes_per_s"],
+                       optimizer_bytes_per_s=rates["optimizer_bytes_per_s"],
+                       attention_flops_per_s=rates["attention_flops_per_s"])
 
 
 def _op_overhead(device, seconds: float) -> float:
@@ -159,10 +174,14 @@ def _measure_collectives(device, group, world: int, seconds: float) -> tuple[flo
 
 
 def predict(flops: int, other_bytes: int, optimizer_bytes: int, wire_bytes: int, calls: int,
-            cal: Calibration, ops: int = 0) -> dict:
-    """Seconds per step. Host op overhead adds to the kernels where they share cores (overlap 0, CPU) and
-    bounds them from below where the host runs ahead of the device (overlap 1, CUDA)."""
-    kernels = flops / cal.flops_per_s + (other_bytes + optimizer_bytes) / cal.mem_bytes_per_s
+            cal: Calibration, ops: int = 0, attention_flops: int = 0) -> dict:
+    """Seconds per step. ``flops`` includes ``attention_flops``. Host op overhead adds to the kernels where
+    they share cores (overlap 0, CPU) and bounds them from below where the host runs ahead of the device
+    (overlap 1, CUDA)."""
+    kernels = ((flops - attention_flops) / cal.flops_per_s
+               + attention_flops / (cal.attention_flops_per_s or cal.flops_per_s)
+               + other_bytes / (cal.elementwise_bytes_per_s or cal.mem_bytes_per_s)
+               + optimizer_bytes / (cal.optimizer_bytes_per_s or cal.mem_bytes_per_s))
     host = ops * cal.op_overhead_s
     compute = kernels + host if cal.overlap < 1 else max(kernels, host)
     communication = wire_bytes / cal.bus_bytes_per_s + calls * cal.latency_s

@@ -55,8 +55,9 @@ def world_plan(world: int, cfg: ShardingConfig, units, handles, tl, module, opt:
     cal_w = cal(world) if callable(cal) else cal
     n_tensors = sum(len(h.param_ids) for h in handles if h.requires_grad)
     ops = tl.ops + _optim.step_ops(opt, n_tensors, foreach)
-    t = predict(tl.flops, tl.other_bytes + res.cast_bytes, _optim.step_traffic(opt, trainable_elems), sum(res.wire.values()),
-                sum(res.calls.values()), cal_w, ops) if cal_w is not None else {}
+    t = predict(tl.flops, tl.other_bytes + res.engine_bytes, _optim.step_traffic(opt, trainable_elems),
+                sum(res.wire.values()), sum(res.calls.values()), cal_w, ops,
+                tl.attention_flops) if cal_w is not None else {}
     return WorldPlan(world_size=world, param_shards=param_shards, grad_shards=trainable, optimizer_state=opt_state,
                      buffers=buffers, unsharded_params=res.max_unsharded, unsharded_units=res.max_unsharded_units,
                      activations=tl.act_peak, comm_buffers=res.max_reducing, optimizer_step=step_temps,
