@@ -162,3 +162,18 @@ def test_calibration_measures_each_kernel_class_and_predict_prices_each():
     plan = _plan(world=(1,), calibration=base).worlds[1]
     slower = _plan(world=(1,), calibration=Calibration(**{**base.to_dict(), "attention_flops_per_s": 0.25e9}))
     assert slower.worlds[1].step_s > plan.step_s      # the model's attention is priced at the attention rate
+
+
+def _calibrate_rank(rank, world):
+    from fsdp_plugin.plan import calibrate
+    return calibrate(torch.device("cpu"), seconds=0.02).to_dict()
+
+
+def test_calibration_under_a_group_takes_the_slowest_ranks_rates():
+    """Ranks sharing cores may measure at different moments; every rank gets the group's lowest rates (the step
+    waits for the slowest rank), so all ranks predict the same step time."""
+    a, b = run_ranks(_calibrate_rank, 2, timeout=120)
+    kernel = ("flops_per_s", "attention_flops_per_s", "elementwise_bytes_per_s", "optimizer_bytes_per_s",
+              "mem_bytes_per_s", "op_overhead_s")
+    assert {k: a[k] for k in kernel} == {k: b[k] for k in kernel}
+    assert a["bus_bytes_per_s"] > 0 and "world 2" in a["source"]

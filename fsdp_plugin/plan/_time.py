@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from .. import _collectives as comm
 
@@ -111,11 +112,24 @@ def calibrate(device: Optional[torch.device] = None, dtype: torch.dtype = torch.
     if world > 1:
         bus, latency = _measure_collectives(device, group, world, seconds)
     overlap = 1.0 if device.type == "cuda" else 0.0
-    return Calibration(rates["flops_per_s"], mem, bus, latency, overlap,
-                       f"measured on {device.type}, world {world}", op_overhead_s=_op_overhead(device, seconds),
+    rates.update(mem_bytes_per_s=mem, ops_per_s=1.0 / _op_overhead(device, seconds))
+    if world > 1:
+        rates = _slowest_rank(rates, group, device)
+    return Calibration(rates["flops_per_s"], rates["mem_bytes_per_s"], bus, latency, overlap,
+                       f"measured on {device.type}, world {world}", op_overhead_s=1.0 / rates["ops_per_s"],
                        elementwise_bytes_per_s=rates["elementwise_bytes_per_s"],
                        optimizer_bytes_per_s=rates["optimizer_bytes_per_s"],
                        attention_flops_per_s=rates["attention_flops_per_s"])
+
+
+def _slowest_rank(rates: dict, group, device) -> dict:
+    """The group's lowest value of every rate. A step waits for its slowest rank, and where ranks share cores
+    the OS may run one rank's measurement alone on a core (2x too fast with 4 ranks on 2 cores, measured): the
+    minimum is the rate the ranks had while running side by side, and every rank then predicts alike."""
+    keys = sorted(k for k, v in rates.items() if v is not None)
+    t = torch.tensor([rates[k] for k in keys], dtype=torch.float64, device=device)
+    comm.all_reduce(t, group, op=dist.ReduceOp.MIN, kind="control", what="plan --calibrate: the slowest rank's rates")
+    return {**rates, **dict(zip(keys, t.tolist()))}
 
 
 def _op_overhead(device, seconds: float) -> float:
