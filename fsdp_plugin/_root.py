@@ -111,12 +111,12 @@ class RootState:
         default_policy = self.config.reshard_after_forward is None
         self._kept_last = order[-1] if default_policy and order and order[-1] is not self.root_unit else None
 
-    def keeps_after_forward(self, unit) -> bool:
-        """Whether ``unit`` keeps its full parameters from its forward to its backward although its policy
-        reshards: the last unit of the frozen forward order, under the strategy's default policy. Backward
-        needs it first (the root's pre-backward prefetches it), so resharding it would only all-gather it again
-        at once (torchtitan keeps its last block the same way); an explicit ``reshard_after_forward`` is obeyed."""
-        return unit is self._kept_last
+    def reshards_after_forward(self, unit) -> bool:
+        """Whether ``unit`` frees its full parameters after its forward: its policy (``unit.reshard_after_forward``),
+        except the last unit of the frozen forward order under the strategy's default policy. Backward needs that
+        one first (the root's pre-backward prefetches it), so resharding it would only all-gather it again at once
+        (torchtitan keeps its last block the same way); an explicit ``reshard_after_forward`` is obeyed."""
+        return unit.reshard_after_forward and unit is not self._kept_last
 
     def _cast_inputs(self, args, kwargs):
         mp = self.config.mixed_precision

@@ -145,7 +145,7 @@ class Unit:
         grad_on = torch.is_grad_enabled()
         if grad_on:
             self._register_pre_backward(output)
-        if not grad_on or (self.reshard_after_forward and not self.root.keeps_after_forward(self)):
+        if not grad_on or self.root.reshards_after_forward(self):
             self.reshard()
         self.root.after_unit_forward(self)
         return output

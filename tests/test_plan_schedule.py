@@ -55,7 +55,7 @@ def test_root_backward_prefetches_the_last_unit():
 
 
 def test_last_unit_kept_from_forward_to_backward_under_the_default_policy():
-    """RootState.keeps_after_forward: the last unit in forward order is not resharded only to be gathered again."""
+    """RootState.reshards_after_forward: the last unit in forward order is not resharded only to be gathered again."""
     kept = _replay(("pre_backward", 0))          # between the end of forward and the root's backward
     assert kept.unsharded_units == ("<root>", "u2")
     assert _replay(("pre_backward", 0), reshard_after_forward=True).unsharded_units == ("<root>",)

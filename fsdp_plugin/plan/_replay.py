@@ -7,7 +7,7 @@ stand-in units and handles and decides the forward/backward prefetches (``after_
 ``prefetch_backward``: e.g. the root prefetches the last unit, whose backward follows the root's head), how
 many reductions stay in flight (``enqueue_reduce``: none once the root's gradient is next) and the prefetch
 depth; ``unit_policy`` (``_strategy.py``) decides which units reshard after forward, and the root which one
-keeps its parameters to its backward anyway (``keeps_after_forward``: the last). The stand-ins only
+keeps its parameters to its backward anyway (``reshards_after_forward``: not the last). The stand-ins only
 account bytes. Memory is per rank and all ranks are alike (every shard has ``chunk`` elements, padding
 included).
 """
@@ -88,10 +88,12 @@ class ReplayResult:
 
 
 class _SimUnit:
-    """What ``RootState`` reads of a unit (``in_backward``, ``unshard``, ``name``), backed by the replay."""
+    """What ``RootState`` reads of a unit (``in_backward``, ``unshard``, ``name``, ``reshard_after_forward``),
+    backed by the replay."""
 
-    def __init__(self, sim: "_Sim", index: int, name: str):
+    def __init__(self, sim: "_Sim", index: int, name: str, reshard_after_forward: bool):
         self.sim, self.index, self.name = sim, index, name
+        self.reshard_after_forward = reshard_after_forward
 
     @property
     def in_backward(self) -> bool:
@@ -128,8 +130,8 @@ class _Sim:
         self.act = 0
         self.res = ReplayResult(Moment())
         cfg = lay.config
-        self.reshard_after_forward = [unit_policy(cfg, None, u.fqn, u.module).reshard_after_forward for u in units]
-        self.sim_units = [_SimUnit(self, i, u.name) for i, u in enumerate(units)]
+        self.sim_units = [_SimUnit(self, i, u.name, unit_policy(cfg, None, u.fqn, u.module).reshard_after_forward)
+                          for i, u in enumerate(units)]
         self.sim_handles = [_SimHandle(self, h) for h in range(len(handles))]
         self.root = RootState(cfg, None, torch.device("cpu"))
         self.root.units = list(self.sim_units)
@@ -259,7 +261,7 @@ class _Sim:
         self.root.after_unshard_in_forward(self.sim_units[u])
 
     def post_forward(self, u: int, in_bwd: bool) -> None:
-        if not in_bwd and self.reshard_after_forward[u] and not self.root.keeps_after_forward(self.sim_units[u]):
+        if not in_bwd and self.root.reshards_after_forward(self.sim_units[u]):
             for h in self.units[u].handles:
                 self.reshard_handle(h)
 
