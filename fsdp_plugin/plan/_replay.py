@@ -19,10 +19,9 @@ from typing import Optional
 
 import torch
 
-from .._collectives import ring_bytes
+from .._collectives import inflight_host_bytes, ring_bytes
 from .._root import RootState
 from .._shard import handle_dtypes
-from .._collectives import inflight_host_bytes
 from .._strategy import unit_policy
 from ..config import ShardingConfig
 

@@ -111,18 +111,18 @@ def calibrate(device: Optional[torch.device] = None, dtype: torch.dtype = torch.
     if world > 1:
         bus, latency = _measure_collectives(device, group, world, seconds)
     overlap = 1.0 if device.type == "cuda" else 0.0
-    rates.update(mem_bytes_per_s=mem, ops_per_s=1.0 / _op_overhead(device, seconds))
+    rates.update(mem_bytes_per_s=mem, op_overhead_s=_op_overhead(device, seconds))
     if world > 1:
         rates = _group_median(rates, group, device)
     return Calibration(rates["flops_per_s"], rates["mem_bytes_per_s"], bus, latency, overlap,
-                       f"measured on {device.type}, world {world}", op_overhead_s=1.0 / rates["ops_per_s"],
+                       f"measured on {device.type}, world {world}", op_overhead_s=rates["op_overhead_s"],
                        elementwise_bytes_per_s=rates["elementwise_bytes_per_s"],
                        optimizer_bytes_per_s=rates["optimizer_bytes_per_s"],
                        attention_flops_per_s=rates["attention_flops_per_s"])
 
 
 def _group_median(rates: dict, group, device) -> dict:
-    """The median over the group's ranks of every rate, the same on every rank. Ranks that share cores measure
+    """The median over the group's ranks of every measured value, the same on every rank. Ranks that share cores measure
     at different moments: one may run alone on a core (2x too fast with 4 ranks on 2 cores) or beside a third
     rank (2/3 too slow); the median of the ranks' values is the side-by-side rate training sees, and every rank
     then predicts alike (measured: the minimum over-predicted by 25-35% when one rank was disturbed)."""
