@@ -33,7 +33,7 @@ def main():
     a = p.parse_args()
     torch.set_num_threads(1)
     import fsdp_plugin as fp
-    from fsdp_plugin.plan import calibrate
+    from fsdp_plugin.planner import calibrate
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
 
 import fsdp_plugin as fp
-from fsdp_plugin._layout import param_shards
+from fsdp_plugin._flat.layout import param_shards
 from fsdp_plugin.checkpoint import load_checkpoint, save_checkpoint
 
 D = 4096

@@ -13,8 +13,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
 import torch
 import fsdp_plugin as fp
-import fsdp_plugin._root as rootmod
-import fsdp_plugin._flat_param as fpm
+import fsdp_plugin._schedule.root as rootmod
+import fsdp_plugin._flat.flat_param as fpm
 from _model import PRESETS, GPTConfig, GPT, Block
 from _dist import run_ranks
 

@@ -26,7 +26,7 @@ _METHODS = ("unshard", "wait_unshard", "reshard", "start_reduce", "finish_reduce
 
 
 def set_arm(arm: str, handler) -> None:
-    from fsdp_plugin._flat_param import FlatParamHandle
+    from fsdp_plugin._flat.flat_param import FlatParamHandle
 
     log = logging.getLogger("fsdp_plugin")
     log.setLevel(logging.INFO if arm == "info" else logging.WARNING)
@@ -45,7 +45,7 @@ def main():
     a = p.parse_args()
     torch.set_num_threads(1)
     import fsdp_plugin as fp
-    from fsdp_plugin._flat_param import FlatParamHandle
+    from fsdp_plugin._flat.flat_param import FlatParamHandle
 
     global _LABELLED
     _LABELLED = {n: FlatParamHandle.__dict__[n] for n in _METHODS}

@@ -62,7 +62,7 @@ def measure(model, world, strategy, ac, bf16, timeout=900):
 
 def predict(model, world, strategy, ac, bf16, cal):
     import fsdp_plugin as fp
-    from fsdp_plugin.plan import Calibration
+    from fsdp_plugin.planner import Calibration
 
     batch = zoo.inputs(model, zoo.BATCH[model], zoo.SEQ[model])
     return fp.plan(lambda: zoo.build(model), world_size=world, sharding_strategy=strategy,
@@ -74,7 +74,7 @@ def predict(model, world, strategy, ac, bf16, cal):
 def repredict(path):
     """Same measurements, current planner: rewrite predicted_peak and the peak errors in place (and the step
     time, for rows that recorded the calibration their worker measured)."""
-    from fsdp_plugin.plan import Calibration
+    from fsdp_plugin.planner import Calibration
 
     rows = [json.loads(line) for line in open(path)]
     for r in rows:

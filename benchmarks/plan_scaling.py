@@ -4,7 +4,7 @@ the number of GPUs, for decoder-only models of 0.6 B to 175 B parameters.
     python benchmarks/plan_scaling.py [--hardware a100-80gb] [--out benchmarks/plan_scaling.json]
     python3 benchmarks/plan_scaling_plot.py benchmarks/plan_scaling.json    # PNGs (needs matplotlib only)
 
-Hardware numbers are named inputs (`fsdp_plugin.plan.HARDWARE`: sustained matmul FLOP/s, memory bandwidth,
+Hardware numbers are named inputs (`fsdp_plugin.planner.HARDWARE`: sustained matmul FLOP/s, memory bandwidth,
 per-GPU ring bandwidth inside a node and across nodes). Models are GPT-style decoders sized like the paper's
 (T5-611M, T5-2.28B, T5-11B are encoder-decoders; we match the parameter count, not the architecture; GPT-175B
 is GPT-3's shape). full_shard, bf16 parameters with fp32 reduction, AdamW, activation checkpointing per block,
@@ -68,7 +68,7 @@ def main():
     p.add_argument("--out", default=str(HERE / "plan_scaling.json"))
     p.add_argument("--models", nargs="*", default=list(MODELS))
     a = p.parse_args()
-    from fsdp_plugin.plan import HARDWARE
+    from fsdp_plugin.planner import HARDWARE
 
     out = {"hardware": a.hardware, "hardware_inputs": HARDWARE[a.hardware], "seq": SEQ, "batch_per_gpu": BATCH,
            "models": [simulate(m, a.hardware) for m in a.models]}

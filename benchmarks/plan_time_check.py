@@ -33,7 +33,7 @@ from tests._launch import free_port  # noqa: E402
 def planner_inputs(name: str, bf16: bool, batch, cal) -> tuple:
     """(flops, other bytes, optimizer bytes, ops, attention flops) the planner prices at world 1."""
     import fsdp_plugin as fp
-    from fsdp_plugin.plan import _world
+    from fsdp_plugin.planner import _world as _world
 
     seen, predict = {}, _world.predict
 
@@ -64,7 +64,7 @@ def main():
     p.add_argument("--rounds", type=int, default=4)
     a = p.parse_args()
     import fsdp_plugin as fp
-    from fsdp_plugin.plan import calibrate
+    from fsdp_plugin.planner import calibrate
 
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))

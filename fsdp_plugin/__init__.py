@@ -4,10 +4,10 @@
     model = fp.shard(model, fp.ShardingConfig(auto_wrap_policy={Block}))
     optimizer = torch.optim.AdamW(model.parameters())
 """
-from ._collectives import STATS as comm_stats
-from ._compile import compile
+from ._comm.collectives import STATS as comm_stats
+from ._build.compile import compile
 from ._log import configure_from_env as _configure_log, memory_report
-from ._shard import shard
+from ._build.shard import shard
 from .api import (clip_grad_norm_, full_params, full_state_dict, is_sharded, no_sync,
                   register_forward_method, reset)
 from .config import MixedPrecision, ShardingConfig, size_policy
@@ -17,8 +17,8 @@ from .errors import (CodecError, CollectiveError, ConfigError, DeferredInitError
                      UnsupportedError, UsageError)
 
 from ._deferred import deferred_init
-from ._exit import shutdown
-from .plan import Plan, PlanError, plan
+from ._groups.shutdown import shutdown
+from .planner import Plan, PlanError, plan
 from .checkpoint import (AsyncSave, CheckpointError, CheckpointMismatchError, CorruptCheckpointError,
                          IncompleteCheckpointError, load_checkpoint, load_pretrained, save_checkpoint,
                          save_pretrained)

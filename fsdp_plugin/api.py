@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _collectives as comm
-from ._layout import is_persistent_buffer
+from ._comm import collectives as comm
+from ._flat.layout import is_persistent_buffer
 from .errors import NonFiniteGradientError, ShardingError
 
 

@@ -13,7 +13,7 @@ from typing import Callable, Iterable, Optional, Union
 import torch
 from torch import nn
 
-from ._strategy import STRATEGIES as _STRATEGY_TABLE
+from ._build.strategy import STRATEGIES as _STRATEGY_TABLE
 from .errors import ConfigError
 
 STRATEGIES = tuple(_STRATEGY_TABLE)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import _collectives as comm
+from ._comm import collectives as comm
 
 
 class GradScaler(torch.amp.GradScaler):

@@ -32,7 +32,7 @@ def _load(rank, world, path):
     reader.ReadPlan.execute = counting
     model = _sharded(1)
     extra = load_checkpoint(path, model)
-    from fsdp_plugin._layout import param_shards
+    from fsdp_plugin._flat.layout import param_shards
 
     needed = sum((sh.end - sh.start) * sh.dtype.itemsize for sh in param_shards(model))
     return extra, sum(reads), needed
@@ -66,7 +66,7 @@ def _frozen_model(seed):
 
 
 def _opt_pieces(model, opts):
-    from fsdp_plugin._layout import param_shards
+    from fsdp_plugin._flat.layout import param_shards
 
     out = {}
     for i, o in enumerate(opts):
@@ -119,7 +119,7 @@ def test_tied_frozen_two_optimizers_reshard(tmp_path):
 
 
 def _agree(rank, world):
-    from fsdp_plugin import _collectives
+    from fsdp_plugin._comm import collectives as _collectives
     from fsdp_plugin.checkpoint import _comm
     from fsdp_plugin.checkpoint.errors import CheckpointError, CorruptCheckpointError
 

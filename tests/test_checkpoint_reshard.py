@@ -59,7 +59,7 @@ def _step(model, opt, step, rank, world):
 def _state(model, opt):
     """Full params (rank 0) and every rank's optimizer pieces, for bit-exact comparison in the parent."""
     full = fp.full_state_dict(model)
-    from fsdp_plugin._layout import param_shards
+    from fsdp_plugin._flat.layout import param_shards
 
     pieces = {}
     for sh in param_shards(model):

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_ranks
-from fsdp_plugin import _collectives as comm
+from fsdp_plugin._comm import collectives as comm
 
 
 def _inputs(rank: int, world: int, numel: int) -> list[torch.Tensor]:

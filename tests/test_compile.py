@@ -7,7 +7,7 @@ from _dist import run_ranks
 from models import GPT, Block, gpt_batch
 
 import fsdp_plugin as fp
-from fsdp_plugin._compile import compiled_units
+from fsdp_plugin._build.compile import compiled_units
 
 
 def _train(model, steps, rank=0, world=1):

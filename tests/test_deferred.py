@@ -7,8 +7,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fsdp_plugin import _deferred, _deferred_replay
-from fsdp_plugin._deferred import DeferredInitError, deferred_init, is_deferred, materialize, release
+from fsdp_plugin import _deferred
+import fsdp_plugin._deferred.graph  # noqa: F401 (the registry the tests read)
+from fsdp_plugin._deferred import replay as _deferred_replay
+from fsdp_plugin.errors import DeferredInitError
+from fsdp_plugin._deferred import deferred_init, is_deferred, materialize, release
 
 
 # ----------------------------------------------------------------------------------------- models
@@ -293,7 +296,7 @@ def test_views_of_a_parameter_are_deferred_and_share_its_storage():
 
 def test_release_forgets_and_frees_the_recording():
     _, _, fake, _ = _build_both(GPT)
-    rec = _deferred._REGISTRY[fake.wte.weight.untyped_storage()._cdata]
+    rec = _deferred.graph._REGISTRY[fake.wte.weight.untyped_storage()._cdata]
     ops_before = len(rec.ops)
     release(fake.h[0])
     assert not any(is_deferred(p) for p in fake.h[0].parameters())
@@ -303,12 +306,12 @@ def test_release_forgets_and_frees_the_recording():
         materialize([fake.h[0].ln_1.weight])
     release(fake)
     assert rec.ops == [] and not rec.storages
-    assert all(r is not rec for r in _deferred._REGISTRY.values())
+    assert all(r is not rec for r in _deferred.graph._REGISTRY.values())
 
 
 def test_swapped_out_parameters_are_collected_without_release():
     _, _, fake, _ = _build_both(GPT)
-    rec = _deferred._REGISTRY[fake.wte.weight.untyped_storage()._cdata]
+    rec = _deferred.graph._REGISTRY[fake.wte.weight.untyped_storage()._cdata]
     for m in fake.h[0].modules():  # what an engine does per unit: materialize, then swap in
         for name, p in list(m.named_parameters(recurse=False)):
             setattr(m, name, nn.Parameter(materialize([p])[0]))
@@ -333,7 +336,7 @@ def test_temporaries_are_not_kept():
         tmp = torch.randn(1000, 1000)
         keep.copy_(tmp[:3, :3] * 2)
         del tmp
-    rec = _deferred._REGISTRY[keep.untyped_storage()._cdata]
+    rec = _deferred.graph._REGISTRY[keep.untyped_storage()._cdata]
     assert len(rec.storages) == 1  # the 4 MB temporary's storage is not a root
     torch.manual_seed(0)
     expected = (torch.randn(1000, 1000)[:3, :3] * 2)

@@ -11,7 +11,7 @@ import fsdp_plugin as fp
 from _dist import run_ranks
 from _parity import assert_close_losses, assert_close_state, make_optimizer, single_process, train
 from models import GPT, Block, gpt_batch
-from fsdp_plugin._states import ShardedState
+from fsdp_plugin._schedule.states import ShardedState
 
 
 # ---------------------------------------------------------------- model zoo

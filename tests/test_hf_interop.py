@@ -21,7 +21,7 @@ from fsdp_plugin.checkpoint import (
     save_checkpoint,
     save_pretrained,
 )
-from fsdp_plugin.checkpoint.cli import main as cli
+from fsdp_plugin.cli import main as cli
 
 torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # import torch._dynamo once, before forking ranks
 

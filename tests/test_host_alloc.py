@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from fsdp_plugin import _host_alloc
+from fsdp_plugin._build import host_alloc as _host_alloc
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")

@@ -81,7 +81,7 @@ def test_full_files_of_earlier_versions_still_load(tmp_path):
 
 def test_consolidate_lightning_refuses_a_checkpoint_without_lightning_state(tmp_path, capsys):
     import fsdp_plugin as fp
-    from fsdp_plugin.checkpoint.cli import main
+    from fsdp_plugin.cli import main
 
     fp.save_checkpoint(str(tmp_path / "ckpt"), fp.shard(torch.nn.Sequential(torch.nn.Linear(2, 2))))
     assert main(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "out.ckpt"), "--format", "lightning"]) == 1

@@ -144,7 +144,7 @@ def test_clip_norm_accumulate_init_module_full_checkpoint_validate(tmp_path):
 
 def test_sharded_checkpoint_to_load_from_checkpoint_in_one_command(trained, tmp_path):
     """`fsdp-plugin consolidate CKPT OUT --format lightning`, then Lightning's loader with weights_only=True."""
-    from fsdp_plugin.checkpoint.cli import main
+    from fsdp_plugin.cli import main
 
     out = tmp_path / "model.ckpt"
     assert main(["consolidate", str(trained["dir"] / "step4.ckpt"), str(out), "--format", "lightning", "-q"]) == 0

@@ -10,10 +10,10 @@ from torch import nn
 
 import fsdp_plugin as fp
 from _dist import run_ranks
-from fsdp_plugin.checkpoint.cli import main as cli_main
-from fsdp_plugin.plan import PlanError
-from fsdp_plugin.plan._fit import _PLAN_DEFAULTS as _OPTS
-from fsdp_plugin.plan.api import plan_strategies
+from fsdp_plugin.cli import main as cli_main
+from fsdp_plugin.planner import PlanError
+from fsdp_plugin.planner._fit import _PLAN_DEFAULTS as _OPTS
+from fsdp_plugin.planner.api import plan_strategies
 from models import GPT, Block, gpt_batch
 
 V = 64
@@ -145,8 +145,8 @@ def test_bad_model_is_a_plan_error():
 def test_calibration_measures_each_kernel_class_and_predict_prices_each():
     """`calibrate` measures every rate on the transformer-layer workload (JSON round trip for the CLI and the
     benchmark), and `predict` divides each class of work by its own rate (None: the older fields)."""
-    from fsdp_plugin.plan import Calibration, calibrate
-    from fsdp_plugin.plan._time import predict
+    from fsdp_plugin.planner import Calibration, calibrate
+    from fsdp_plugin.planner._time import predict
 
     cal = calibrate(torch.device("cpu"), seconds=0.02)
     rates = ("flops_per_s", "attention_flops_per_s", "elementwise_bytes_per_s", "optimizer_bytes_per_s",
@@ -165,7 +165,7 @@ def test_calibration_measures_each_kernel_class_and_predict_prices_each():
 
 
 def _calibrate_rank(rank, world):
-    from fsdp_plugin.plan import calibrate
+    from fsdp_plugin.planner import calibrate
     return calibrate(torch.device("cpu"), seconds=0.02).to_dict()
 
 

@@ -7,15 +7,16 @@ from models import GPT, Block
 from torch import nn
 
 import fsdp_plugin as fp
-from fsdp_plugin._mesh import mesh_dims
-from fsdp_plugin._strategy import ShardScope
+from fsdp_plugin._groups.mesh import mesh_dims
+from fsdp_plugin._build.strategy import ShardScope
 from fsdp_plugin.checkpoint.hf_out import parse_size
 from fsdp_plugin.errors import ConfigError
-from fsdp_plugin.plan import PlanError, _fake_run, parse_bytes
-from fsdp_plugin.plan._fake_run import Event, Timeline
-from fsdp_plugin.plan._replay import Layout, replay
-from fsdp_plugin.plan._units import HandleSpec, UnitSpec, discover_units
-from fsdp_plugin.plan._world import CPU_RUNTIME_BYTES, layout_for
+from fsdp_plugin.planner import PlanError, parse_bytes
+from fsdp_plugin.planner import _fake_run as _fake_run
+from fsdp_plugin.planner._fake_run import Event, Timeline
+from fsdp_plugin.planner._replay import Layout, replay
+from fsdp_plugin.planner._units import HandleSpec, UnitSpec, discover_units
+from fsdp_plugin.planner._world import CPU_RUNTIME_BYTES, layout_for
 
 N = 1000          # elements per unit (fp32, even: no padding at world 2)
 SPIKE = 10**9     # activation bytes of one segment, so that the peak lands exactly there

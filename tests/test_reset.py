@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fsdp_plugin as fp
-from fsdp_plugin._states import RootPhase, ShardedState, TrainingState
+from fsdp_plugin._schedule.states import RootPhase, ShardedState, TrainingState
 from _dist import run_ranks
 from _parity import global_mean, make_optimizer
 

@@ -4,9 +4,9 @@ import torch
 import fsdp_plugin as fp
 from _dist import run_ranks
 from models import GPT, Block, gpt_batch
-from fsdp_plugin._flat_param import FlatParamHandle
-from fsdp_plugin._states import ShardedState
-from fsdp_plugin._unit import Unit
+from fsdp_plugin._flat.flat_param import FlatParamHandle
+from fsdp_plugin._schedule.states import ShardedState
+from fsdp_plugin._schedule.unit import Unit
 
 
 def _schedule(rank, world, reshard_after_forward=True):

@@ -2,7 +2,7 @@
 from torch import nn
 
 import fsdp_plugin as fp
-from fsdp_plugin._wrap import owner_unit, select_unit_modules
+from fsdp_plugin._build.wrap import owner_unit, select_unit_modules
 from models import GPT, Block
 
 

@@ -91,7 +91,7 @@ def checkpoint_group():
     world = dist.group.WORLD
     if _group_cache and _group_cache[0] is world:
         return _group_cache[1]
-    from fsdp_plugin._collectives import default_timeout_s
+    from fsdp_plugin._comm.collectives import default_timeout_s
 
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=default_timeout_s(None)))
     _group_cache = (world, group)

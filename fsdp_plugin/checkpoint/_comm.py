@@ -2,7 +2,7 @@
 
 All functions work without an initialized process group (world of one). Payloads are UTF-8 JSON
 strings moved as uint8 tensors, so saving needs no pickle either (unlike ``all_gather_object``).
-Every call goes through :mod:`fsdp_plugin._collectives` with a deadline: the model's
+Every call goes through :mod:`fsdp_plugin._comm.collectives` with a deadline: the model's
 ``ShardingConfig(timeout_s=...)`` inside :func:`deadline_of` (the public entry points use
 :func:`uses_model_deadline`), else ``FSDP_PLUGIN_TIMEOUT_S`` (600 s). A rank that dies or stalls becomes
 a :class:`~fsdp_plugin.CollectiveError` naming the operation on the others.
@@ -17,7 +17,7 @@ import inspect
 import torch
 import torch.distributed as dist
 
-from .. import _collectives as comm
+from .._comm import collectives as comm
 
 _TIMEOUT: contextvars.ContextVar = contextvars.ContextVar("fsdp_plugin_checkpoint_timeout", default=None)
 _OP: contextvars.ContextVar = contextvars.ContextVar("fsdp_plugin_checkpoint_op", default="checkpoint")
@@ -45,7 +45,7 @@ def _device(group=None) -> torch.device:
 
 def deadline_of(model, op: str):
     """Inside: collectives wait at most the model's ``timeout_s`` and errors name ``op``."""
-    from .._layout import sharding_info
+    from .._flat.layout import sharding_info
 
     return deadline(sharding_info(model).timeout_s if model is not None else None, op)
 

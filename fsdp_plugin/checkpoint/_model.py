@@ -1,7 +1,7 @@
 """What the checkpoint code needs from a model: its parameter pieces (via the engine's ``_layout``),
 its persistent buffers, and the save-time sharding description.
 
-Invariant: this module is the only place that talks to ``fsdp_plugin._layout``.
+Invariant: this module is the only place that talks to ``fsdp_plugin._flat.layout``.
 """
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from .errors import CheckpointError
 
 
 def _layout():
-    return importlib.import_module("fsdp_plugin._layout")
+    return importlib.import_module("fsdp_plugin._flat.layout")
 
 
 def param_shards(model: nn.Module) -> list:
-    """``fsdp_plugin._layout.param_shards(model)``: one ParamShard per distinct parameter."""
+    """``fsdp_plugin._flat.layout.param_shards(model)``: one ParamShard per distinct parameter."""
     return list(_layout().param_shards(model))
 
 

@@ -115,7 +115,7 @@ def deferred_init_context(enabled: bool) -> Iterator[None]:
 
 def barrier(config: Any, name: Any = None) -> None:
     """Lightning's ``strategy.barrier(name)`` through fsdp_plugin's collectives (deadline: ``config.timeout_s``)."""
-    from fsdp_plugin import _collectives
+    from fsdp_plugin._comm import collectives as _collectives
 
     _collectives.barrier(f"Lightning barrier {name!r}" if name else "Lightning barrier",
                          getattr(config, "timeout_s", None))
@@ -148,7 +148,7 @@ def reduce(config: Any, tensor: torch.Tensor, group: Any = None, reduce_op: Any 
     """Lightning's ``strategy.reduce`` (in place, like its ``_sync_ddp``) through fsdp_plugin's collectives:
     "mean"/"avg" is a sum divided by the group size (gloo has no AVG); other strings name a ``ReduceOp``."""
     import torch.distributed as dist
-    from fsdp_plugin import _collectives
+    from fsdp_plugin._comm import collectives as _collectives
 
     op, divide = reduce_op, False
     if reduce_op is None or isinstance(reduce_op, str):

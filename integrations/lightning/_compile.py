@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import fsdp_plugin as fp
-from fsdp_plugin._compile import compile_units
+from fsdp_plugin._build.compile import compile_units
 
 
 def allow_in_trainer() -> None:

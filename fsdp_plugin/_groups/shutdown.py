@@ -33,8 +33,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from . import _collectives as comm
-from . import _mesh
+from .._comm import collectives as comm
+from . import mesh as _mesh
 
 
 def shutdown(timeout_s: Optional[float] = None) -> bool:
@@ -43,7 +43,7 @@ def shutdown(timeout_s: Optional[float] = None) -> bool:
     Waits (at most ``timeout_s`` seconds; default ``FSDP_PLUGIN_TIMEOUT_S`` or 600) until every rank
     arrives and every collective issued before completes, then destroys all process groups so that their
     threads are joined now rather than during interpreter exit (which can abort the process with
-    "terminate called without an active exception", see :mod:`fsdp_plugin._exit`). A no-op without an
+    "terminate called without an active exception", see :mod:`fsdp_plugin._groups.shutdown`). A no-op without an
     initialized process group (then it only drops this package's references). Returns True when every group
     was destroyed and its threads joined; False when an object outside fsdp_plugin still references a group
     (``import torch._dynamo``, done by torch.optim's first step, does; so do DDP models): its threads then
@@ -51,7 +51,7 @@ def shutdown(timeout_s: Optional[float] = None) -> bool:
     Raises :class:`CollectiveError` if another rank does not arrive in time (it probably failed); the
     groups are then left alone, since their threads may still be inside the failed collective.
     """
-    from .checkpoint._async import shutdown as checkpoint_shutdown
+    from ..checkpoint._async import shutdown as checkpoint_shutdown
 
     checkpoint_shutdown()  # a background save's collectives need the groups destroyed below; frees staging
     if dist.is_available() and dist.is_initialized():

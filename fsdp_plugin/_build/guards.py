@@ -9,7 +9,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch import nn
 
-from .errors import OptimizerError, StateDictError
+from ..errors import OptimizerError, StateDictError
 
 _STATE_DICT_HELP = ("on a sharded model outside `with fp.full_params(model):` it would hold 1-D shard pieces; "
                     "use fp.full_state_dict(model) (full tensors on rank 0), fp.save_checkpoint/fp.load_checkpoint "

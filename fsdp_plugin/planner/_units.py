@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .._shard import _group_params
-from .._wrap import params_by_unit, select_unit_modules
+from .._build.shard import _group_params
+from .._build.wrap import params_by_unit, select_unit_modules
 
 
 @dataclass

@@ -1,10 +1,10 @@
 """One world size's numbers: static bytes, the schedule replay, wire bytes and step time."""
 from __future__ import annotations
 
-from .._mesh import mesh_dims
-from .._strategy import STRATEGIES
+from .._groups.mesh import mesh_dims
+from .._build.strategy import STRATEGIES
 from ..config import ShardingConfig
-from . import _optim
+from . import _optim as _optim
 from ._replay import Layout, replay
 from ._result import WorldPlan
 from ._time import predict

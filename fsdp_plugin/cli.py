@@ -10,7 +10,7 @@ import json
 import sys
 import time
 
-from .errors import CheckpointError
+from .checkpoint.errors import CheckpointError
 
 
 class Progress:
@@ -36,7 +36,7 @@ class Progress:
 
 
 def _inspect(args) -> int:
-    from .tools import inspect_checkpoint
+    from .checkpoint.tools import inspect_checkpoint
 
     info = inspect_checkpoint(args.ckpt)
     if args.json:
@@ -59,7 +59,7 @@ def _inspect(args) -> int:
 
 
 def _verify(args) -> int:
-    from .tools import verify_checkpoint
+    from .checkpoint.tools import verify_checkpoint
 
     problems = verify_checkpoint(args.ckpt, None if args.quiet else Progress("verify"))
     for p in problems:
@@ -69,7 +69,7 @@ def _verify(args) -> int:
 
 
 def _consolidate(args) -> int:
-    from .consolidate import consolidate
+    from .checkpoint.consolidate import consolidate
 
     if args.format == "lightning":
         from fsdp_plugin.integrations.lightning.convert import consolidate_lightning
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
                         "they are written under every name so a strict load_state_dict works")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(fn=_consolidate)
-    from ..plan.cli import add_parser as _add_plan
+    from .planner.cli import add_parser as _add_plan
     _add_plan(sub)   # ``fsdp-plugin plan``: lives in fsdp_plugin/plan/cli.py
     args = parser.parse_args(argv)
     try:

@@ -8,11 +8,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ._flat_param import FlatParamHandle
-from ._states import ShardedState, TrainingState
+from .._flat.flat_param import FlatParamHandle
+from .states import ShardedState, TrainingState
 
 if TYPE_CHECKING:
-    from ._root import RootState
+    from .root import RootState
 
 
 class Unit:

@@ -8,12 +8,12 @@ import torch
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
-from . import _collectives as comm
-from .config import ShardingConfig
-from .errors import CollectiveError
-from ._mesh import Mesh
-from ._states import OrderState, RootPhase
-from ._usage import UsageAgreement
+from .._comm import collectives as comm
+from ..config import ShardingConfig
+from ..errors import CollectiveError
+from .._groups.mesh import Mesh
+from .states import OrderState, RootPhase
+from .._reduce.usage import UsageAgreement
 
 # Reductions left in flight: each holds a unit's full unsharded gradient until it completes, and the next
 # unit's backward compute is enough to hide one reduce-scatter, so only the newest stays pending.

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..config import MixedPrecision, ShardingConfig
-from . import _optim
+from . import _optim as _optim
 from ._capture import ModelSource, capture, hf_inputs
 from ._fake_run import RunSpec, Timeline, run
 from ._result import Plan, WorldPlan

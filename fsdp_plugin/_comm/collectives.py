@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .errors import CollectiveError
+from ..errors import CollectiveError
 
 
 @dataclass

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import _optim
+from . import _optim as _optim
 from ._fake_run import op_cost
 
 # Layer sizes: CPU like the small models a CPU trains (a replay ~0.1 s at 1 thread), CUDA like a 1-3 B

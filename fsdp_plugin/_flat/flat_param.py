@@ -15,11 +15,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import _collectives as comm
-from ._mesh import Mesh
-from ._states import ShardedState
-from ._usage import SlotUsage
-from ._trace import _traced
+from .._comm import collectives as comm
+from .._groups.mesh import Mesh
+from .._schedule.states import ShardedState
+from .._reduce.usage import SlotUsage
+from .._comm.trace import _traced
 
 
 def set_param_data(param: nn.Parameter, tensor: torch.Tensor) -> None:

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 if TYPE_CHECKING:
-    from ._mesh import Mesh
-    from .config import ShardingConfig
+    from .._groups.mesh import Mesh
+    from ..config import ShardingConfig
 
 
 class ShardScope(Enum):

@@ -9,18 +9,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import _collectives as comm
-from ._flat_param import set_param_data
-from ._init_hf import HFInit
-from ._layout import is_persistent_buffer
-from .config import SKIP_INIT
-from .errors import ShardingError
+from .._comm import collectives as comm
+from .._flat.flat_param import set_param_data
+from .hf_init import HFInit
+from .._flat.layout import is_persistent_buffer
+from ..config import SKIP_INIT
+from ..errors import ShardingError
 
 REAL, META, DEFERRED = 0, 1, 2
 
 
 def _deferred():
-    from . import _deferred as mod
+    from .. import _deferred as mod
     return mod
 
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ._strategy import ShardScope
-from .errors import ConfigError
+from .._build.strategy import ShardScope
+from ..errors import ConfigError
 
 _GROUP_CACHE: dict = {}
 # every mesh built, by id (Mesh compares by value, so no WeakSet), so that fp.shutdown can drop their groups
@@ -38,7 +38,7 @@ def build_mesh(scope: ShardScope, device_mesh) -> Mesh:
     """The mesh of a strategy's ``ShardScope`` (see ``_strategy.STRATEGIES``)."""
     if not dist.is_initialized():
         return Mesh(1, 0, 1, 0, 1, 0)
-    from ._exit import register_at_exit
+    from .shutdown import register_at_exit
 
     mesh = _build(scope, device_mesh)
     _LIVE_MESHES[id(mesh)] = mesh

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .errors import ShardingError
+from ..errors import ShardingError
 
 
 def compile(model: nn.Module, **compile_kwargs: Any) -> nn.Module:  # noqa: A001 - mirrors torch.compile

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ._deferred_graph import (
+from .graph import (
     _Const,
     _FakeRef,
     _GEN,
@@ -21,8 +21,8 @@ from ._deferred_graph import (
     _slice,
     _storage_key,
 )
-from ._deferred_ops import _with_generator
-from .errors import DeferredInitError, NotDeferredError
+from .ops import _with_generator
+from ..errors import DeferredInitError, NotDeferredError
 
 
 def is_deferred(t: torch.Tensor) -> bool:

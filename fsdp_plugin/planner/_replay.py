@@ -19,10 +19,10 @@ from typing import Optional
 
 import torch
 
-from .._collectives import inflight_host_bytes, ring_bytes
-from .._root import RootState
-from .._shard import handle_dtypes
-from .._strategy import unit_policy
+from .._comm.collectives import inflight_host_bytes, ring_bytes
+from .._schedule.root import RootState
+from .._build.shard import handle_dtypes
+from .._build.strategy import unit_policy
 from ..config import ShardingConfig
 
 

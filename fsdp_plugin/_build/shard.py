@@ -9,20 +9,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _collectives as comm
-from . import _log
-from ._flat_param import FlatParamHandle, ParamSlot
-from ._guards import install_guards
-from ._host_alloc import keep_freed_host_memory
-from ._init import Materializer, decide_scatter, model_kind
-from ._init_hf import retie
-from ._mesh import Mesh, build_mesh
-from ._root import RootState
-from ._strategy import STRATEGIES, unit_policy
-from ._unit import Unit
-from ._wrap import owner_unit, params_by_unit, recompute_selector, select_unit_modules
-from .config import ShardingConfig
-from .errors import ConfigError, ShardingError
+from .._comm import collectives as comm
+from .. import _log
+from .._flat.flat_param import FlatParamHandle, ParamSlot
+from .guards import install_guards
+from .host_alloc import keep_freed_host_memory
+from .._materialize.materialize import Materializer, decide_scatter, model_kind
+from .._materialize.hf_init import retie
+from .._groups.mesh import Mesh, build_mesh
+from .._schedule.root import RootState
+from .strategy import STRATEGIES, unit_policy
+from .._schedule.unit import Unit
+from .wrap import owner_unit, params_by_unit, recompute_selector, select_unit_modules
+from ..config import ShardingConfig
+from ..errors import ConfigError, ShardingError
 
 _REDUCIBLE = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 
@@ -61,7 +61,7 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
 
 def _release_recording(model: nn.Module) -> None:
     """Everything is real now: drop what fp.deferred_init recorded for this model."""
-    from . import _deferred
+    from .. import _deferred
     _deferred.release(model)
 
 

@@ -70,12 +70,12 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["DeferredInitError", "deferred_init", "is_deferred", "materialize", "release"]
+__all__ = ["deferred_init"]
 
 aten = torch.ops.aten
 
 
-from ._deferred_graph import (  # the recorded graph
+from .graph import (  # the recorded graph
     _active,
     _Const,
     _drop,
@@ -90,7 +90,7 @@ from ._deferred_graph import (  # the recorded graph
     _state,
     _storage_key,
 )
-from ._deferred_ops import (  # what each aten op does
+from .ops import (  # what each aten op does
     _copies_out,
     _DATA_CONSTRUCTORS,
     _DATA_DEPENDENT,
@@ -106,9 +106,9 @@ from ._deferred_ops import (  # what each aten op does
     _schema_values,
     _tensors_in,
 )
-from ._deferred_replay import _Replay, _view
-from ._deferred_replay import is_deferred, materialize, release  # noqa: F401 - public API
-from .errors import DeferredInitError
+from .replay import _Replay, _view
+from .replay import is_deferred, materialize, release  # noqa: F401 - public API
+from ..errors import DeferredInitError
 
 # --------------------------------------------------------------------------------------------------
 # Recording

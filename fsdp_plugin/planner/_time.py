@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .. import _collectives as comm
+from .._comm import collectives as comm
 
 
 @dataclass(frozen=True)
@@ -93,13 +93,13 @@ def calibrate(device: Optional[torch.device] = None, dtype: torch.dtype = torch.
     bandwidth, host seconds per op and (under an initialized process group) all-gather bandwidth and
     latency. ``seconds``: rough budget per measurement (the whole call takes ~4x it). Collective: every rank
     of ``group`` must call it."""
-    from . import _workload
+    from . import _workload as _workload
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cpu":
         # Measure under the host allocator settings fp.shard applies to the step it predicts: with glibc's
         # defaults the workload's freshly allocated outputs page-fault, ~1.4x slower (measured).
-        from .._host_alloc import keep_freed_host_memory
+        from .._build.host_alloc import keep_freed_host_memory
         keep_freed_host_memory()
     world = comm.group_size(group)
     if world > 1:      # ranks train side by side (sharing memory bandwidth, or cores): measure side by side

@@ -7,8 +7,8 @@ from typing import Callable, Iterable
 
 from torch import nn
 
-from .config import _SizePolicy
-from .errors import ConfigError
+from ..config import _SizePolicy
+from ..errors import ConfigError
 
 
 def select_unit_modules(model: nn.Module, policy, ignored: Iterable[nn.Module]) -> list[tuple[str, nn.Module]]:

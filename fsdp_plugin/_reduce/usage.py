@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import _collectives as comm
+from .._comm import collectives as comm
 
 
 class SlotUsage:
