@@ -72,7 +72,7 @@ def _consolidate(args) -> int:
     from .checkpoint.consolidate import consolidate
 
     if args.format == "lightning":
-        from fsdp_plugin.integrations.lightning.convert import consolidate_lightning
+        from fsdp_plugin.integrations.lightning.checkpoint.convert import consolidate_lightning
 
         print(f"wrote {consolidate_lightning(args.ckpt, args.out)} (Lightning format: "
               "MyModule.load_from_checkpoint(path) reads it)")

@@ -14,7 +14,7 @@ from torch import nn
 pytest.importorskip("accelerate")
 
 from fsdp_plugin.integrations.accelerate import AccelerateConfigError, settings_from_env
-from fsdp_plugin.integrations.accelerate.resolve import sharding_kwargs
+from fsdp_plugin.integrations.accelerate.config.resolve import sharding_kwargs
 
 HEAD = """\
 compute_environment: LOCAL_MACHINE

@@ -58,8 +58,8 @@ def test_lightning_strategy_async_switches(tmp_path):
     from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
     from fsdp_plugin.integrations import _pending_save as pending_save
-    from fsdp_plugin.integrations.lightning import _async_save
-    from fsdp_plugin.integrations.lightning import _checkpoint as ckpt
+    from fsdp_plugin.integrations.lightning.checkpoint import async_save as _async_save
+    from fsdp_plugin.integrations.lightning.checkpoint import io as ckpt
     from fsdp_plugin.integrations.lightning.strategy import FSDPPluginStrategy
 
     assert _async_save.requested(FSDPPluginStrategy()) is False

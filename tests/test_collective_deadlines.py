@@ -97,7 +97,7 @@ def test_a_stalled_rank_becomes_a_collective_error_within_timeout_s(op, tmp_path
 
 
 def _lightning_broadcast_and_reduce(rank, world):
-    from fsdp_plugin.integrations.lightning import _common
+    from fsdp_plugin.integrations.lightning import _plumbing as _common
     cfg = fp.ShardingConfig(timeout_s=TIMEOUT_S)
     value = {"best": "/ckpt/epoch=1.ckpt", "score": torch.tensor(0.5), "shape": (2, 3)} if rank == 1 else None
     got = _common.broadcast(cfg, value, src=1)
@@ -113,7 +113,7 @@ def _lightning_broadcast_and_reduce(rank, world):
 
 
 def test_lightning_broadcast_and_reduce_go_through_our_collectives():
-    import fsdp_plugin.integrations.lightning._common  # noqa: F401 - imported once here, inherited by the forks
+    import fsdp_plugin.integrations.lightning._plumbing  # noqa: F401 - imported once here, inherited by the forks
     for got, err, reduced in run_ranks(_lightning_broadcast_and_reduce, 2, timeout=60):
         # broadcast: JSON codec, no pickle; an unencodable value fails on every rank
         assert got["best"] == "/ckpt/epoch=1.ckpt" and got["shape"] == (2, 3) and got["score"].item() == 0.5

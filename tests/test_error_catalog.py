@@ -133,7 +133,7 @@ def lightning_fsdp_option_without_equivalent():
 
 
 def lightning_torch_checkpoint_not_ours(tmp_path):
-    from fsdp_plugin.integrations.lightning import _torch_file
+    from fsdp_plugin.integrations.lightning.checkpoint import torch_file as _torch_file
 
     torch.save({"state_dict": {"w": torch.ones(1)}}, tmp_path / "model.ckpt")
     _torch_file.read(tmp_path / "model.ckpt")

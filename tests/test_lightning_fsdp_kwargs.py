@@ -23,7 +23,7 @@ from torch.distributed.fsdp.wrap import (
 
 import fsdp_plugin as fp
 from fsdp_plugin._build.wrap import recompute_selector
-from fsdp_plugin.integrations.lightning._common import sharding_config
+from fsdp_plugin.integrations.lightning._plumbing import sharding_config
 from fsdp_plugin.integrations.lightning._fsdp_kwargs import translate
 
 pytest.importorskip("lightning")

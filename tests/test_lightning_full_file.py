@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import save_file
 
 from fsdp_plugin.checkpoint import CheckpointError, CorruptCheckpointError
-from fsdp_plugin.integrations.lightning import _checkpoint as ckpt
-from fsdp_plugin.integrations.lightning import _torch_file as torch_file
+from fsdp_plugin.integrations.lightning.checkpoint import io as ckpt
+from fsdp_plugin.integrations.lightning.checkpoint import torch_file as torch_file
 
 
 def _state() -> dict[str, torch.Tensor]:

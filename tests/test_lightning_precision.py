@@ -61,7 +61,7 @@ def test_unsupported_flags_are_refused_listing_supported_ones(flag):
 
 
 def test_explicit_mixed_precision_overrides_the_flag():
-    from fsdp_plugin.integrations.lightning._common import with_precision
+    from fsdp_plugin.integrations.lightning._plumbing import with_precision
 
     explicit = fp.MixedPrecision(param_dtype=torch.float16)
     strategy = FSDPPluginStrategy(mixed_precision=explicit)

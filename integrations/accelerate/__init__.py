@@ -7,9 +7,9 @@ The config translators are importable without accelerate installed.
 """
 from __future__ import annotations
 
-from .from_env import settings_from_env
-from .resolve import sharding_config, sharding_kwargs
-from .settings import AccelerateConfigError, FsdpSettings
+from .config.from_env import settings_from_env
+from .config.resolve import sharding_config, sharding_kwargs
+from .config.settings import AccelerateConfigError, FsdpSettings
 
 __all__ = [
     "AccelerateConfigError",
@@ -29,7 +29,7 @@ def __getattr__(name: str):
 
         return Accelerator
     if name == "settings_from_plugin":
-        from .from_plugin import settings_from_plugin
+        from .config.from_plugin import settings_from_plugin
 
         return settings_from_plugin
     raise AttributeError(name)

@@ -22,12 +22,13 @@ from accelerate.utils import DistributedType
 
 from fsdp_plugin.integrations import _pending_save as pending_save
 
-from . import state_dirs, state_io
+from .state import dirs as state_dirs
+from .state import io as state_io
 from .env import hidden_env, needs_cpu_flag
-from .parse import parse_mixed_precision
-from .resolve import sharding_config as resolve_config
-from .selection import check_precision_flag, select_settings
-from .settings import FsdpSettings
+from .config.parse import parse_mixed_precision
+from .config.resolve import sharding_config as resolve_config
+from .config.selection import check_precision_flag, select_settings
+from .config.settings import FsdpSettings
 from fsdp_plugin.errors import ShardingError
 
 _PARENT_SIGNATURE = inspect.signature(accelerate.Accelerator.__init__)

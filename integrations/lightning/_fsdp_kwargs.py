@@ -4,7 +4,7 @@ A ``FSDPStrategy(...)`` user changes only the class (``FSDPPluginStrategy(...)``
 own spellings are handled here (``activation_checkpointing_policy``, torch flags whose value is what
 fsdp_plugin always does, arguments with no counterpart); every torch FSDP value (strategy enums,
 ``MixedPrecision``, ``CPUOffload``, wrap policies, ...) goes through the integrations' one translator,
-:mod:`fsdp_plugin.integrations._torch_fsdp_args` (its table lists them). Values we cannot honour raise
+:mod:`fsdp_plugin.integrations.accelerate.config.torch_fsdp_args` (its table lists them). Values we cannot honour raise
 :class:`fp.ConfigError` naming our equivalent.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import fsdp_plugin as fp
-from fsdp_plugin.integrations import _torch_fsdp_args as torch_args
+from fsdp_plugin.integrations.accelerate.config import torch_fsdp_args as torch_args
 
 #: FSDP keyword arguments with no counterpart: the message says what to do instead.
 _REFUSED = {

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from fsdp_plugin.integrations.lightning import _common as common
-from fsdp_plugin.integrations.lightning import _fabric_state as fstate
+from fsdp_plugin.integrations.lightning import _plumbing as common
+from fsdp_plugin.integrations.lightning.checkpoint import fabric_state as fstate
 from fsdp_plugin.integrations.lightning._register import STRATEGY_NAME
 from fsdp_plugin.integrations.lightning.precision import FSDPPluginFabricPrecision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout

@@ -32,9 +32,10 @@ from typing import Any, Literal
 
 import torch
 from fsdp_plugin.integrations import _pending_save as pending_save
-from fsdp_plugin.integrations.lightning import _async_save, _compile
-from fsdp_plugin.integrations.lightning import _checkpoint as ckpt
-from fsdp_plugin.integrations.lightning import _common as common
+from fsdp_plugin.integrations.lightning import _compile
+from fsdp_plugin.integrations.lightning.checkpoint import async_save as _async_save
+from fsdp_plugin.integrations.lightning.checkpoint import io as ckpt
+from fsdp_plugin.integrations.lightning import _plumbing as common
 from fsdp_plugin.integrations.lightning._register import STRATEGY_NAME
 from fsdp_plugin.integrations.lightning.precision import FSDPPluginPrecision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout

@@ -41,7 +41,7 @@ def create_accelerator_and_postprocess(stock, self) -> None:
     self.is_fsdp_enabled = False  # keep the Trainer's torch-FSDP paths off: the methods below replace them
     settings = self.accelerator.fsdp_settings
     if settings is not None and settings.activation_checkpointing and self.args.activation_checkpointing:
-        from fsdp_plugin.integrations.accelerate.settings import config_error
+        from fsdp_plugin.integrations.accelerate.config.settings import config_error
 
         raise config_error(settings.key("activation_checkpointing"), True,
                            "it and TrainingArguments(gradient_checkpointing=True) would both recompute the blocks; "

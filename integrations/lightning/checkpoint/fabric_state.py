@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fsdp_plugin.integrations.lightning import _checkpoint as ckpt
+from fsdp_plugin.integrations.lightning.checkpoint import io as ckpt
 from torch.nn import Module
 from torch.optim import Optimizer
 from fsdp_plugin.checkpoint.errors import CheckpointKeyError, CheckpointNotFoundError, CheckpointStateError

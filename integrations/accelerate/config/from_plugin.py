@@ -2,7 +2,7 @@
 
 The plugin's ``__post_init__`` has already parsed the user's values into torch FSDP enums, ``MixedPrecision``,
 ``CPUOffload`` and policy functions; those go through the integrations' one torch-FSDP translator
-(:mod:`fsdp_plugin.integrations._torch_fsdp_args`, shared with Lightning). Only accelerate's own meanings are
+(:mod:`fsdp_plugin.integrations.accelerate.config.torch_fsdp_args`, shared with Lightning). Only accelerate's own meanings are
 read here (``reshard_after_forward``, a bare transformer/size policy completed by
 ``transformer_cls_names_to_wrap``/``min_num_params``). Errors name the plugin field.
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from fsdp_plugin.config import _SizePolicy
-from fsdp_plugin.integrations import _torch_fsdp_args as torch_args
+from fsdp_plugin.integrations.accelerate.config import torch_fsdp_args as torch_args
 
-from . import parse
+from . import parse as parse
 from .settings import FsdpSettings, WrapSpec, config_error
 
 _P = "FullyShardedDataParallelPlugin."

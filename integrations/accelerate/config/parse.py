@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsdp_plugin.integrations import _torch_fsdp_args as torch_args
+from fsdp_plugin.integrations.accelerate.config import torch_fsdp_args as torch_args
 
 from .settings import config_error
 

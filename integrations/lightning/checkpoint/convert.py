@@ -12,8 +12,8 @@ from pathlib import Path
 
 from fsdp_plugin.checkpoint.consolidate import read_full_state
 from fsdp_plugin.checkpoint.errors import CheckpointError
-from fsdp_plugin.integrations.lightning import _checkpoint as ckpt
-from fsdp_plugin.integrations.lightning import _torch_file as torch_file
+from fsdp_plugin.integrations.lightning.checkpoint import io as ckpt
+from fsdp_plugin.integrations.lightning.checkpoint import torch_file as torch_file
 
 __all__ = ["consolidate_lightning"]
 

@@ -28,8 +28,8 @@ from safetensors import safe_open
 
 import fsdp_plugin as fp
 from fsdp_plugin.integrations._rank0_save import write_on_rank0
-from fsdp_plugin.integrations.lightning import _codec_v1
-from fsdp_plugin.integrations.lightning import _torch_file as torch_file
+from fsdp_plugin.integrations.lightning.checkpoint import codec_v1 as _codec_v1
+from fsdp_plugin.integrations.lightning.checkpoint import torch_file as torch_file
 
 EXTRA_KEY = "lightning"
 EXTRA_TENSORS_KEY = "lightning_tensors"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from . import parse
+from . import parse as parse
 from .settings import FsdpSettings, WrapSpec, config_error
 
 _YAML = {
