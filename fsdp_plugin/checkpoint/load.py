@@ -32,9 +32,14 @@ def load_checkpoint(path, model, optimizer=None, strict: bool = True, *, report:
     listing missing / unexpected / shape-mismatched names before touching anything; ``strict=False`` loads
     the intersection, warns (:class:`CheckpointMismatchWarning`) and fills ``report`` if given. Optimizer
     state is created when the optimizer has none yet. Dtypes are cast when model and checkpoint differ.
+    A torch distributed checkpoint (DCP) directory is read too (:mod:`.dcp`): its other entries are returned.
     """
     _async.wait_pending()  # a pending asynchronous save may be writing this very path
     path = os.fspath(path)
+    # Hook for foreign layouts: a DCP directory goes to its own reader (layout detection: issue 24).
+    from . import dcp
+    if dcp.is_dcp_dir(path):
+        return dcp.load_dcp(path, model, optimizer, strict, report=report)
     err, extra = None, None
     try:
         extra = _load_local(path, model, optim.as_list(optimizer), strict, report)
