@@ -89,3 +89,31 @@ def save_run(rank, world, path, layout="plain"):
     state = full_state(model, opt)
     losses = [step(model, opt, STEPS_BEFORE + i, rank, world) for i in range(STEPS_AFTER)]
     return losses, state if rank == 0 else None
+
+
+def our_full_state(model, opt) -> dict:
+    """Full params and optimizer tensors, assembled from every rank's pieces (all ranks return theirs)."""
+    import fsdp_plugin as fp
+    from fsdp_plugin._flat.layout import param_shards
+
+    out = {k: v.clone() for k, v in fp.full_state_dict(model).items()}
+    pieces = {}
+    for sh in param_shards(model):
+        for k, v in opt.state.get(sh.param, {}).items():
+            pieces[f"{sh.fqn}:{k}"] = (sh.start, v.detach().clone().reshape(-1) if v.dim() else v.clone())
+    return out, pieces
+
+
+def assemble(per_rank, shapes) -> dict:
+    full, _ = per_rank[0]
+    out = dict(full)
+    by_key: dict = {}
+    for _, pieces in per_rank:
+        for k, (start, v) in pieces.items():
+            if v.dim() == 0:
+                out[k] = v
+            elif v.numel():
+                by_key.setdefault(k, {})[start] = v
+    for k, parts in by_key.items():
+        out[k] = torch.cat([parts[s] for s in sorted(parts)]).view(shapes[k.split(":")[0]])
+    return out

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _dcp_source import STEPS_AFTER, STEPS_BEFORE, full_state, groups, make_model, save_run, step
+from _dcp_source import STEPS_AFTER, STEPS_BEFORE, assemble, groups, make_model, our_full_state, save_run, step
 from _dist import run_ranks
 from models import Block
 
@@ -17,42 +17,15 @@ def _ours(seed, world):
     return model, groups(model, lr=1.0)  # wrong lr on purpose: the checkpoint's must win
 
 
-def _our_full_state(model, opt) -> dict:
-    """Full params and optimizer tensors, assembled from every rank's pieces (all ranks return theirs)."""
-    from fsdp_plugin._flat.layout import param_shards
-
-    out = {k: v.clone() for k, v in fp.full_state_dict(model).items()}
-    pieces = {}
-    for sh in param_shards(model):
-        for k, v in opt.state.get(sh.param, {}).items():
-            pieces[f"{sh.fqn}:{k}"] = (sh.start, v.detach().clone().reshape(-1) if v.dim() else v.clone())
-    return out, pieces
-
-
 def _load_run(rank, world, path):
     model, opt = _ours(123, world)
     extra = fp.load_checkpoint(path, model, opt)
     assert extra == {"extra": {"step": STEPS_BEFORE, "name": "run"}}, extra
     assert opt.param_groups[0]["lr"] == 3e-3 and opt.param_groups[0]["betas"] == (0.9, 0.95)
     assert opt.param_groups[1]["weight_decay"] == 0.0
-    state = _our_full_state(model, opt)
+    state = our_full_state(model, opt)
     losses = [step(model, opt, STEPS_BEFORE + i, rank, world) for i in range(STEPS_AFTER)]
     return losses, state
-
-
-def _assemble(per_rank, shapes) -> dict:
-    full, _ = per_rank[0]
-    out = dict(full)
-    by_key: dict = {}
-    for _, pieces in per_rank:
-        for k, (start, v) in pieces.items():
-            if v.dim() == 0:
-                out[k] = v
-            elif v.numel():
-                by_key.setdefault(k, {})[start] = v
-    for k, parts in by_key.items():
-        out[k] = torch.cat([parts[s] for s in sorted(parts)]).view(shapes[k.split(":")[0]])
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +39,7 @@ def source(tmp_path_factory):
 def test_resume_fsdp2_dcp(source, world):
     path, want_losses, want_state = source
     got = run_ranks(_load_run, world, path, timeout=180)
-    state = _assemble([s for _, s in got], {k: v.shape for k, v in want_state.items()})
+    state = assemble([s for _, s in got], {k: v.shape for k, v in want_state.items()})
     for k, v in want_state.items():
         if k == "head.weight":
             continue  # tied to tok.weight: one parameter here

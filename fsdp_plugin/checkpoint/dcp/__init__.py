@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+from .export import export_dcp
 from .load import load_dcp
 from .metadata import METADATA_FILE
 
@@ -28,4 +29,4 @@ def is_dcp_dir(path) -> bool:
     return "manifest.json" not in names and any(n.endswith(".distcp") for n in names)
 
 
-__all__ = ["is_dcp_dir", "load_dcp"]
+__all__ = ["export_dcp", "is_dcp_dir", "load_dcp"]
