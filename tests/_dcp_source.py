@@ -37,12 +37,14 @@ def groups(model, lr=LR):
                              lr=lr, betas=(0.9, 0.95))
 
 
-def step(model, opt, i, rank, world) -> float:
+def step(model, opt, i, rank, world, sched=None) -> float:
     x, y = batch(i, rank, world)
     loss = model(x, y)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+    if sched is not None:
+        sched.step()
     t = loss.detach().clone()
     if dist.is_initialized():
         dist.all_reduce(t)
@@ -78,16 +80,22 @@ def save_run(rank, world, path, layout="plain"):
 
     model = fsdp2_model()
     opt = groups(model)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.9) if layout == "accelerate" else None
     for i in range(STEPS_BEFORE):
-        step(model, opt, i, rank, world)
+        step(model, opt, i, rank, world, sched)
     msd, osd = get_state_dict(model, opt)
     if layout == "plain":
         dcp.save({"model": msd, "optimizer": osd, "extra": {"step": STEPS_BEFORE, "name": "run"}}, checkpoint_id=path)
-    elif layout == "accelerate":  # accelerate's SHARDED_STATE_DICT: two DCP dirs
+    elif layout == "accelerate":
+        # accelerate's SHARDED_STATE_DICT, as its save_fsdp_model/optimizer write it (they need a GPU
+        # distributed type to be selected, so the two DCP saves are made here); side files by its own code
+        from accelerate.checkpointing import save_accelerator_state
+
         dcp.save({"model": msd}, checkpoint_id=f"{path}/pytorch_model_fsdp_0")
         dcp.save({"optimizer": osd}, checkpoint_id=f"{path}/optimizer_0")
+        save_accelerator_state(path, [], [], [sched], [], rank, STEPS_BEFORE)
     state = full_state(model, opt)
-    losses = [step(model, opt, STEPS_BEFORE + i, rank, world) for i in range(STEPS_AFTER)]
+    losses = [step(model, opt, STEPS_BEFORE + i, rank, world, sched) for i in range(STEPS_AFTER)]
     return losses, state if rank == 0 else None
 
 
