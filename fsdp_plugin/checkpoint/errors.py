@@ -33,8 +33,9 @@ class IncompleteCheckpointError(CorruptCheckpointError):
 
 
 class UnsafeCheckpointError(CorruptCheckpointError):
-    """A pickle in a foreign checkpoint (DCP ``.metadata``, a ``.distcp`` item) names a global or persistent id
-    outside the allow-list: it is refused, never unpickled."""
+    """A pickle in a foreign checkpoint (DCP ``.metadata``, a ``.distcp`` item) names a global off the allow-list.
+
+    It is refused, never unpickled (persistent ids outside a tensor record likewise)."""
 
 
 class CheckpointMismatchError(CheckpointError):

@@ -196,7 +196,8 @@ def _check_groups(reader, opt, groups, shard_of: dict, i: int, report: MismatchR
         odd = [sh.fqn for sh in ours if not saved.intersection((sh.fqn, *sh.aliases))]
         if odd:
             report.mismatched[f"optimizer[{i}].param_groups[{j}]"] = (
-                f"holds {', '.join(odd[:5])}, which the checkpoint's group {j} does not")
+                f"holds {', '.join(odd[:5])}, which the checkpoint's group {j} does not: build the param groups "
+                "as the saved run did")
 
 
 def _group_of(group: dict, groups: dict, shard_of: dict):
