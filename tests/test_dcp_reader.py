@@ -140,3 +140,27 @@ def test_param_groups_must_hold_the_same_parameters(source):
     opt = torch.optim.AdamW([{"params": params[:3]}, {"params": params[3:]}])
     with pytest.raises(CheckpointMismatchError, match=r"param_groups\[0\] \(holds blocks.0.ln1.weight, which"):
         fp.load_checkpoint(source, model, opt)
+
+
+def test_torchtitan_layout_flat_model_and_flattened_optimizer(tmp_path):
+    """Model FQNs at the top level and ``flatten_optimizer_state_dict=True`` (torchtitan), no process group."""
+    import torch.distributed.checkpoint as dcp
+    from _dcp_source import batch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    src = make_model(0)
+    opt = groups(src)
+    x, y = batch(0, 0, 1)
+    src(x, y).backward()
+    opt.step()
+    msd, osd = get_state_dict(src, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    dcp.save({**msd, "optimizer": osd, "train_state": {"step": 1, "ntokens_seen": 192}}, checkpoint_id=str(tmp_path))
+    model = make_model(5)
+    mine = groups(model, lr=1.0)
+    extra = fp.load_checkpoint(str(tmp_path), model, mine)
+    assert extra == {"train_state": {"step": 1, "ntokens_seen": 192}}
+    assert mine.param_groups[0]["lr"] == 3e-3 and mine.param_groups[1]["weight_decay"] == 0.0
+    for (n, p), q in zip(src.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), n
+        for k, v in opt.state[p].items():
+            assert torch.equal(mine.state[q][k], v), (n, k)

@@ -114,10 +114,13 @@ def _match_optimizers(reader, saved_opts: list, shards, optimizers: list, report
     if optimizers and len(saved_opts) != len(optimizers):
         if strict:
             raise CheckpointMismatchError(f"the checkpoint holds {len(saved_opts)} optimizer(s); "
-                                          f"{len(optimizers)} given")
+                                          f"{len(optimizers)} given (pass optimizer=None to load the weights only)")
     shard_of = {id(sh.param): sh for sh in shards}
+    fqns = {n for sh in shards for n in (sh.fqn, *sh.aliases)}
     actions = []
     for i, (opt, saved) in enumerate(zip(optimizers, saved_opts)):
+        saved, unknown = tree.nest_optimizer(saved, fqns)
+        report.unexpected += [f"optimizer[{i}].{k}" for k in unknown]
         state = saved.get("state", {})
         pairs = _pair_params(opt, state, shard_of, i)
         _check_groups(reader, opt, saved.get("param_groups", {}), shard_of, i, report)

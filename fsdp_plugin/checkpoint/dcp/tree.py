@@ -69,3 +69,23 @@ def _flat_fqns(node: dict, prefix: str = "") -> dict:
         else:
             out[name] = v
     return out
+
+
+def nest_optimizer(saved: dict, fqns: set[str]) -> tuple[dict, list[str]]:
+    """``StateDictOptions(flatten_optimizer_state_dict=True)`` (torchtitan) saves ``state.<fqn>.<key>`` and
+    ``param_groups.<fqn>.<hp>`` as single path elements: split them with the model's FQNs (longest match, as
+    FQNs hold dots) into the nested form. Returns ``(nested, keys naming no known parameter)``."""
+    if not any(isinstance(k, str) and k.startswith(("state.", "param_groups.")) for k in saved):
+        return saved, []
+    out: dict = {k: v for k, v in saved.items() if k in ("state", "param_groups")}
+    unknown = []
+    for key, entry in saved.items():
+        section, _, rest = key.partition(".") if isinstance(key, str) else ("", "", "")
+        if section not in ("state", "param_groups") or not rest:
+            continue
+        fqn = max((f for f in fqns if rest.startswith(f + ".")), key=len, default=None)
+        if fqn is None:
+            unknown.append(key)
+            continue
+        out.setdefault(section, {}).setdefault(fqn, {})[rest[len(fqn) + 1:]] = entry
+    return out, unknown
