@@ -14,6 +14,7 @@ from _dist import run_ranks
 import fsdp_plugin as fp
 from fsdp_plugin.checkpoint import CheckpointMismatchError, CorruptCheckpointError, IncompleteCheckpointError
 from fsdp_plugin.checkpoint.dcp import is_dcp_dir
+from fsdp_plugin.checkpoint.dcp.items import tensor_header
 from fsdp_plugin.checkpoint.dcp.metadata import TensorEntry, read_metadata
 from fsdp_plugin.checkpoint.dcp.reading import DcpReader
 from fsdp_plugin.checkpoint.errors import UnsafeCheckpointError
@@ -113,6 +114,18 @@ def test_damaged_directory_fails_on_every_rank(source, tmp_path):
     got = run_ranks(_load_expecting_error, 2, trunc, timeout=120)
     assert all(g is not None and g[0] == "CorruptCheckpointError" for g in got), got
     assert "__0_0.distcp" in got[0][1] and "truncated" in got[0][1]
+
+    flipped = str(tmp_path / "flipped")
+    shutil.copytree(source, flipped)
+    chunk = read_metadata(flipped).entries["model.blocks.0.fc.weight"].chunks[0]
+    with open(os.path.join(flipped, chunk.file), "r+b") as f:
+        fd = f.fileno()
+        h = tensor_header(fd, chunk.offset, chunk.length, "test")
+        byte = os.pread(fd, 1, h.data_offset + 5)
+        os.pwrite(fd, bytes([byte[0] ^ 0x10]), h.data_offset + 5)
+    got = run_ranks(_load_expecting_error, 2, flipped, timeout=120)  # same layout: whole chunks, CRC-checked
+    assert all(g is not None and g[0] == "CorruptCheckpointError" for g in got), got
+    assert "fail their CRC-32 check" in got[0][1] + got[1][1] and "blocks.0.fc.weight" in got[0][1] + got[1][1]
 
     interrupted = str(tmp_path / "interrupted")
     shutil.copytree(source, interrupted)

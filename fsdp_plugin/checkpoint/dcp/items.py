@@ -43,6 +43,7 @@ class TensorHeader:
     storage_offset: int
     storage_numel: int
     data_offset: int
+    crc32: int          # zip CRC-32 of the whole storage record
 
     @property
     def contiguous(self) -> bool:
@@ -162,8 +163,9 @@ def tensor_header(fd: int, offset: int, length: int, where: str) -> TensorHeader
         raise CorruptCheckpointError(f"{where}: the item is not a tensor")
     _, (stype, key, numel), storage_offset, size, stride, dtype = obj
     dtype, numel = _storage_dtype(stype, dtype, numel, where)
-    return TensorHeader(dtype, size, stride, storage_offset, numel,
-                        offset + _data_start(fd, offset, zf, f"{prefix}/data/{key}", numel * dtype.itemsize, where))
+    name = f"{prefix}/data/{key}"
+    start = _data_start(fd, offset, zf, name, numel * dtype.itemsize, where)
+    return TensorHeader(dtype, size, stride, storage_offset, numel, offset + start, zf.getinfo(name).CRC)
 
 
 def _storage_dtype(stype, dtype, numel: int, where: str) -> tuple[torch.dtype, int]:

@@ -5,7 +5,10 @@ is full: the box is then ``prod(sizes[:k])`` runs of ``sizes[k] * prod(size[k+1:
 contiguous both in the chunk and in the row-major flattened global tensor (an FSDP ``Shard(0)`` chunk is
 one run). Intersecting the runs with ``[start, end)`` gives exact byte ranges of the data files, read by
 :class:`~fsdp_plugin.checkpoint.reader.ReadPlan` straight into the destination (cast through its bounce
-buffer when dtypes differ). DCP guarantees no coverage, so the covered elements are counted.
+buffer when dtypes differ). DCP guarantees no coverage, so the covered elements are counted. A chunk read
+whole straight into CPU memory (a rank's piece covering a saved chunk: world 1, small tensors, a matching
+layout) is checked against its zip CRC-32; a partial read cannot be (the CRC covers the whole record).
+DCP's own reader checks none.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import torch
 
 from .. import _format
 from ..errors import CorruptCheckpointError
+from ..fsio import byte_view, crc32
 from ..reader import ReadPlan
 from . import items
 from .metadata import BytesEntry, Chunk, TensorEntry
@@ -45,6 +49,15 @@ def runs(chunk: Chunk, size: tuple):
     base = chunk.offsets[k] * gstride[k]
     for n, idx in enumerate(itertools.product(*(range(o, o + s) for o, s in zip(chunk.offsets[:k], chunk.sizes[:k])))):
         yield base + sum(i * g for i, g in zip(idx, gstride)), n * run, run
+
+
+def _check_crc(dest: torch.Tensor, h: items.TensorHeader, entry: TensorEntry, chunk: Chunk, what: str) -> None:
+    if crc32(byte_view(dest)) != h.crc32:
+        where = os.path.join(entry.directory, chunk.file)
+        raise CorruptCheckpointError(
+            f"{where}: bytes {h.data_offset:,}-{h.data_offset + dest.numel() * h.dtype.itemsize:,} ({what}, chunk at "
+            f"{list(chunk.offsets)}) fail their CRC-32 check: the file is corrupted. Copy the checkpoint again, "
+            "or load the previous one.")
 
 
 class DcpReader:
@@ -107,6 +120,8 @@ class DcpReader:
         self.bytes_needed += dest.numel() * h.dtype.itemsize
         if h.contiguous:
             plan.add(chunk.file, h.data_offset + c * h.dtype.itemsize, h.dtype, dest, what)
+            if c == 0 and dest.numel() == h.storage_numel and dest.device.type == "cpu" and dest.dtype == h.dtype:
+                self._posts.append(lambda: _check_crc(dest, h, entry, chunk, what))
             return
         # a strided chunk (e.g. a saved transpose): read its storage whole, then copy the run out
         storage = torch.empty(h.storage_numel, dtype=h.dtype)
