@@ -131,8 +131,10 @@ def main() -> None:
             fn, world = variants[name]
             _evict(path)
             times[name].append(run_ranks(fn, world, path, a.mb, timeout=600)[0])
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[:3]
     print(f"DCP checkpoint {nbytes / 1e9:.3f} GB on disk (model {a.mb} MB + AdamW state), cold reads, "
-          f"{a.reps} reps, loadavg {open('/proc/loadavg').read().split()[:3]}")
+          f"{a.reps} reps, loadavg {load}")
     for name, ts in times.items():
         gbs = [nbytes / t / 1e9 for t in ts]
         print(f"  {name:18s} {statistics.median(gbs):.2f} GB/s [{min(gbs):.2f}-{max(gbs):.2f}]  "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from models import GPT, Block
+from models import GPT
 
 GLOBAL_BATCH, SEQ, VOCAB = 12, 16, 64
 STEPS_BEFORE, STEPS_AFTER = 2, 3

@@ -6,8 +6,17 @@ import os
 
 import pytest
 import torch
-from _dcp_source import (STEPS_AFTER, STEPS_BEFORE, assemble, fsdp2_model, full_state, groups, make_model,
-                         our_full_state, step)
+from _dcp_source import (
+    STEPS_AFTER,
+    STEPS_BEFORE,
+    assemble,
+    fsdp2_model,
+    full_state,
+    groups,
+    make_model,
+    our_full_state,
+    step,
+)
 from _dist import run_ranks
 from models import Block
 

@@ -3,7 +3,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _dcp_source import STEPS_AFTER, STEPS_BEFORE, assemble, groups, make_model, our_full_state, save_run, step
+from _dcp_source import (
+    STEPS_AFTER,
+    STEPS_BEFORE,
+    assemble,
+    groups,
+    make_model,
+    our_full_state,
+    save_run,
+    step,
+)
 from _dist import run_ranks
 from models import Block
 

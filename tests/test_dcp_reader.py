@@ -12,7 +12,10 @@ from _dcp_source import groups, make_model, save_run
 from _dist import run_ranks
 
 import fsdp_plugin as fp
-from fsdp_plugin.checkpoint import CheckpointMismatchError, CorruptCheckpointError, IncompleteCheckpointError
+from fsdp_plugin.checkpoint import (
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+)
 from fsdp_plugin.checkpoint.dcp import is_dcp_dir
 from fsdp_plugin.checkpoint.dcp.items import tensor_header
 from fsdp_plugin.checkpoint.dcp.metadata import TensorEntry, read_metadata

@@ -259,9 +259,15 @@ class _Exporter:
     def metadata(self):
         """DCP's ``Metadata`` of everything written (torch's own classes, so ``dcp.load`` reads it)."""
         from torch.distributed.checkpoint.filesystem import _StorageInfo
-        from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                           MetadataIndex, StorageMeta, TensorProperties,
-                                                           TensorStorageMetadata)
+        from torch.distributed.checkpoint.metadata import (
+            BytesStorageMetadata,
+            ChunkStorageMetadata,
+            Metadata,
+            MetadataIndex,
+            StorageMeta,
+            TensorProperties,
+            TensorStorageMetadata,
+        )
 
         sd_meta, storage = {}, {}
         for key, (dtype, shape) in self.tensors.items():

@@ -119,11 +119,12 @@ def _rebuild_v3(storage, storage_offset, size, stride, requires_grad, hooks, dty
     return ("tensor", storage, storage_offset, tuple(size), tuple(stride), dtype)
 
 
+_TENSOR_GLOBALS = {("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2, ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
+                   ("torch.storage", "UntypedStorage"): "untyped", ("collections", "OrderedDict"): dict}
+
+
 class _TensorUnpickler(pickle.Unpickler):
     """``data.pkl`` of a saved tensor: only rebuild functions, storages, dtypes and ``OrderedDict``."""
-
-    _ALLOWED = {("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2, ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
-                ("torch.storage", "UntypedStorage"): "untyped", ("collections", "OrderedDict"): dict}
 
     def __init__(self, data: bytes, where: str):
         super().__init__(io.BytesIO(data))
@@ -134,7 +135,7 @@ class _TensorUnpickler(pickle.Unpickler):
             return ("storage", name)
         if module == "torch" and name in DTYPES:
             return DTYPES[name]
-        hit = self._ALLOWED.get((module, name))
+        hit = _TENSOR_GLOBALS.get((module, name))
         if hit is None:
             raise UnsafeCheckpointError(f"{self.where}: the tensor record names {module}.{name}; refusing to "
                                         "unpickle it (a DCP tensor item only names torch's rebuild functions)")

@@ -115,6 +115,8 @@ def _match_optimizers(reader, saved_opts: list, shards, optimizers: list, report
         if strict:
             raise CheckpointMismatchError(f"the checkpoint holds {len(saved_opts)} optimizer(s); "
                                           f"{len(optimizers)} given (pass optimizer=None to load the weights only)")
+        report.missing += [f"optimizer[{i}]" for i in range(len(saved_opts), len(optimizers))]
+        report.unexpected += [f"optimizer[{i}]" for i in range(len(optimizers), len(saved_opts))]
     shard_of = {id(sh.param): sh for sh in shards}
     fqns = {n for sh in shards for n in (sh.fqn, *sh.aliases)}
     actions = []

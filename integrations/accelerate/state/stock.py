@@ -40,7 +40,9 @@ def load_stock(directory: str, acc: Any, models: list, optimizers: list) -> None
 
 
 def _load_side_files(directory: str, acc: Any) -> None:
-    from accelerate.utils.other import load  # weights_only=True with accelerate's numpy allow-list
+    from accelerate.utils.other import (
+        load,  # weights_only=True with accelerate's numpy allow-list
+    )
 
     for i, sched in enumerate(acc._schedulers):
         path = os.path.join(directory, "scheduler.bin" if i == 0 else f"scheduler_{i}.bin")

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from fsdp_plugin.checkpoint.dcp import is_dcp_dir, load_dcp
 from fsdp_plugin.checkpoint.errors import CheckpointStateError
 
