@@ -81,6 +81,10 @@ def test_export_round_trips_through_our_reader_and_refuses_to_overwrite(exported
     assert extra == {"extra": {"step": STEPS_BEFORE, "tag": "ours"}}
     assert torch.equal(model.pos.detach(), want_state["pos"])
     assert torch.equal(opt.state[model.pos]["exp_avg"], want_state["pos:exp_avg"])
+    hf = os.path.join(os.path.dirname(path), "hf")  # --format hf stays: Hugging Face safetensors
+    assert main(["export", os.path.join(os.path.dirname(path), "ours"), hf, "--format", "hf", "-q"]) == 0
+    from safetensors.torch import load_file
+    assert torch.equal(load_file(os.path.join(hf, "model.safetensors"))["pos"], want_state["pos"])
     with pytest.raises(CheckpointError, match="already exists"):
         from fsdp_plugin.checkpoint.dcp import export_dcp
         export_dcp(os.path.join(os.path.dirname(path), "ours"), path)
