@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from ..checkpoint.hf_out import parse_size
+from .._sizes import parse_size
 from ..errors import ConfigError
 from ._capture import capture
 from ._result import Plan, fmt_bytes

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from fsdp_plugin.integrations.lightning import _plumbing as common
 from fsdp_plugin.integrations.lightning.checkpoint import fabric_state as fstate
-from fsdp_plugin.integrations.lightning._register import STRATEGY_NAME
 from fsdp_plugin.integrations.lightning.precision import FSDPPluginFabricPrecision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.launchers.subprocess_script import (
@@ -77,11 +76,6 @@ class FSDPPluginFabricStrategy(ParallelStrategy, _Sharded):
         self._timeout = timeout
         self._num_nodes = 1
         self._backward_sync_control = _NoSync()
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(STRATEGY_NAME, cls, description="fsdp_plugin fully sharded data parallel",
-                                   override=True)
 
     # ----------------------------------------------------------------- plumbing
     @property

@@ -36,7 +36,6 @@ from fsdp_plugin.integrations.lightning import _compile
 from fsdp_plugin.integrations.lightning.checkpoint import async_save as _async_save
 from fsdp_plugin.integrations.lightning.checkpoint import io as ckpt
 from fsdp_plugin.integrations.lightning import _plumbing as common
-from fsdp_plugin.integrations.lightning._register import STRATEGY_NAME
 from fsdp_plugin.integrations.lightning.precision import FSDPPluginPrecision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
@@ -124,11 +123,6 @@ class FSDPPluginStrategy(ParallelStrategy):
         self.num_nodes = 1
 
     # ----------------------------------------------------------------- registry and plumbing
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(STRATEGY_NAME, cls, description="fsdp_plugin fully sharded data parallel",
-                                   override=True)
-
     @property
     def precision_plugin(self) -> Any:
         return self._precision_plugin if self._precision_plugin is not None else FSDPPluginPrecision()
