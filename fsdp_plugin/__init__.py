@@ -8,7 +8,7 @@ from ._comm.collectives import STATS as comm_stats
 from ._build.compile import compile
 from ._log import configure_from_env as _configure_log, memory_report
 from ._build.shard import shard
-from .api import (clip_grad_norm_, full_params, full_state_dict, is_sharded, no_sync,
+from ._ops import (clip_grad_norm_, full_params, full_state_dict, is_sharded, no_sync,
                   register_forward_method, reset)
 from .config import MixedPrecision, ShardingConfig, size_policy
 from .grad_scaler import GradScaler
