@@ -1,0 +1,28 @@
+"""Every public operation of fsdp_plugin, in one place (``import fsdp_plugin as fp`` re-exports them).
+
+Each lives in the component that owns it; this module only names them:
+
+    shard, deferred_init, compile           build a sharded model          (_build, _deferred)
+    no_sync, full_params, full_state_dict,  use it                          (_ops)
+    clip_grad_norm_, reset, is_sharded,
+    register_forward_method
+    save_checkpoint, load_checkpoint,       checkpoints and HF files        (checkpoint)
+    save_pretrained, load_pretrained
+    plan                                    predict memory, bytes, time     (planner)
+    memory_report, comm_stats               observe it                      (_log, _comm)
+    shutdown                                end the distributed run         (_groups)
+"""
+from ._build.compile import compile
+from ._build.shard import shard
+from ._comm.collectives import STATS as comm_stats
+from ._deferred import deferred_init
+from ._groups.shutdown import shutdown
+from ._log import memory_report
+from ._ops import (clip_grad_norm_, full_params, full_state_dict, is_sharded, no_sync, register_forward_method,
+                   reset)
+from .checkpoint import load_checkpoint, load_pretrained, save_checkpoint, save_pretrained
+from .planner import plan
+
+__all__ = ["shard", "deferred_init", "compile", "no_sync", "full_params", "full_state_dict", "clip_grad_norm_",
+           "reset", "is_sharded", "register_forward_method", "save_checkpoint", "load_checkpoint",
+           "save_pretrained", "load_pretrained", "plan", "memory_report", "comm_stats", "shutdown"]
