@@ -68,6 +68,14 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """A file or directory the checkpoint needs does not exist."""
 
 
+class CheckpointMismatchWarning(UserWarning):
+    """Emitted by a non-strict load that skipped names; ``.report`` holds the :class:`MismatchReport`."""
+
+    def __init__(self, message: str, report: MismatchReport):
+        super().__init__(message)
+        self.report = report
+
+
 @dataclass
 class MismatchReport:
     """What a non-strict load skipped.

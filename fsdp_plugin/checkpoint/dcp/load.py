@@ -12,7 +12,12 @@ import warnings
 import torch
 
 from .. import _comm, _model, optim
-from ..errors import CheckpointMismatchError, MismatchReport, UnsafeCheckpointError
+from ..errors import (
+    CheckpointMismatchError,
+    CheckpointMismatchWarning,
+    MismatchReport,
+    UnsafeCheckpointError,
+)
 from . import tree
 from .metadata import BytesEntry, TensorEntry, read_metadata
 from .reading import DcpReader
@@ -59,8 +64,6 @@ def _load_local(parts: tree.Parts, path: str, model, optimizers: list, strict: b
     for fin in finishers:
         fin()
     if report:
-        from ..load import CheckpointMismatchWarning
-
         warnings.warn(CheckpointMismatchWarning(f"load_checkpoint({path}) skipped: {report.describe()}", report))
         if out_report is not None:
             out_report.extend(report)

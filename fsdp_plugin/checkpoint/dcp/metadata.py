@@ -19,9 +19,8 @@ import torch
 
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
 from ..fsio import check_plain_name
+from .detect import METADATA_FILE
 
-#: Name of DCP's metadata file.
-METADATA_FILE = ".metadata"
 #: Largest ``.metadata`` we parse (bytes): ~350 B per key, so 1 GiB covers millions of keys.
 MAX_METADATA_BYTES = 1 << 30
 
