@@ -35,6 +35,7 @@ from fsdp_plugin.integrations import _pending_save as pending_save
 from fsdp_plugin.integrations.lightning import _compile
 from fsdp_plugin.integrations.lightning.checkpoint import async_save as _async_save
 from fsdp_plugin.integrations.lightning.checkpoint import io as ckpt
+from fsdp_plugin.integrations.lightning.checkpoint import stock as stock_ckpt
 from fsdp_plugin.integrations.lightning import _plumbing as common
 from fsdp_plugin.integrations.lightning.precision import FSDPPluginPrecision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -270,10 +271,12 @@ class FSDPPluginStrategy(common.ProcessPerDevice, ParallelStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))
         kind = ckpt.checkpoint_kind(path)
         assert self.model is not None and self.lightning_module is not None
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if kind is None and stock_ckpt.is_stock_sharded(path):  # from Lightning's own FSDPStrategy (torch DCP)
+            return stock_ckpt.load_stock(path, self.model, self.optimizers if fitting else [])
         if kind is None:
             raise CheckpointStateError(f"{path} is not an fsdp_plugin Lightning checkpoint: give a checkpoint directory "
                                        "(with manifest.json, state_dict_type='sharded') or a 'full' checkpoint file.")
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         if kind == "sharded":
             return ckpt.load_sharded(path, self.model, self.optimizers if fitting else [])
         meta = ckpt.load_full(path, self.model)
