@@ -1,5 +1,9 @@
 """``fsdp-plugin`` command line: ``inspect CKPT``, ``verify CKPT``, ``consolidate CKPT OUT [--format lightning]``.
 
+CKPT is any layout fsdp_plugin writes (see :mod:`fsdp_plugin.checkpoint.layouts`): an ``fp.save_checkpoint`` or
+Lightning directory, an accelerate ``save_state`` directory, a Trainer ``checkpoint-<n>``; ``inspect`` also
+describes the ones it does not read (DCP, a Lightning file) and names what reads them.
+
 Needs no process group and no GPU. Progress goes to stderr; results to stdout. Exit status: 0 ok,
 1 a checkpoint problem (message on stderr), 2 bad usage.
 """
@@ -38,10 +42,16 @@ class Progress:
 def _inspect(args) -> int:
     from .checkpoint.tools import inspect_checkpoint
 
+    foreign = _foreign_layout(args.ckpt)
+    if foreign is not None:  # recognised, but not ours to read: say what it is and what reads it
+        print(json.dumps(foreign, indent=2) if args.json else f"{foreign['summary']}\n{foreign['reads']}")
+        return 0
     info = inspect_checkpoint(args.ckpt)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
+    if info["layout"]["kind"] != "fsdp_plugin":
+        print(f"{info['layout']['summary']}; shown: {info['path']}")
     print(f"checkpoint {info['path']}  (uuid {info['uuid']})")
     print(f"saved by world size {info['world_size']}, sharding {json.dumps(info['sharding'])}")
     print(f"{info['num_params']} parameters, {info['num_elements']:,} elements, "
@@ -56,6 +66,16 @@ def _inspect(args) -> int:
         print(f"optimizer {i}: {o['class']}, {o['param_groups']} param groups, state {', '.join(o['state_keys'])}")
     print("extra: " + json.dumps(info["extra"].get("0"))[:2000])
     return 0
+
+
+def _foreign_layout(path: str) -> dict | None:
+    """The layout of ``path`` when it is a checkpoint someone else reads (DCP, a Lightning file, Trainer weights)."""
+    from .checkpoint.layouts import detect
+
+    layout = detect(path)
+    if layout.checkpoints or layout.kind not in ("dcp", "lightning-file", "trainer"):
+        return None
+    return {"kind": layout.kind, "path": layout.path, "summary": layout.summary, "reads": layout.reads}
 
 
 def _verify(args) -> int:

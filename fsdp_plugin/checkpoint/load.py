@@ -11,7 +11,7 @@ import warnings
 
 import torch
 
-from . import _async, _comm, _format, _model, codec, manifest, optim
+from . import _async, _comm, _format, _model, codec, layouts, manifest, optim
 from .errors import CheckpointMismatchError, CorruptCheckpointError, MismatchReport
 from .reader import ReadPlan
 
@@ -45,6 +45,7 @@ def load_checkpoint(path, model, optimizer=None, strict: bool = True, *, report:
 
 
 def _load_local(path, model, optimizers, strict, out_report):
+    path = layouts.checkpoint_dir(path)  # also model_0/ of an accelerate state, fsdp_plugin_state/ of a Trainer's
     doc = manifest.read(path)
     report = MismatchReport()
     shards = _model.param_shards(model)

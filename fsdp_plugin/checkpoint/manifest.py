@@ -23,7 +23,7 @@ import os
 import re
 
 from . import _format
-from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError
 from .fsio import open_in_dir
 
 FORMAT = "fsdp_plugin.checkpoint"
@@ -52,8 +52,9 @@ def read(path: str) -> dict:
         raise CheckpointError(_missing_dir_message(path))
     where = os.path.join(path, NAME)
     if not os.path.lexists(where):
-        raise IncompleteCheckpointError(f"{path} has no {NAME}: the save that wrote it was interrupted, or it is "
-                                        "not an fsdp_plugin checkpoint. Load the previous checkpoint.")
+        from . import layouts  # what the directory is instead: interrupted only with evidence
+
+        raise layouts.not_readable(layouts.detect(path))
     fd = open_in_dir(path, NAME, where)
     try:
         size = os.fstat(fd).st_size
