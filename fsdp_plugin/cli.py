@@ -4,39 +4,17 @@ CKPT is any layout fsdp_plugin writes (see :mod:`fsdp_plugin.checkpoint.layouts`
 Lightning directory, an accelerate ``save_state`` directory, a Trainer ``checkpoint-<n>``; ``inspect`` also
 describes the ones it does not read (DCP, a Lightning file) and names what reads them.
 
-Needs no process group and no GPU. Progress goes to stderr; results to stdout. Exit status: 0 ok,
-1 a checkpoint problem (message on stderr), 2 bad usage.
+Needs no process group and no GPU. Progress goes to stderr (a bar on a terminal, whole lines in a log); results
+to stdout. Exit status: 0 ok, 1 a checkpoint problem (message on stderr), 2 bad usage.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-import time
 
+from ._progress import Progress
 from .checkpoint.errors import CheckpointError
-
-
-class Progress:
-    """A plain-text progress line on stderr, redrawn at most every 0.2 s."""
-
-    def __init__(self, label: str, stream=None):
-        self.label, self.stream = label, stream or sys.stderr
-        self.t0, self.last = time.monotonic(), 0.0
-
-    def __call__(self, done: int, total: int) -> None:
-        now = time.monotonic()
-        if now - self.last < 0.2 and done < total:
-            return
-        self.last = now
-        frac = done / total if total else 1.0
-        bar = "#" * int(30 * frac)
-        rate = done / max(now - self.t0, 1e-9) / 1e6
-        self.stream.write(f"\r{self.label} [{bar:<30}] {100 * frac:5.1f}% {done / 1e6:,.1f}/{total / 1e6:,.1f} MB "
-                          f"{rate:,.0f} MB/s")
-        if done >= total:
-            self.stream.write("\n")
-        self.stream.flush()
 
 
 def _inspect(args) -> int:

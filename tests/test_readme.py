@@ -30,8 +30,8 @@ CHECKED = {
     r"^python benchmarks/": "benchmarks: not part of the suite (README, Tests and benchmarks)",
     r"^torchrun --nnodes 2 .* train\.py$": "a template for two nodes and the user's own train.py",
     r"examples/lightning_gpt\.py": "test_demo_pair_trains_then_resumes",
-    r"accelerate_train\.py": "test_accelerate_pair_trains_then_resumes",
-    r"hf_trainer\.py --out runs/sft --max-steps": "test_trainer_pair_trains_then_resumes",
+    r"accelerate_train\.py|^fsdp-plugin inspect /tmp/acc_state$": "test_accelerate_pair_trains_then_resumes",
+    r"hf_trainer\.py --out runs/sft --max-steps|^fsdp-plugin inspect runs/sft/": "test_trainer_pair_trains_then_resumes",
     r"peft_lora\.py": "test_peft_lora_trains_the_adapter_only",
     r"hf_trainer\.py --fsdp-args": "test_trainer_fsdp_args_under_torchrun",
     r"^fsdp-plugin (inspect|verify|consolidate) CKPT": "test_checkpoint_tools_on_the_demo_checkpoint",
@@ -106,20 +106,21 @@ def test_demo_pair_trains_then_resumes(demo):
 
 def test_checkpoint_tools_on_the_demo_checkpoint(demo, capsys):
     tmp, _, _ = demo
-    ckpt = tmp / "out" / "gpt" / "last.ckpt"
-    commands = [c.replace("CKPT", str(ckpt)).replace("OUT", str(tmp / "hf_out"))
+    names = {"CKPT": tmp / "out" / "gpt" / "last.ckpt", "OUT": tmp / "hf_out", "OUT.ckpt": tmp / "hf_out.ckpt"}
+    commands = [[str(names.get(w, w)) for w in argv(c, tmp)]
                 for c in _readme.find(r"^fsdp-plugin (inspect|verify|consolidate) CKPT")]
-    assert [c.split()[1] for c in commands] == ["inspect", "verify", "consolidate", "consolidate"], commands
-    rc, out, _ = _cli(capsys, *argv(commands[0], tmp))
-    assert rc == 0 and "saved by world size 2" in out and '"full_shard"' in out and "bytes on disk" in out, out
+    assert [c[0] for c in commands] == ["inspect", "verify", "consolidate", "consolidate"], commands
+    rc, out, err = _cli(capsys, *commands[0])
+    assert rc == 0 and "saved by world size 2" in out and '"full_shard"' in out and "bytes on disk" in out, out + err
+    assert "Lightning checkpoint: step 8, epoch 0, 1 optimizer" in out, out[:500]  # what the directory is
     assert '"global_step": 8' in out, out[-2000:]  # extra: Lightning's loop state at save
-    rc, out, _ = _cli(capsys, *argv(commands[1], tmp))
+    rc, out, _ = _cli(capsys, *commands[1])
     assert rc == 0 and out.strip().endswith(": OK"), out
-    rc, out, _ = _cli(capsys, *argv(commands[2], tmp))
+    rc, out, _ = _cli(capsys, *commands[2])
     from safetensors.torch import load_file
     weights = load_file(tmp / "hf_out" / "model.safetensors")
     assert rc == 0 and "gpt.blocks.0.qkv.weight" in weights and len(weights) == 53, sorted(weights)
-    rc, out, _ = _cli(capsys, *argv(commands[3], tmp))
+    rc, out, _ = _cli(capsys, *commands[3])
     full = torch.load(tmp / "hf_out.ckpt", weights_only=True)
     assert rc == 0 and full["global_step"] == 8, full.keys()
     torch.testing.assert_close(full["state_dict"]["gpt.blocks.0.qkv.weight"], weights["gpt.blocks.0.qkv.weight"])
@@ -127,9 +128,8 @@ def test_checkpoint_tools_on_the_demo_checkpoint(demo, capsys):
 
 def test_consolidate_lightning_loads_without_the_strategy(demo, capsys):
     tmp, _, _ = demo
-    command = one(r"^fsdp-plugin consolidate epoch=").replace("epoch=3-step=400.ckpt", "out/gpt/epoch=0-step=8.ckpt")
-    words = [str(tmp / w) if w.endswith(".ckpt") else w for w in argv(command, tmp)]
-    rc, out, _ = _cli(capsys, *words)
+    names = {"epoch=3-step=400.ckpt": tmp / "out" / "gpt" / "epoch=0-step=8.ckpt", "model.ckpt": tmp / "model.ckpt"}
+    rc, out, _ = _cli(capsys, *[names.get(w, w) for w in argv(one(r"^fsdp-plugin consolidate epoch="), tmp)])
     full = torch.load(tmp / "model.ckpt", weights_only=True)
     assert rc == 0 and "load_from_checkpoint" in out and full["global_step"] == 8, out
     assert full["hyper_parameters"]["max_steps"] == 8 and "gpt.head.weight" in full["state_dict"]
@@ -144,13 +144,16 @@ def accelerate_pair(tmp_path_factory):
     return tmp, first, second, _launch(first, tmp), _launch(second, tmp)
 
 
-def test_accelerate_pair_trains_then_resumes(accelerate_pair):
+def test_accelerate_pair_trains_then_resumes(accelerate_pair, capsys):
     tmp, _, _, first, second = accelerate_pair
     state = tmp / "acc_state"
     assert "trained steps 1..2" in first and f"saved state to {state} at step 2" in first, first[-3000:]
     assert (state / "model_0" / "manifest.json").is_file() and (state / "accelerator_state.json").is_file()
     assert f"resumed from {state} at step 2" in second and "trained steps 3..4" in second, second[-3000:]
     assert re.search(r"^step\s+4 ", second, re.M) and not re.search(r"^step\s+[12] ", second, re.M), second[-3000:]
+    rc, out, _ = _cli(capsys, *argv(one(r"^fsdp-plugin inspect /tmp/acc_state"), tmp))
+    # the state the first command saved: 2 optimizer steps of 2 micro-batches (the README's 20 steps: 40)
+    assert rc == 0 and out.startswith("accelerate state: 1 model, 1 optimizer, accelerator.step 4"), out[:500]
 
 
 def test_accelerate_resume_with_nothing_left_says_so(accelerate_pair):
@@ -173,7 +176,7 @@ def trainer_pair(tmp_path_factory):
     return tmp, _launch(first, tmp, save), _launch(second, tmp, save)
 
 
-def test_trainer_pair_trains_then_resumes(trainer_pair):
+def test_trainer_pair_trains_then_resumes(trainer_pair, capsys, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     tmp, first, second = trainer_pair
@@ -183,6 +186,9 @@ def test_trainer_pair_trains_then_resumes(trainer_pair):
     for step in (1, 2, 3):
         assert (runs / f"checkpoint-{step}" / "fsdp_plugin_state" / "manifest.json").is_file(), step
     assert json.loads((runs / "checkpoint-3" / "trainer_state.json").read_text())["global_step"] == 3
+    monkeypatch.chdir(tmp)  # the README's relative runs/sft
+    rc, out, _ = _cli(capsys, *argv(one(r"^fsdp-plugin inspect runs/sft/"), tmp))
+    assert rc == 0 and out.startswith("Trainer checkpoint: step 2, model + 1 optimizer in fsdp_plugin_state/"), out
     model = AutoModelForCausalLM.from_pretrained(runs / "final")
     assert all(torch.isfinite(p).all() for p in model.parameters())
 

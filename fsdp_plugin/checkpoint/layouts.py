@@ -57,9 +57,9 @@ def detect(path) -> Layout:
         found = probe(path, names)
         if found is not None:
             return found
-    shown = ", ".join(sorted(names)[:6]) + (" ..." if len(names) > 6 else "")
-    return Layout("unknown", path, f"{path} is not a checkpoint directory fsdp_plugin knows "
-                                   f"({len(names)} entries{': ' + shown if names else ''})", "")
+    shown = ", ".join(sorted(names)[:6]) + (", ..." if len(names) > 6 else "")
+    held = f"holds {_plural(len(names), 'entry')} ({shown})" if names else "is empty"
+    return Layout("unknown", path, f"{path} {held}", "")
 
 
 def checkpoint_dir(path) -> str:
@@ -84,9 +84,9 @@ def not_readable(layout: Layout) -> CheckpointError:
     if len(layout.checkpoints) > 1:
         return CheckpointStateError(f"{layout.summary}: name one of {', '.join(layout.checkpoints)}")
     reads = f"; {layout.reads}" if layout.reads else ""
-    return CheckpointStateError(f"{layout.summary}, not an fsdp_plugin checkpoint directory{reads}. fsdp_plugin "
-                                "reads fp.save_checkpoint, Lightning, accelerate save_state and Trainer checkpoint "
-                                "directories")
+    return CheckpointStateError(f"{layout.summary}: not an fsdp_plugin checkpoint directory{reads}. fsdp_plugin "
+                                "reads the directories of fp.save_checkpoint, Lightning, accelerate save_state and "
+                                "Trainer checkpoint-<n>")
 
 
 # -- probes: each returns a Layout, or None when the directory is not of its kind ----------------------------
@@ -195,4 +195,6 @@ def _json(path: str) -> dict:
 
 
 def _plural(n: int, noun: str) -> str:
-    return f"{n} {noun}" + ("" if n == 1 else "s")
+    if n == 1:
+        return f"1 {noun}"
+    return f"{n} {noun[:-1]}ies" if noun.endswith("y") else f"{n} {noun}s"
