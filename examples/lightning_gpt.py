@@ -142,6 +142,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=16, help="per process")
     p.add_argument("--ckpt-dir", default="out/gpt")
     p.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps (and last.ckpt)")
+    p.add_argument("--sample", type=int, default=120, help="characters to generate after training")
     p.add_argument("--resume", default=None, help='a checkpoint directory, or "last"')
     p.add_argument("--precision", default="32-true", help="32-true | bf16-mixed | bf16-true")
     args = p.parse_args()
@@ -160,7 +161,7 @@ def main() -> None:
     if not report.started and trainer.is_global_zero:
         print(f"nothing left to train: the checkpoint is at step {trainer.global_step} and --max-steps "
               f"{args.max_steps} is the total; pass a larger --max-steps")
-    text = model.sample("The \"assert\" statement", n=120)
+    text = model.sample("The \"assert\" statement", n=args.sample)
     if trainer.is_global_zero:
         loss = trainer.callback_metrics.get("train_loss")
         print(f"\nstep {trainer.global_step}" + (f", train_loss {float(loss):.3f}" if loss is not None else ""))

@@ -58,7 +58,8 @@ class Progress:
         self.last = now
         frac = done / total if total else 1.0
         bar = "#" * int(30 * frac)
-        self.stream.write(f"\r{self.label} [{bar:<30}] {100 * frac:5.1f}% {self._amount(done, total)}{self._rate(done)}")
+        amount = f"{self._amount(done, total)}{self._rate(done)}"
+        self.stream.write(f"\r{self.label} [{bar:<30}] {100 * frac:5.1f}% {amount}")
         if done >= total:
             self.stream.write("\n")
         self.stream.flush()

@@ -79,8 +79,9 @@ def _fast_word(prev: str, word: str, tmp: Path) -> str:
     return word
 
 
-def argv(command: str, tmp: Path, extra: tuple = ()) -> list[str]:
-    """The command as this test process runs it (see the module docstring), ``extra`` appended."""
+def argv(command: str, tmp: Path, extra: tuple = (), launcher: tuple = ()) -> list[str]:
+    """The command as this test process runs it (see the module docstring): ``extra`` appended (script
+    flags), ``launcher`` inserted after ``accelerate launch`` (e.g. another process count)."""
     words = shlex.split(command)
     words = [_fast_word(p, w, tmp) for p, w in zip([""] + words, words)] + [str(e) for e in extra]
     head, rest = words[0], words[1:]
@@ -89,7 +90,7 @@ def argv(command: str, tmp: Path, extra: tuple = ()) -> list[str]:
     if head == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", *rest]
     if head == "accelerate":
-        return [sys.executable, "-m", "accelerate.commands.accelerate_cli", *rest]
+        return [sys.executable, "-m", "accelerate.commands.accelerate_cli", rest[0], *map(str, launcher), *rest[1:]]
     if head == "fsdp-plugin":
         return rest  # run in-process: fsdp_plugin.cli.main(rest)
     raise AssertionError(f"README command with an unknown program: {command}")

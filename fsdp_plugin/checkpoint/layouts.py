@@ -69,6 +69,8 @@ def checkpoint_dir(path) -> str:
     :class:`CheckpointStateError` saying what ``path`` is and what reads it (or, for a missing path, the
     manifest module's message, which points to a ``.old-`` sibling left by an interrupted replace).
     """
+    if os.path.isfile(os.path.join(path, manifest.NAME)):
+        return os.fspath(path)  # ours (or Lightning's): the reader validates the manifest, once
     layout = detect(path)
     if len(layout.checkpoints) == 1:
         return layout.checkpoints[0]
