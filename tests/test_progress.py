@@ -81,3 +81,16 @@ def test_calibrate_reports_each_measurement():
     calibrate(seconds=0.01, progress=_progress.Progress("calibrate", out, unit="measurements"))
     lines = out.getvalue().splitlines()
     assert lines[0] == "calibrate: started, 0/3 measurements" and lines[-1].startswith("calibrate: done, 3/3"), lines
+
+
+def test_plan_calibrate_shows_progress_on_stderr(capsys, monkeypatch):
+    from fsdp_plugin.planner import api
+
+    def fake(device, dtype, progress=None):  # the wiring only: the real measurements are timed above
+        for done in range(4):
+            progress(done, 3)
+        return "calibration"
+    monkeypatch.setattr(api, "calibrate", fake)
+    assert api._calibration("calibrate", torch.device("cpu"), None) == "calibration"
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "plan --calibrate: started, 0/3 measurements" and err[-1].startswith("plan --calibrate: done"), err

@@ -92,8 +92,8 @@ def calibrate(device: Optional[torch.device] = None, dtype: torch.dtype = torch.
     ``dtype`` (`_workload`: matmul and attention FLOP/s, other ops' bytes/s, optimizer bytes/s), streaming memory
     bandwidth, host seconds per op and (under an initialized process group) all-gather bandwidth and
     latency. ``seconds``: rough budget per measurement (the whole call takes ~4x it). Collective: every rank
-    of ``group`` must call it. ``progress(done, total)`` after each measurement; by default rank 0 reports on
-    stderr (a bar on a terminal, whole lines in a log: the call takes seconds)."""
+    of ``group`` must call it. ``progress(done, total)``, when given, after each measurement (``fp.plan`` and
+    ``plan --calibrate`` give rank 0 a :class:`fsdp_plugin._progress.Progress` on stderr)."""
     from . import _workload as _workload
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -128,12 +128,7 @@ def calibrate(device: Optional[torch.device] = None, dtype: torch.dtype = torch.
 
 
 def _reporter(progress, group, total: int):
-    """A no-argument callable counting finished measurements into ``progress`` (default: stderr on rank 0)."""
-    import torch.distributed as dist
-
-    if progress is None and (not dist.is_initialized() or dist.get_rank(group) == 0):
-        from .._progress import Progress
-        progress = Progress("calibrate", unit="measurements")
+    """A no-argument callable counting finished measurements into ``progress`` (None: silent)."""
     done = [0]
 
     def report() -> None:
