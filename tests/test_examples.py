@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,11 @@ def test_train_gpt_readme_pair_resumes_exactly(straight_run, tmp_path):
     assert sorted(resumed) == [21, 30], resumed  # logs the first step trained and the last
     # the same batches, the same restored parameters and AdamW state: the same losses
     assert resumed[30] == pytest.approx(straight[30], abs=1e-5), (straight, resumed)
+    # the first command's total again, as a world of one (no torchrun): nothing left, and it says so
+    out = run([sys.executable, TRAIN_GPT, *SMALL, "--steps", "20", "--resume", ckpt, "--eval-batches", "0"],
+              timeout=120, env={"PYTHONPATH": str(ROOT)})
+    assert "nothing left to train: the checkpoint is at step 20 and --steps 20 is the total" in out, out[-3000:]
+    assert not _losses(out), out[-3000:]
 
 
 def _readme_run(command: str, tmp: Path) -> str:
