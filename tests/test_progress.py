@@ -94,3 +94,24 @@ def test_plan_calibrate_shows_progress_on_stderr(capsys, monkeypatch):
     assert api._calibration("calibrate", torch.device("cpu"), None) == "calibration"
     err = capsys.readouterr().err.splitlines()
     assert err[0] == "plan --calibrate: started, 0/3 measurements" and err[-1].startswith("plan --calibrate: done"), err
+
+
+def test_load_from_several_files_counts_every_byte(tmp_path, caplog, monkeypatch):
+    import json
+
+    monkeypatch.setattr(_progress, "LOG_MIN_BYTES", 0)
+    caplog.set_level(logging.INFO, logger="fsdp_plugin")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    weight_map = {}
+    for i in range(4):  # one file per layer: the reader's threads read them side by side
+        part = {k: v for k, v in state.items() if k.startswith(f"{i}.")}
+        save_file(part, tmp_path / f"part{i}.safetensors")
+        weight_map.update({k: f"part{i}.safetensors" for k in part})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    fresh = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
+    fp.load_pretrained(fresh, tmp_path)
+    total = sum(v.numel() * 4 for v in state.values())
+    done = [r.getMessage() for r in caplog.records if ": done, " in r.getMessage()]
+    assert len(done) == 1 and f"done, {total / 1e3:,.1f} kB/{total / 1e3:,.1f} kB" in done[0], done

@@ -14,6 +14,7 @@ queues "read ``n`` elements at byte ``offset`` of file ``name`` into 1-D tensor 
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -66,7 +67,7 @@ class ReadPlan:
         self.bytes_read = 0
         #: ``progress(done_bytes, total_bytes)`` during :meth:`execute` (payload bytes), when set
         self.progress = None
-        self._done = 0
+        self._done, self._done_lock = 0, threading.Lock()  # files are read by several threads
 
     def header(self, name: str) -> _format.Header:
         """Open, size-check and parse file ``name`` once; return its validated header."""
@@ -183,8 +184,9 @@ class ReadPlan:
         for dest, bounce in posts:
             dest.copy_(bounce)
         if self.progress is not None:
-            self._done += sum(s.nbytes for s in run)  # threads: the callback serializes itself (Progress has a lock)
-            self.progress(self._done, self._total)
+            with self._done_lock:
+                self._done += sum(s.nbytes for s in run)
+                self.progress(self._done, self._total)
 
     def _read_verified(self, f: _File, bufs: list[memoryview], start: int, run: list[_Segment]) -> None:
         """Read ``bufs`` (starting at block-aligned ``start``) and check every block's CRC32.
