@@ -28,8 +28,8 @@ from .errors import CheckpointError, CheckpointStateError, IncompleteCheckpointE
 
 _RANK_FILE = re.compile(r"^rank\d{5,}\.(model|optim|extra)\.safetensors$")
 _OUR_TOOLS = "fp.load_checkpoint and fsdp-plugin inspect/verify/consolidate read it"
-DCP_READER = ("torch.distributed.checkpoint.load (into torch FSDP) reads it; fsdp_plugin's own tools read only "
-              "directories written by fsdp_plugin")
+#: what reads a DCP directory (the one line to change when fsdp_plugin's own DCP reader lands)
+DCP_READER = "torch.distributed.checkpoint.load (into a torch FSDP model) reads it"
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ def _dcp(path: str, names: set) -> Layout | None:
         return Layout("dcp", path, f"a directory of torch distributed checkpoints (DCP: {', '.join(subs)}/; "
                                    "stock torch FSDP, accelerate or Trainer)", DCP_READER)
     size = sum(os.path.getsize(os.path.join(path, n)) for n in shards)
-    return Layout("dcp", path, f"torch distributed checkpoint (DCP): .metadata + {len(shards)} .distcp files, "
+    return Layout("dcp", path, f"torch distributed checkpoint (DCP): .metadata + {_plural(len(shards), '.distcp file')}, "
                                f"{size:,} bytes", DCP_READER)
 
 
