@@ -1,48 +1,36 @@
 """``fsdp-plugin`` command line: ``inspect CKPT``, ``verify CKPT``, ``consolidate CKPT OUT [--format lightning]``,
 ``export CKPT OUT --format hf|dcp|lightning`` (``dcp``: a torch distributed-checkpoint directory).
 
-Needs no process group and no GPU. Progress goes to stderr; results to stdout. Exit status: 0 ok,
-1 a checkpoint problem (message on stderr), 2 bad usage.
+CKPT is any layout fsdp_plugin writes (see :mod:`fsdp_plugin.checkpoint.layouts`): an ``fp.save_checkpoint`` or
+Lightning directory, an accelerate ``save_state`` directory, a Trainer ``checkpoint-<n>``; ``inspect`` also
+describes the ones it does not read (DCP, a Lightning file) and names what reads them.
+
+Needs no process group and no GPU. Progress goes to stderr (a bar on a terminal, whole lines in a log); results
+to stdout. Exit status: 0 ok, 1 a checkpoint problem (message on stderr), 2 bad usage.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-import time
 
+from ._progress import Progress
 from .checkpoint.errors import CheckpointError
-
-
-class Progress:
-    """A plain-text progress line on stderr, redrawn at most every 0.2 s."""
-
-    def __init__(self, label: str, stream=None):
-        self.label, self.stream = label, stream or sys.stderr
-        self.t0, self.last = time.monotonic(), 0.0
-
-    def __call__(self, done: int, total: int) -> None:
-        now = time.monotonic()
-        if now - self.last < 0.2 and done < total:
-            return
-        self.last = now
-        frac = done / total if total else 1.0
-        bar = "#" * int(30 * frac)
-        rate = done / max(now - self.t0, 1e-9) / 1e6
-        self.stream.write(f"\r{self.label} [{bar:<30}] {100 * frac:5.1f}% {done / 1e6:,.1f}/{total / 1e6:,.1f} MB "
-                          f"{rate:,.0f} MB/s")
-        if done >= total:
-            self.stream.write("\n")
-        self.stream.flush()
 
 
 def _inspect(args) -> int:
     from .checkpoint.tools import inspect_checkpoint
 
+    foreign = _foreign_layout(args.ckpt)
+    if foreign is not None:  # recognised, but not ours to read: say what it is and what reads it
+        print(json.dumps(foreign, indent=2) if args.json else f"{foreign['summary']}\n{foreign['reads']}")
+        return 0
     info = inspect_checkpoint(args.ckpt)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
+    if info["layout"]["kind"] != "fsdp_plugin":
+        print(f"{info['layout']['summary']}; shown: {info['path']}")
     print(f"checkpoint {info['path']}  (uuid {info['uuid']})")
     print(f"saved by world size {info['world_size']}, sharding {json.dumps(info['sharding'])}")
     print(f"{info['num_params']} parameters, {info['num_elements']:,} elements, "
@@ -57,6 +45,16 @@ def _inspect(args) -> int:
         print(f"optimizer {i}: {o['class']}, {o['param_groups']} param groups, state {', '.join(o['state_keys'])}")
     print("extra: " + json.dumps(info["extra"].get("0"))[:2000])
     return 0
+
+
+def _foreign_layout(path: str) -> dict | None:
+    """The layout of ``path`` when it is a checkpoint someone else reads (DCP, a Lightning file, Trainer weights)."""
+    from .checkpoint.layouts import detect
+
+    layout = detect(path)
+    if layout.checkpoints or layout.kind not in ("dcp", "lightning-file", "trainer"):
+        return None
+    return {"kind": layout.kind, "path": layout.path, "summary": layout.summary, "reads": layout.reads}
 
 
 def _verify(args) -> int:

@@ -241,6 +241,18 @@ def export_dcp_onto_an_existing_directory(tmp_path):
     export_dcp(tmp_path / "ckpt", tmp_path / "out")
 
 
+def load_a_directory_that_is_not_a_checkpoint(tmp_path):
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "notes.txt").write_text("x")
+    fp.load_checkpoint(str(tmp_path / "runs"), nn.Linear(2, 2))
+
+
+def load_an_interrupted_save(tmp_path):
+    fp.save_checkpoint(str(tmp_path / "ckpt"), nn.Linear(2, 2))
+    os.remove(tmp_path / "ckpt" / "manifest.json")
+    fp.load_checkpoint(str(tmp_path / "ckpt"), nn.Linear(2, 2))
+
+
 CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_policy_matches_nothing,
          mesh_not_dividing_world, shard_twice, optimizer_stepped_before_shard, dtype_backend_cannot_reduce,
          plain_state_dict_on_sharded_model, not_sharded, meta_module_without_init,
@@ -250,7 +262,8 @@ CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_polic
          trainer_resume_from_foreign_folder, compile_unsharded_model, unknown_async_save_mode,
          plan_of_an_unknown_model, materialize_a_tensor_that_is_not_deferred, checkpoint_extra_that_needs_pickle,
          dcp_metadata_naming_a_foreign_global, truncated_dcp_data_file, dcp_save_interrupted,
-         dcp_optimizer_groups_differ, export_dcp_onto_an_existing_directory]
+         dcp_optimizer_groups_differ, export_dcp_onto_an_existing_directory,
+         load_a_directory_that_is_not_a_checkpoint, load_an_interrupted_save]
 
 
 def _capture(case, tmp_path):

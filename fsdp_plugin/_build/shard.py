@@ -115,6 +115,7 @@ def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: Ro
     mat = Materializer(model, device, cfg.param_init_fn)
     buffer_sites = _buffer_sites_by_unit(model, unit_fqns)
     built: list = []
+    progress = _progress(model, mesh)
     # Scattering an eagerly built model: last unit first, so that the big early units (embeddings in the
     # root) are scattered once most of the model is already sharded and freed (setup peak ~ model + one unit).
     order = list(reversed(units)) if scatter else units
@@ -128,9 +129,31 @@ def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: Ro
             handles = [_build_handle(group, sites, names, policy.mesh, cfg, device, mat, scatter, fqn or "<root>")
                        for group in group_params(owned[fqn]).values()]
             built.append(Unit(fqn, module, handles, root, reshard_after_forward=policy.reshard_after_forward))
+            if progress is not None:
+                progress(sum(h.total * h.dtype.itemsize for h in handles))
+        if progress is not None:
+            progress(None)
     finally:
         mat.close()
     root.units.extend(reversed(built) if scatter else built)
+
+
+def _progress(model: nn.Module, mesh: Mesh):
+    """``advance(nbytes)`` for rank 0's progress lines (``FSDP_PLUGIN_LOG=INFO``) while a large model's units
+    are built, ``advance(None)`` at the end; None for small models, other ranks, or INFO off."""
+    from .. import _progress as progress_lines
+
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    lines = progress_lines.logged("fp.shard", total) if mesh.rank == 0 else None
+    if lines is None:
+        return None
+    done = [0]
+    lines(0, total)
+
+    def advance(nbytes: Optional[int]) -> None:
+        done[0] = total if nbytes is None else min(total, done[0] + nbytes)
+        lines(done[0], total)
+    return advance
 
 
 def _buffer_sites_by_unit(model: nn.Module, unit_fqns: list) -> dict:

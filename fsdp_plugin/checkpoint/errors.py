@@ -5,7 +5,7 @@ Every error names the file (and, where one is involved, the tensor and byte rang
     FSDPPluginError
     └── CheckpointError                      base class; also raised for unsafe paths
         ├── CorruptCheckpointError           bytes on disk are damaged: size, header, CRC32, manifest
-        │   └── IncompleteCheckpointError    no manifest.json: the save was interrupted
+        │   └── IncompleteCheckpointError    evidence of an interrupted save (see checkpoint/layouts.py)
         │   └── UnsafeCheckpointError        a foreign pickle names a global outside the allow-list
         ├── CheckpointMismatchError          a valid checkpoint that does not fit the model/optimizer
         │   ├── CheckpointKeyError (KeyError)            an entry the state to load needs is absent
@@ -29,7 +29,7 @@ class CorruptCheckpointError(CheckpointError):
 
 
 class IncompleteCheckpointError(CorruptCheckpointError):
-    """The directory has no manifest.json: the save that produced it was interrupted."""
+    """The save that produced the directory was interrupted: a temporary sibling or rank files without manifest.json."""
 
 
 class UnsafeCheckpointError(CorruptCheckpointError):

@@ -11,13 +11,14 @@ import warnings
 
 import torch
 
-from . import _async, _comm, _format, _model, codec, manifest, optim
+from . import _async, _comm, _format, _model, codec, layouts, manifest, optim
 from .errors import (
     CheckpointMismatchError,
     CheckpointMismatchWarning,
     CorruptCheckpointError,
     MismatchReport,
 )
+from .dcp.detect import is_dcp_dir
 from .reader import ReadPlan
 
 
@@ -33,9 +34,7 @@ def load_checkpoint(path, model, optimizer=None, strict: bool = True, *, report:
     """
     _async.wait_pending()  # a pending asynchronous save may be writing this very path
     path = os.fspath(path)
-    # Hook for foreign layouts: a DCP directory goes to its own reader (layout detection: issue 24).
-    from .dcp.detect import is_dcp_dir
-    if is_dcp_dir(path):
+    if is_dcp_dir(path):  # torch's distributed checkpoint: its own reader
         from .dcp.load import load_dcp
         return load_dcp(path, model, optimizer, strict, report=report)
     err, extra = None, None
@@ -48,6 +47,7 @@ def load_checkpoint(path, model, optimizer=None, strict: bool = True, *, report:
 
 
 def _load_local(path, model, optimizers, strict, out_report):
+    path = layouts.checkpoint_dir(path)  # also model_0/ of an accelerate state, fsdp_plugin_state/ of a Trainer's
     doc = manifest.read(path)
     report = MismatchReport()
     shards = _model.param_shards(model)

@@ -14,6 +14,7 @@ queues "read ``n`` elements at byte ``offset`` of file ``name`` into 1-D tensor 
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -64,6 +65,9 @@ class ReadPlan:
         self.threads = threads
         self._files: dict[str, _File] = {}
         self.bytes_read = 0
+        #: ``progress(done_bytes, total_bytes)`` during :meth:`execute` (payload bytes), when set
+        self.progress = None
+        self._done, self._done_lock = 0, threading.Lock()  # files are read by several threads
 
     def header(self, name: str) -> _format.Header:
         """Open, size-check and parse file ``name`` once; return its validated header."""
@@ -118,6 +122,9 @@ class ReadPlan:
     def execute(self) -> None:
         """Perform every queued read (files in parallel threads); raise on the first failure."""
         files = [f for f in self._files.values() if f.segments]
+        self._total, self._done = sum(s.nbytes for f in files for s in f.segments), 0
+        if self.progress is not None:
+            self.progress(0, self._total)
         if len(files) <= 1 or self.threads <= 1:
             for f in files:
                 self._read_file(f)
@@ -180,6 +187,10 @@ class ReadPlan:
         self.bytes_read += end - start
         for dest, bounce in posts:
             dest.copy_(bounce)
+        if self.progress is not None:
+            with self._done_lock:
+                self._done += sum(s.nbytes for s in run)
+                self.progress(self._done, self._total)
 
     def _read_verified(self, f: _File, bufs: list[memoryview], start: int, run: list[_Segment]) -> None:
         """Read ``bufs`` (starting at block-aligned ``start``) and check every block's CRC32.

@@ -154,8 +154,13 @@ def _calibration(calibration, device: torch.device, mp):
         return calibration
     if isinstance(calibration, dict):
         return Calibration(**calibration)
-    if calibration in ("calibrate", True):
-        return calibrate(device, mp.param_dtype if mp and mp.param_dtype else torch.float32)
+    if calibration in ("calibrate", True):  # seconds of measuring: rank 0 says how far it got
+        import torch.distributed as dist
+
+        from .._progress import Progress
+        shown = not dist.is_initialized() or dist.get_rank() == 0
+        progress = Progress("plan --calibrate", unit="measurements") if shown else None
+        return calibrate(device, mp.param_dtype if mp and mp.param_dtype else torch.float32, progress=progress)
     if calibration in HARDWARE:
         return lambda w: for_hardware(calibration, w)
     raise PlanError(f"calibration={calibration!r}: use None, 'calibrate', a Calibration, or one of "
