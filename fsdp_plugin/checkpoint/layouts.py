@@ -24,7 +24,6 @@ import zipfile
 from dataclasses import dataclass
 
 from . import manifest
-from .dcp.detect import is_dcp_dir
 from .errors import CheckpointError, CheckpointStateError, IncompleteCheckpointError
 
 _RANK_FILE = re.compile(r"^rank\d{5,}\.(model|optim|extra)\.safetensors$")
@@ -32,6 +31,21 @@ _OUR_TOOLS = "fp.load_checkpoint and fsdp-plugin inspect/verify/consolidate read
 #: what reads a DCP directory
 DCP_READER = ("fp.load_checkpoint (and our Lightning strategy, Accelerator and Trainer) reads it into a sharded "
               "model; torch.distributed.checkpoint.load too")
+
+#: Name of DCP's metadata file.
+METADATA_FILE = ".metadata"
+
+
+def is_dcp_dir(path) -> bool:
+    """Whether ``path`` is a directory written by ``torch.distributed.checkpoint``: it holds ``.metadata``,
+    or ``.distcp`` data files and no ``manifest.json`` (an interrupted DCP save, reported as such on load)."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        return False
+    if os.path.isfile(os.path.join(path, METADATA_FILE)):
+        return True
+    names = os.listdir(path)
+    return "manifest.json" not in names and any(n.endswith(".distcp") for n in names)
 
 
 @dataclass(frozen=True)

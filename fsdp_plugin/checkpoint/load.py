@@ -18,7 +18,6 @@ from .errors import (
     CorruptCheckpointError,
     MismatchReport,
 )
-from .dcp.detect import is_dcp_dir
 from .reader import ReadPlan
 
 
@@ -34,7 +33,7 @@ def load_checkpoint(path, model, optimizer=None, strict: bool = True, *, report:
     """
     _async.wait_pending()  # a pending asynchronous save may be writing this very path
     path = os.fspath(path)
-    if is_dcp_dir(path):  # torch's distributed checkpoint: its own reader
+    if layouts.is_dcp_dir(path):  # torch's distributed checkpoint: its own reader
         from .dcp.load import load_dcp
         return load_dcp(path, model, optimizer, strict, report=report)
     err, extra = None, None

@@ -32,6 +32,7 @@ import torch
 from .. import codec, manifest
 from ..errors import CheckpointError
 from ..fsio import fsync_path
+from ..layouts import checkpoint_dir
 from ..reader import ReadPlan
 
 #: Bytes copied per read/write step of one item (bounds the memory of an export).
@@ -285,7 +286,7 @@ class _Exporter:
 
 def export_dcp(ckpt, out) -> str:
     """Write checkpoint ``ckpt`` as DCP directory ``out`` (see module docstring); return ``out``."""
-    ckpt, out = os.fspath(ckpt), os.fspath(out)
+    ckpt, out = checkpoint_dir(os.fspath(ckpt)), os.fspath(out)  # also an accelerate / Trainer / Lightning dir
     doc = manifest.read(ckpt)
     if os.path.exists(out):
         raise CheckpointError(f"{out} already exists: give a new directory (an export never replaces anything)")
