@@ -1,7 +1,6 @@
 """`shard()`: turn a module into units with flat sharded parameters, in place."""
 from __future__ import annotations
 
-import functools
 from collections import OrderedDict
 from typing import Optional
 
@@ -12,6 +11,7 @@ from torch import nn
 from .._comm import collectives as comm
 from .. import _log
 from .._flat.flat_param import FlatParamHandle, ParamSlot
+from .checkpointing import apply_activation_checkpointing
 from .guards import install_guards
 from .host_alloc import keep_freed_host_memory
 from .._materialize.materialize import Materializer, decide_scatter, model_kind
@@ -21,7 +21,7 @@ from .._groups.shutdown import register_at_exit
 from .._schedule.root import RootState
 from .strategy import STRATEGIES, unit_policy
 from .._schedule.unit import Unit
-from .wrap import owner_unit, params_by_unit, recompute_selector, select_unit_modules
+from .wrap import owner_unit, params_by_unit, select_unit_modules
 from ..config import ShardingConfig
 from ..errors import ConfigError, ShardingError
 
@@ -46,10 +46,9 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
         register_at_exit()  # process groups are in use: destroy them before interpreter exit
     device = _pick_device(model, cfg)
     _check_reducible(model, cfg)
-    if cfg.activation_checkpointing is not None:
-        apply_activation_checkpointing(model, cfg.activation_checkpointing)
     retie(model)
     units = select_unit_modules(model, cfg.auto_wrap_policy, cfg.ignored_modules)
+    apply_activation_checkpointing(model, cfg.activation_checkpointing, [m for f, m in units if f])
     if device.type == "cpu" and mesh.world_size > 1:
         keep_freed_host_memory()    # per-step buffers are malloc blocks on the CPU (see _host_alloc)
     root = RootState(cfg, mesh, device)
@@ -87,24 +86,6 @@ def _check_reducible(model: nn.Module, cfg: ShardingConfig) -> None:
             raise ConfigError(f"parameter {name!r} would be reduced in {dtype}, which the "
                               f"{dist.get_backend() if dist.is_initialized() else 'process-group'} backend cannot "
                               "reduce: set MixedPrecision(reduce_dtype=torch.float32), or freeze/cast that parameter")
-
-
-def apply_activation_checkpointing(model: nn.Module, policy) -> None:
-    """Recompute the selected modules in backward (non-reentrant, so unit hooks run on recompute)."""
-    from torch.utils.checkpoint import checkpoint
-
-    selected = recompute_selector(model, policy)
-    for m in list(model.modules()):
-        if m is model or not selected(m):
-            continue
-        inner = m.forward
-
-        @functools.wraps(inner)
-        def forward(*args, _inner=inner, **kwargs):
-            if not torch.is_grad_enabled():
-                return _inner(*args, **kwargs)
-            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
-        m.forward = forward
 
 
 def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: RootState) -> None:
