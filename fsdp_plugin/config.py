@@ -31,19 +31,32 @@ class MixedPrecision:
         low-precision float (bf16 reduction hurts at scale), else param_dtype.
     buffer_dtype: dtype buffers are cast to at shard time (None: unchanged).
     cast_forward_inputs: cast floating-point forward inputs of the root to param_dtype.
+    master_dtype: dtype of the sharded master copy of *trainable* parameters stored in a narrower float
+        (a model loaded in bf16) when param_dtype is a 16-bit float: float32 by default, so the optimizer
+        steps and keeps its state in fp32 (what stock accelerate's FSDP does). Frozen parameters (a LoRA
+        base) keep the dtype they were loaded in, and so do all parameters without a 16-bit param_dtype.
+        None keeps every master in its loaded dtype (bf16 masters and optimizer state: half the memory).
     """
 
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
     buffer_dtype: Optional[torch.dtype] = None
     cast_forward_inputs: bool = True
+    master_dtype: Optional[torch.dtype] = torch.float32
 
     def __post_init__(self):
-        for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype", "master_dtype"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
                 raise ConfigError(f"MixedPrecision.{name}={value!r}: use a floating torch dtype such as "
                                   "torch.bfloat16, torch.float16 or torch.float32, or None")
+
+    def master_dtype_for(self, dtype: torch.dtype, requires_grad: bool) -> torch.dtype:
+        """The sharded master dtype of a parameter stored in ``dtype`` (see ``master_dtype``)."""
+        low = self.param_dtype is not None and self.param_dtype.itemsize < 4
+        if not (low and requires_grad and self.master_dtype is not None and dtype.is_floating_point):
+            return dtype
+        return self.master_dtype if dtype.itemsize < self.master_dtype.itemsize else dtype
 
     def effective_reduce_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         if self.reduce_dtype is not None:

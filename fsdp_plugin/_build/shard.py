@@ -106,8 +106,9 @@ def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: Ro
             else:
                 _empty_meta_buffers(buffer_sites[fqn], device)
             policy = unit_policy(cfg, mesh, fqn, module)
-            handles = [_build_handle(group, sites, names, policy.mesh, cfg, device, mat, scatter, fqn or "<root>")
-                       for group in group_params(owned[fqn]).values()]
+            handles = [_build_handle(group, dtype, sites, names, policy.mesh, cfg, device, mat, scatter,
+                                     fqn or "<root>")
+                       for (dtype, _), group in group_params(owned[fqn], cfg.mixed_precision).items()]
             built.append(Unit(fqn, module, handles, root, reshard_after_forward=policy.reshard_after_forward))
     finally:
         mat.close()
@@ -131,16 +132,21 @@ def _empty_meta_buffers(sites: list, device) -> None:
             m._buffers[n] = torch.empty_like(m._buffers[n], device=device)
 
 
-def group_params(params: list) -> "OrderedDict[tuple, list]":
+def group_params(params: list, mp=None) -> "OrderedDict[tuple, list]":
+    """A unit's parameters by ``(master dtype, requires_grad)``, one flat handle each (shared with fp.plan).
+    The master dtype is the loaded dtype, or ``mp.master_dtype`` for trainable 16-bit parameters under a
+    16-bit ``MixedPrecision`` (see ``MixedPrecision.master_dtype_for``)."""
     groups: OrderedDict = OrderedDict()
     for p in params:
-        groups.setdefault((p.dtype, p.requires_grad), []).append(p)
+        dtype = mp.master_dtype_for(p.dtype, p.requires_grad) if mp is not None else p.dtype
+        groups.setdefault((dtype, p.requires_grad), []).append(p)
     return groups
 
 
-def _build_handle(params, sites, names, mesh: Mesh, cfg: ShardingConfig, device, mat: Materializer,
-                  scatter: bool, label: str) -> FlatParamHandle:
-    dtype, requires_grad = params[0].dtype, params[0].requires_grad
+def _build_handle(params, dtype: torch.dtype, sites, names, mesh: Mesh, cfg: ShardingConfig, device,
+                  mat: Materializer, scatter: bool, label: str) -> FlatParamHandle:
+    """One flat handle whose master shard is ``dtype`` (the loaded values are cast into it)."""
+    requires_grad = params[0].requires_grad
     values = mat.param_values(params) if (not scatter or mesh.rank == 0) else None
     slots, offset = [], 0
     for p in params:
