@@ -83,3 +83,53 @@ def test_plan_counts_fp32_masters_for_a_bf16_model():
     kept = shard_bytes(_bf16_gpt, fp.MixedPrecision(param_dtype=torch.bfloat16, master_dtype=None))
     assert upcast.peak == as_fp32.peak
     assert kept.peak < upcast.peak
+
+
+def _checkpoint_worker(rank, world, path):
+    import json
+    import os
+
+    from safetensors import safe_open
+
+    from fsdp_plugin.checkpoint import _format
+
+    torch.manual_seed(0)
+    model = _bf16_gpt()
+    model.blocks[0].requires_grad_(False)
+    fp.shard(model, auto_wrap_policy={Block}, mixed_precision=BF16)
+    fp.save_checkpoint(os.path.join(path, "ckpt"), model)
+    fp.save_pretrained(model, os.path.join(path, "hf"), dtype=torch.bfloat16)
+    doc = json.load(open(os.path.join(path, "ckpt", "manifest.json")))
+    said = {n: doc["params"][n]["dtype"] for n in ("blocks.0.fc.weight", "blocks.1.fc.weight")}
+    with safe_open(os.path.join(path, "hf", "model.safetensors"), "pt") as f:
+        exported = {f.get_tensor(k).dtype for k in f.keys()}
+    # a resume with bf16 masters (master_dtype=None) reads the fp32 checkpoint, cast
+    torch.manual_seed(1)
+    again = fp.shard(_bf16_gpt(), auto_wrap_policy={Block},
+                     mixed_precision=fp.MixedPrecision(param_dtype=torch.bfloat16, master_dtype=None))
+    fp.load_checkpoint(os.path.join(path, "ckpt"), again)
+    want = {k: v.to(torch.bfloat16) for k, v in fp.full_state_dict(model).items()}
+    got = fp.full_state_dict(again)
+    same = all(torch.equal(got[k], want[k]) and got[k].dtype == torch.bfloat16 for k in want)
+    return said, exported, same, _format.dtype_name(torch.float32), _format.dtype_name(torch.bfloat16)
+
+
+def test_checkpoint_says_its_dtypes_and_hf_export_casts(tmp_path):
+    said, exported, same, f32, b16 = run_ranks(_checkpoint_worker, 2, str(tmp_path))[0]
+    assert said == {"blocks.0.fc.weight": b16, "blocks.1.fc.weight": f32}
+    assert exported == {torch.bfloat16}
+    assert same
+
+
+def test_entry_points_get_fp32_masters_for_bf16_compute():
+    from fsdp_plugin.integrations.accelerate.config.resolve import mixed_precision
+    from fsdp_plugin.integrations.accelerate.config.settings import FsdpSettings
+    from fsdp_plugin.integrations.lightning._precision_map import precision_spec
+
+    # accelerate `mixed_precision: bf16` (and so the Trainer's bf16=True), Lightning "bf16-mixed"
+    for mp in (mixed_precision(FsdpSettings(mixed_precision="bf16")), precision_spec("bf16-mixed").mixed_precision()):
+        assert mp.master_dtype_for(torch.bfloat16, True) == torch.float32
+        assert mp.master_dtype_for(torch.bfloat16, False) == torch.bfloat16
+    # Lightning "bf16-true" means bf16 everywhere, masters included (as Lightning's own FSDP): no policy
+    spec = precision_spec("bf16-true")
+    assert spec.module_dtype == torch.bfloat16 and spec.mixed_precision() is None
