@@ -82,3 +82,20 @@ def test_checkpointing_options_are_validated():
         fp.ShardingConfig(activation_checkpointing="blocks")
     with pytest.raises(fp.ConfigError, match="no other unit"):
         apply_activation_checkpointing(GPT(), fp.Checkpointing(), units=[])
+
+
+def test_plan_knows_every_mode_and_the_cli_flags(capsys):
+    import json
+
+    from fsdp_plugin.cli import main as cli_main
+
+    def peak(ac):
+        return fp.plan(GPT, 2, auto_wrap_policy={Block}, activation_checkpointing=ac, seq_len=16, batch_size=8,
+                       device="cpu").peak_bytes[2]
+    none, block = peak(None), peak(True)
+    selective, every2 = peak(fp.Checkpointing(selective=True)), peak(fp.Checkpointing({Block}, every=2))
+    assert block < every2 < none and block < selective < none
+    assert cli_main(["plan", "models:GPT", "--world", "2", "--seq", "16", "--batch", "8", "--wrap", "Block",
+                     "--json", "--device", "cpu", "--activation-checkpointing", "--ac-selective"]) == 0
+    assert json.loads(capsys.readouterr().out)["peak_bytes"]["2"] == selective
+    assert cli_main(["plan", "models:GPT", "--ac-every", "2"]) == 2
