@@ -180,6 +180,15 @@ def checkpoint_extra_that_needs_pickle(tmp_path):
     fp.save_checkpoint(str(tmp_path / "ckpt"), fp.shard(nn.Linear(2, 2)), extra={"fn": print})
 
 
+def activation_checkpointing_every_zero():
+    fp.ShardingConfig(activation_checkpointing=fp.Checkpointing(modules={Block}, every=0))
+
+
+def activation_checkpointing_without_units():
+    fp.shard(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), auto_wrap_policy=lambda m: False,
+             activation_checkpointing=True)
+
+
 CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_policy_matches_nothing,
          mesh_not_dividing_world, shard_twice, optimizer_stepped_before_shard, dtype_backend_cannot_reduce,
          plain_state_dict_on_sharded_model, not_sharded, meta_module_without_init,
@@ -187,7 +196,8 @@ CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_polic
          nonfinite_gradients_with_clipping, checkpoint_from_another_architecture,
          lightning_fsdp_option_without_equivalent, lightning_torch_checkpoint_not_ours,
          trainer_resume_from_foreign_folder, compile_unsharded_model, unknown_async_save_mode,
-         plan_of_an_unknown_model, materialize_a_tensor_that_is_not_deferred, checkpoint_extra_that_needs_pickle]
+         plan_of_an_unknown_model, materialize_a_tensor_that_is_not_deferred, checkpoint_extra_that_needs_pickle,
+         activation_checkpointing_every_zero, activation_checkpointing_without_units]
 
 
 def _capture(case, tmp_path):
