@@ -133,3 +133,19 @@ def test_entry_points_get_fp32_masters_for_bf16_compute():
     # Lightning "bf16-true" means bf16 everywhere, masters included (as Lightning's own FSDP): no policy
     spec = precision_spec("bf16-true")
     assert spec.module_dtype == torch.bfloat16 and spec.mixed_precision() is None
+
+
+def _deferred_worker(rank, world):
+    torch.manual_seed(0)
+    with fp.deferred_init():
+        model = _bf16_gpt()
+    fp.shard(model, auto_wrap_policy={Block}, mixed_precision=BF16)
+    return {p.dtype for p in model.parameters()}, fp.full_state_dict(model)
+
+
+def test_deferred_bf16_model_gets_the_same_fp32_masters():
+    dtypes, state = run_ranks(_deferred_worker, 2)[0]
+    torch.manual_seed(0)
+    want = _bf16_gpt().float().state_dict()
+    assert dtypes == {torch.float32}
+    assert_close_state(state, want, tol=0)
