@@ -148,3 +148,24 @@ def test_nested_unit_last_in_a_checkpointed_unit(selective):
     for g, w in zip(got, want):
         assert_close_losses(g[0], w[0])
     assert_close_state(got[0][1], want[0][1])
+
+
+def _hf_worker(rank, world, ac):
+    from test_hf_activation_checkpointing import _llama, _step
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    model = fp.shard(_llama(), auto_wrap_policy={LlamaDecoderLayer}, activation_checkpointing=ac)
+    _step(model, torch.arange(64).reshape(4, 16) % 64)   # same batch on every rank: averaged grads = local
+    return {k: v.clone() for k, v in fp.full_state_dict(model).items()}
+
+
+@pytest.mark.parametrize("ac", [fp.Checkpointing(selective=True), fp.Checkpointing(every=2, selective=True)],
+                         ids=["selective", "selective-every-2"])
+def test_hf_llama_selective_matches_unsharded(ac):
+    pytest.importorskip("transformers")
+    from test_hf_activation_checkpointing import _llama, _step
+
+    got = run_ranks(_hf_worker, 2, ac)[0]
+    ref = _llama()
+    _step(ref, torch.arange(64).reshape(4, 16) % 64)
+    assert_close_state(got, ref.state_dict())
