@@ -94,7 +94,7 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
     tl = run(module, units, handles, spec, make_inputs, opts["loss_fn"])
     cal = _calibration(opts["calibration"], device, mp)
     foreach = device.type == "cuda" if opts["foreach"] is None else opts["foreach"]
-    notes = _notes(run_device, device, cfgs[0].cpu_offload) + (
+    notes = _notes(run_device, device, cfgs[0].cpu_offload) + _ac_notes(ac_policy) + (
         [f"target {device.type} has no device here: activations measured with CPU kernels"]
         if run_device != device else [])
     out = []
@@ -130,6 +130,13 @@ def _ac_policy(ac, units) -> Optional[Checkpointing]:
         return ac
     ids = {id(u.module) for u in units[1:]}
     return dataclasses.replace(ac, modules=lambda m: id(m) in ids)
+
+
+def _ac_notes(ac: Optional[Checkpointing]) -> list:
+    if ac is None or (ac.every == 1 and not ac.selective):
+        return []
+    how = ["selective (matmul/attention outputs kept)"] * ac.selective + [f"every {ac.every}-th module"] * (ac.every > 1)
+    return ["activation checkpointing: " + ", ".join(how)]
 
 
 def _default_inputs(module: nn.Module, batch_size: int, seq_len: int) -> Callable:
