@@ -4,7 +4,6 @@ restores the same parameters. Prints one line on rank 0; any failure exits non-z
 import importlib
 import os
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist

@@ -13,8 +13,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from .._sizes import parse_size  # noqa: F401 - re-exported for HFWriter's callers
-from ..errors import ConfigError
+from .._sizes import parse_size
 from . import _format
 from .fsio import fsync_path, write_all
 
