@@ -10,7 +10,7 @@ from .api import (clip_grad_norm_, comm_stats, compile, deferred_init, full_para
                   load_checkpoint, load_pretrained, memory_report, no_sync, plan, register_forward_method, reset,
                   save_checkpoint, save_pretrained, shard, shutdown)
 from .checkpoint import AsyncSave
-from .config import MixedPrecision, ShardingConfig, size_policy
+from .config import Checkpointing, MixedPrecision, ShardingConfig, size_policy
 from .grad_scaler import GradScaler
 # every error class users may catch (docs/errors.md is the catalogue)
 from .errors import (CodecError, CollectiveError, ConfigError, DeferredInitError, FSDPPluginError,
@@ -23,7 +23,7 @@ from .planner import Plan, PlanError
 __version__ = "0.1.0"
 
 __all__ = [
-    "ShardingConfig", "MixedPrecision", "size_policy", "shard", "compile", "deferred_init", "no_sync", "full_params",
+    "ShardingConfig", "MixedPrecision", "Checkpointing", "size_policy", "shard", "compile", "deferred_init", "no_sync", "full_params",
     "clip_grad_norm_", "full_state_dict", "GradScaler", "is_sharded", "register_forward_method", "reset", "comm_stats",
     "save_checkpoint", "AsyncSave", "load_checkpoint", "load_pretrained", "save_pretrained", "CheckpointError",
     "CheckpointMismatchError", "CorruptCheckpointError", "IncompleteCheckpointError",

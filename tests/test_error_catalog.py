@@ -180,6 +180,15 @@ def checkpoint_extra_that_needs_pickle(tmp_path):
     fp.save_checkpoint(str(tmp_path / "ckpt"), fp.shard(nn.Linear(2, 2)), extra={"fn": print})
 
 
+def activation_checkpointing_every_zero():
+    fp.ShardingConfig(activation_checkpointing=fp.Checkpointing(modules={Block}, every=0))
+
+
+def activation_checkpointing_without_units():
+    fp.shard(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), auto_wrap_policy=lambda m: False,
+             activation_checkpointing=True)
+
+
 class _ForeignPickle:
     def __reduce__(self):
         import os
@@ -263,7 +272,8 @@ CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_polic
          plan_of_an_unknown_model, materialize_a_tensor_that_is_not_deferred, checkpoint_extra_that_needs_pickle,
          dcp_metadata_naming_a_foreign_global, truncated_dcp_data_file, dcp_save_interrupted,
          dcp_optimizer_groups_differ, export_dcp_onto_an_existing_directory,
-         load_a_directory_that_is_not_a_checkpoint, load_an_interrupted_save]
+         load_a_directory_that_is_not_a_checkpoint, load_an_interrupted_save,
+         activation_checkpointing_every_zero, activation_checkpointing_without_units]
 
 
 def _capture(case, tmp_path):

@@ -35,7 +35,7 @@ CHECKED = {
         "test_trainer_pair_trains_then_resumes",
     r"peft_lora\.py": "test_peft_lora_trains_the_adapter_only",
     r"hf_trainer\.py --fsdp-args": "test_trainer_fsdp_args_under_torchrun",
-    r"^fsdp-plugin (inspect|verify|consolidate) CKPT": "test_checkpoint_tools_on_the_demo_checkpoint",
+    r"^fsdp-plugin (inspect|verify|consolidate|export) CKPT": "test_checkpoint_tools_on_the_demo_checkpoint",
     r"^fsdp-plugin consolidate epoch=": "test_consolidate_lightning_loads_without_the_strategy",
     r"examples/train_gpt\.py --help": "test_train_gpt_help",
     r"examples/train_gpt\.py --steps": "test_examples.py::test_train_gpt_readme_pair_resumes_exactly",
@@ -110,8 +110,8 @@ def test_checkpoint_tools_on_the_demo_checkpoint(demo, capsys):
     tmp, _, _ = demo
     names = {"CKPT": tmp / "out" / "gpt" / "last.ckpt", "OUT": tmp / "hf_out", "OUT.ckpt": tmp / "hf_out.ckpt"}
     commands = [[str(names.get(w, w)) for w in argv(c, tmp)]
-                for c in _readme.find(r"^fsdp-plugin (inspect|verify|consolidate) CKPT")]
-    assert [c[0] for c in commands] == ["inspect", "verify", "consolidate", "consolidate"], commands
+                for c in _readme.find(r"^fsdp-plugin (inspect|verify|consolidate|export) CKPT")]
+    assert [c[0] for c in commands] == ["inspect", "verify", "consolidate", "consolidate", "export"], commands
     rc, out, err = _cli(capsys, *commands[0])
     assert rc == 0 and "saved by world size 2" in out and '"full_shard"' in out and "bytes on disk" in out, out + err
     assert "Lightning checkpoint: step 8, epoch 0, 1 optimizer" in out, out[:500]  # what the directory is
@@ -126,6 +126,12 @@ def test_checkpoint_tools_on_the_demo_checkpoint(demo, capsys):
     full = torch.load(tmp / "hf_out.ckpt", weights_only=True)
     assert rc == 0 and full["global_step"] == 8, full.keys()
     torch.testing.assert_close(full["state_dict"]["gpt.blocks.0.qkv.weight"], weights["gpt.blocks.0.qkv.weight"])
+    export = [str(tmp / "dcp_out") if w == str(tmp / "hf_out") else w for w in commands[4]]
+    rc, out, _ = _cli(capsys, *export)
+    from fsdp_plugin.checkpoint.dcp.metadata import read_metadata
+    from fsdp_plugin.checkpoint.layouts import detect
+    entries = read_metadata(str(tmp / "dcp_out")).entries
+    assert rc == 0 and detect(tmp / "dcp_out").kind == "dcp" and "model.gpt.blocks.0.qkv.weight" in entries, out
 
 
 def test_consolidate_lightning_loads_without_the_strategy(demo, capsys):

@@ -7,7 +7,7 @@ from typing import Callable, Iterable, Optional, Union
 import torch
 from torch import nn
 
-from ..config import MixedPrecision, ShardingConfig
+from ..config import Checkpointing, MixedPrecision, ShardingConfig, as_checkpointing
 from ..errors import ConfigError
 from . import _optim as _optim
 from ._capture import ModelSource, capture, hf_inputs
@@ -85,8 +85,8 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
     named_gpu = isinstance(opts["calibration"], str) and opts["calibration"] in HARDWARE
     device = torch.device(opts["device"] or ("cuda" if torch.cuda.is_available() or named_gpu else "cpu"))
     module = capture(model)
-    units, handles = discover_units(module, cfgs[0].auto_wrap_policy, cfgs[0].ignored_modules)
-    ac_policy = _ac_policy(ac, cfgs[0].auto_wrap_policy, units)
+    units, handles = discover_units(module, cfgs[0].auto_wrap_policy, cfgs[0].ignored_modules, mp)
+    ac_policy = _ac_policy(ac, units)
     run_device = device if (device.type != "cuda" or torch.cuda.is_available()) else torch.device("cpu")
     spec = RunSpec(run_device, mp.param_dtype if mp else None, mp.buffer_dtype if mp else None,
                    mp.cast_forward_inputs if mp else False, ac_policy)
@@ -94,7 +94,7 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
     tl = run(module, units, handles, spec, make_inputs, opts["loss_fn"])
     cal = _calibration(opts["calibration"], device, mp)
     foreach = device.type == "cuda" if opts["foreach"] is None else opts["foreach"]
-    notes = _notes(run_device, device, cfgs[0].cpu_offload) + (
+    notes = _notes(run_device, device, cfgs[0].cpu_offload) + _ac_notes(ac_policy) + (
         [f"target {device.type} has no device here: activations measured with CPU kernels"]
         if run_device != device else [])
     out = []
@@ -122,16 +122,21 @@ def _mixed_precision(mp) -> Optional[MixedPrecision]:
     raise PlanError(f"mixed_precision={mp!r}: use 'bf16', 'fp16', a torch dtype, fp.MixedPrecision(...) or None")
 
 
-def _ac_policy(ac, wrap_policy, units):
-    """True means "recompute every unit": the wrap classes, else exactly the non-root unit modules."""
-    if ac is None:
-        return None
-    if ac is True:
-        if isinstance(wrap_policy, (set, frozenset, tuple, list)):
-            return set(wrap_policy)
-        ids = {id(u.module) for u in units[1:]}
-        return lambda m: id(m) in ids
-    return ac
+def _ac_policy(ac, units) -> Optional[Checkpointing]:
+    """The config's activation checkpointing as a `Checkpointing` whose ``modules`` are explicit: "every unit
+    but the root" (True, ``modules=None``) becomes exactly the non-root unit modules, as in fp.shard."""
+    ac = as_checkpointing(ac)
+    if ac is None or ac.modules is not None:
+        return ac
+    ids = {id(u.module) for u in units[1:]}
+    return dataclasses.replace(ac, modules=lambda m: id(m) in ids)
+
+
+def _ac_notes(ac: Optional[Checkpointing]) -> list:
+    if ac is None or (ac.every == 1 and not ac.selective):
+        return []
+    how = ["selective (matmul/attention outputs kept)"] * ac.selective + [f"every {ac.every}-th module"] * (ac.every > 1)
+    return ["activation checkpointing: " + ", ".join(how)]
 
 
 def _default_inputs(module: nn.Module, batch_size: int, seq_len: int) -> Callable:
