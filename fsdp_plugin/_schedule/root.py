@@ -91,7 +91,10 @@ class RootState:
         return 1 if self.config.limit_all_gathers else 2
 
     def after_unshard_in_forward(self, unit) -> None:
-        if self.config.forward_prefetch and self.order_state is OrderState.FROZEN and torch.is_grad_enabled():
+        """Forward prefetch, in a real forward only: a recomputation in backward (activation checkpointing)
+        would gather units whose backward is already done and keep them to the end of backward."""
+        if (self.config.forward_prefetch and self.order_state is OrderState.FROZEN and torch.is_grad_enabled()
+                and not self.in_backward):
             for nxt in self._forward_next.get(unit, ()):
                 nxt.unshard()
 

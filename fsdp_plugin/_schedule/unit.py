@@ -133,6 +133,11 @@ class Unit:
     def post_forward(self, output):
         self.depth -= 1
         if output is None and sys.exc_info()[1] is not None:
+            if self.root.in_backward:
+                # Recomputation under activation checkpointing stopped early: torch's early stop raises inside
+                # the forward once the saved tensors it needs exist, and those alias this unit's full buffer.
+                # The backward in progress owns the parameters; its end reshards them.
+                return output
             # The forward raised (this hook is always called): no backward will come for it.
             self.reshard()
             self.state = TrainingState.IDLE
