@@ -9,9 +9,10 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
 from .._comm import collectives as comm
+from .._comm import pairing
+from .._comm.pairing import Entering
 from ..config import ShardingConfig
-from ..errors import CollectiveError
-from .._groups.mesh import Mesh
+from .._groups.mesh import Mesh, control_group
 from .states import OrderState, RootPhase
 from .._reduce.usage import UsageAgreement
 
@@ -38,6 +39,7 @@ class RootState:
         self._unit_before_root = None       # the unit whose reduction the root's comes right after
         self._kept_last = None              # the last unit in forward order, kept unsharded until its backward
         self._agreement = None              # a usage-mask all-reduce issued and not yet finished
+        self._unit_index: dict = {}         # unit -> its index in ``units`` (the pairing code's unit number)
 
     @property
     def root_unit(self):
@@ -62,27 +64,21 @@ class RootState:
     def before_unit_forward(self, unit, args, kwargs):
         if unit is self.root_unit:
             args, kwargs = self._cast_inputs(args, kwargs)
-        if self.order_state is OrderState.RECORDING:
-            self._verify_same_unit_everywhere(unit)
-            if unit not in self.exec_order:
-                self.exec_order.append(unit)
+        if self.order_state is OrderState.RECORDING and unit not in self.exec_order:
+            self.exec_order.append(unit)
         return args, kwargs
 
-    def _verify_same_unit_everywhere(self, unit) -> None:
-        """First forward only: all ranks must enter the same unit, else their collectives would mismatch
-        (a hang, or silently wrong data when sizes happen to agree). One tiny all-gather per unit, once."""
-        if self.mesh.world_size == 1:
+    def agree_next(self, entering: Entering, unit=None) -> None:
+        """Pairing check before a per-unit collective (or where a rank's may end early): every rank must be
+        entering the same one, else CollectiveError on every rank (``_comm.pairing``)."""
+        mesh = self.mesh
+        if mesh is None or mesh.world_size == 1:
             return
-        mine = torch.tensor([self.units.index(unit)], dtype=torch.int64, device=self.device)
-        everyone = torch.empty(self.mesh.world_size, dtype=torch.int64, device=self.device)
-        work = comm.all_gather(everyone, mine, None, async_op=True, kind="control")
-        comm.wait(work, f"execution-order check before unit {unit.name!r}", unit.handles[0].timeout_s
-                  if unit.handles else None)
-        seen = everyone.tolist()
-        if len(set(seen)) > 1:
-            names = ", ".join(f"rank {r} runs {self.units[i].name!r}" for r, i in enumerate(seen))
-            raise CollectiveError(f"ranks diverged in their first forward ({names}): every rank must run the same "
-                                  "units in the same order (no rank-dependent branches around sharded modules)")
+        if len(self._unit_index) != len(self.units):
+            self._unit_index = {u: i for i, u in enumerate(self.units)}
+        c = pairing.code(entering, self._unit_index[unit] if unit is not None else 0)
+        pairing.agree(c, [u.name for u in self.units], control_group(), mesh.world_size,
+                      comm.default_timeout_s(self.config.timeout_s))
 
     @property
     def prefetch_depth(self) -> int:
@@ -98,9 +94,13 @@ class RootState:
             for nxt in self._forward_next.get(unit, ()):
                 nxt.unshard()
 
-    def after_unit_forward(self, unit) -> None:
-        if unit is self.root_unit and self.order_state is OrderState.RECORDING:
+    def after_unit_forward(self, unit, raised: bool = False) -> None:
+        if unit is not self.root_unit:
+            return
+        if self.order_state is OrderState.RECORDING:
             self.freeze_order(self.exec_order)
+        if not raised and self.mesh is not None and self.mesh.shard_size > 1:
+            self.agree_next(Entering.END_OF_FORWARD)   # a rank with more units' all-gathers left fails here
 
     def freeze_order(self, order: list) -> None:
         """RECORDING -> FROZEN with ``order`` (forward order of units): every prefetch target and the
@@ -168,6 +168,8 @@ class RootState:
     def _end_of_backward(self) -> None:
         """BACKWARD -> IDLE: finish reductions, reshard every unit, agree on unused parameters (the mask
         all-reduce is issued first so that it overlaps the last reduction)."""
+        if self.mesh.shard_size > 1 or not self.no_sync:    # this backward's plan had collectives
+            self.agree_next(Entering.END_OF_BACKWARD)
         agreement = self._agreement = None if self.no_sync else UsageAgreement(self)
         try:
             while self._pending:

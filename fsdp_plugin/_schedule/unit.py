@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .._comm.pairing import Entering
 from .._flat.flat_param import FlatParamHandle
 from .states import ShardedState, TrainingState
 
@@ -49,6 +50,8 @@ class Unit:
 
     # ------------------------------------------------------------ state moves
     def unshard(self, async_op: bool = True) -> None:
+        if any(h.unshard_communicates for h in self.handles):
+            self.root.agree_next(Entering.ALL_GATHER, self)
         for h in self.handles:
             h.unshard(async_op)
 
@@ -141,7 +144,7 @@ class Unit:
             # The forward raised (this hook is always called): no backward will come for it.
             self.reshard()
             self.state = TrainingState.IDLE
-            self.root.after_unit_forward(self)
+            self.root.after_unit_forward(self, raised=True)
             return output
         if self.depth > 0 or self.root.in_backward:
             # Nested call, or recomputation under activation checkpointing: backward needs the views.
@@ -180,6 +183,8 @@ class Unit:
                 grad = h.take_unsharded_grad()
                 if grad is not None:
                     h.usage.close_backward(reducing=True)
+                    if h.reduce_communicates:
+                        self.root.agree_next(Entering.REDUCTION, self)
                     self.root.enqueue_reduce(h, grad, self)
             self._reshard_handle(h)
             self._maybe_free_frozen()
