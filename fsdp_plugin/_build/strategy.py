@@ -61,3 +61,19 @@ def unit_policy(cfg: "ShardingConfig", mesh: "Mesh", fqn: str, module: nn.Module
     else:
         value = bool(rule(fqn, module))
     return UnitPolicy(mesh, value)
+
+
+@dataclass(frozen=True)
+class PrefetchDepth:
+    """Units all-gathered ahead of the one in use, in forward and in backward order (0: no prefetch)."""
+
+    forward: int
+    backward: int
+
+
+def prefetch_depth(cfg: "ShardingConfig") -> PrefetchDepth:
+    """The public switches as numbers: ``limit_all_gathers`` bounds unsharded units to the one in use plus one in
+    flight (besides the root), without it two are prefetched (more overlap, more memory); ``forward_prefetch`` /
+    ``backward_prefetch`` off is depth 0 in that direction."""
+    depth = 1 if cfg.limit_all_gathers else 2
+    return PrefetchDepth(depth if cfg.forward_prefetch else 0, depth if cfg.backward_prefetch else 0)

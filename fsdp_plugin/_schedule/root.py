@@ -13,6 +13,8 @@ from .._comm import pairing
 from .._comm.pairing import Entering
 from ..config import ShardingConfig
 from .._groups.mesh import Mesh, control_group
+from .._build.strategy import prefetch_depth
+from .protocols import ReducingHandle, ScheduledUnit
 from .states import OrderState, RootPhase
 from .._reduce.usage import UsageAgreement
 
@@ -26,7 +28,8 @@ class RootState:
 
     def __init__(self, config: ShardingConfig, mesh: Mesh, device: torch.device):
         self.config, self.mesh, self.device = config, mesh, device
-        self.units: list = []               # root first, parents before children
+        self.prefetch = prefetch_depth(config)   # units all-gathered ahead, per direction (0: none)
+        self.units: list[ScheduledUnit] = []   # root first, parents before children (engine: `Unit`)
         self.no_sync = False
         self.phase = RootPhase.IDLE
         self.exec_order: list = []
@@ -80,17 +83,10 @@ class RootState:
         pairing.agree(c, [u.name for u in self.units], control_group(), mesh.world_size,
                       comm.default_timeout_s(self.config.timeout_s))
 
-    @property
-    def prefetch_depth(self) -> int:
-        """Units all-gathered ahead of use. limit_all_gathers bounds unsharded units to the one in use
-        plus one in flight (besides the root); without it two are prefetched (more overlap, more memory)."""
-        return 1 if self.config.limit_all_gathers else 2
-
     def after_unshard_in_forward(self, unit) -> None:
         """Forward prefetch, in a real forward only: a recomputation in backward (activation checkpointing)
         would gather units whose backward is already done and keep them to the end of backward."""
-        if (self.config.forward_prefetch and self.order_state is OrderState.FROZEN and torch.is_grad_enabled()
-                and not self.in_backward):
+        if torch.is_grad_enabled() and not self.in_backward:
             for nxt in self._forward_next.get(unit, ()):
                 nxt.unshard()
 
@@ -106,9 +102,9 @@ class RootState:
         """RECORDING -> FROZEN with ``order`` (forward order of units): every prefetch target and the
         root-reduces-next unit, computed once (the planner's replay freezes a recorded order the same way)."""
         order = self.exec_order = list(order)
-        self.order_state, depth = OrderState.FROZEN, self.prefetch_depth
-        self._forward_next = {u: order[i + 1:i + 1 + depth] for i, u in enumerate(order)}
-        self._backward_next = {u: [n for n in (self._backward_neighbour(u, k) for k in range(1, depth + 1))
+        self.order_state, depth = OrderState.FROZEN, self.prefetch
+        self._forward_next = {u: order[i + 1:i + 1 + depth.forward] for i, u in enumerate(order)}
+        self._backward_next = {u: [n for n in (self._backward_neighbour(u, k) for k in range(1, depth.backward + 1))
                                    if n is not None] for u in order}
         self._unit_before_root = order[1] if len(order) > 1 and order[0] is self.root_unit else None
         default_policy = self.config.reshard_after_forward is None
@@ -136,8 +132,16 @@ class RootState:
     def on_backward_hook(self) -> None:
         """IDLE -> BACKWARD at the first engine hook of a backward, queuing the end-of-backward callback."""
         if self.phase is not RootPhase.BACKWARD:
-            self.phase = RootPhase.BACKWARD
+            self.enter_backward()
             Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def enter_backward(self) -> None:
+        """-> BACKWARD (the planner's replay calls it at its first pre-backward, as the engine's hooks do)."""
+        self.phase = RootPhase.BACKWARD
+
+    def exit_backward(self) -> None:
+        """BACKWARD -> IDLE (end of backward; the replay's too)."""
+        self.phase = RootPhase.IDLE
 
     def _backward_neighbour(self, unit, k: int):
         """The unit k places after ``unit`` in backward order: reverse forward order, except that the root's
@@ -151,12 +155,11 @@ class RootState:
         return order[i] if i >= 0 else None
 
     def prefetch_backward(self, unit) -> None:
-        if self.config.backward_prefetch:
-            for nxt in self._backward_next.get(unit, ()):
-                if not nxt.in_backward:
-                    nxt.unshard()
+        for nxt in self._backward_next.get(unit, ()):
+            if not nxt.in_backward:
+                nxt.unshard()
 
-    def enqueue_reduce(self, handle, grad: torch.Tensor, unit=None) -> None:
+    def enqueue_reduce(self, handle: ReducingHandle, grad: torch.Tensor, unit=None) -> None:
         handle.start_reduce(grad)
         self._pending.append(handle)
         # The root's gradient is assembled last (embedding backward + the flat leaf's gradient: its peak of the
@@ -177,7 +180,7 @@ class RootState:
         finally:
             for unit in self.units:
                 unit.end_backward()
-            self.phase = RootPhase.IDLE
+            self.exit_backward()
         # A reduction that raised leaves the mask all-reduce in flight: fp.reset waits for it (``reset``).
         self._agreement = None
         if agreement is not None:

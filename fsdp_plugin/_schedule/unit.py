@@ -13,7 +13,7 @@ from .._flat.flat_param import FlatParamHandle
 from .states import ShardedState, TrainingState
 
 if TYPE_CHECKING:
-    from .root import RootState
+    from .protocols import UnitRoot
 
 
 class Unit:
@@ -23,7 +23,7 @@ class Unit:
     original ``nn.Parameter``; while unsharded, sites register full-shape views of the handle's leaf.
     """
 
-    def __init__(self, fqn: str, module: nn.Module, handles: list[FlatParamHandle], root: "RootState",
+    def __init__(self, fqn: str, module: nn.Module, handles: list[FlatParamHandle], root: "UnitRoot",
                  reshard_after_forward: bool):
         self.fqn, self.module, self.handles, self.root = fqn, module, handles, root
         self.reshard_after_forward = reshard_after_forward

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from .._comm.collectives import inflight_host_bytes, ring_bytes
+from .._schedule.protocols import ReducingHandle, ScheduledUnit
 from .._schedule.root import RootState
 from .._build.shard import handle_dtypes
 from .._build.strategy import unit_policy
@@ -86,9 +87,9 @@ class ReplayResult:
     engine_bytes: int = 0   # bytes read+written by the engine's own kernels (casts, flat gradients), per step
 
 
-class _SimUnit:
-    """What ``RootState`` reads of a unit (``in_backward``, ``unshard``, ``name``, ``reshard_after_forward``),
-    backed by the replay."""
+class _SimUnit(ScheduledUnit):
+    """A `ScheduledUnit` (what ``RootState`` reads of a unit) backed by the replay, with its policy
+    (``reshard_after_forward``) for ``RootState.reshards_after_forward``."""
 
     def __init__(self, sim: "_Sim", index: int, name: str, reshard_after_forward: bool):
         self.sim, self.index, self.name = sim, index, name
@@ -102,8 +103,8 @@ class _SimUnit:
         self.sim.unshard(self.index)
 
 
-class _SimHandle:
-    """What ``RootState.enqueue_reduce`` calls on a handle."""
+class _SimHandle(ReducingHandle):
+    """A `ReducingHandle` (what ``RootState.enqueue_reduce`` calls on a handle) backed by the replay."""
 
     def __init__(self, sim: "_Sim", index: int):
         self.sim, self.index = sim, index
@@ -268,6 +269,7 @@ class _Sim:
         if u in self.started:
             return
         self.started.add(u)
+        self.root.enter_backward()       # recomputation from now on: no forward prefetch (the engine's rule)
         self.unshard(u)
         self.use(u)
         self.root.prefetch_backward(self.sim_units[u])
@@ -278,6 +280,7 @@ class _Sim:
         for h in range(len(self.handles)):
             self.reshard_handle(h)
         self.started.clear()
+        self.root.exit_backward()
 
 
 def replay(units, handles, timeline, lay: Layout, static: int, optimizer_step_extra: int) -> ReplayResult:
