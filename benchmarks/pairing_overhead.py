@@ -4,10 +4,11 @@
 
 Two arms alternate every step so machine load hits both alike: ``checked`` (the engine as shipped) and
 ``unchecked`` (``RootState.agree_next`` replaced by a no-op). Rank 0 prints, per arm, the median step time
-(slowest rank: forward + backward + AdamW + zero_grad), their ratio, and the time spent inside the checks
-themselves in the checked arm (median over steps of the slowest rank's sum, with the checks per step). The
-direct share is the robust number on a loaded machine; it is an upper bound, as a check's wait also absorbs
-the other rank's lateness that the next collective would otherwise wait for.
+(slowest rank: forward + backward + AdamW + zero_grad) and the median process CPU seconds per step (all
+threads, busiest rank: far less sensitive to other programs than wall time), their ratios, and the wall time
+spent inside the checks themselves in the checked arm. That last number is an upper bound that is only
+meaningful on a quiet machine: a check's wait also absorbs the other rank's lateness, which the next
+collective would wait for anyway (on a loaded machine it is mostly that).
 """
 from __future__ import annotations
 
@@ -59,29 +60,34 @@ def main():
     x = torch.randint(0, cfg.vocab, (per, cfg.seq_len), generator=torch.Generator().manual_seed(rank))
     arms = ("checked", "unchecked")
     times = {k: [] for k in arms}
+    cpu = {k: [] for k in arms}
     spent, counts = [], []
     for step in range(2 + a.steps * len(arms)):
         arm = arms[step % len(arms)]
         RootState.agree_next = checked if arm == "checked" else unchecked
         _SPENT.update(s=0.0, n=0)
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         model(x, x).backward()
         opt.step()
         opt.zero_grad()
-        dt = torch.tensor([time.perf_counter() - t0, _SPENT["s"]])
+        dt = torch.tensor([time.perf_counter() - t0, _SPENT["s"], time.process_time() - c0])
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         if step >= 2:
             times[arm].append(dt[0].item())
+            cpu[arm].append(dt[2].item())
             if arm == "checked":
                 spent.append(dt[1].item())
                 counts.append(_SPENT["n"])
     if rank == 0:
         med = {k: statistics.median(v) for k, v in times.items()}
+        mcpu = {k: statistics.median(v) for k, v in cpu.items()}
         share = statistics.median(spent) / med["checked"]
         print(f"preset {a.preset}, world {world}, {a.steps} steps per arm, load {os.getloadavg()}")
         print("median step s: " + ", ".join(f"{k} {v:.4f}" for k, v in med.items())
               + f"; checked/unchecked {med['checked'] / med['unchecked']:.4f}")
+        print("median CPU s per step: " + ", ".join(f"{k} {v:.4f}" for k, v in mcpu.items())
+              + f"; checked/unchecked {mcpu['checked'] / mcpu['unchecked']:.4f}")
         print(f"checks per step {statistics.median(counts):.0f}, time in checks {statistics.median(spent) * 1e3:.2f} ms"
               f" per step = {100 * share:.2f}% of the checked step")
     dist.destroy_process_group()

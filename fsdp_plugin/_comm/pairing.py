@@ -44,25 +44,29 @@ def code(entering: Entering, unit_index: int = 0) -> int:
     return (int(entering) << _UNIT_BITS) | unit_index
 
 
-def describe(c: int, unit_names: Sequence[str]) -> str:
+def describe(c: int, units: Sequence) -> str:
+    """``c`` in words; ``units``: every unit (``.name``), indexed by the code's unit number."""
     entering, index = Entering(c >> _UNIT_BITS), c & ((1 << _UNIT_BITS) - 1)
     if entering is Entering.ALL_GATHER:
-        return f"all-gather of unit {unit_names[index]!r}"
+        return f"all-gather of unit {units[index].name!r}"
     if entering is Entering.REDUCTION:
-        return f"gradient reduction of unit {unit_names[index]!r}"
+        return f"gradient reduction of unit {units[index].name!r}"
     return "end of forward" if entering is Entering.END_OF_FORWARD else "end of backward"
 
 
-def agree(c: int, unit_names: Sequence[str], group, world_size: int, timeout_s: Optional[float]) -> None:
+def agree(c: int, units: Sequence, group, world_size: int, timeout_s: Optional[float]) -> None:
     """Blocking: every rank of ``group`` (``world_size`` ranks, CPU tensors) passes the same code ``c``, else a
-    CollectiveError on every rank naming each rank's next collective (``describe``)."""
+    CollectiveError on every rank naming each rank's next collective (``describe`` over ``units``)."""
     mine = torch.tensor([c], dtype=torch.int64)
     everyone = torch.empty(world_size, dtype=torch.int64)
     work = comm.all_gather(everyone, mine, group, async_op=True, kind="control")
-    comm.wait(work, f"pairing check before {describe(c, unit_names)}", timeout_s)
+    try:
+        comm.wait(work, "pairing check", timeout_s)
+    except CollectiveError as e:
+        raise CollectiveError(f"{e} (before {describe(c, units)})") from e.__cause__
     seen = everyone.tolist()
     if any(s != c for s in seen):
-        names = "; ".join(f"rank {r}: {describe(s, unit_names)}" for r, s in enumerate(seen))
+        names = "; ".join(f"rank {r}: {describe(s, units)}" for r, s in enumerate(seen))
         raise CollectiveError(
             f"ranks diverged: their next collectives belong to different units, so they would pair wrongly ({names}). Every rank must run the "
             "same units in the same order, and every unit's output must reach the loss on every rank or on none "

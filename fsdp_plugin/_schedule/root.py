@@ -80,7 +80,7 @@ class RootState:
         if len(self._unit_index) != len(self.units):
             self._unit_index = {u: i for i, u in enumerate(self.units)}
         c = pairing.code(entering, self._unit_index[unit] if unit is not None else 0)
-        pairing.agree(c, [u.name for u in self.units], control_group(), mesh.world_size,
+        pairing.agree(c, self.units, control_group(), mesh.world_size,
                       comm.default_timeout_s(self.config.timeout_s))
 
     def after_unshard_in_forward(self, unit) -> None:
