@@ -124,7 +124,7 @@ def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: Ro
             policy = unit_policy(cfg, mesh, fqn, module)
             handles = [_build_handle(group, sites, names, policy.mesh, cfg, device, mat, scatter, fqn or "<root>")
                        for group in _group_params(owned[fqn]).values()]
-            built.append(Unit(fqn, module, handles, root, reshard_after_forward=policy.reshard_after_forward))
+            built.append(Unit(fqn, module, handles, root, reshard_policy=policy.reshard_after_forward))
     finally:
         mat.close()
     root.units.extend(reversed(built) if scatter else built)

@@ -17,6 +17,7 @@ class ScheduledUnit(Protocol):
     """What the root's schedule reads of a unit."""
 
     name: str
+    reshard_policy: bool     # the config's rule for this unit (``UnitPolicy``), input of ``reshard_table``
 
     @property
     def in_backward(self) -> bool:

@@ -13,7 +13,7 @@ from .._comm import pairing
 from .._comm.pairing import Entering
 from ..config import ShardingConfig
 from .._groups.mesh import Mesh, control_group
-from .._build.strategy import prefetch_depth
+from .._build.strategy import prefetch_depth, reshard_after_forward_table
 from .protocols import ReducingHandle, ScheduledUnit
 from .states import OrderState, RootPhase
 from .._reduce.usage import UsageAgreement
@@ -40,7 +40,7 @@ class RootState:
         self._forward_next: dict = {}       # unit -> units to prefetch after its unshard in forward
         self._backward_next: dict = {}      # unit -> units to prefetch at its pre-backward, nearest first
         self._unit_before_root = None       # the unit whose reduction the root's comes right after
-        self._kept_last = None              # the last unit in forward order, kept unsharded until its backward
+        self._reshards = None               # reshard_table(), computed on first use and when the order freezes
         self._agreement = None              # a usage-mask all-reduce issued and not yet finished
         self._unit_index: dict = {}         # unit -> its index in ``units`` (the pairing code's unit number)
 
@@ -77,9 +77,7 @@ class RootState:
         mesh = self.mesh
         if mesh is None or mesh.world_size == 1:
             return
-        if len(self._unit_index) != len(self.units):
-            self._unit_index = {u: i for i, u in enumerate(self.units)}
-        c = pairing.code(entering, self._unit_index[unit] if unit is not None else 0)
+        c = pairing.code(entering, self.index_of(unit) if unit is not None else 0)
         pairing.agree(c, self.units, control_group(), mesh.world_size,
                       comm.default_timeout_s(self.config.timeout_s))
 
@@ -107,15 +105,26 @@ class RootState:
         self._backward_next = {u: [n for n in (self._backward_neighbour(u, k) for k in range(1, depth.backward + 1))
                                    if n is not None] for u in order}
         self._unit_before_root = order[1] if len(order) > 1 and order[0] is self.root_unit else None
-        default_policy = self.config.reshard_after_forward is None
-        self._kept_last = order[-1] if default_policy and order and order[-1] is not self.root_unit else None
+        self._reshards = None               # recomputed with the order (``reshard_table``)
+
+    def reshard_table(self) -> list[bool]:
+        """Per unit (``units`` order): does it reshard after forward? ``strategy.reshard_after_forward_table``
+        over the units' policies and, once frozen, the forward order."""
+        if self._reshards is None or len(self._reshards) != len(self.units):
+            frozen = self.order_state is OrderState.FROZEN
+            order = [self.index_of(u) for u in self.exec_order] if frozen else None
+            self._reshards = reshard_after_forward_table(self.config, [u.reshard_policy for u in self.units], order)
+        return self._reshards
 
     def reshards_after_forward(self, unit) -> bool:
-        """Whether ``unit`` frees its full parameters after its forward: its policy (``unit.reshard_after_forward``),
-        except the last unit of the frozen forward order under the strategy's default policy. Backward needs that
-        one first (the root's pre-backward prefetches it), so resharding it would only all-gather it again at once
-        (torchtitan keeps its last block the same way); an explicit ``reshard_after_forward`` is obeyed."""
-        return unit.reshard_after_forward and unit is not self._kept_last
+        """Whether ``unit`` frees its full parameters after its forward (its row of ``reshard_table``)."""
+        return self.reshard_table()[self.index_of(unit)]
+
+    def index_of(self, unit) -> int:
+        """``unit``'s index in ``units`` (the same on every rank: the model's structure)."""
+        if len(self._unit_index) != len(self.units):
+            self._unit_index = {u: i for i, u in enumerate(self.units)}
+        return self._unit_index[unit]
 
     def _cast_inputs(self, args, kwargs):
         mp = self.config.mixed_precision

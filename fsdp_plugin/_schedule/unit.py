@@ -24,9 +24,11 @@ class Unit:
     """
 
     def __init__(self, fqn: str, module: nn.Module, handles: list[FlatParamHandle], root: "UnitRoot",
-                 reshard_after_forward: bool):
+                 reshard_policy: bool):
         self.fqn, self.module, self.handles, self.root = fqn, module, handles, root
-        self.reshard_after_forward = reshard_after_forward
+        # The config's rule for this unit (`UnitPolicy`); the decision after forward is the root's reshard_table.
+        # Frozen handles follow the rule: freed once backward passed the unit's inputs (``_hook_inputs``).
+        self.reshard_policy = reshard_policy
         self.state = TrainingState.IDLE
         self.depth = 0        # nesting of forward calls (methods calling forward, recomputation in backward)
         self._frozen = [h for h in handles if not h.requires_grad]
@@ -109,7 +111,7 @@ class Unit:
         self.unshard()
         self.wait_and_use_views()
         self.root.after_unshard_in_forward(self)
-        if self._frozen and torch.is_grad_enabled() and self.reshard_after_forward:
+        if self._frozen and torch.is_grad_enabled() and self.reshard_policy:
             args, kwargs = self._hook_inputs(args, kwargs)
         return args, kwargs
 

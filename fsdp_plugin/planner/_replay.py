@@ -89,11 +89,11 @@ class ReplayResult:
 
 class _SimUnit(ScheduledUnit):
     """A `ScheduledUnit` (what ``RootState`` reads of a unit) backed by the replay, with its policy
-    (``reshard_after_forward``) for ``RootState.reshards_after_forward``."""
+    (``reshard_policy``) for ``RootState.reshard_table``."""
 
-    def __init__(self, sim: "_Sim", index: int, name: str, reshard_after_forward: bool):
+    def __init__(self, sim: "_Sim", index: int, name: str, reshard_policy: bool):
         self.sim, self.index, self.name = sim, index, name
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_policy = reshard_policy
 
     @property
     def in_backward(self) -> bool:
