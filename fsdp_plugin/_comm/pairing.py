@@ -5,7 +5,7 @@ whose output misses the loss on one rank) would pair one unit's all-gather with 
 process (a message longer than the receive buffer) and NCCL exchanges the wrong data when the sizes agree.
 
 The engine therefore issues one tiny blocking **pairing check** right before each of its per-unit collectives
-(``Unit.unshard`` when a handle will all-gather, ``RootState.enqueue_reduce`` when a reduction communicates)
+(``Unit.unshard`` when a handle will all-gather, ``Reduction.grad_ready`` when a reduction communicates)
 and at the two places where a rank's per-unit collectives may end early (the end of the root's forward, the
 end of backward before the unused-parameter mask all-reduce). Every rank all-gathers one int64 (``code``: what
 it is about to do, and for which unit) and compares: equal codes, go on; any difference raises

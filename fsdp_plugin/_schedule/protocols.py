@@ -7,9 +7,12 @@ root only through `UnitRoot`. ``runtime_checkable`` so that tests can check the 
 """
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from .._reduce.reduction import Reduction
 
 
 @runtime_checkable
@@ -29,7 +32,7 @@ class ScheduledUnit(Protocol):
 
 @runtime_checkable
 class ReducingHandle(Protocol):
-    """What the root's reduction queue calls on a handle."""
+    """What the reduction queue (``Reduction.enqueue``) calls on a handle."""
 
     def start_reduce(self, grad: torch.Tensor) -> None:
         """Issue the handle's gradient reduction (asynchronous)."""
@@ -45,8 +48,7 @@ class UnitRoot(Protocol):
     @property
     def in_backward(self) -> bool: ...
 
-    @property
-    def no_sync(self) -> bool: ...
+    reduction: "Reduction"      # the model's gradient reduction (``_reduce/reduction.py``): ``grad_ready``
 
     def before_unit_forward(self, unit, args, kwargs) -> tuple: ...
 
@@ -59,7 +61,5 @@ class UnitRoot(Protocol):
     def on_backward_hook(self) -> None: ...
 
     def prefetch_backward(self, unit) -> None: ...
-
-    def enqueue_reduce(self, handle: ReducingHandle, grad: torch.Tensor, unit=None) -> None: ...
 
     def agree_next(self, entering, unit=None) -> None: ...

@@ -2,8 +2,6 @@
 the end-of-backward callback that waits for reductions and reshards whatever is still unsharded."""
 from __future__ import annotations
 
-from collections import deque
-
 import torch
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
@@ -14,13 +12,9 @@ from .._comm.pairing import Entering
 from ..config import ShardingConfig
 from .._groups.mesh import Mesh, control_group
 from .._build.strategy import prefetch_depth, reshard_after_forward_table
-from .protocols import ReducingHandle, ScheduledUnit
+from .protocols import ScheduledUnit
 from .states import OrderState, RootPhase
-from .._reduce.usage import UsageAgreement
-
-# Reductions left in flight: each holds a unit's full unsharded gradient until it completes, and the next
-# unit's backward compute is enough to hide one reduce-scatter, so only the newest stays pending.
-_MAX_PENDING_REDUCES = 1
+from .._reduce.reduction import Reduction
 
 
 class RootState:
@@ -30,18 +24,16 @@ class RootState:
         self.config, self.mesh, self.device = config, mesh, device
         self.prefetch = prefetch_depth(config)   # units all-gathered ahead, per direction (0: none)
         self.units: list[ScheduledUnit] = []   # root first, parents before children (engine: `Unit`)
-        self.no_sync = False
+        self.reduction = Reduction(self)     # gradient reduction: no_sync window, reductions in flight, agreement
         self.phase = RootPhase.IDLE
         self.exec_order: list = []
         self.order_state = OrderState.RECORDING
-        self._pending: deque = deque()
         self._phase_before_full = RootPhase.IDLE
         # Filled once when the order freezes (``freeze_order``): the hot path only looks them up.
         self._forward_next: dict = {}       # unit -> units to prefetch after its unshard in forward
         self._backward_next: dict = {}      # unit -> units to prefetch at its pre-backward, nearest first
-        self._unit_before_root = None       # the unit whose reduction the root's comes right after
+        self.unit_before_root = None        # the unit whose reduction the root's comes right after
         self._reshards = None               # reshard_table(), computed on first use and when the order freezes
-        self._agreement = None              # a usage-mask all-reduce issued and not yet finished
         self._unit_index: dict = {}         # unit -> its index in ``units`` (the pairing code's unit number)
 
     @property
@@ -104,7 +96,7 @@ class RootState:
         self._forward_next = {u: order[i + 1:i + 1 + depth.forward] for i, u in enumerate(order)}
         self._backward_next = {u: [n for n in (self._backward_neighbour(u, k) for k in range(1, depth.backward + 1))
                                    if n is not None] for u in order}
-        self._unit_before_root = order[1] if len(order) > 1 and order[0] is self.root_unit else None
+        self.unit_before_root = order[1] if len(order) > 1 and order[0] is self.root_unit else None
         self._reshards = None               # recomputed with the order (``reshard_table``)
 
     def reshard_table(self) -> list[bool]:
@@ -168,44 +160,25 @@ class RootState:
             if not nxt.in_backward:
                 nxt.unshard()
 
-    def enqueue_reduce(self, handle: ReducingHandle, grad: torch.Tensor, unit=None) -> None:
-        handle.start_reduce(grad)
-        self._pending.append(handle)
-        # The root's gradient is assembled last (embedding backward + the flat leaf's gradient: its peak of the
-        # step); a reduction still in flight then would hold its unit's full gradient and the reduction's buffers.
-        limit = 0 if unit is not None and unit is self._unit_before_root else _MAX_PENDING_REDUCES
-        while len(self._pending) > limit:
-            self._pending.popleft().finish_reduce()
-
     def _end_of_backward(self) -> None:
         """BACKWARD -> IDLE: finish reductions, reshard every unit, agree on unused parameters (the mask
         all-reduce is issued first so that it overlaps the last reduction)."""
-        if self.mesh.shard_size > 1 or not self.no_sync:    # this backward's plan had collectives
+        reduction = self.reduction
+        if self.mesh.shard_size > 1 or not reduction.no_sync:    # this backward's plan had collectives
             self.agree_next(Entering.END_OF_BACKWARD)
-        agreement = self._agreement = None if self.no_sync else UsageAgreement(self)
+        reduction.start_agreement()
         try:
-            while self._pending:
-                self._pending.popleft().finish_reduce()
+            reduction.finish_pending()
         finally:
             for unit in self.units:
                 unit.end_backward()
             self.exit_backward()
-        # A reduction that raised leaves the mask all-reduce in flight: fp.reset waits for it (``reset``).
-        self._agreement = None
-        if agreement is not None:
-            agreement.finish()
+        reduction.finish_agreement()
 
     def reset(self) -> None:
         """Abandon the current step (fp.reset): any phase -> IDLE, every unit IDLE and sharded, in-flight
         collectives finished, unreduced gradients dropped. Raises the first CollectiveError after cleaning up."""
-        error = None
-        self._pending.clear()
-        agreement, self._agreement = self._agreement, None
-        if agreement is not None:
-            try:
-                agreement.drain()
-            except Exception as e:  # noqa: BLE001 - the handles are still cleaned; the first error is re-raised
-                error = e
+        error = self.reduction.abandon()
         for unit in self.units:
             for h in unit.handles:
                 try:

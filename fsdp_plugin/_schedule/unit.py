@@ -178,16 +178,7 @@ class Unit:
     def _make_post_backward(self, h: FlatParamHandle):
         def post_backward(_leaf):
             self.root.on_backward_hook()
-            if self.root.no_sync:
-                h.accumulate_without_sync()
-                h.usage.close_backward(reducing=False)
-            else:
-                grad = h.take_unsharded_grad()
-                if grad is not None:
-                    h.usage.close_backward(reducing=True)
-                    if h.reduce_communicates:
-                        self.root.agree_next(Entering.REDUCTION, self)
-                    self.root.enqueue_reduce(h, grad, self)
+            self.root.reduction.grad_ready(h, self)
             self._reshard_handle(h)
             self._maybe_free_frozen()
         return post_backward

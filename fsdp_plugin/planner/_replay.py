@@ -5,7 +5,7 @@ are unsharded when, which gradients wait for their reduction, and the wire bytes
 The schedule is the engine's, not a copy of its rules: a real ``RootState`` (``_root.py``) holds the replay's
 stand-in units and handles and decides the forward/backward prefetches (``after_unshard_in_forward``,
 ``prefetch_backward``: e.g. the root prefetches the last unit, whose backward follows the root's head), how
-many reductions stay in flight (``enqueue_reduce``: none once the root's gradient is next) and the prefetch
+many reductions stay in flight (``Reduction.enqueue``: none once the root's gradient is next) and the prefetch
 depth; ``unit_policy`` (``_strategy.py``) decides which units reshard after forward, and the root which one
 keeps its parameters to its backward anyway (``reshards_after_forward``: not the last). The stand-ins only
 account bytes. Memory is per rank and all ranks are alike (every shard has ``chunk`` elements, padding
@@ -104,7 +104,7 @@ class _SimUnit(ScheduledUnit):
 
 
 class _SimHandle(ReducingHandle):
-    """A `ReducingHandle` (what ``RootState.enqueue_reduce`` calls on a handle) backed by the replay."""
+    """A `ReducingHandle` (what ``Reduction.enqueue`` calls on a handle) backed by the replay."""
 
     def __init__(self, sim: "_Sim", index: int):
         self.sim, self.index = sim, index
@@ -237,7 +237,7 @@ class _Sim:
         """The engine's post_backward: enqueue the reduction (RootState finishes older ones), then the
         compute-dtype gradient is dropped (if a cast was made) and the handle resharded."""
         spec, lay = self.handles[h], self.lay
-        self.root.enqueue_reduce(self.sim_handles[h], None, self.sim_units[spec.unit])
+        self.root.reduction.enqueue(self.sim_handles[h], None, self.sim_units[spec.unit])
         if lay.reduce(spec) != lay.compute(spec):
             self.reducing -= spec.padded(lay.shard_size) * lay.compute(spec).itemsize
         self.reshard_handle(h)
@@ -275,8 +275,7 @@ class _Sim:
         self.root.prefetch_backward(self.sim_units[u])
 
     def end_backward(self) -> None:
-        while self.root._pending:
-            self.root._pending.popleft().finish_reduce()
+        self.root.reduction.finish_pending()
         for h in range(len(self.handles)):
             self.reshard_handle(h)
         self.started.clear()
