@@ -8,7 +8,8 @@ Two arms alternate every step so machine load hits both alike: ``checked`` (the 
 threads, busiest rank: far less sensitive to other programs than wall time), their ratios, and the wall time
 spent inside the checks themselves in the checked arm. That last number is an upper bound that is only
 meaningful on a quiet machine: a check's wait also absorbs the other rank's lateness, which the next
-collective would wait for anyway (on a loaded machine it is mostly that).
+collective would wait for anyway (on a loaded machine it is mostly that). Last, the intrinsic cost of one
+check: 300 back-to-back checks in lockstep (wall and process CPU per check).
 """
 from __future__ import annotations
 
@@ -90,7 +91,21 @@ def main():
               + f"; checked/unchecked {mcpu['checked'] / mcpu['unchecked']:.4f}")
         print(f"checks per step {statistics.median(counts):.0f}, time in checks {statistics.median(spent) * 1e3:.2f} ms"
               f" per step = {100 * share:.2f}% of the checked step")
+    _lockstep(world, rank)
     dist.destroy_process_group()
+
+
+def _lockstep(world: int, rank: int, n: int = 300) -> None:
+    from fsdp_plugin._comm import pairing
+
+    c = pairing.code(pairing.Entering.ALL_GATHER, 1)
+    dist.barrier()
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(n):
+        pairing.agree(c, (), None, world, 60)
+    wall, cpu = (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
+    if rank == 0:
+        print(f"one check in lockstep: wall {wall * 1e6:.0f} us, process CPU {cpu * 1e6:.0f} us")
 
 
 if __name__ == "__main__":
