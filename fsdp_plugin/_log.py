@@ -38,23 +38,31 @@ def _units(model: nn.Module) -> list:
 
 def memory_report(model: nn.Module) -> str:
     """The unit table of a sharded model: per unit its parameters, shard bytes on this rank, bytes while
-    unsharded (compute dtype), dtypes, and the strategy."""
+    unsharded (compute dtype), whether it reshards after forward (the engine's one table,
+    ``RootState.reshard_table``: "kept" marks the last unit of the recorded forward order, which the default
+    policy keeps to its backward, known once the first forward recorded the order), dtypes, and the strategy."""
     root = model._fp_root if getattr(model, "_fp_root", None) is not None else None
     units = _units(model)
     strategy, mesh = root.config.sharding_strategy, root.mesh
     lines = [f"fsdp_plugin: {len(units)} units, {strategy}, world {mesh.world_size} "
              f"(shard {mesh.shard_size} x replicate {mesh.replicate_size})",
-             f"{'unit':<32}{'params':>14}{'shard bytes':>14}{'unsharded':>14}  dtype (compute)"]
+             f"{'unit':<32}{'params':>14}{'shard bytes':>14}{'unsharded':>14}{'reshard':>9}  dtype (compute)"]
+    reshards = _reshard_column(root)
     tot = [0, 0, 0]
-    for u in units:
+    for i, u in enumerate(units):
         hs = list(u.handles)
         row = [sum(h.total for h in hs), sum(h.chunk * h.dtype.itemsize for h in hs),
                sum(h.padded * h.compute_dtype.itemsize for h in hs)]
         tot = [a + b for a, b in zip(tot, row)]
         dtypes = ", ".join(sorted({f"{_d(h.dtype)} ({_d(h.compute_dtype)})" for h in hs})) or "-"
-        lines.append(f"{u.name[:31]:<32}{row[0]:>14,}{row[1]:>14,}{row[2]:>14,}  {dtypes}")
+        lines.append(f"{u.name[:31]:<32}{row[0]:>14,}{row[1]:>14,}{row[2]:>14,}{reshards[i]:>9}  {dtypes}")
     lines.append(f"{'total':<32}{tot[0]:>14,}{tot[1]:>14,}{tot[2]:>14,}")
     return "\n".join(lines)
+
+
+def _reshard_column(root) -> list[str]:
+    return ["yes" if after else "kept" if u.reshard_policy else "no"
+            for u, after in zip(root.units, root.reshard_table())]
 
 
 def _d(dtype: torch.dtype) -> str:

@@ -37,11 +37,11 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     backward outside the context reduces them together with its own.
     """
     root = _root(model)
-    previous, root.no_sync = root.no_sync, True
+    previous = root.reduction.enter_no_sync()
     try:
         yield
     finally:
-        root.no_sync = previous
+        root.reduction.restore_window(previous)
 
 
 @contextlib.contextmanager

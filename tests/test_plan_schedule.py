@@ -140,3 +140,38 @@ def test_fake_run_prices_exactly_the_ops_a_real_run_dispatches():
     assert real.total["attention"] == fake.attention_flops > 0
     assert (real.total["flop"] + real.total["attention"], real.total["bytes"], real.total["ops"]) == \
         (fake.flops, fake.other_bytes, fake.ops)
+
+
+def test_recomputation_does_not_forward_prefetch():
+    """Issue 26: the engine prefetches in forward only in a real forward; the replay follows it. Unit 1 is
+    recomputed after unit 2's backward: unit 2 must not be all-gathered again by a forward prefetch."""
+    seq = [("pre_forward", 0, False), ("pre_forward", 1, False), ("post_forward", 1, False),
+           ("pre_forward", 2, False), ("post_forward", 2, False), ("post_forward", 0, False),
+           ("pre_backward", 0, True), ("pre_backward", 2, True), ("grad_ready", 2, True),
+           ("grads_dropped", 2, True), ("pre_forward", 1, True), ("post_forward", 1, True),
+           ("pre_backward", 1, True), ("grad_ready", 1, True), ("grads_dropped", 1, True),
+           ("grad_ready", 0, True), ("grads_dropped", 0, True), ("end_backward", -1, True)]
+    spike_at = 11           # the end of unit 1's recomputation
+    tl = Timeline(events=[Event(k, i, b, 0, SPIKE if n == spike_at else 0) for n, (k, i, b) in enumerate(seq)])
+    units, handles = _units()
+    lay = Layout(fp.ShardingConfig(sharding_strategy="full_shard", forward_prefetch=True, reshard_after_forward=True),
+                 world=2, shard_size=2, replicate_size=1)
+    peak = replay(units, handles, tl, lay, static=0, optimizer_step_extra=0).peak
+    assert peak.activations == SPIKE and peak.unsharded_units == ("<root>", "u1"), peak
+
+
+def test_units_root_and_stand_ins_implement_the_schedule_protocols():
+    """One typed contract (``_schedule/protocols.py``) for the engine's objects and the planner's stand-ins."""
+    from fsdp_plugin._schedule.protocols import ReducingHandle, ScheduledUnit, UnitRoot
+    from fsdp_plugin.planner._replay import _Sim
+
+    model = fp.shard(GPT(), auto_wrap_policy={Block})
+    root = model._fp_root
+    assert isinstance(root, UnitRoot)
+    assert all(isinstance(u, ScheduledUnit) for u in root.units)
+    assert all(isinstance(h, ReducingHandle) for u in root.units for h in u.handles)
+    units, handles = _units()
+    lay = Layout(fp.ShardingConfig(), world=2, shard_size=2, replicate_size=1)
+    sim = _Sim(units, handles, lay, static=0)
+    assert all(isinstance(u, ScheduledUnit) for u in sim.sim_units)
+    assert all(isinstance(h, ReducingHandle) for h in sim.sim_handles)

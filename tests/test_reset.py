@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fsdp_plugin as fp
-from fsdp_plugin._schedule.states import RootPhase, ShardedState, TrainingState
+from fsdp_plugin._schedule.states import ReduceState, ReduceWindow, RootPhase, ShardedState, TrainingState
 from _dist import run_ranks
 from _parity import global_mean, make_optimizer
 
@@ -71,7 +71,9 @@ def worker(rank, world, strategy, quiet_first):
         if s == BOOM:
             if quiet_first:       # a no_sync micro-batch whose accumulation the abandoned step must drop
                 with fp.no_sync(model):
+                    assert root.reduction.window is ReduceWindow.NO_SYNC
                     model(*batch(s, rank)).backward()
+                assert root.reduction.window is ReduceWindow.SYNC
             with pytest.raises(RuntimeError, match="boom"):
                 model(*batch(s, rank), boom=True).backward()
             assert root.phase is RootPhase.BACKWARD, "the interrupted backward left its phase behind"
@@ -119,10 +121,12 @@ def _failing_reduce_worker(rank, world):
             with pytest.raises(RuntimeError, match="boom"):
                 loss.backward()
             del h.finish_reduce
-            agreement = root._agreement
+            agreement = root.reduction._agreement
             assert agreement is not None and agreement.work is not None, "the mask all-reduce was issued"
+            assert root.reduction.state is ReduceState.AGREEING
             fp.reset(model)
-            assert root._agreement is None and agreement.work is None, "fp.reset waited for the mask all-reduce"
+            assert root.reduction.state is ReduceState.IDLE
+            assert root.reduction._agreement is None and agreement.work is None, "fp.reset waited for the mask all-reduce"
             assert all(hh.pending_reduce is None for u in root.units for hh in u.handles)
             continue
         loss = model(*batch(s, rank))

@@ -14,7 +14,7 @@ def _schedule(rank, world, reshard_after_forward=True):
     model = fp.shard(GPT(n_layer=3), auto_wrap_policy={Block}, reshard_after_forward=reshard_after_forward)
     root = model._fp_root
     events = []
-    gather, pre_bwd, enqueue = FlatParamHandle.unshard, Unit._pre_backward, root.enqueue_reduce
+    gather, pre_bwd, enqueue = FlatParamHandle.unshard, Unit._pre_backward, root.reduction.enqueue
 
     def spy_gather(h, *a, **k):
         if root.in_backward and h.state is ShardedState.SHARDED:
@@ -26,10 +26,10 @@ def _schedule(rank, world, reshard_after_forward=True):
         return pre_bwd(unit, grad)
 
     def spy_enqueue(h, grad, unit=None):
-        events.append(("reduce", h.label, len(root._pending)))
+        events.append(("reduce", h.label, len(root.reduction._pending)))
         return enqueue(h, grad, unit)
 
-    FlatParamHandle.unshard, Unit._pre_backward, root.enqueue_reduce = spy_gather, spy_pre, spy_enqueue
+    FlatParamHandle.unshard, Unit._pre_backward, root.reduction.enqueue = spy_gather, spy_pre, spy_enqueue
     try:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for step in range(2):

@@ -1,5 +1,6 @@
 """Strategy as data: ShardingConfig.reshard_after_forward decides per unit, in one place."""
 import pytest
+import torch
 from torch import nn
 
 import fsdp_plugin as fp
@@ -11,7 +12,8 @@ from models import GPT, Block
 
 def _flags(**kwargs):
     model = fp.shard(GPT(), auto_wrap_policy={Block}, **kwargs)
-    return {u.fqn: u.reshard_after_forward for u in model._fp_root.units}
+    root = model._fp_root
+    return {u.fqn: root.reshards_after_forward(u) for u in root.units}
 
 
 @pytest.mark.parametrize("kwargs,want", [
@@ -81,3 +83,18 @@ def _two_forwards(rank, world, steps, sharded):
 def test_kept_last_unit_survives_extra_forwards_before_backward():
     want = _two_forwards(0, 2, 3, sharded=False)
     assert_close_state(run_ranks(_two_forwards, 2, 3, True, timeout=120)[0], want)
+
+
+def test_memory_report_shows_the_one_reshard_table():
+    """``RootState.reshard_table`` (strategy.reshard_after_forward_table) is what forward obeys and what the
+    report shows: root no, blocks yes, the last block kept once the first forward recorded the order."""
+    from models import GPT, Block, gpt_batch
+
+    torch.manual_seed(0)
+    model = fp.shard(GPT(), auto_wrap_policy={Block})
+    col = lambda: [line.split()[4] for line in fp.memory_report(model).splitlines()[2:-1]]  # noqa: E731
+    assert col() == ["no", "yes", "yes", "yes"]
+    model(*gpt_batch(0, 0)).backward()
+    assert col() == ["no", "yes", "yes", "kept"]
+    root = model._fp_root
+    assert [root.reshards_after_forward(u) for u in root.units] == [False, True, True, False]

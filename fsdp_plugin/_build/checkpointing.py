@@ -3,9 +3,9 @@
 The checkpoint wraps a module's ``forward``, not its ``__call__``: a unit's hooks (all-gather before forward,
 reshard after) stay outside the recomputed region, and its backward all-gather (which precedes the
 recomputation) refills the storage the recomputed ops read. Non-reentrant, as selective checkpointing needs.
-Without early stop: torch stops a recomputation by raising through the modules still running, and a nested
-unit's post-forward hook would then reshard that unit while the recomputed tensors alias its storage; the
-whole forward is recomputed instead (torchtitan does the same), at the cost of the last ops of the module.
+torch's default early stop is kept: it ends a recomputation by raising through the modules still running, and
+a nested unit's post-forward hook then keeps that unit gathered (the end of backward reshards it), so the ops
+after the last saved tensor are not recomputed.
 Shared with ``fp.plan``, whose fake run applies exactly this to measure the activation curve.
 """
 from __future__ import annotations
@@ -72,7 +72,7 @@ def _wrap_forward(m: nn.Module, selective: bool) -> None:
     def forward(*args, _inner=inner, **kwargs):
         if not torch.is_grad_enabled():
             return _inner(*args, **kwargs)
-        return checkpoint(_inner, *args, use_reentrant=False, early_stop=False, **extra, **kwargs)
+        return checkpoint(_inner, *args, use_reentrant=False, **extra, **kwargs)
     m.forward = forward
 
 

@@ -110,7 +110,7 @@ def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: Ro
             handles = [_build_handle(group, dtype, sites, names, policy.mesh, cfg, device, mat, scatter,
                                      fqn or "<root>")
                        for (dtype, _), group in group_params(owned[fqn], cfg.mixed_precision).items()]
-            built.append(Unit(fqn, module, handles, root, reshard_after_forward=policy.reshard_after_forward))
+            built.append(Unit(fqn, module, handles, root, reshard_policy=policy.reshard_after_forward))
             if progress is not None:
                 progress(sum(h.total * h.dtype.itemsize for h in handles))
         if progress is not None:

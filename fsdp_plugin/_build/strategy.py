@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from torch import nn
 
@@ -45,6 +45,21 @@ class UnitPolicy:
     reshard_after_forward: bool
 
 
+def reshard_after_forward_table(cfg: "ShardingConfig", policies: Sequence[bool],
+                                order: Optional[Sequence[int]] = None) -> list[bool]:
+    """THE answer to "does unit i free its full parameters after its forward?", for every unit (index 0: root).
+
+    ``policies[i]``: unit i's ``UnitPolicy.reshard_after_forward`` (the config's rule; the root never). ``order``:
+    the frozen forward order (unit indices) once the first forward recorded it, else None. Under the default
+    policy (``cfg.reshard_after_forward is None``) the last unit in forward order keeps its parameters: its
+    backward comes first (the root's pre-backward prefetches it), so resharding it would only all-gather it again
+    at once (torchtitan keeps its last block the same way); an explicit ``reshard_after_forward`` is obeyed."""
+    table = list(policies)
+    if order and cfg.reshard_after_forward is None and order[-1] != 0:
+        table[order[-1]] = False
+    return table
+
+
 def unit_policy(cfg: "ShardingConfig", mesh: "Mesh", fqn: str, module: nn.Module) -> UnitPolicy:
     """The root unit (``fqn == ""``) never reshards after forward: backward needs it first (FSDP2 does the
     same). Others follow ``cfg.reshard_after_forward`` (None: the strategy's default; a bool; module classes
@@ -61,3 +76,19 @@ def unit_policy(cfg: "ShardingConfig", mesh: "Mesh", fqn: str, module: nn.Module
     else:
         value = bool(rule(fqn, module))
     return UnitPolicy(mesh, value)
+
+
+@dataclass(frozen=True)
+class PrefetchDepth:
+    """Units all-gathered ahead of the one in use, in forward and in backward order (0: no prefetch)."""
+
+    forward: int
+    backward: int
+
+
+def prefetch_depth(cfg: "ShardingConfig") -> PrefetchDepth:
+    """The public switches as numbers: ``limit_all_gathers`` bounds unsharded units to the one in use plus one in
+    flight (besides the root), without it two are prefetched (more overlap, more memory); ``forward_prefetch`` /
+    ``backward_prefetch`` off is depth 0 in that direction."""
+    depth = 1 if cfg.limit_all_gathers else 2
+    return PrefetchDepth(depth if cfg.forward_prefetch else 0, depth if cfg.backward_prefetch else 0)

@@ -141,6 +141,16 @@ class FlatParamHandle:
     def is_unsharded(self) -> bool:
         return self.state is ShardedState.UNSHARDED
 
+    @property
+    def unshard_communicates(self) -> bool:
+        """``unshard`` would issue an all-gather now."""
+        return self.state is ShardedState.SHARDED and self.mesh.shard_size > 1
+
+    @property
+    def reduce_communicates(self) -> bool:
+        """``start_reduce`` issues a collective (a shard or replica group of more than one rank)."""
+        return self.mesh.shard_size > 1 or self.mesh.replicate_size > 1
+
     @_traced("unshard")
     def unshard(self, async_op: bool = True) -> None:
         """SHARDED -> UNSHARDING (or UNSHARDED without communication); ``wait_unshard`` before use."""

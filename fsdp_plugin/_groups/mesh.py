@@ -39,8 +39,22 @@ def build_mesh(scope: ShardScope, device_mesh) -> Mesh:
     if not dist.is_initialized():
         return Mesh(1, 0, 1, 0, 1, 0)
     mesh = _build(scope, device_mesh)
+    _ensure_control_group()
     _LIVE_MESHES[id(mesh)] = mesh
     return mesh
+
+
+def _ensure_control_group() -> None:
+    """On a backend other than gloo (NCCL), a gloo group of every rank for host-side control checks; created
+    here, where every rank is in fp.shard (new_group is collective), once per process group."""
+    if dist.get_backend() != "gloo" and "control" not in _GROUP_CACHE:
+        _GROUP_CACHE["control"] = (dist.new_group(backend="gloo"), None)
+
+
+def control_group():
+    """The group of every rank for small CPU-tensor control messages (``_comm.pairing``): the default group
+    on gloo, else the gloo group ``build_mesh`` made (so that reading their result never waits for a GPU)."""
+    return _GROUP_CACHE.get("control", (None, None))[0]
 
 
 def release_groups() -> None:

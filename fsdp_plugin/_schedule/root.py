@@ -2,22 +2,19 @@
 the end-of-backward callback that waits for reductions and reshards whatever is still unsharded."""
 from __future__ import annotations
 
-from collections import deque
-
 import torch
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
 from .._comm import collectives as comm
+from .._comm import pairing
+from .._comm.pairing import Entering
 from ..config import ShardingConfig
-from ..errors import CollectiveError
-from .._groups.mesh import Mesh
+from .._groups.mesh import Mesh, control_group
+from .._build.strategy import prefetch_depth, reshard_after_forward_table
+from .protocols import ScheduledUnit
 from .states import OrderState, RootPhase
-from .._reduce.usage import UsageAgreement
-
-# Reductions left in flight: each holds a unit's full unsharded gradient until it completes, and the next
-# unit's backward compute is enough to hide one reduce-scatter, so only the newest stays pending.
-_MAX_PENDING_REDUCES = 1
+from .._reduce.reduction import Reduction
 
 
 class RootState:
@@ -25,19 +22,19 @@ class RootState:
 
     def __init__(self, config: ShardingConfig, mesh: Mesh, device: torch.device):
         self.config, self.mesh, self.device = config, mesh, device
-        self.units: list = []               # root first, parents before children
-        self.no_sync = False
+        self.prefetch = prefetch_depth(config)   # units all-gathered ahead, per direction (0: none)
+        self.units: list[ScheduledUnit] = []   # root first, parents before children (engine: `Unit`)
+        self.reduction = Reduction(self)     # gradient reduction: no_sync window, reductions in flight, agreement
         self.phase = RootPhase.IDLE
         self.exec_order: list = []
         self.order_state = OrderState.RECORDING
-        self._pending: deque = deque()
         self._phase_before_full = RootPhase.IDLE
         # Filled once when the order freezes (``freeze_order``): the hot path only looks them up.
         self._forward_next: dict = {}       # unit -> units to prefetch after its unshard in forward
         self._backward_next: dict = {}      # unit -> units to prefetch at its pre-backward, nearest first
-        self._unit_before_root = None       # the unit whose reduction the root's comes right after
-        self._kept_last = None              # the last unit in forward order, kept unsharded until its backward
-        self._agreement = None              # a usage-mask all-reduce issued and not yet finished
+        self.unit_before_root = None        # the unit whose reduction the root's comes right after
+        self._reshards = None               # reshard_table(), computed on first use and when the order freezes
+        self._unit_index: dict = {}         # unit -> its index in ``units`` (the pairing code's unit number)
 
     @property
     def root_unit(self):
@@ -62,61 +59,64 @@ class RootState:
     def before_unit_forward(self, unit, args, kwargs):
         if unit is self.root_unit:
             args, kwargs = self._cast_inputs(args, kwargs)
-        if self.order_state is OrderState.RECORDING:
-            self._verify_same_unit_everywhere(unit)
-            if unit not in self.exec_order:
-                self.exec_order.append(unit)
+        if self.order_state is OrderState.RECORDING and unit not in self.exec_order:
+            self.exec_order.append(unit)
         return args, kwargs
 
-    def _verify_same_unit_everywhere(self, unit) -> None:
-        """First forward only: all ranks must enter the same unit, else their collectives would mismatch
-        (a hang, or silently wrong data when sizes happen to agree). One tiny all-gather per unit, once."""
-        if self.mesh.world_size == 1:
+    def agree_next(self, entering: Entering, unit=None) -> None:
+        """Pairing check before a per-unit collective (or where a rank's may end early): every rank must be
+        entering the same one, else CollectiveError on every rank (``_comm.pairing``)."""
+        mesh = self.mesh
+        if mesh is None or mesh.world_size == 1:
             return
-        mine = torch.tensor([self.units.index(unit)], dtype=torch.int64, device=self.device)
-        everyone = torch.empty(self.mesh.world_size, dtype=torch.int64, device=self.device)
-        work = comm.all_gather(everyone, mine, None, async_op=True, kind="control")
-        comm.wait(work, f"execution-order check before unit {unit.name!r}", unit.handles[0].timeout_s
-                  if unit.handles else None)
-        seen = everyone.tolist()
-        if len(set(seen)) > 1:
-            names = ", ".join(f"rank {r} runs {self.units[i].name!r}" for r, i in enumerate(seen))
-            raise CollectiveError(f"ranks diverged in their first forward ({names}): every rank must run the same "
-                                  "units in the same order (no rank-dependent branches around sharded modules)")
-
-    @property
-    def prefetch_depth(self) -> int:
-        """Units all-gathered ahead of use. limit_all_gathers bounds unsharded units to the one in use
-        plus one in flight (besides the root); without it two are prefetched (more overlap, more memory)."""
-        return 1 if self.config.limit_all_gathers else 2
+        c = pairing.code(entering, self.index_of(unit) if unit is not None else 0)
+        pairing.agree(c, self.units, control_group(), mesh.world_size,
+                      comm.default_timeout_s(self.config.timeout_s))
 
     def after_unshard_in_forward(self, unit) -> None:
-        if self.config.forward_prefetch and self.order_state is OrderState.FROZEN and torch.is_grad_enabled():
+        """Forward prefetch, in a real forward only: a recomputation in backward (activation checkpointing)
+        would gather units whose backward is already done and keep them to the end of backward."""
+        if torch.is_grad_enabled() and not self.in_backward:
             for nxt in self._forward_next.get(unit, ()):
                 nxt.unshard()
 
-    def after_unit_forward(self, unit) -> None:
-        if unit is self.root_unit and self.order_state is OrderState.RECORDING:
+    def after_unit_forward(self, unit, raised: bool = False) -> None:
+        if unit is not self.root_unit:
+            return
+        if self.order_state is OrderState.RECORDING:
             self.freeze_order(self.exec_order)
+        if not raised and self.mesh is not None and self.mesh.shard_size > 1:
+            self.agree_next(Entering.END_OF_FORWARD)   # a rank with more units' all-gathers left fails here
 
     def freeze_order(self, order: list) -> None:
         """RECORDING -> FROZEN with ``order`` (forward order of units): every prefetch target and the
         root-reduces-next unit, computed once (the planner's replay freezes a recorded order the same way)."""
         order = self.exec_order = list(order)
-        self.order_state, depth = OrderState.FROZEN, self.prefetch_depth
-        self._forward_next = {u: order[i + 1:i + 1 + depth] for i, u in enumerate(order)}
-        self._backward_next = {u: [n for n in (self._backward_neighbour(u, k) for k in range(1, depth + 1))
+        self.order_state, depth = OrderState.FROZEN, self.prefetch
+        self._forward_next = {u: order[i + 1:i + 1 + depth.forward] for i, u in enumerate(order)}
+        self._backward_next = {u: [n for n in (self._backward_neighbour(u, k) for k in range(1, depth.backward + 1))
                                    if n is not None] for u in order}
-        self._unit_before_root = order[1] if len(order) > 1 and order[0] is self.root_unit else None
-        default_policy = self.config.reshard_after_forward is None
-        self._kept_last = order[-1] if default_policy and order and order[-1] is not self.root_unit else None
+        self.unit_before_root = order[1] if len(order) > 1 and order[0] is self.root_unit else None
+        self._reshards = None               # recomputed with the order (``reshard_table``)
+
+    def reshard_table(self) -> list[bool]:
+        """Per unit (``units`` order): does it reshard after forward? ``strategy.reshard_after_forward_table``
+        over the units' policies and, once frozen, the forward order."""
+        if self._reshards is None or len(self._reshards) != len(self.units):
+            frozen = self.order_state is OrderState.FROZEN
+            order = [self.index_of(u) for u in self.exec_order] if frozen else None
+            self._reshards = reshard_after_forward_table(self.config, [u.reshard_policy for u in self.units], order)
+        return self._reshards
 
     def reshards_after_forward(self, unit) -> bool:
-        """Whether ``unit`` frees its full parameters after its forward: its policy (``unit.reshard_after_forward``),
-        except the last unit of the frozen forward order under the strategy's default policy. Backward needs that
-        one first (the root's pre-backward prefetches it), so resharding it would only all-gather it again at once
-        (torchtitan keeps its last block the same way); an explicit ``reshard_after_forward`` is obeyed."""
-        return unit.reshard_after_forward and unit is not self._kept_last
+        """Whether ``unit`` frees its full parameters after its forward (its row of ``reshard_table``)."""
+        return self.reshard_table()[self.index_of(unit)]
+
+    def index_of(self, unit) -> int:
+        """``unit``'s index in ``units`` (the same on every rank: the model's structure)."""
+        if len(self._unit_index) != len(self.units):
+            self._unit_index = {u: i for i, u in enumerate(self.units)}
+        return self._unit_index[unit]
 
     def _cast_inputs(self, args, kwargs):
         mp = self.config.mixed_precision
@@ -133,8 +133,16 @@ class RootState:
     def on_backward_hook(self) -> None:
         """IDLE -> BACKWARD at the first engine hook of a backward, queuing the end-of-backward callback."""
         if self.phase is not RootPhase.BACKWARD:
-            self.phase = RootPhase.BACKWARD
+            self.enter_backward()
             Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def enter_backward(self) -> None:
+        """-> BACKWARD (the planner's replay calls it at its first pre-backward, as the engine's hooks do)."""
+        self.phase = RootPhase.BACKWARD
+
+    def exit_backward(self) -> None:
+        """BACKWARD -> IDLE (end of backward; the replay's too)."""
+        self.phase = RootPhase.IDLE
 
     def _backward_neighbour(self, unit, k: int):
         """The unit k places after ``unit`` in backward order: reverse forward order, except that the root's
@@ -148,47 +156,29 @@ class RootState:
         return order[i] if i >= 0 else None
 
     def prefetch_backward(self, unit) -> None:
-        if self.config.backward_prefetch:
-            for nxt in self._backward_next.get(unit, ()):
-                if not nxt.in_backward:
-                    nxt.unshard()
-
-    def enqueue_reduce(self, handle, grad: torch.Tensor, unit=None) -> None:
-        handle.start_reduce(grad)
-        self._pending.append(handle)
-        # The root's gradient is assembled last (embedding backward + the flat leaf's gradient: its peak of the
-        # step); a reduction still in flight then would hold its unit's full gradient and the reduction's buffers.
-        limit = 0 if unit is not None and unit is self._unit_before_root else _MAX_PENDING_REDUCES
-        while len(self._pending) > limit:
-            self._pending.popleft().finish_reduce()
+        for nxt in self._backward_next.get(unit, ()):
+            if not nxt.in_backward:
+                nxt.unshard()
 
     def _end_of_backward(self) -> None:
         """BACKWARD -> IDLE: finish reductions, reshard every unit, agree on unused parameters (the mask
         all-reduce is issued first so that it overlaps the last reduction)."""
-        agreement = self._agreement = None if self.no_sync else UsageAgreement(self)
+        reduction = self.reduction
+        if self.mesh.shard_size > 1 or not reduction.no_sync:    # this backward's plan had collectives
+            self.agree_next(Entering.END_OF_BACKWARD)
+        reduction.start_agreement()
         try:
-            while self._pending:
-                self._pending.popleft().finish_reduce()
+            reduction.finish_pending()
         finally:
             for unit in self.units:
                 unit.end_backward()
-            self.phase = RootPhase.IDLE
-        # A reduction that raised leaves the mask all-reduce in flight: fp.reset waits for it (``reset``).
-        self._agreement = None
-        if agreement is not None:
-            agreement.finish()
+            self.exit_backward()
+        reduction.finish_agreement()
 
     def reset(self) -> None:
         """Abandon the current step (fp.reset): any phase -> IDLE, every unit IDLE and sharded, in-flight
         collectives finished, unreduced gradients dropped. Raises the first CollectiveError after cleaning up."""
-        error = None
-        self._pending.clear()
-        agreement, self._agreement = self._agreement, None
-        if agreement is not None:
-            try:
-                agreement.drain()
-            except Exception as e:  # noqa: BLE001 - the handles are still cleaned; the first error is re-raised
-                error = e
+        error = self.reduction.abandon()
         for unit in self.units:
             for h in unit.handles:
                 try:

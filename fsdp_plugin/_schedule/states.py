@@ -37,3 +37,18 @@ class OrderState(Enum):
 
     RECORDING = "recording"          # first forward: units are appended (and checked equal on every rank)
     FROZEN = "frozen"                # after the first root forward: prefetch follows the recorded order
+
+
+class ReduceWindow(Enum):
+    """`Reduction` (``_reduce/reduction.py``): what backwards do with gradients."""
+
+    SYNC = "sync"                    # reduce them in backward (the default)
+    NO_SYNC = "no_sync"              # inside fp.no_sync(): accumulate unsharded gradients locally
+
+
+class ReduceState(Enum):
+    """`Reduction`: what is in flight."""
+
+    IDLE = "idle"
+    IN_FLIGHT = "in_flight"          # gradient reductions issued in this backward, some not finished
+    AGREEING = "agreeing"            # end of backward: the unused-parameter mask all-reduce is issued

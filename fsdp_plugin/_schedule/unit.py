@@ -8,11 +8,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .._comm.pairing import Entering
 from .._flat.flat_param import FlatParamHandle
 from .states import ShardedState, TrainingState
 
 if TYPE_CHECKING:
-    from .root import RootState
+    from .protocols import UnitRoot
 
 
 class Unit:
@@ -22,10 +23,12 @@ class Unit:
     original ``nn.Parameter``; while unsharded, sites register full-shape views of the handle's leaf.
     """
 
-    def __init__(self, fqn: str, module: nn.Module, handles: list[FlatParamHandle], root: "RootState",
-                 reshard_after_forward: bool):
+    def __init__(self, fqn: str, module: nn.Module, handles: list[FlatParamHandle], root: "UnitRoot",
+                 reshard_policy: bool):
         self.fqn, self.module, self.handles, self.root = fqn, module, handles, root
-        self.reshard_after_forward = reshard_after_forward
+        # The config's rule for this unit (`UnitPolicy`); the decision after forward is the root's reshard_table.
+        # Frozen handles follow the rule: freed once backward passed the unit's inputs (``_hook_inputs``).
+        self.reshard_policy = reshard_policy
         self.state = TrainingState.IDLE
         self.depth = 0        # nesting of forward calls (methods calling forward, recomputation in backward)
         self._frozen = [h for h in handles if not h.requires_grad]
@@ -49,6 +52,8 @@ class Unit:
 
     # ------------------------------------------------------------ state moves
     def unshard(self, async_op: bool = True) -> None:
+        if any(h.unshard_communicates for h in self.handles):
+            self.root.agree_next(Entering.ALL_GATHER, self)
         for h in self.handles:
             h.unshard(async_op)
 
@@ -106,7 +111,7 @@ class Unit:
         self.unshard()
         self.wait_and_use_views()
         self.root.after_unshard_in_forward(self)
-        if self._frozen and torch.is_grad_enabled() and self.reshard_after_forward:
+        if self._frozen and torch.is_grad_enabled() and self.reshard_policy:
             args, kwargs = self._hook_inputs(args, kwargs)
         return args, kwargs
 
@@ -133,10 +138,15 @@ class Unit:
     def post_forward(self, output):
         self.depth -= 1
         if output is None and sys.exc_info()[1] is not None:
+            if self.root.in_backward:
+                # Recomputation under activation checkpointing stopped early: torch's early stop raises inside
+                # the forward once the saved tensors it needs exist, and those alias this unit's full buffer.
+                # The backward in progress owns the parameters; its end reshards them.
+                return output
             # The forward raised (this hook is always called): no backward will come for it.
             self.reshard()
             self.state = TrainingState.IDLE
-            self.root.after_unit_forward(self)
+            self.root.after_unit_forward(self, raised=True)
             return output
         if self.depth > 0 or self.root.in_backward:
             # Nested call, or recomputation under activation checkpointing: backward needs the views.
@@ -168,14 +178,7 @@ class Unit:
     def _make_post_backward(self, h: FlatParamHandle):
         def post_backward(_leaf):
             self.root.on_backward_hook()
-            if self.root.no_sync:
-                h.accumulate_without_sync()
-                h.usage.close_backward(reducing=False)
-            else:
-                grad = h.take_unsharded_grad()
-                if grad is not None:
-                    h.usage.close_backward(reducing=True)
-                    self.root.enqueue_reduce(h, grad, self)
+            self.root.reduction.grad_ready(h, self)
             self._reshard_handle(h)
             self._maybe_free_frozen()
         return post_backward

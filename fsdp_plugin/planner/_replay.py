@@ -5,7 +5,7 @@ are unsharded when, which gradients wait for their reduction, and the wire bytes
 The schedule is the engine's, not a copy of its rules: a real ``RootState`` (``_root.py``) holds the replay's
 stand-in units and handles and decides the forward/backward prefetches (``after_unshard_in_forward``,
 ``prefetch_backward``: e.g. the root prefetches the last unit, whose backward follows the root's head), how
-many reductions stay in flight (``enqueue_reduce``: none once the root's gradient is next) and the prefetch
+many reductions stay in flight (``Reduction.enqueue``: none once the root's gradient is next) and the prefetch
 depth; ``unit_policy`` (``_strategy.py``) decides which units reshard after forward, and the root which one
 keeps its parameters to its backward anyway (``reshards_after_forward``: not the last). The stand-ins only
 account bytes. Memory is per rank and all ranks are alike (every shard has ``chunk`` elements, padding
@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from .._comm.collectives import inflight_host_bytes, ring_bytes
+from .._schedule.protocols import ReducingHandle, ScheduledUnit
 from .._schedule.root import RootState
 from .._build.shard import handle_dtypes
 from .._build.strategy import unit_policy
@@ -86,13 +87,13 @@ class ReplayResult:
     engine_bytes: int = 0   # bytes read+written by the engine's own kernels (casts, flat gradients), per step
 
 
-class _SimUnit:
-    """What ``RootState`` reads of a unit (``in_backward``, ``unshard``, ``name``, ``reshard_after_forward``),
-    backed by the replay."""
+class _SimUnit(ScheduledUnit):
+    """A `ScheduledUnit` (what ``RootState`` reads of a unit) backed by the replay, with its policy
+    (``reshard_policy``) for ``RootState.reshard_table``."""
 
-    def __init__(self, sim: "_Sim", index: int, name: str, reshard_after_forward: bool):
+    def __init__(self, sim: "_Sim", index: int, name: str, reshard_policy: bool):
         self.sim, self.index, self.name = sim, index, name
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_policy = reshard_policy
 
     @property
     def in_backward(self) -> bool:
@@ -102,8 +103,8 @@ class _SimUnit:
         self.sim.unshard(self.index)
 
 
-class _SimHandle:
-    """What ``RootState.enqueue_reduce`` calls on a handle."""
+class _SimHandle(ReducingHandle):
+    """A `ReducingHandle` (what ``Reduction.enqueue`` calls on a handle) backed by the replay."""
 
     def __init__(self, sim: "_Sim", index: int):
         self.sim, self.index = sim, index
@@ -236,7 +237,7 @@ class _Sim:
         """The engine's post_backward: enqueue the reduction (RootState finishes older ones), then the
         compute-dtype gradient is dropped (if a cast was made) and the handle resharded."""
         spec, lay = self.handles[h], self.lay
-        self.root.enqueue_reduce(self.sim_handles[h], None, self.sim_units[spec.unit])
+        self.root.reduction.enqueue(self.sim_handles[h], None, self.sim_units[spec.unit])
         if lay.reduce(spec) != lay.compute(spec):
             self.reducing -= spec.padded(lay.shard_size) * lay.compute(spec).itemsize
         self.reshard_handle(h)
@@ -268,16 +269,17 @@ class _Sim:
         if u in self.started:
             return
         self.started.add(u)
+        self.root.enter_backward()       # recomputation from now on: no forward prefetch (the engine's rule)
         self.unshard(u)
         self.use(u)
         self.root.prefetch_backward(self.sim_units[u])
 
     def end_backward(self) -> None:
-        while self.root._pending:
-            self.root._pending.popleft().finish_reduce()
+        self.root.reduction.finish_pending()
         for h in range(len(self.handles)):
             self.reshard_handle(h)
         self.started.clear()
+        self.root.exit_backward()
 
 
 def replay(units, handles, timeline, lay: Layout, static: int, optimizer_step_extra: int) -> ReplayResult:

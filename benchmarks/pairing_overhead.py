@@ -1,0 +1,112 @@
+"""Cost of the collective pairing checks (fsdp_plugin/_comm/pairing.py) on the training step.
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/pairing_overhead.py --preset small [--steps 20]
+
+Two arms alternate every step so machine load hits both alike: ``checked`` (the engine as shipped) and
+``unchecked`` (``RootState.agree_next`` replaced by a no-op). Rank 0 prints, per arm, the median step time
+(slowest rank: forward + backward + AdamW + zero_grad) and the median process CPU seconds per step (all
+threads, busiest rank: far less sensitive to other programs than wall time), their ratios, and the wall time
+spent inside the checks themselves in the checked arm. That last number is an upper bound that is only
+meaningful on a quiet machine: a check's wait also absorbs the other rank's lateness, which the next
+collective would wait for anyway (on a loaded machine it is mostly that). Last, the intrinsic cost of one
+check: 300 back-to-back checks in lockstep (wall and process CPU per check).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from _model import GPT, PRESET_BATCH, PRESETS, Block, GPTConfig  # noqa: E402
+
+_SPENT = {"s": 0.0, "n": 0}
+
+
+def _timed(check):
+    def agree_next(self, entering, unit=None):
+        t0 = time.perf_counter()
+        try:
+            return check(self, entering, unit)
+        finally:
+            _SPENT["s"] += time.perf_counter() - t0
+            _SPENT["n"] += 1
+    return agree_next
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="small")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per arm")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    import fsdp_plugin as fp
+    from fsdp_plugin._schedule.root import RootState
+
+    checked, unchecked = _timed(RootState.agree_next), (lambda self, entering, unit=None: None)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = GPTConfig(**PRESETS[a.preset])
+    torch.manual_seed(0)
+    model = fp.shard(GPT(cfg), auto_wrap_policy={Block})
+    opt = torch.optim.AdamW(model.parameters())
+    per = PRESET_BATCH[a.preset] // world
+    x = torch.randint(0, cfg.vocab, (per, cfg.seq_len), generator=torch.Generator().manual_seed(rank))
+    arms = ("checked", "unchecked")
+    times = {k: [] for k in arms}
+    cpu = {k: [] for k in arms}
+    spent, counts = [], []
+    for step in range(2 + a.steps * len(arms)):
+        arm = arms[step % len(arms)]
+        RootState.agree_next = checked if arm == "checked" else unchecked
+        _SPENT.update(s=0.0, n=0)
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        model(x, x).backward()
+        opt.step()
+        opt.zero_grad()
+        dt = torch.tensor([time.perf_counter() - t0, _SPENT["s"], time.process_time() - c0])
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        if step >= 2:
+            times[arm].append(dt[0].item())
+            cpu[arm].append(dt[2].item())
+            if arm == "checked":
+                spent.append(dt[1].item())
+                counts.append(_SPENT["n"])
+    if rank == 0:
+        med = {k: statistics.median(v) for k, v in times.items()}
+        mcpu = {k: statistics.median(v) for k, v in cpu.items()}
+        share = statistics.median(spent) / med["checked"]
+        print(f"preset {a.preset}, world {world}, {a.steps} steps per arm, load {os.getloadavg()}")
+        print("median step s: " + ", ".join(f"{k} {v:.4f}" for k, v in med.items())
+              + f"; checked/unchecked {med['checked'] / med['unchecked']:.4f}")
+        print("median CPU s per step: " + ", ".join(f"{k} {v:.4f}" for k, v in mcpu.items())
+              + f"; checked/unchecked {mcpu['checked'] / mcpu['unchecked']:.4f}")
+        print(f"checks per step {statistics.median(counts):.0f}, time in checks {statistics.median(spent) * 1e3:.2f} ms"
+              f" per step = {100 * share:.2f}% of the checked step")
+    _lockstep(world, rank)
+    dist.destroy_process_group()
+
+
+def _lockstep(world: int, rank: int, n: int = 300) -> None:
+    from fsdp_plugin._comm import pairing
+
+    c = pairing.code(pairing.Entering.ALL_GATHER, 1)
+    dist.barrier()
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(n):
+        pairing.agree(c, (), None, world, 60)
+    wall, cpu = (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
+    if rank == 0:
+        print(f"one check in lockstep: wall {wall * 1e6:.0f} us, process CPU {cpu * 1e6:.0f} us")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Every step's collective pairing is checked (issue 26): a unit that runs, or reaches the loss, on some ranks
+only — from any step on — raises CollectiveError on every rank naming what each rank was entering, instead of
+a gloo abort (SIGABRT) or, on NCCL, two units exchanging each other's data."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fsdp_plugin as fp
+from _dist import run_ranks
+
+D = 8
+
+
+class Block(nn.Module):
+    def __init__(self, d_out: int = D):
+        super().__init__()
+        self.lin = nn.Linear(D, d_out)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+class Tower(Block):
+    """A unit of its own (a vision tower, say), not the same size as a Block."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra = nn.Linear(D, D)
+
+    def forward(self, x):
+        return super().forward(self.extra(x))
+
+
+class Net(nn.Module):
+    """``mode`` decides, per step and rank, how the ranks diverge from step ``at`` on:
+    "tower": rank 0 runs the tower, rank 1 does not; "unused": both run it, only rank 0's loss uses it;
+    "swap": rank 0 runs the two (equal-sized) blocks in reverse order."""
+
+    def __init__(self, mode: str, at: int):
+        super().__init__()
+        self.mode, self.at, self.step = mode, at, 0
+        self.inp, self.head = nn.Linear(D, D), nn.Linear(D, 1)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.tower = Tower()
+
+    def forward(self, x):
+        odd = self.step >= self.at and dist.get_rank() == 0
+        h = self.inp(x)
+        blocks = reversed(self.blocks) if self.mode == "swap" and odd else self.blocks
+        for blk in blocks:
+            h = blk(h)
+        t = self.tower(h) if self.mode != "tower" or odd or self.step < self.at else None
+        use_tower = t is not None and (self.mode != "unused" or odd or self.step < self.at)
+        return self.head(h + t if use_tower else h).pow(2).mean()
+
+
+def _train(rank, world, mode, strategy, at=1, steps=3):
+    torch.manual_seed(0)
+    model = fp.shard(Net(mode, at), auto_wrap_policy={Block, Tower}, sharding_strategy=strategy, timeout_s=30)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        model.step = step
+        opt.zero_grad()
+        x = torch.randn(4, D, generator=torch.Generator().manual_seed(10 * step + rank))
+        try:
+            model(x).backward()
+        except fp.CollectiveError as e:
+            fp.reset(model)          # every check paired: nothing is left in flight, the groups still work
+            dist.barrier()
+            return step, str(e)
+        opt.step()
+    return steps, "no error"
+
+
+CASES = [("tower", "full_shard", "tower"), ("tower", "no_shard", "tower"), ("unused", "full_shard", "tower"),
+         ("unused", "no_shard", "tower"), ("swap", "full_shard", "blocks.")]
+
+
+@pytest.mark.parametrize("mode,strategy,named", CASES, ids=[f"{m}-{s}" for m, s, _ in CASES])
+def test_divergence_after_the_first_step_is_a_collective_error_on_every_rank(mode, strategy, named):
+    for rank, (step, message) in enumerate(run_ranks(_train, 2, mode, strategy, timeout=90)):
+        assert step == 1, (rank, step, message)
+        assert "ranks diverged" in message and named in message, message
+        assert "rank 0: " in message and "rank 1: " in message, message
+
+
+def _steady(rank, world):
+    torch.manual_seed(0)
+    model = fp.shard(Net("tower", at=10), auto_wrap_policy={Block, Tower})
+    for step in range(3):
+        model.step = step
+        fp.comm_stats.reset()
+        model(torch.randn(4, D)).backward()
+    return dict(fp.comm_stats.calls)
+
+
+def test_agreeing_ranks_pay_one_check_per_unit_collective():
+    calls = run_ranks(_steady, 2)[0]
+    # per step: root + 2 blocks + tower all-gathered in forward, blocks.0/blocks.1/tower again in backward
+    # (the last unit is kept), 4 reductions; plus end of forward, end of backward, the unused-parameter mask
+    assert calls["all_gather"] + calls["reduce_scatter"] + 3 == calls["control"], calls
