@@ -9,6 +9,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
 from .._comm import collectives as comm
+from .._comm import status as comm_status
 from ..config import ShardingConfig
 from ..errors import CollectiveError
 from .._groups.mesh import Mesh
@@ -61,6 +62,7 @@ class RootState:
     # ----------------------------------------------------------------- forward
     def before_unit_forward(self, unit, args, kwargs):
         if unit is self.root_unit:
+            comm_status.begin_step()     # the step that deadline reports and trace files name
             args, kwargs = self._cast_inputs(args, kwargs)
         if self.order_state is OrderState.RECORDING:
             self._verify_same_unit_everywhere(unit)
