@@ -6,6 +6,7 @@ import glob
 import os
 import time
 
+import pytest
 import torch
 
 import fsdp_plugin as fp
@@ -99,3 +100,77 @@ def test_a_trace_line_is_readable():
     line = status.trace_line(op)
     assert line.split()[:8] == ["#12", "group", "0", "reduce_scatter", "step", "2", "numel", "4096"], line
     assert line.endswith("done     gradient reduction of unit 'blocks.1'"), line
+
+
+def _lightning_rank_stalls(rank, world, trace_dir):
+    """The Lightning Trainer on forked ranks (the process group exists; LOCAL_RANK set: no launcher)."""
+    os.environ["FSDP_PLUGIN_TRACE_DIR"] = trace_dir
+    import lightning.pytorch as pl
+
+    from fsdp_plugin.integrations.lightning import FSDPPluginStrategy
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+
+        def training_step(self, batch, i):
+            if rank == 1 and i == 2:
+                _load_next_batch()
+            return self.net(batch).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    trainer = pl.Trainer(strategy=FSDPPluginStrategy(auto_wrap_policy={torch.nn.Linear}, timeout_s=TIMEOUT_S),
+                         accelerator="cpu", devices=world, max_steps=4, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
+    try:
+        trainer.fit(Module(), torch.utils.data.DataLoader(torch.randn(16, 4), batch_size=2))
+    except fp.CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+def test_lightning_shows_the_same_message(tmp_path):
+    pytest.importorskip("lightning")
+    msg = run_ranks(_lightning_rank_stalls, 2, str(tmp_path), timeout=120, may_die={1})[0]
+    assert "Not arrived at #" in msg and "rank 1 (host" in msg and "in _load_next_batch" in msg, msg
+
+
+ACCELERATE_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_SHARDING_STRATEGY": "FULL_SHARD",
+                  "FSDP_SYNC_MODULE_STATES": "false", "FSDP_AUTO_WRAP_POLICY": "NO_WRAP", "FSDP_VERSION": "1",
+                  "FSDP_RESHARD_AFTER_FORWARD": "full_shard", "FSDP_CPU_RAM_EFFICIENT_LOADING": "false",
+                  "ACCELERATE_MIXED_PRECISION": "no", "MASTER_ADDR": "localhost", "MASTER_PORT": "0",
+                  "FSDP_PLUGIN_TIMEOUT_S": str(TIMEOUT_S)}
+
+
+def _accelerate_rank_stalls(rank, world, trace_dir):
+    os.environ["FSDP_PLUGIN_TRACE_DIR"] = trace_dir
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)  # the forked parent may hold accelerate singletons
+    GradientState._reset_state()
+    from fsdp_plugin.integrations.accelerate import Accelerator
+
+    acc = Accelerator()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    model, opt = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    try:
+        for i in range(4):
+            if rank == 1 and i == 2:
+                _load_next_batch()
+            acc.backward(model(torch.randn(2, 4)).sum())
+            opt.step()
+            opt.zero_grad()
+    except fp.CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+def test_accelerate_shows_the_same_message(tmp_path):
+    pytest.importorskip("accelerate")
+    msg = run_ranks(_accelerate_rank_stalls, 2, str(tmp_path), timeout=120, env=ACCELERATE_ENV, may_die={1})[0]
+    assert "Not arrived at #" in msg and "rank 1 (host" in msg and "in _load_next_batch" in msg, msg

@@ -39,6 +39,7 @@ class RootState:
         self._unit_before_root = None       # the unit whose reduction the root's comes right after
         self._kept_last = None              # the last unit in forward order, kept unsharded until its backward
         self._agreement = None              # a usage-mask all-reduce issued and not yet finished
+        self.join = None                    # join.JoinState: uneven inputs under torch's Join (fp.shard sets it)
 
     @property
     def root_unit(self):
@@ -63,6 +64,8 @@ class RootState:
     def before_unit_forward(self, unit, args, kwargs):
         if unit is self.root_unit:
             comm_status.begin_step()     # the step that deadline reports and trace files name
+            if self.join is not None:
+                self.join.before_forward(args, kwargs)
             args, kwargs = self._cast_inputs(args, kwargs)
         if self.order_state is OrderState.RECORDING:
             self._verify_same_unit_everywhere(unit)
