@@ -20,15 +20,15 @@ from ._deferred import deferred_init
 from ._groups.shutdown import shutdown
 from .planner import Plan, PlanError, plan
 from .checkpoint import (AsyncSave, CheckpointError, CheckpointMismatchError, CorruptCheckpointError,
-                         IncompleteCheckpointError, load_checkpoint, load_pretrained, save_checkpoint,
-                         save_pretrained)
+                         IncompleteCheckpointError, latest_checkpoint, load_checkpoint, load_pretrained,
+                         save_checkpoint, save_pretrained)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ShardingConfig", "MixedPrecision", "size_policy", "shard", "compile", "deferred_init", "no_sync", "full_params",
     "clip_grad_norm_", "full_state_dict", "GradScaler", "is_sharded", "register_forward_method", "reset", "comm_stats",
-    "save_checkpoint", "AsyncSave", "load_checkpoint", "load_pretrained", "save_pretrained", "CheckpointError",
+    "save_checkpoint", "AsyncSave", "load_checkpoint", "latest_checkpoint", "load_pretrained", "save_pretrained", "CheckpointError",
     "CheckpointMismatchError", "CorruptCheckpointError", "IncompleteCheckpointError",
     "shutdown",
     "FSDPPluginError", "ConfigError", "ShardingError", "OptimizerError", "StateDictError", "CollectiveError",
