@@ -180,6 +180,33 @@ def checkpoint_extra_that_needs_pickle(tmp_path):
     fp.save_checkpoint(str(tmp_path / "ckpt"), fp.shard(nn.Linear(2, 2)), extra={"fn": print})
 
 
+def _late_rank(rank, world, trace_dir):
+    import re
+    import time
+    os.environ["FSDP_PLUGIN_TRACE_DIR"] = trace_dir
+    model = fp.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), auto_wrap_policy={nn.Linear}, timeout_s=3)
+    for step in range(3):
+        if rank == 2 and step == 2:
+            time.sleep(6)      # stuck in its data loader
+            os._exit(0)
+        try:
+            model(torch.ones(2, 4)).sum().backward()
+        except fp.CollectiveError as e:
+            text = re.sub(r"\d+\.\ds ago", "<t>s ago", str(e))
+            text = re.sub(r"\.py:\d+ in", ".py:<line> in", text)
+            return re.sub(r"host \S+, pid \d+", "host <host>, pid <pid>", text)
+
+
+def collective_deadline_names_the_late_rank(tmp_path):
+    """3 ranks, rank 2 stalls before its third step: ranks 0 and 1 name it (ages, host and pid normalized)."""
+    raise fp.CollectiveError(run_ranks(_late_rank, 3, str(tmp_path), timeout=60, may_die={2})[0])
+
+
+def join_before_any_batch():
+    """torch's Join calls this when a rank had no batch at all inside the context."""
+    fp.shard(nn.Sequential(nn.Linear(2, 2)))._fp_root.join.shadow_step()
+
+
 CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_policy_matches_nothing,
          mesh_not_dividing_world, shard_twice, optimizer_stepped_before_shard, dtype_backend_cannot_reduce,
          plain_state_dict_on_sharded_model, not_sharded, meta_module_without_init,
@@ -187,7 +214,8 @@ CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_polic
          nonfinite_gradients_with_clipping, checkpoint_from_another_architecture,
          lightning_fsdp_option_without_equivalent, lightning_torch_checkpoint_not_ours,
          trainer_resume_from_foreign_folder, compile_unsharded_model, unknown_async_save_mode,
-         plan_of_an_unknown_model, materialize_a_tensor_that_is_not_deferred, checkpoint_extra_that_needs_pickle]
+         plan_of_an_unknown_model, materialize_a_tensor_that_is_not_deferred, checkpoint_extra_that_needs_pickle,
+         collective_deadline_names_the_late_rank, join_before_any_batch]
 
 
 def _capture(case, tmp_path):

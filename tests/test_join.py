@@ -86,3 +86,43 @@ def _joins_without_a_batch(rank, world):
 def test_a_rank_without_any_batch_gets_a_clear_error():
     cls, msg = run_ranks(_joins_without_a_batch, 2, timeout=60, may_die={0})[1]
     assert cls == "UsageError" and "at least one batch" in msg, msg
+
+
+ACCELERATE_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_SHARDING_STRATEGY": "FULL_SHARD",
+                  "FSDP_SYNC_MODULE_STATES": "false", "FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP",
+                  "FSDP_MIN_NUM_PARAMS": "1", "FSDP_VERSION": "1", "FSDP_RESHARD_AFTER_FORWARD": "full_shard",
+                  "FSDP_CPU_RAM_EFFICIENT_LOADING": "false", "ACCELERATE_MIXED_PRECISION": "no",
+                  "MASTER_ADDR": "localhost", "MASTER_PORT": "0"}
+
+
+def _accelerate_join(rank, world, counts):
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)  # the forked parent may hold accelerate singletons
+    GradientState._reset_state()
+    from fsdp_plugin.integrations.accelerate import Accelerator
+
+    data = batches(rank, counts[rank])
+    ddp = nn.parallel.DistributedDataParallel(build())
+    train(ddp, nn.utils.clip_grad_norm_, data, "adamw", True)
+    want = {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}
+    acc = Accelerator()
+    net = build()
+    opt, sched = make_opt("adamw", net.parameters())
+    model, opt = acc.prepare(net, opt)
+    with acc.join_uneven_inputs([model], even_batches=False):
+        for x, y in data:
+            opt.zero_grad()
+            acc.backward(nn.functional.mse_loss(model(x), y))
+            acc.clip_grad_norm_(model.parameters(), 0.3)
+            opt.step()
+            sched.step()
+    with fp.full_params(model, writeback=False):
+        got = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return want, got
+
+
+def test_accelerate_join_uneven_inputs_matches_ddp_join():
+    pytest.importorskip("accelerate")
+    for want, got in run_ranks(_accelerate_join, 2, (5, 3), env=ACCELERATE_ENV, timeout=120):
+        assert max((want[k] - got[k]).abs().max().item() for k in want) <= 1e-5

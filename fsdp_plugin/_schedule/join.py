@@ -119,7 +119,8 @@ class JoinState:
         """One step of the others, with a zero loss (see module docstring)."""
         model = self.model_ref()
         if self.last_input is None or model is None:
-            raise UsageError(f"rank {dist.get_rank()} joined before its first training step inside the Join "
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            raise UsageError(f"rank {rank} joined before its first training step inside the Join "
                              "context: every rank needs at least one batch (it replays its last step for the others)")
         self._promote()
         reducing = self._count(active=0, reducing=0)

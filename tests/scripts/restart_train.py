@@ -65,7 +65,7 @@ def main():
             fp.save_checkpoint(os.path.join(ckpts, f"step{step:03d}"), model, opt, extra={"step": step})
     state = fp.full_state_dict(model)
     if rank == 0:
-        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(root, "final.safetensors"))
+        save_file({k: v.clone() for k, v in state.items()}, os.path.join(root, "final.safetensors"))
     fp.shutdown()
 
 
