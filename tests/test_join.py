@@ -126,3 +126,33 @@ def test_accelerate_join_uneven_inputs_matches_ddp_join():
     pytest.importorskip("accelerate")
     for want, got in run_ranks(_accelerate_join, 2, (5, 3), env=ACCELERATE_ENV, timeout=120):
         assert max((want[k] - got[k]).abs().max().item() for k in want) <= 1e-5
+
+
+def _accumulating(rank, world, counts):
+    """Two micro-batches per optimizer step (no_sync on the first); a joined rank shadows both kinds."""
+    import contextlib
+
+    def loop(model, no_sync, clip):
+        opt, sched = make_opt("sgd", model.parameters())
+        with Join([model], divide_by_initial_world_size=False):
+            for i, (x, y) in enumerate(batches(rank, counts[rank])):
+                with no_sync(model) if i % 2 == 0 else contextlib.nullcontext():
+                    nn.functional.mse_loss(model(x), y).backward()
+                if i % 2 == 1:
+                    clip(model.parameters(), 10.0)
+                    opt.step()
+                    sched.step()
+                    opt.zero_grad()
+
+    ddp = nn.parallel.DistributedDataParallel(build())
+    loop(ddp, lambda m: m.no_sync(), nn.utils.clip_grad_norm_)
+    model = fp.shard(build(), auto_wrap_policy={nn.Linear})
+    loop(model, fp.no_sync, fp.clip_grad_norm_)
+    with fp.full_params(model, writeback=False):
+        got = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}, got
+
+
+def test_join_with_gradient_accumulation_matches_ddp_join():
+    for want, got in run_ranks(_accumulating, 2, (6, 2), timeout=120):
+        assert max((want[k] - got[k]).abs().max().item() for k in want) <= 1e-5

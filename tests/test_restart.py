@@ -54,4 +54,4 @@ def test_kill_campaign_random_rank_step_and_saves(tmp_path, uninterrupted, seed)
     step = rnd.choice([3, 6, 9]) if seed % 2 else rnd.randint(2, 12)
     kill = f"{rnd.randint(0, 1)}:{step}" + (":save" if seed % 2 else "")
     out = _killed_run_matches(tmp_path, kill, uninterrupted)
-    assert "starts at step 1 from None" in out, out[-3000:]
+    assert out.count("rank 0 starts at step") >= 2, out[-3000:]     # the agent restarted the workers
