@@ -174,3 +174,24 @@ def test_accelerate_shows_the_same_message(tmp_path):
     pytest.importorskip("accelerate")
     msg = run_ranks(_accelerate_rank_stalls, 2, str(tmp_path), timeout=120, env=ACCELERATE_ENV, may_die={1})[0]
     assert "Not arrived at #" in msg and "rank 1 (host" in msg and "in _load_next_batch" in msg, msg
+
+
+def _second_step_dies(rank, world, trace_dir):
+    os.environ["FSDP_PLUGIN_TRACE_DIR"] = trace_dir
+    torch.manual_seed(0)
+    model = fp.shard(GPT(), auto_wrap_policy={Block}, timeout_s=20)
+    try:
+        for step in range(3):
+            if rank == 1 and step == 1:
+                time.sleep(2 * status.INTERVAL_S + 0.2)     # its status shows where it was last
+                os._exit(1)                                 # killed (OOM killer, a crash in C++ ...)
+            model(*gpt_batch(step, rank)).backward()
+    except fp.CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_dead_peer_is_named_too(tmp_path):
+    msg = run_ranks(_second_step_dies, 2, str(tmp_path), timeout=90, may_die={1})[0]
+    assert "failed (" in msg and "Not arrived at #" in msg and "rank 1 (host" in msg, msg
+    assert "in _second_step_dies" in msg, msg

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
 
 from . import status
-from .status import _DETAILED, _DUMP_KEY, READ_TIMEOUT_S, _key, _Op, _snapshot
+from .status import _DETAILED, _DUMP_KEY, _key, _Op, _snapshot
 
 
 def ranges(ranks: list) -> str:
@@ -38,8 +37,7 @@ def report(op: Optional[_Op]) -> str:
         return ""
     me = dist.get_rank()
     try:
-        store = dist.distributed_c10d._get_default_store().clone()
-        store.set_timeout(timedelta(seconds=READ_TIMEOUT_S))
+        store = status.report_store()
         store.set(_key(me), json.dumps(_snapshot(None)))
         if not store.check([_DUMP_KEY]):
             store.set(_DUMP_KEY, f"rank {me} at {op.label()}")

@@ -178,6 +178,7 @@ class _Publisher(threading.Thread):
     def start(cls) -> Optional["_Publisher"]:
         try:
             store = dist.distributed_c10d._get_default_store().clone()
+            store.set_timeout(timedelta(seconds=READ_TIMEOUT_S))    # its keys always exist: never waits
             pub = cls(store, dist.distributed_c10d._get_default_group(), threading.get_ident())
             pub.publish()                          # the key exists from the first collective on
         except Exception:  # noqa: BLE001 - no store (or no clone): deadlines keep the plain message
@@ -208,6 +209,22 @@ class _Publisher(threading.Thread):
         if reason != self.dumped:
             self.dumped = reason
             write_trace(f"asked by {reason}", self.tid)
+
+
+def report_store():
+    """A store connection for the deadline report with :data:`READ_TIMEOUT_S`: the status thread's own (already
+    connected: a dead store host fails it in milliseconds; TCPStore serializes the two threads' operations),
+    else a new clone, connected with that timeout rather than the store's own (minutes)."""
+    pub = _S.publisher
+    if pub is not None:
+        return pub.store
+    base = dist.distributed_c10d._get_default_store()
+    old = base.timeout
+    base.set_timeout(timedelta(seconds=READ_TIMEOUT_S))
+    try:
+        return base.clone()
+    finally:
+        base.set_timeout(old)
 
 
 def stop() -> None:
