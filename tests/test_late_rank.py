@@ -195,3 +195,24 @@ def test_a_dead_peer_is_named_too(tmp_path):
     msg = run_ranks(_second_step_dies, 2, str(tmp_path), timeout=90, may_die={1})[0]
     assert "failed (" in msg and "Not arrived at #" in msg and "rank 1 (host" in msg, msg
     assert "in _second_step_dies" in msg, msg
+
+
+def test_where_names_the_library_line_and_the_user_line_that_called_it():
+    import queue
+    import threading
+
+    q = queue.Queue()
+
+    def next_batch():
+        q.get()                   # a data loader waiting for a worker
+
+    t = threading.Thread(target=next_batch)
+    t.start()
+    time.sleep(0.2)
+    try:
+        where = status._where(t.ident)
+    finally:
+        q.put(None)
+        t.join()
+    assert where.startswith("threading.py:") and "(from test_late_rank.py:" in where, where
+    assert where.endswith("in next_batch)"), where

@@ -144,12 +144,28 @@ def finished(op: Optional[_Op]) -> None:
 
 
 # ------------------------------------------------------------------ publication
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Library code: the stdlib, site-packages (torch, Lightning...), this package and its integrations.
+_SITE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(dist.__file__))))   # torch's site-packages
+_LIBS = tuple(os.path.join(d, "") for d in (os.path.dirname(os.__file__), _SITE, _PKG,
+                                           os.path.join(os.path.dirname(_PKG), "integrations")))
+
+
+def _at(frame) -> str:
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
 def _where(tid: Optional[int]) -> Optional[str]:
-    """The innermost Python line of thread ``tid`` (the one that trains), ``file:line in function``."""
+    """The innermost Python line of thread ``tid`` (the one that trains), ``file:line in function``, and the
+    innermost line of the user's own code when that is another one (``queues.py:113 in get (train.py:57 in
+    main)``): a data loader's wait is only useful with the script line that called it."""
     frame = sys._current_frames().get(tid) if tid is not None else None
     if frame is None:
         return None
-    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+    inner, user = _at(frame), frame
+    while user is not None and user.f_code.co_filename.startswith(_LIBS):
+        user = user.f_back
+    return inner if user is None or user is frame else f"{inner} (from {_at(user)})"
 
 
 def _snapshot(tid: Optional[int]) -> dict:
