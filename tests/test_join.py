@@ -45,12 +45,12 @@ def train(model, clip, data, opt_kind: str, divide: bool) -> None:
             sched.step()
 
 
-def _both(rank, world, counts, opt_kind, divide):
+def _both(rank, world, counts, opt_kind, divide, sharding=None):
     data = batches(rank, counts[rank])
     ddp = nn.parallel.DistributedDataParallel(build())
     train(ddp, nn.utils.clip_grad_norm_, data, opt_kind, divide)
     want = {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}
-    model = fp.shard(build(), auto_wrap_policy={nn.Linear})
+    model = fp.shard(build(), auto_wrap_policy={nn.Linear}, **(sharding or {}))
     train(model, fp.clip_grad_norm_, data, opt_kind, divide)
     with fp.full_params(model, writeback=False):
         got = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -71,6 +71,13 @@ def test_join_matches_ddp_join(opt_kind, divide):
 def test_join_three_ranks_with_three_counts():
     results = run_ranks(_both, 3, (2, 5, 3), "sgd", False, timeout=120)
     for want, got, _ in results:
+        assert max((want[k] - got[k]).abs().max().item() for k in want) <= 1e-5
+
+
+@pytest.mark.parametrize("strategy", ["shard_grad_op", "no_shard", "hybrid_shard"])
+def test_join_with_other_strategies(strategy):
+    sharding = {"sharding_strategy": strategy, **({"device_mesh": (2, 1)} if strategy == "hybrid_shard" else {})}
+    for want, got, _ in run_ranks(_both, 2, (5, 3), "sgd", False, sharding, timeout=120):
         assert max((want[k] - got[k]).abs().max().item() for k in want) <= 1e-5
 
 
