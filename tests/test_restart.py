@@ -18,7 +18,9 @@ def _torchrun(root, kill: str = "") -> str:
     os.makedirs(root, exist_ok=True)
     args = launch.torchrun("--standalone", "--nproc-per-node", 2, "--max-restarts", 2, "--monitor-interval", 0.2,
                            SCRIPT, root, *([kill] if kill else []))
-    return launch.run(args, timeout=400)
+    # A fresh worker store per attempt: with torchrun's shared agent store (the default), restarted gloo workers
+    # can read the dead attempt's addresses and hang in connectFullMesh (measured here, torch 2.13).
+    return launch.run(args, timeout=400, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
 
 
 def _weights(root) -> dict:

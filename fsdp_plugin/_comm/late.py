@@ -39,8 +39,8 @@ def report(op: Optional[_Op]) -> str:
     try:
         store = status.report_store()
         store.set(_key(me), json.dumps(_snapshot(None)))
-        if not store.check([_DUMP_KEY]):
-            store.set(_DUMP_KEY, f"rank {me} at {op.label()}")
+        if not store.check([_DUMP_KEY]) or _stale(store.get(_DUMP_KEY).decode()):
+            store.set(_DUMP_KEY, f"{time.time()}|rank {me} at {op.label()}")
         pub = status._S.publisher
         if pub is not None:            # this rank writes its own file below, with the stack of this moment
             pub.dumped = store.get(_DUMP_KEY).decode()
@@ -60,7 +60,16 @@ def _read(store, ranks: list) -> dict:
         present = ranks
     values = store.multi_get([_key(r) for r in present]) if present else []
     got = {r: json.loads(v) for r, v in zip(present, values)}
-    return {r: got.get(r) for r in ranks}
+    # a status from before this process started belongs to a previous attempt of the job: no status of this one
+    return {r: s if s is not None and s["t"] >= status._S.born else None for r, s in ((r, got.get(r)) for r in ranks)}
+
+
+def _stale(request: str) -> bool:
+    t = request.partition("|")[0]
+    try:
+        return float(t) < status._S.born
+    except ValueError:
+        return True
 
 
 def _classify(op: _Op, statuses: dict) -> tuple[list, list, list, list]:
@@ -89,8 +98,8 @@ def _describe(op: _Op, statuses: dict) -> str:
         more = f" ({len(late) - _DETAILED} more late: ranks {ranges(late[_DETAILED:])})" if len(late) > _DETAILED else ""
         parts.append(f"Not arrived at #{op.seq}: " + "; ".join(shown) + more + ".")
     if silent:
-        parts.append(f"No status from rank(s) {ranges(silent)} (dead before their first collective, or "
-                     "another store).")
+        parts.append(f"No status from rank(s) {ranges(silent)} in this attempt (dead or stuck before their first "
+                     "collective, or another store).")
     if past:
         parts.append(f"Rank(s) {ranges(past)} already issued #{op.seq} and more "
                      f"({_past_rank(statuses[past[0]], now)}): the ranks ran different collectives "

@@ -86,6 +86,9 @@ class _State:
         self.current: Optional[_Op] = None    # being waited for
         self.last: Optional[_Op] = None       # last finished
         self.publisher: Optional[_Publisher] = None
+        # Before the process group that any peer's status belongs to: a status or dump request older than this
+        # comes from a previous attempt (torchrun's agent store outlives restarts).
+        self.born = time.time()
 
 
 _S = _State()
@@ -221,9 +224,10 @@ class _Publisher(threading.Thread):
     def _maybe_dump(self) -> None:
         if not self.store.check([_DUMP_KEY]):
             return
-        reason = self.store.get(_DUMP_KEY).decode()
-        if reason != self.dumped:
-            self.dumped = reason
+        request = self.store.get(_DUMP_KEY).decode()
+        t, _, reason = request.partition("|")
+        if request != self.dumped and float(t or 0) >= _S.born:
+            self.dumped = request
             write_trace(f"asked by {reason}", self.tid)
 
 

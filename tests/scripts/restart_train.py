@@ -10,6 +10,7 @@ step's checkpoint save (after its first collectives). A marker file makes the ki
 import os
 import signal
 import sys
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,7 @@ def arm_kill(root: str, spec: str, rank: int):
 def main():
     torch.set_num_threads(1)
     root, spec = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "")
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))   # a failed rendezvous fails, never hangs
     rank = dist.get_rank()
     kill = arm_kill(root, spec, rank)
     torch.manual_seed(0)
