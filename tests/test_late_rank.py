@@ -81,7 +81,7 @@ def test_the_report_sorts_ranks_into_late_waiting_ahead_and_silent():
     }
     text = late._describe(op, statuses)
     assert ("Not arrived at #37: rank 2 (host h, pid 102) last finished #29 gradient reduction of unit '1' "
-            "(group 0, step 2) 4.3s ago, now at train.py:57 in next_batch") in text, text
+            "(group 0, step 2) 4.3s ago, now at train.py:57 in next_batch (its status of 0.0s ago)") in text, text
     assert "rank 3 (host h, pid 103) waits in #5 all-reduce (group 7, step 2) since 9.0s ago" in text, text
     assert "stopped updating 30s ago: the process is dead or frozen" in text, text
     assert "No status from rank(s) 4" in text and "Rank(s) 5 already issued #37 and more" in text, text
@@ -193,7 +193,8 @@ def _second_step_dies(rank, world, trace_dir):
 
 def test_a_dead_peer_is_named_too(tmp_path):
     msg = run_ranks(_second_step_dies, 2, str(tmp_path), timeout=90, may_die={1})[0]
-    assert "failed (" in msg and "Not arrived at #" in msg and "rank 1 (host" in msg, msg
+    assert "failed (" in msg and "Another rank probably died or was killed. Not arrived at #" in msg, msg
+    assert "rank 1 (host" in msg, msg
     assert "in _second_step_dies" in msg, msg
 
 

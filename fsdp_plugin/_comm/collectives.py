@@ -312,7 +312,8 @@ def _collective_error(what: str, timeout_s, cause, op=None) -> CollectiveError:
         return CollectiveError(
             f"rank {rank}: {what}{where} did not complete within {timeout_s or 0:.0f}s. {guess} The limit is "
             "ShardingConfig(timeout_s=...) or the FSDP_PLUGIN_TIMEOUT_S environment variable (default 600 s).")
-    guess = known or "Another rank probably died or was killed; check its log."
+    guess = f"Another rank probably died or was killed. {known}" if known else \
+        "Another rank probably died or was killed; check its log."
     return CollectiveError(f"rank {rank}: {what}{where} failed ({text}). {guess}")
 
 

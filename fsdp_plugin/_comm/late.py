@@ -126,8 +126,8 @@ def _late_rank(s: dict, now: float) -> str:
         text += f", now at {s['where']}"
     age = now - s["t"]
     if age > 2 * status.INTERVAL_S + 1.0:
-        text += f"; its status stopped updating {age:.0f}s ago: the process is dead or frozen (holding the GIL)"
-    return text
+        return text + f"; its status stopped updating {age:.0f}s ago: the process is dead or frozen (holding the GIL)"
+    return text + f" (its status of {age:.1f}s ago)"     # published every INTERVAL_S: a fast loop moves on meanwhile
 
 
 def _past_rank(s: dict, now: float) -> str:

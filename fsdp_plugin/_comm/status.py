@@ -86,6 +86,7 @@ class _State:
         self.current: Optional[_Op] = None    # being waited for
         self.last: Optional[_Op] = None       # last finished
         self.publisher: Optional[_Publisher] = None
+        self.unpublishable = False
         # Before the process group that any peer's status belongs to: a status or dump request older than this
         # comes from a previous attempt (torchrun's agent store outlives restarts).
         self.born = time.time()
@@ -117,8 +118,9 @@ def issued(work, kind: str, group, n: int, numel: int = 0):
             _S.members[name] = dist.get_process_group_ranks(pg)
     op = _Op(seq, name, kind, _S.step, numel)
     _S.ring.append(op)
-    if _S.publisher is None:
+    if _S.publisher is None and not _S.unpublishable:
         _S.publisher = _Publisher.start()
+        _S.unpublishable = _S.publisher is None      # no store or no clone: not retried at every collective
     if work is None:
         op.t_wait = op.t_done = op.t_issue
         _S.last = op
