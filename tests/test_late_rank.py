@@ -217,3 +217,39 @@ def test_where_names_the_library_line_and_the_user_line_that_called_it():
         t.join()
     assert where.startswith("threading.py:") and "(from test_late_rank.py:" in where, where
     assert where.endswith("in next_batch)"), where
+
+
+def _trainer_rank_stalls(rank, world, trace_dir):
+    """transformers' Trainer with fsdp_plugin (the one-line import), FSDP selected by accelerate's env."""
+    os.environ["FSDP_PLUGIN_TRACE_DIR"] = trace_dir
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    import fsdp_plugin.integrations.transformers  # noqa: F401
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    class Stall(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            if rank == 1 and state.global_step == 2:
+                _load_next_batch()
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (32, 8))
+    args = TrainingArguments(output_dir=trace_dir, per_device_train_batch_size=2, max_steps=4, report_to=[],
+                             save_strategy="no", use_cpu=True, disable_tqdm=True, logging_steps=100)
+    trainer = Trainer(LlamaForCausalLM(cfg), args, train_dataset=[{"input_ids": r, "labels": r} for r in ids],
+                      callbacks=[Stall()])
+    try:
+        trainer.train()
+    except fp.CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+def test_the_trainer_shows_the_same_message(tmp_path):
+    pytest.importorskip("transformers")
+    msg = run_ranks(_trainer_rank_stalls, 2, str(tmp_path), timeout=180, env=ACCELERATE_ENV, may_die={1})[0]
+    assert "Not arrived at #" in msg and "rank 1 (host" in msg and "in _load_next_batch" in msg, msg
