@@ -5,7 +5,7 @@
 Every start resumes from ``fp.latest_checkpoint(ROOT/ckpt)`` (none: a fresh start), trains to STEPS with a
 checkpoint every EVERY steps, and rank 0 writes the final full state to ROOT/final.safetensors. KILL =
 ``rank:step`` SIGKILLs that rank just before that step's forward; ``rank:step:save`` in the middle of that
-step's checkpoint save (after its first collectives). A marker file makes the kill happen on the first start only.
+step's checkpoint save (after its first collectives); ``rank:step:agent`` kills its torchrun agent too. A marker file makes the kill happen on the first start only.
 """
 import os
 import signal
@@ -29,13 +29,23 @@ def _die():
 
 
 def arm_kill(root: str, spec: str, rank: int):
-    """(step, in_save) of this rank's kill on the first start, else None."""
+    """(step, in_save) of this rank's kill on the first start, else None. ``rank:step:agent`` also kills this
+    worker's torchrun agent first (a node lost, for elastic runs)."""
     if not spec or os.path.exists(os.path.join(root, "killed")):
         return None
     who, step, *where = spec.split(":")
-    if int(who) != rank:
+    if who != "any" and int(who) != rank:      # "any": this launcher's worker, whatever its rank
         return None
+    if where == ["agent"]:
+        global _die
+        _die = _die_with_agent
+        return int(step), False
     return int(step), bool(where)
+
+
+def _die_with_agent():
+    os.kill(os.getppid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main():
@@ -50,7 +60,7 @@ def main():
     ckpts = os.path.join(root, "ckpt")
     latest = fp.latest_checkpoint(ckpts)                      # the whole recipe: two lines
     start = fp.load_checkpoint(latest, model, opt)["step"] if latest else 0
-    print(f"rank {rank} starts at step {start + 1} from {latest}", flush=True)
+    print(f"rank {rank} of {dist.get_world_size()} starts at step {start + 1} from {latest}", flush=True)
     for step in range(start + 1, STEPS + 1):
         if kill == (step, False):
             open(os.path.join(root, "killed"), "w").close()
