@@ -28,6 +28,10 @@ def main():
     p.add_argument("--model", choices=zoo.MODELS, required=True)
     p.add_argument("--strategy", default="full_shard")
     p.add_argument("--ac", action="store_true")
+    p.add_argument("--ac-mode", choices=AC_MODES, default=None, help="activation checkpointing variant "
+                   "(--ac alone: block); see ac_setting()")
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--seq", type=int, default=None)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--steps", type=int, default=5)
     a = p.parse_args()
@@ -49,10 +53,11 @@ def main():
     model = zoo.build(a.model)
     policy = zoo.wrap_policy(a.model)
     mp = fp.MixedPrecision(param_dtype=torch.bfloat16) if a.bf16 else None
+    mode = a.ac_mode or ("block" if a.ac else "none")
     model = fp.shard(model, sharding_strategy=a.strategy, auto_wrap_policy=policy, mixed_precision=mp,
-                     activation_checkpointing=(policy or _units_of(model)) if a.ac else None)
+                     activation_checkpointing=ac_setting(mode, policy or _units_of(model)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    batch = zoo.inputs(a.model, zoo.BATCH[a.model], zoo.SEQ[a.model], seed=rank)
+    batch = zoo.inputs(a.model, a.batch or zoo.BATCH[a.model], a.seq or zoo.SEQ[a.model], seed=rank)
     peaks, times, runtime = [], [], 0
     for step in range(1 + a.steps):
         if step == 1:
@@ -75,13 +80,25 @@ def main():
     dist.all_gather_object(recs, rec)
     if rank == 0:
         per_step = [max(r["step_s"][i] for r in recs) for i in range(a.steps)]
-        print("PLAN_JSON " + json.dumps({"model": a.model, "world": world, "strategy": a.strategy, "ac": a.ac,
+        print("PLAN_JSON " + json.dumps({"model": a.model, "world": world, "strategy": a.strategy, "ac": a.ac or mode != "none", "ac_mode": mode,
                                          "bf16": a.bf16, "heap_tracker": heap.available,
                                          "peak_per_rank": [r["peak"] for r in recs],
                                          "runtime_per_rank": [r["runtime"] for r in recs],
                                          "step_s": statistics.median(per_step), "calibration": cal.to_dict(),
                                          "comm_bytes_per_step": recs[0]["comm_bytes_per_step"]}), flush=True)
     dist.destroy_process_group()
+
+
+AC_MODES = ("none", "block", "selective", "every2")
+
+
+def ac_setting(mode: str, modules):
+    """``ShardingConfig.activation_checkpointing`` for a benchmark mode (shared with ac_memory.py's plan)."""
+    import fsdp_plugin as fp
+
+    return {"none": None, "block": fp.Checkpointing(modules),
+            "selective": fp.Checkpointing(modules, selective=True),
+            "every2": fp.Checkpointing(modules, every=2)}[mode]
 
 
 def live_tensor_bytes() -> int:

@@ -2,6 +2,9 @@
 
     accelerate launch --config_file examples/accelerate_fsdp_cpu.yaml --main_process_port 0 \
         examples/accelerate_train.py --steps 20 --save-state ckpt --save-model final
+    # continue to step 40 (--steps is the total, as in the other examples)
+    accelerate launch --config_file examples/accelerate_fsdp_cpu.yaml --main_process_port 0 \
+        examples/accelerate_train.py --steps 40 --resume ckpt
 
 A small byte-level GPT (one FSDP unit per ``Block``, as the yaml's ``fsdp_transformer_layer_cls_to_wrap``
 says) learns the Python standard library's source code (no download). ``--resume ckpt`` continues
@@ -73,7 +76,7 @@ class Windows(Dataset):
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    ap.add_argument("--steps", type=int, default=20, help="train up to this optimizer step (total, across resumes)")
     ap.add_argument("--batch-size", type=int, default=8, help="per-process micro-batch")
     ap.add_argument("--grad-accum", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
@@ -84,22 +87,12 @@ def parse_args():
     return ap.parse_args()
 
 
-def main() -> None:
-    args = parse_args()
-    accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum)
-    torch.manual_seed(0)
-    model = GPT(seq=args.seq)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # before prepare: still valid after it
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 5))
-    loader = DataLoader(Windows(load_corpus(1 << 20), args.seq), batch_size=args.batch_size)
-    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-    if args.resume:
-        accelerator.load_state(args.resume)
-    done = accelerator.step // args.grad_accum
-    accelerator.print(f"sharding: {accelerator.fsdp_settings.describe() if accelerator.fsdp_settings else None}")
+def train(accelerator, model, optimizer, scheduler, loader, start: int, steps: int) -> int:
+    """Optimizer steps ``start + 1 .. steps`` (fewer if the data runs out); returns the last step done."""
+    done = start
     batches = accelerator.skip_first_batches(loader, accelerator.step) if accelerator.step else loader
     for x, y in batches:
-        if done >= args.steps:
+        if done >= steps:
             break
         with accelerator.accumulate(model):
             loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
@@ -113,10 +106,38 @@ def main() -> None:
             done += 1
             mean = accelerator.reduce(loss.detach(), "mean").item()
             accelerator.print(f"step {done:4d}  loss {mean:.4f}  grad-norm {norm.item():.3f}")
+    return done
+
+
+def main() -> None:
+    args = parse_args()
+    accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum)
+    torch.manual_seed(0)
+    model = GPT(seq=args.seq)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # before prepare: still valid after it
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 5))
+    loader = DataLoader(Windows(load_corpus(1 << 20), args.seq), batch_size=args.batch_size)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    if args.resume:
+        accelerator.load_state(args.resume)
+    start = accelerator.step // args.grad_accum
+    accelerator.print(f"sharding: {accelerator.fsdp_settings.describe() if accelerator.fsdp_settings else None}")
+    if args.resume:
+        accelerator.print(f"resumed from {args.resume} at step {start}")
+    if start >= args.steps:  # say so: a resume that trains nothing must not look like a silent success
+        accelerator.print(f"nothing left to train: the state is at step {start} and --steps {args.steps} is the "
+                          f"total; pass --steps {start + args.steps} to train {args.steps} more")
+    done = train(accelerator, model, optimizer, scheduler, loader, start, args.steps)
+    if done > start:
+        accelerator.print(f"trained steps {start + 1}..{done}")
+    if done < args.steps:
+        accelerator.print(f"the data ran out at step {done} (one pass over the corpus), before --steps {args.steps}")
     if args.save_state:
         accelerator.save_state(args.save_state)
+        accelerator.print(f"saved state to {args.save_state} at step {done}")
     if args.save_model:
         accelerator.save_model(model, args.save_model)
+        accelerator.print(f"saved Hugging Face safetensors to {args.save_model}")
     accelerator.end_training()  # barrier, then the process group is destroyed cleanly (fp.shutdown)
 
 

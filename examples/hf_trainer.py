@@ -14,6 +14,7 @@ config that ``AutoModelForCausalLM.from_pretrained`` loads.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 import fsdp_plugin.integrations.transformers  # the one-line change: Trainer (and subclasses) → fsdp_plugin
@@ -32,6 +33,14 @@ def parse() -> argparse.Namespace:
     return p.parse_args()
 
 
+def resumed_step(checkpoint: str | None) -> int:
+    """The optimizer step a ``checkpoint-<step>`` folder was saved at (0 when not resuming)."""
+    if checkpoint is None:
+        return 0
+    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+        return int(json.load(f)["global_step"])
+
+
 def main() -> None:
     a = parse()
     tok = tokenizer()
@@ -40,11 +49,16 @@ def main() -> None:
                      max_grad_norm=1.0, logging_steps=5, save_steps=a.save_steps, max_length=96, bf16=a.bf16,
                      report_to=[], disable_tqdm=True, use_cpu=True, seed=0, **fsdp)
     trainer = SFTTrainer(model=tiny_llama(len(tok)), args=args, train_dataset=text_dataset(), processing_class=tok)
+    start = resumed_step(a.resume)
+    if start >= a.max_steps and trainer.is_world_process_zero():  # say so: the Trainer would just return
+        print(f"nothing left to train: {a.resume} is at step {start} and --max-steps {a.max_steps} is the total; "
+              "pass a larger --max-steps")
     trainer.train(resume_from_checkpoint=a.resume)
     trainer.save_model(os.path.join(a.out, "final"))  # HF safetensors + config (+ tokenizer)
     if trainer.is_world_process_zero():
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        print(f"sharded={fsdp_plugin.is_sharded(trainer.model)} losses={[round(x, 4) for x in losses]}")
+        print(f"sharded={fsdp_plugin.is_sharded(trainer.model)} step {trainer.state.global_step} (started at {start}) "
+              f"losses={[round(x, 4) for x in losses]}")
         print(f"saved {os.path.join(a.out, 'final')}")
 
 

@@ -122,12 +122,27 @@ class LitGPT(pl.LightningModule):
         return "".join(vocab[i] for i in idx[0].tolist())
 
 
+class ReportSteps(pl.Callback):
+    """Says where training starts (and, after fit, whether it ran at all): a resume past ``max_steps`` trains
+    nothing, and Lightning then skips the loop without calling any training hook."""
+
+    started = False
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.started = True
+        if trainer.is_global_zero:
+            first = "resumed at" if trainer.global_step else "starting at"
+            print(f"{first} step {trainer.global_step}, training to step {trainer.max_steps}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=40)
     p.add_argument("--batch-size", type=int, default=16, help="per process")
     p.add_argument("--ckpt-dir", default="out/gpt")
+    p.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps (and last.ckpt)")
+    p.add_argument("--sample", type=int, default=120, help="characters to generate after training")
     p.add_argument("--resume", default=None, help='a checkpoint directory, or "last"')
     p.add_argument("--precision", default="32-true", help="32-true | bf16-mixed | bf16-true")
     args = p.parse_args()
@@ -135,17 +150,21 @@ def main() -> None:
     pl.seed_everything(0)
     data = CharData(corpus(), ctx=64)
     model = LitGPT(data.vocab, max_steps=args.max_steps)
+    report = ReportSteps()
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.devices, strategy="fsdp_plugin", precision=args.precision,
         max_steps=args.max_steps, log_every_n_steps=5, logger=False, enable_model_summary=False,
-        callbacks=[ModelCheckpoint(args.ckpt_dir, every_n_train_steps=20, save_last=True)],
+        callbacks=[ModelCheckpoint(args.ckpt_dir, every_n_train_steps=args.save_every, save_last=True), report],
     )
     loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size, shuffle=True, num_workers=0)
     trainer.fit(model, loader, ckpt_path=args.resume)
-    text = model.sample("The \"assert\" statement", n=120)
+    if not report.started and trainer.is_global_zero:
+        print(f"nothing left to train: the checkpoint is at step {trainer.global_step} and --max-steps "
+              f"{args.max_steps} is the total; pass a larger --max-steps")
+    text = model.sample("The \"assert\" statement", n=args.sample)
     if trainer.is_global_zero:
         loss = trainer.callback_metrics.get("train_loss")
-        print(f"\nstep {trainer.global_step}, train_loss {float(loss):.3f}" if loss is not None else "")
+        print(f"\nstep {trainer.global_step}" + (f", train_loss {float(loss):.3f}" if loss is not None else ""))
         print(f"checkpoints: {sorted(p.name for p in __import__('pathlib').Path(args.ckpt_dir).iterdir())}")
         print("sample:", text)
     fsdp_plugin.shutdown()  # every rank: barrier, then the process group is destroyed cleanly (README, Reliability)

@@ -212,6 +212,9 @@ def main(argv=None) -> None:
         extra = load_checkpoint(args.resume, model, opt) or {}
         start = int(extra.get("step", 0))
         log(f"resumed from {args.resume} at step {start} ({time.perf_counter() - t:.2f} s)")
+        if start >= args.steps:  # a resume that trains nothing says so
+            log(f"nothing left to train: the checkpoint is at step {start} and --steps {args.steps} is the total; "
+                f"pass --steps {start + args.steps} to train {args.steps} more")
 
     def lr_at(step: int) -> float:
         return args.lr * min(1.0, (step + 1) / max(args.warmup, 1))

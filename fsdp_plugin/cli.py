@@ -1,47 +1,36 @@
-"""``fsdp-plugin`` command line: ``inspect CKPT``, ``verify CKPT``, ``consolidate CKPT OUT [--format lightning]``.
+"""``fsdp-plugin`` command line: ``inspect CKPT``, ``verify CKPT``, ``consolidate CKPT OUT [--format lightning]``,
+``export CKPT OUT --format hf|dcp|lightning`` (``dcp``: a torch distributed-checkpoint directory).
 
-Needs no process group and no GPU. Progress goes to stderr; results to stdout. Exit status: 0 ok,
-1 a checkpoint problem (message on stderr), 2 bad usage.
+CKPT is any layout fsdp_plugin writes (see :mod:`fsdp_plugin.checkpoint.layouts`): an ``fp.save_checkpoint`` or
+Lightning directory, an accelerate ``save_state`` directory, a Trainer ``checkpoint-<n>``; ``inspect`` also
+describes the ones it does not read (DCP, a Lightning file) and names what reads them.
+
+Needs no process group and no GPU. Progress goes to stderr (a bar on a terminal, whole lines in a log); results
+to stdout. Exit status: 0 ok, 1 a checkpoint problem (message on stderr), 2 bad usage.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-import time
 
+from ._progress import Progress
 from .checkpoint.errors import CheckpointError
-
-
-class Progress:
-    """A plain-text progress line on stderr, redrawn at most every 0.2 s."""
-
-    def __init__(self, label: str, stream=None):
-        self.label, self.stream = label, stream or sys.stderr
-        self.t0, self.last = time.monotonic(), 0.0
-
-    def __call__(self, done: int, total: int) -> None:
-        now = time.monotonic()
-        if now - self.last < 0.2 and done < total:
-            return
-        self.last = now
-        frac = done / total if total else 1.0
-        bar = "#" * int(30 * frac)
-        rate = done / max(now - self.t0, 1e-9) / 1e6
-        self.stream.write(f"\r{self.label} [{bar:<30}] {100 * frac:5.1f}% {done / 1e6:,.1f}/{total / 1e6:,.1f} MB "
-                          f"{rate:,.0f} MB/s")
-        if done >= total:
-            self.stream.write("\n")
-        self.stream.flush()
 
 
 def _inspect(args) -> int:
     from .checkpoint.tools import inspect_checkpoint
 
+    foreign = _foreign_layout(args.ckpt)
+    if foreign is not None:  # recognised, but not ours to read: say what it is and what reads it
+        print(json.dumps(foreign, indent=2) if args.json else f"{foreign['summary']}\n{foreign['reads']}")
+        return 0
     info = inspect_checkpoint(args.ckpt)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
+    if info["layout"]["kind"] != "fsdp_plugin":
+        print(f"{info['layout']['summary']}; shown: {info['path']}")
     print(f"checkpoint {info['path']}  (uuid {info['uuid']})")
     print(f"saved by world size {info['world_size']}, sharding {json.dumps(info['sharding'])}")
     print(f"{info['num_params']} parameters, {info['num_elements']:,} elements, "
@@ -56,6 +45,16 @@ def _inspect(args) -> int:
         print(f"optimizer {i}: {o['class']}, {o['param_groups']} param groups, state {', '.join(o['state_keys'])}")
     print("extra: " + json.dumps(info["extra"].get("0"))[:2000])
     return 0
+
+
+def _foreign_layout(path: str) -> dict | None:
+    """The layout of ``path`` when it is a checkpoint someone else reads (DCP, a Lightning file, Trainer weights)."""
+    from .checkpoint.layouts import detect
+
+    layout = detect(path)
+    if layout.checkpoints or layout.kind not in ("dcp", "lightning-file", "trainer"):
+        return None
+    return {"kind": layout.kind, "path": layout.path, "summary": layout.summary, "reads": layout.reads}
 
 
 def _verify(args) -> int:
@@ -83,6 +82,16 @@ def _consolidate(args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    if args.format != "dcp":
+        return _consolidate(args)
+    from .checkpoint.dcp import export_dcp
+
+    print(f"wrote {export_dcp(args.ckpt, args.out)} (torch DCP: torch.distributed.checkpoint.load reads it "
+          "into an FSDP2 model and its optimizer, keys model.* and optimizer.*)")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="fsdp-plugin", description="fsdp_plugin checkpoint tools")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -107,6 +116,15 @@ def main(argv=None) -> int:
                         "they are written under every name so a strict load_state_dict works")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(fn=_consolidate)
+    p = sub.add_parser("export", help="leave fsdp_plugin: the checkpoint as torch DCP (dcp), HF safetensors (hf) "
+                                      "or one Lightning file (lightning)")
+    p.add_argument("ckpt")
+    p.add_argument("out", help="output directory (dcp, hf) or file (lightning); must not exist for dcp")
+    p.add_argument("--format", choices=("dcp", "hf", "lightning"), required=True)
+    p.add_argument("--max-shard-size", default="5GB", help="hf: largest output file (default 5GB)")
+    p.add_argument("--drop-tied", action="store_true", help="hf: write tied parameters once")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(fn=_export)
     from .planner.cli import add_parser as _add_plan
     _add_plan(sub)   # ``fsdp-plugin plan``: lives in fsdp_plugin/plan/cli.py
     args = parser.parse_args(argv)

@@ -2,7 +2,7 @@
 
 Integrations (Lightning, Accelerate) translate their options into a ShardingConfig; the engine reads
 nothing else. Validation that needs no process group happens in ``__post_init__``; checks that need the
-world (mesh divides the world, backend dtype support) happen in ``validate_for_world``.
+world (the mesh divides the world) happen when ``fp.shard`` builds the mesh (``_groups/mesh.py``).
 """
 from __future__ import annotations
 
@@ -31,19 +31,32 @@ class MixedPrecision:
         low-precision float (bf16 reduction hurts at scale), else param_dtype.
     buffer_dtype: dtype buffers are cast to at shard time (None: unchanged).
     cast_forward_inputs: cast floating-point forward inputs of the root to param_dtype.
+    master_dtype: dtype of the sharded master copy of *trainable* parameters stored in a narrower float
+        (a model loaded in bf16) when param_dtype is a 16-bit float: float32 by default, so the optimizer
+        steps and keeps its state in fp32 (what stock accelerate's FSDP does). Frozen parameters (a LoRA
+        base) keep the dtype they were loaded in, and so do all parameters without a 16-bit param_dtype.
+        None keeps every master in its loaded dtype (bf16 masters and optimizer state: half the memory).
     """
 
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
     buffer_dtype: Optional[torch.dtype] = None
     cast_forward_inputs: bool = True
+    master_dtype: Optional[torch.dtype] = torch.float32
 
     def __post_init__(self):
-        for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype", "master_dtype"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
                 raise ConfigError(f"MixedPrecision.{name}={value!r}: use a floating torch dtype such as "
                                   "torch.bfloat16, torch.float16 or torch.float32, or None")
+
+    def master_dtype_for(self, dtype: torch.dtype, requires_grad: bool) -> torch.dtype:
+        """The sharded master dtype of a parameter stored in ``dtype`` (see ``master_dtype``)."""
+        low = self.param_dtype is not None and self.param_dtype.itemsize < 4
+        if not (low and requires_grad and self.master_dtype is not None and dtype.is_floating_point):
+            return dtype
+        return self.master_dtype if dtype.itemsize < self.master_dtype.itemsize else dtype
 
     def effective_reduce_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         if self.reduce_dtype is not None:
@@ -66,6 +79,51 @@ class _SizePolicy:
 def size_policy(min_params: int = 100_000_000) -> _SizePolicy:
     """Auto-wrap policy: every module whose unwrapped subtree has >= ``min_params`` parameter elements."""
     return _SizePolicy(min_params)
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """Which modules recompute their activations in backward, and how (``ShardingConfig.activation_checkpointing``).
+
+    modules: module classes, a callable(module) -> bool or `size_policy(n)`; None: every unit but the root.
+    every: recompute only every k-th selected module: those at index 0, k, 2k, ... among the selected modules
+        in ``model.modules()`` order (1: all of them). The others keep their activations.
+    selective: False recomputes the whole module (saves only its inputs); True is torch's selective
+        checkpointing: the outputs of matmuls and attention kernels are kept, the pointwise rest (norms,
+        activations, dropout, residual adds) is recomputed -- more memory than whole-module, less compute.
+    """
+
+    modules: WrapPolicy = None
+    every: int = 1
+    selective: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ConfigError(f"Checkpointing(every={self.every!r}): use a positive int (1 recomputes every "
+                              "selected module, 2 every second one, ...)")
+        if not isinstance(self.selective, bool):
+            raise ConfigError(f"Checkpointing(selective={self.selective!r}): use True (keep matmul/attention "
+                              "outputs, recompute the rest) or False (recompute the whole module)")
+        if isinstance(self.modules, (Checkpointing, bool)):
+            raise ConfigError(f"Checkpointing(modules={self.modules!r}): use module classes, a "
+                              "callable(module) -> bool, fp.size_policy(n) or None (every non-root unit)")
+
+
+def as_checkpointing(value) -> Optional[Checkpointing]:
+    """``ShardingConfig.activation_checkpointing`` in its one normal form: None (off) or a `Checkpointing`.
+    True means every non-root unit; classes, callables and size policies are the ``modules`` to recompute."""
+    if value is None or value is False:
+        return None
+    if isinstance(value, Checkpointing):
+        return value
+    if value is True:
+        return Checkpointing()
+    if isinstance(value, (set, frozenset, tuple, list)) and all(isinstance(c, type) for c in value) \
+            or isinstance(value, _SizePolicy) or callable(value) and not isinstance(value, type):
+        return Checkpointing(modules=value)
+    raise ConfigError(f"activation_checkpointing={value!r}: use True (every unit but the root), module classes, "
+                      "a callable(module) -> bool, fp.size_policy(n), fp.Checkpointing(modules, every=k, "
+                      "selective=True) or None")
 
 
 @dataclass
@@ -93,8 +151,10 @@ class ShardingConfig:
     backward_prefetch / forward_prefetch: issue the next unit's all-gather early.
     limit_all_gathers: bound the number of unsharded units alive at once (memory).
     cpu_offload: keep shards, gradients and optimizer state on CPU (a no-op on CPU-only machines).
-    activation_checkpointing: module classes, a callable(module) -> bool or `size_policy(n)` selecting the modules
-        to recompute in backward.
+    activation_checkpointing: which modules recompute their activations in backward: None (off), True (every
+        unit but the root), module classes, a callable(module) -> bool, `size_policy(n)`, or
+        ``fp.Checkpointing(modules, every=k, selective=True)`` for every k-th module and torch's selective
+        checkpointing (keep matmul/attention outputs, recompute the pointwise rest).
     ignored_modules: modules whose parameters stay unsharded and unmanaged.
     timeout_s: seconds a collective may wait for the other ranks before raising CollectiveError (naming
         the rank, unit and collective) instead of hanging; None reads FSDP_PLUGIN_TIMEOUT_S, default 600.
@@ -111,7 +171,7 @@ class ShardingConfig:
     forward_prefetch: bool = False
     limit_all_gathers: bool = True
     cpu_offload: bool = False
-    activation_checkpointing: WrapPolicy = None
+    activation_checkpointing: Union[WrapPolicy, bool, "Checkpointing"] = None
     ignored_modules: Iterable[nn.Module] = field(default_factory=tuple)
     timeout_s: Optional[float] = None
     device: Optional[torch.device] = None
@@ -133,6 +193,7 @@ class ShardingConfig:
         if isinstance(self.device_mesh, tuple) and (len(self.device_mesh) != 2 or min(self.device_mesh) < 1):
             raise ConfigError(f"device_mesh={self.device_mesh}: give (replicate, shard) with two positive sizes")
         self.ignored_modules = tuple(self.ignored_modules or ())
+        as_checkpointing(self.activation_checkpointing)   # validates; kept as given (integrations compare it)
         _check_reshard_rule(self.reshard_after_forward)
         self.device = torch.device(self.device) if self.device is not None else None
 

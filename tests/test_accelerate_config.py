@@ -13,6 +13,7 @@ from torch import nn
 
 pytest.importorskip("accelerate")
 
+import fsdp_plugin as fp
 from fsdp_plugin.integrations.accelerate import AccelerateConfigError, settings_from_env
 from fsdp_plugin.integrations.accelerate.config.resolve import sharding_kwargs
 
@@ -206,3 +207,16 @@ def test_plugin_and_lightning_share_the_torch_fsdp_translator():
                                                                                keep_low_precision_grads=True))
     with pytest.raises(AccelerateConfigError, match="mixed_precision_policy.*keep_low_precision_grads"):
         settings_from_plugin(bad)
+
+
+def test_plugin_takes_a_checkpointing_policy_object():
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from fsdp_plugin.integrations.accelerate import settings_from_plugin
+
+    for given, want in ((fp.Checkpointing(every=2, selective=True), fp.Checkpointing({Block}, 2, True)),
+                        (fp.Checkpointing({Block}, selective=True), fp.Checkpointing({Block}, selective=True)),
+                        (True, {Block})):
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Block"],
+            cpu_ram_efficient_loading=False, activation_checkpointing=given)
+        assert sharding_kwargs(settings_from_plugin(plugin), Net())["activation_checkpointing"] == want

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
 import fsdp_plugin as fp
+import _readme
 from _launch import run, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,13 +59,27 @@ def _have_checkpoints() -> bool:
 
 
 @pytest.mark.skipif(not _have_checkpoints(), reason="fp.save_checkpoint / fp.load_checkpoint not available yet")
-def test_train_gpt_save_resume_matches_uninterrupted(straight_run, tmp_path):
-    ckpt = tmp_path / "ckpt"
+def test_train_gpt_readme_pair_resumes_exactly(straight_run, tmp_path):
+    """The README's torchrun pair (steps 200 then 300, here 20 then 30, with SMALL appended): the second
+    resumes at step 20 and trains exactly the uninterrupted run's steps 21..30."""
+    first, second = _readme.find(r"^torchrun .*examples/train_gpt\.py --steps")
+    assert "--save /tmp/fsdp_demo" in first and "--resume /tmp/fsdp_demo" in second, (first, second)
+    ckpt = tmp_path / "fsdp_demo"
     straight = _losses(straight_run)
-    first = _torchrun(*SMALL, "--steps", "20", "--save", str(ckpt))
-    assert ckpt.is_dir() and "saved sharded checkpoint" in first, first[-3000:]
-    out = _torchrun(*SMALL, "--steps", "30", "--resume", str(ckpt))
-    assert "resumed from" in out and "at step 20" in out, out[-3000:]
+    out = _readme_run(first, tmp_path)
+    assert (ckpt / "manifest.json").is_file() and f"saved sharded checkpoint to {ckpt} at step 20" in out, out[-3000:]
+    out = _readme_run(second, tmp_path)
+    assert f"resumed from {ckpt} at step 20" in out and "trained 10 steps" in out, out[-3000:]
     resumed = _losses(out)
+    assert sorted(resumed) == [21, 30], resumed  # logs the first step trained and the last
     # the same batches, the same restored parameters and AdamW state: the same losses
     assert resumed[30] == pytest.approx(straight[30], abs=1e-5), (straight, resumed)
+    # the first command's total again, as a world of one (no torchrun): nothing left, and it says so
+    out = run([sys.executable, TRAIN_GPT, *SMALL, "--steps", "20", "--resume", ckpt, "--eval-batches", "0"],
+              timeout=120, env={"PYTHONPATH": str(ROOT)})
+    assert "nothing left to train: the checkpoint is at step 20 and --steps 20 is the total" in out, out[-3000:]
+    assert not _losses(out), out[-3000:]
+
+
+def _readme_run(command: str, tmp: Path) -> str:
+    return run(_readme.argv(command, tmp, SMALL), timeout=240, cwd=_readme.workdir(tmp), env={"PYTHONPATH": str(ROOT)})

@@ -157,3 +157,13 @@ def test_fabric_strategy_takes_them_too():
     assert strategy.sharding_config.activation_checkpointing == {Block}
     with pytest.raises(fp.ConfigError, match="consolidate"):
         FSDPPluginFabricStrategy(state_dict_type="full")
+
+
+def test_checkpointing_policy_object_passes_with_its_modules_translated():
+    from fsdp_plugin.integrations.lightning import FSDPPluginStrategy
+
+    ac = fp.Checkpointing(modules=ModuleWrapPolicy({Block}), every=2, selective=True)
+    strategy = FSDPPluginStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy=ac)
+    assert strategy.sharding_config.activation_checkpointing == fp.Checkpointing({Block}, every=2, selective=True)
+    assert translate({"activation_checkpointing_policy": fp.Checkpointing(selective=True)})[
+        "activation_checkpointing"] == fp.Checkpointing(selective=True)

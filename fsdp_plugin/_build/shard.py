@@ -1,7 +1,6 @@
 """`shard()`: turn a module into units with flat sharded parameters, in place."""
 from __future__ import annotations
 
-import functools
 from collections import OrderedDict
 from typing import Optional
 
@@ -12,16 +11,18 @@ from torch import nn
 from .._comm import collectives as comm
 from .. import _log
 from .._flat.flat_param import FlatParamHandle, ParamSlot
+from .checkpointing import apply_activation_checkpointing
 from .guards import install_guards
 from .host_alloc import keep_freed_host_memory
 from .._materialize.materialize import Materializer, decide_scatter, model_kind
 from .._materialize.hf_init import retie
 from .._groups.mesh import Mesh, build_mesh
+from .._groups.shutdown import register_at_exit
 from .._schedule.join import make_joinable
 from .._schedule.root import RootState
 from .strategy import STRATEGIES, unit_policy
 from .._schedule.unit import Unit
-from .wrap import owner_unit, params_by_unit, recompute_selector, select_unit_modules
+from .wrap import owner_unit, params_by_unit, select_unit_modules
 from ..config import ShardingConfig
 from ..errors import ConfigError, ShardingError
 
@@ -42,12 +43,13 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
                             "units with auto_wrap_policy")
     cfg = ShardingConfig.from_kwargs(config, **kwargs)
     mesh = build_mesh(STRATEGIES[cfg.sharding_strategy].scope, cfg.device_mesh)
+    if mesh.world_size > 1:
+        register_at_exit()  # process groups are in use: destroy them before interpreter exit
     device = _pick_device(model, cfg)
     _check_reducible(model, cfg)
-    if cfg.activation_checkpointing is not None:
-        _apply_activation_checkpointing(model, cfg.activation_checkpointing)
     retie(model)
     units = select_unit_modules(model, cfg.auto_wrap_policy, cfg.ignored_modules)
+    apply_activation_checkpointing(model, cfg.activation_checkpointing, [m for f, m in units if f])
     if device.type == "cpu" and mesh.world_size > 1:
         keep_freed_host_memory()    # per-step buffers are malloc blocks on the CPU (see _host_alloc)
     root = RootState(cfg, mesh, device)
@@ -88,24 +90,6 @@ def _check_reducible(model: nn.Module, cfg: ShardingConfig) -> None:
                               "reduce: set MixedPrecision(reduce_dtype=torch.float32), or freeze/cast that parameter")
 
 
-def _apply_activation_checkpointing(model: nn.Module, policy) -> None:
-    """Recompute the selected modules in backward (non-reentrant, so unit hooks run on recompute)."""
-    from torch.utils.checkpoint import checkpoint
-
-    selected = recompute_selector(model, policy)
-    for m in list(model.modules()):
-        if m is model or not selected(m):
-            continue
-        inner = m.forward
-
-        @functools.wraps(inner)
-        def forward(*args, _inner=inner, **kwargs):
-            if not torch.is_grad_enabled():
-                return _inner(*args, **kwargs)
-            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
-        m.forward = forward
-
-
 def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: RootState) -> None:
     unit_fqns = [f for f, _ in units]
     sites, names, owned = params_by_unit(model, unit_fqns, cfg.ignored_modules)
@@ -114,6 +98,7 @@ def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: Ro
     mat = Materializer(model, device, cfg.param_init_fn)
     buffer_sites = _buffer_sites_by_unit(model, unit_fqns)
     built: list = []
+    progress = _progress(model, mesh)
     # Scattering an eagerly built model: last unit first, so that the big early units (embeddings in the
     # root) are scattered once most of the model is already sharded and freed (setup peak ~ model + one unit).
     order = list(reversed(units)) if scatter else units
@@ -124,12 +109,35 @@ def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: Ro
             else:
                 _empty_meta_buffers(buffer_sites[fqn], device)
             policy = unit_policy(cfg, mesh, fqn, module)
-            handles = [_build_handle(group, sites, names, policy.mesh, cfg, device, mat, scatter, fqn or "<root>")
-                       for group in _group_params(owned[fqn]).values()]
+            handles = [_build_handle(group, dtype, sites, names, policy.mesh, cfg, device, mat, scatter,
+                                     fqn or "<root>")
+                       for (dtype, _), group in group_params(owned[fqn], cfg.mixed_precision).items()]
             built.append(Unit(fqn, module, handles, root, reshard_after_forward=policy.reshard_after_forward))
+            if progress is not None:
+                progress(sum(h.total * h.dtype.itemsize for h in handles))
+        if progress is not None:
+            progress(None)
     finally:
         mat.close()
     root.units.extend(reversed(built) if scatter else built)
+
+
+def _progress(model: nn.Module, mesh: Mesh):
+    """``advance(nbytes)`` for rank 0's progress lines (``FSDP_PLUGIN_LOG=INFO``) while a large model's units
+    are built, ``advance(None)`` at the end; None for small models, other ranks, or INFO off."""
+    from .. import _progress as progress_lines
+
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    lines = progress_lines.logged("fp.shard", total) if mesh.rank == 0 else None
+    if lines is None:
+        return None
+    done = [0]
+    lines(0, total)
+
+    def advance(nbytes: Optional[int]) -> None:
+        done[0] = total if nbytes is None else min(total, done[0] + nbytes)
+        lines(done[0], total)
+    return advance
 
 
 def _buffer_sites_by_unit(model: nn.Module, unit_fqns: list) -> dict:
@@ -149,16 +157,24 @@ def _empty_meta_buffers(sites: list, device) -> None:
             m._buffers[n] = torch.empty_like(m._buffers[n], device=device)
 
 
-def _group_params(params: list) -> "OrderedDict[tuple, list]":
+def group_params(params: list, mp=None) -> "OrderedDict[tuple, list]":
+    """A unit's parameters by ``(master dtype, requires_grad)``, one flat handle each (shared with fp.plan).
+    The master dtype is the loaded dtype, or ``mp.master_dtype`` for trainable 16-bit parameters under a
+    16-bit ``MixedPrecision`` (see ``MixedPrecision.master_dtype_for``)."""
     groups: OrderedDict = OrderedDict()
     for p in params:
-        groups.setdefault((p.dtype, p.requires_grad), []).append(p)
+        dtype = mp.master_dtype_for(p.dtype, p.requires_grad) if mp is not None else p.dtype
+        groups.setdefault((dtype, p.requires_grad), []).append(p)
     return groups
 
 
-def _build_handle(params, sites, names, mesh: Mesh, cfg: ShardingConfig, device, mat: Materializer,
-                  scatter: bool, label: str) -> FlatParamHandle:
-    dtype, requires_grad = params[0].dtype, params[0].requires_grad
+def _build_handle(params, dtype: torch.dtype, sites, names, mesh: Mesh, cfg: ShardingConfig, device,
+                  mat: Materializer, scatter: bool, label: str) -> FlatParamHandle:
+    """One flat handle whose master shard is ``dtype`` (the loaded values are cast into it)."""
+    requires_grad = params[0].requires_grad
+    if dtype != params[0].dtype:    # accelerate logs its upcast too: the memory is the user's to know about
+        _log.logger.info("unit %s: %d trainable %s parameters get %s master shards (MixedPrecision(master_dtype="
+                         "None) keeps %s)", label, len(params), params[0].dtype, dtype, params[0].dtype)
     values = mat.param_values(params) if (not scatter or mesh.rank == 0) else None
     slots, offset = [], 0
     for p in params:

@@ -50,7 +50,7 @@ class JoinState:
         self.shadowing = False
         self.n_active = root.mesh.world_size
         self.last_input: Optional[tuple] = None
-        self.clip: Optional[tuple] = None           # (max_norm, norm_type) of the last real step, if any
+        self.clip: Optional[tuple] = None           # (fp.clip_grad_norm_, max_norm, norm_type) of the last real step
         self.optimizers: list = []                  # optimizers that stepped sharded params in the last step
         self._this_step: list = []
         self._clip_this_step: Optional[tuple] = None
@@ -98,9 +98,9 @@ class JoinState:
             self._this_step.append(opt)
             self._stepped = True
 
-    def note_clip(self, max_norm: float, norm_type: float) -> None:
+    def note_clip(self, clip, max_norm: float, norm_type: float) -> None:
         if not self.shadowing:
-            self._clip_this_step = (max_norm, norm_type)
+            self._clip_this_step = (clip, max_norm, norm_type)
 
     def close(self) -> None:
         """Join finished on every rank: back to plain steps."""
@@ -143,9 +143,9 @@ class JoinState:
             self.shadowing, self.root.no_sync = False, no_sync
 
     def _after_backward(self, model) -> None:
-        if self.clip is not None:
-            from ..api import clip_grad_norm_   # the public op: its shard of the global norm, same collective
-            clip_grad_norm_(model.parameters(), *self.clip)
+        if self.clip is not None:       # fp.clip_grad_norm_: this rank's shard of the global norm, same collective
+            clip, max_norm, norm_type = self.clip
+            clip(model.parameters(), max_norm, norm_type)
         for opt in self.optimizers:
             opt.step()
             opt.zero_grad()
@@ -206,10 +206,11 @@ def _before_optimizer_step(opt, args, kwargs) -> None:
                 _sync_hyperparameters(opt, state)
 
 
-def note_clip(max_norm: float, norm_type: float) -> None:
-    """Called by fp.clip_grad_norm_: the joined ranks replay the clip of the last real step."""
+def note_clip(clip, max_norm: float, norm_type: float) -> None:
+    """Called by fp.clip_grad_norm_ (``clip``, passed in: no import cycle): the joined ranks replay the clip of
+    the last real step."""
     for state in _ACTIVE:
-        state.note_clip(max_norm, norm_type)
+        state.note_clip(clip, max_norm, norm_type)
 
 
 def _numbers(group: dict) -> list:

@@ -19,6 +19,7 @@ from .errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     MismatchReport,
+    UnsafeCheckpointError,
 )
 from .hf import load_pretrained, save_pretrained
 from .latest import latest_checkpoint
@@ -38,6 +39,7 @@ __all__ = [
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
     "MismatchReport",
+    "UnsafeCheckpointError",
     "consolidate",
     "latest_checkpoint",
     "inspect_checkpoint",

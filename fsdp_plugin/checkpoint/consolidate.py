@@ -11,7 +11,7 @@ import os
 import uuid
 import zlib
 
-from . import _format, manifest
+from . import _format, layouts, manifest
 from .errors import CorruptCheckpointError
 from .fsio import preadv_all
 from .hf_out import HFWriter
@@ -26,7 +26,7 @@ def consolidate(ckpt, out, max_shard_size="5GB", progress=None, keep_tied: bool 
     drops the aliases like ``save_pretrained`` and the hub do.
     ``progress(done_bytes, total_bytes)`` is called after every block when given.
     """
-    ckpt, out = os.fspath(ckpt), os.fspath(out)
+    ckpt, out = layouts.checkpoint_dir(ckpt), os.fspath(out)
     doc = manifest.read(ckpt)
     tensors = {}  # output name -> (stored name, manifest entry)
     for n, e in doc["params"].items():
@@ -111,7 +111,7 @@ def read_full_state(ckpt) -> tuple[dict, object]:
 
     from .load import _plan_extra, add_reads
 
-    ckpt = os.fspath(ckpt)
+    ckpt = layouts.checkpoint_dir(ckpt)
     doc = manifest.read(ckpt)
     state: dict = {}
     with ReadPlan(ckpt, doc["files"]) as plan:

@@ -19,6 +19,7 @@ import uuid
 
 import torch
 
+from .. import _progress
 from . import _comm, _format, _model, hf_convert
 from .errors import CheckpointError, CheckpointMismatchError, MismatchReport
 from .fsio import byte_view, check_plain_name, open_in_dir
@@ -69,11 +70,22 @@ def _load_local(model, path: str, strict: bool, report: MismatchReport) -> None:
             for (f, e), src_start, lo, hi in parts:
                 src = _format.to_dtype(e.dtype)
                 plan.add(f, e.begin + src_start * src.itemsize, src, dest[lo:hi], e.name)
+        plan.progress = _load_progress(path, stored)
         plan.execute()
+        plan.progress = None  # converted groups below are read as they are converted
         for group, targets in converted:
             _load_group(model, plan, stored, group, targets)
     for dst, src in copy_back:
         dst.copy_(src)
+
+
+def _load_progress(path: str, stored: dict):
+    """Rank 0's progress lines (``FSDP_PLUGIN_LOG=INFO``) for a large load: the bytes this rank reads."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    return _progress.logged(f"load_pretrained {path}", sum(e.end - e.begin for _, e in stored.values()))
 
 
 def _load_group(model, plan: ReadPlan, stored: dict, group, targets: list) -> None:

@@ -23,7 +23,7 @@ import os
 import re
 
 from . import _format
-from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .fsio import open_in_dir
 
 FORMAT = "fsdp_plugin.checkpoint"
@@ -52,8 +52,10 @@ def read(path: str) -> dict:
         raise CheckpointError(_missing_dir_message(path))
     where = os.path.join(path, NAME)
     if not os.path.lexists(where):
-        raise IncompleteCheckpointError(f"{path} has no {NAME}: the save that wrote it was interrupted, or it is "
-                                        "not an fsdp_plugin checkpoint. Load the previous checkpoint.")
+        # readers resolve the path with layouts.checkpoint_dir first (which says what else it is, and calls a save
+        # interrupted only with evidence); here the manifest is simply absent
+        raise CheckpointNotFoundError(f"{path} has no {NAME}, so it is not an fsdp_plugin checkpoint directory: "
+                                      f"`fsdp-plugin inspect {path}` says what it is")
     fd = open_in_dir(path, NAME, where)
     try:
         size = os.fstat(fd).st_size

@@ -14,6 +14,7 @@ queues "read ``n`` elements at byte ``offset`` of file ``name`` into 1-D tensor 
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -64,6 +65,9 @@ class ReadPlan:
         self.threads = threads
         self._files: dict[str, _File] = {}
         self.bytes_read = 0
+        #: ``progress(done_bytes, total_bytes)`` during :meth:`execute` (payload bytes), when set
+        self.progress = None
+        self._done, self._done_lock = 0, threading.Lock()  # files are read by several threads
 
     def header(self, name: str) -> _format.Header:
         """Open, size-check and parse file ``name`` once; return its validated header."""
@@ -87,7 +91,7 @@ class ReadPlan:
                     f"{where} is {size:,} bytes; manifest.json says {record['bytes']:,}: the file is "
                     f"{'truncated' if size < record['bytes'] else 'extended'}. Copy the checkpoint again, "
                     "or load the previous one.")
-            header = _format.read_header(fd, size, where)
+            header = self._parse_header(fd, size, where)
             if record is not None and header.data_start != record["data_start"]:
                 raise CorruptCheckpointError(f"{where}: data starts at byte {header.data_start}, "
                                              f"manifest.json says {record['data_start']}")
@@ -95,6 +99,10 @@ class ReadPlan:
             os.close(fd)
             raise
         return _File(fd, size, header, record, where)
+
+    def _parse_header(self, fd: int, size: int, where: str) -> _format.Header:
+        """The file's safetensors header (a subclass reading raw files returns an empty one)."""
+        return _format.read_header(fd, size, where)
 
     def fd(self, name: str) -> tuple[int, str]:
         """``(fd, path)`` of validated file ``name`` (opened by :meth:`header`)."""
@@ -114,6 +122,9 @@ class ReadPlan:
     def execute(self) -> None:
         """Perform every queued read (files in parallel threads); raise on the first failure."""
         files = [f for f in self._files.values() if f.segments]
+        self._total, self._done = sum(s.nbytes for f in files for s in f.segments), 0
+        if self.progress is not None:
+            self.progress(0, self._total)
         if len(files) <= 1 or self.threads <= 1:
             for f in files:
                 self._read_file(f)
@@ -176,6 +187,10 @@ class ReadPlan:
         self.bytes_read += end - start
         for dest, bounce in posts:
             dest.copy_(bounce)
+        if self.progress is not None:
+            with self._done_lock:
+                self._done += sum(s.nbytes for s in run)
+                self.progress(self._done, self._total)
 
     def _read_verified(self, f: _File, bufs: list[memoryview], start: int, run: list[_Segment]) -> None:
         """Read ``bufs`` (starting at block-aligned ``start``) and check every block's CRC32.

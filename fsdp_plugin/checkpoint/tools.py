@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import zlib
 
-from . import _format, manifest
+from . import _format, layouts, manifest
 from .errors import CheckpointError
 from .fsio import preadv_all
 from .reader import ReadPlan
@@ -12,8 +12,11 @@ from .reader import ReadPlan
 
 def inspect_checkpoint(path) -> dict:
     """Summary of a checkpoint: parameters (name, shape, dtype), world size and strategy at save, bytes on
-    disk per file, optimizers, and ``extra`` (as stored: JSON with tagged values)."""
-    doc = manifest.read(os.fspath(path))
+    disk per file, optimizers, and ``extra`` (as stored: JSON with tagged values); ``layout``: what ``path``
+    is (an accelerate state, a Trainer checkpoint...) and ``path``: the fsdp_plugin directory inside it shown."""
+    layout = layouts.detect(path)
+    path = layouts.checkpoint_dir(path)
+    doc = manifest.read(path)
     params = {n: ({"alias_of": e["alias_of"]} if "alias_of" in e else
                   {"shape": e["shape"], "dtype": e["dtype"], "requires_grad": e.get("requires_grad", True)})
               for n, e in doc["params"].items()}
@@ -30,6 +33,7 @@ def inspect_checkpoint(path) -> dict:
                                              | {k for s in o.get("scalars", {}).values() for k in s})}
                        for o in doc.get("optimizers", [])],
         "extra": doc.get("extra", {}),
+        "layout": {"kind": layout.kind, "path": layout.path, "summary": layout.summary, "reads": layout.reads},
     }
 
 
@@ -38,8 +42,8 @@ def verify_checkpoint(path, progress=None) -> list[str]:
 
     Returns a list of problems (empty: the checkpoint is intact). ``progress(done, total)`` per block.
     """
-    path = os.fspath(path)
     try:
+        path = layouts.checkpoint_dir(path)
         doc = manifest.read(path)
     except CheckpointError as e:
         return [str(e)]

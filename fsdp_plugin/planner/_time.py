@@ -87,12 +87,13 @@ def _sync(device):
 
 
 def calibrate(device: Optional[torch.device] = None, dtype: torch.dtype = torch.float32, group=None,
-              seconds: float = 0.5) -> Calibration:
+              seconds: float = 0.5, progress=None) -> Calibration:
     """Measure, on this process: the kernel rates of a transformer layer's forward+backward and AdamW step in
     ``dtype`` (`_workload`: matmul and attention FLOP/s, other ops' bytes/s, optimizer bytes/s), streaming memory
     bandwidth, host seconds per op and (under an initialized process group) all-gather bandwidth and
     latency. ``seconds``: rough budget per measurement (the whole call takes ~4x it). Collective: every rank
-    of ``group`` must call it."""
+    of ``group`` must call it. ``progress(done, total)``, when given, after each measurement (``fp.plan`` and
+    ``plan --calibrate`` give rank 0 a :class:`fsdp_plugin._progress.Progress` on stderr)."""
     from . import _workload as _workload
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -102,16 +103,21 @@ def calibrate(device: Optional[torch.device] = None, dtype: torch.dtype = torch.
         from .._build.host_alloc import keep_freed_host_memory
         keep_freed_host_memory()
     world = comm.group_size(group)
+    report = _reporter(progress, group, 4 if world > 1 else 3)
     if world > 1:      # ranks train side by side (sharing memory bandwidth, or cores): measure side by side
         comm.barrier("plan --calibrate", None, group)
     rates = _workload.measure(device, dtype, seconds)
+    report()
     big = torch.empty(8 * 2**20 if device.type == "cpu" else 64 * 2**20, device=device)
     mem = 2 * big.numel() * big.element_size() / _timed(lambda: (big.mul_(1.0), _sync(device)), seconds / 2)
+    report()
     bus, latency = 1e12, 0.0
     if world > 1:
         bus, latency = _measure_collectives(device, group, world, seconds)
+        report()
     overlap = 1.0 if device.type == "cuda" else 0.0
     rates.update(mem_bytes_per_s=mem, op_overhead_s=_op_overhead(device, seconds))
+    report()
     if world > 1:
         rates = _group_median(rates, group, device)
     return Calibration(rates["flops_per_s"], rates["mem_bytes_per_s"], bus, latency, overlap,
@@ -119,6 +125,19 @@ def calibrate(device: Optional[torch.device] = None, dtype: torch.dtype = torch.
                        elementwise_bytes_per_s=rates["elementwise_bytes_per_s"],
                        optimizer_bytes_per_s=rates["optimizer_bytes_per_s"],
                        attention_flops_per_s=rates["attention_flops_per_s"])
+
+
+def _reporter(progress, group, total: int):
+    """A no-argument callable counting finished measurements into ``progress`` (None: silent)."""
+    done = [0]
+
+    def report() -> None:
+        done[0] += 1
+        if progress is not None:
+            progress(done[0], total)
+    if progress is not None:
+        progress(0, total)
+    return report
 
 
 def _group_median(rates: dict, group, device) -> dict:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .._build.shard import _group_params
+from .._build.shard import group_params
 from .._build.wrap import params_by_unit, select_unit_modules
 
 
@@ -39,14 +39,15 @@ class UnitSpec:
         return self.fqn or "<root>"
 
 
-def discover_units(model: nn.Module, policy, ignored=()) -> tuple[list[UnitSpec], list[HandleSpec]]:
-    """Units root first (as fp.shard orders them) and their handles, grouped exactly like fp.shard."""
+def discover_units(model: nn.Module, policy, ignored=(), mp=None) -> tuple[list[UnitSpec], list[HandleSpec]]:
+    """Units root first (as fp.shard orders them) and their handles, grouped (and given their master dtype,
+    ``mp`` the MixedPrecision) exactly like fp.shard."""
     chosen = select_unit_modules(model, policy, ignored)
     _, _, owned = params_by_unit(model, [f for f, _ in chosen], ignored)
     units, handles = [], []
     for i, (fqn, module) in enumerate(chosen):
         unit = UnitSpec(fqn, module)
-        for (dtype, rg), params in _group_params(owned[fqn]).items():
+        for (dtype, rg), params in group_params(owned[fqn], mp).items():
             unit.handles.append(len(handles))
             handles.append(HandleSpec(i, dtype, rg, sum(p.numel() for p in params), [id(p) for p in params],
                                       max(p.numel() for p in params)))

@@ -31,6 +31,10 @@ def add_parser(sub) -> None:
     p.add_argument("--inputs", help="pkg.module:fn returning one micro-batch per rank (overrides --batch/--seq)")
     p.add_argument("--mixed-precision", choices=("bf16", "fp16"))
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute every unit in backward")
+    p.add_argument("--ac-every", type=int, default=1, metavar="K",
+                   help="with --activation-checkpointing: only every K-th unit (default 1)")
+    p.add_argument("--ac-selective", action="store_true", help="with --activation-checkpointing: torch's "
+                   "selective checkpointing (keep matmul/attention outputs, recompute the rest)")
     p.add_argument("--cpu-offload", action="store_true")
     p.add_argument("--no-backward-prefetch", action="store_true")
     p.add_argument("--forward-prefetch", action="store_true")
@@ -65,12 +69,28 @@ def run(args) -> int:
             result = fit(module, args.fit, max_world=args.max_world, **kwargs)
         else:
             result = plan(module, world_size=args.world, sharding_strategy=args.strategy,
-                          activation_checkpointing=args.activation_checkpointing or None, **kwargs)
+                          activation_checkpointing=_checkpointing(args), **kwargs)
     except PlanError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(result.to_dict(), indent=2, default=str) if args.json else result)
     return 0
+
+
+def _checkpointing(args):
+    """The --activation-checkpointing flags as a ShardingConfig value (None: off)."""
+    from ..config import Checkpointing
+    from ..errors import ConfigError
+    from .errors import PlanError
+
+    if not args.activation_checkpointing:
+        if args.ac_every != 1 or args.ac_selective:
+            raise PlanError("--ac-every / --ac-selective refine --activation-checkpointing: add it")
+        return None
+    try:
+        return Checkpointing(every=args.ac_every, selective=args.ac_selective)
+    except ConfigError as e:
+        raise PlanError(str(e)) from e
 
 
 def _import(spec: str):

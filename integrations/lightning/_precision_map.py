@@ -7,7 +7,9 @@
 | ``16-mixed``  | fp32           | fp16                 | **fp32**        | fp16     | sharded (CUDA only) |
 | ``bf16-true`` | bf16           | bf16                 | bf16            | no       | no          |
 
-Any other flag is refused with a message listing these.
+"fp32" masters hold for a model loaded in bf16 too: under ``*-mixed`` its trainable parameters get fp32 master
+shards (``fp.MixedPrecision.master_dtype``); frozen parameters stay as loaded. Any other flag is refused with a
+message listing these.
 """
 from __future__ import annotations
 

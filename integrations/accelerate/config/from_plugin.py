@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import fsdp_plugin as fp
 from fsdp_plugin.config import _SizePolicy
 from fsdp_plugin.integrations.accelerate.config import torch_fsdp_args as torch_args
 
@@ -36,7 +37,9 @@ def settings_from_plugin(plugin: Any) -> FsdpSettings:
     s.limit_all_gathers = bool(plugin.limit_all_gathers) if plugin.limit_all_gathers is not None else True
     if plugin.activation_checkpointing_offload:
         raise config_error(_P + "activation_checkpointing_offload", True, "set it to False")
-    s.activation_checkpointing = bool(plugin.activation_checkpointing)
+    ac = plugin.activation_checkpointing   # True, or an fp.Checkpointing (every k-th, selective) passed through
+    s.activation_checkpointing = (torch_args.checkpoint_policy(ac, "activation_checkpointing", _error)
+                                  if isinstance(ac, fp.Checkpointing) else bool(ac))
     s.ignored_modules = plugin.ignored_modules or None
     s.state_dict_type = parse.parse_state_dict_type(plugin.state_dict_type, _P + "state_dict_type")
     s.cpu_ram_efficient_loading = bool(plugin.cpu_ram_efficient_loading)

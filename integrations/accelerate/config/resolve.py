@@ -82,9 +82,19 @@ def _none_policy(module: nn.Module) -> bool:
 
 
 def checkpoint_policy(s: FsdpSettings, wrap, model: nn.Module):
-    """``fsdp_activation_checkpointing: true`` → recompute the wrapped blocks."""
-    if not s.activation_checkpointing:
+    """``fsdp_activation_checkpointing: true`` → recompute the wrapped blocks; an ``fp.Checkpointing`` (plugin
+    object) keeps its ``every``/``selective`` and, without ``modules``, recomputes the wrapped blocks too."""
+    import dataclasses
+
+    ac = s.activation_checkpointing
+    if not ac:
         return None
+    if isinstance(ac, bool):
+        return _wrapped_blocks(s, wrap, model)
+    return ac if ac.modules is not None else dataclasses.replace(ac, modules=_wrapped_blocks(s, wrap, model))
+
+
+def _wrapped_blocks(s: FsdpSettings, wrap, model: nn.Module) -> set:
     if isinstance(wrap, set) and wrap:
         return set(wrap)
     names = tuple(getattr(model, "_no_split_modules", None) or ())

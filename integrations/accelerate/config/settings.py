@@ -46,7 +46,7 @@ class FsdpSettings:
     forward_prefetch: bool = False
     limit_all_gathers: bool = True
     cpu_offload: bool = False
-    activation_checkpointing: bool = False
+    activation_checkpointing: Any = False  # bool, or an fp.Checkpointing from a plugin object
     ignored_modules: Any = None        # None | regex str | iterable of modules
     mixed_precision: str = "no"        # "no" | "bf16" | "fp16"
     param_dtype: Any = None            # explicit policy from a plugin (overrides mixed_precision dtypes)
@@ -73,7 +73,8 @@ class FsdpSettings:
             "sharding_strategy": self.strategy, "auto_wrap": wrap_desc, "mesh": self.mesh,
             "mixed_precision": self.mixed_precision, "backward_prefetch": self.backward_prefetch,
             "forward_prefetch": self.forward_prefetch, "cpu_offload": self.cpu_offload,
-            "activation_checkpointing": self.activation_checkpointing,
+            "activation_checkpointing": self.activation_checkpointing if isinstance(
+                self.activation_checkpointing, bool) else repr(self.activation_checkpointing),
             "state_dict_type": self.state_dict_type,
             "cpu_ram_efficient_loading": self.cpu_ram_efficient_loading,
         }

@@ -20,6 +20,7 @@ here imports torch's FSDP package.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
@@ -160,7 +161,12 @@ def policy_function(value: Any) -> tuple[str, dict[str, Any]]:
 
 
 def checkpoint_policy(value: Any, key: str = "activation_checkpointing", error: ErrorFactory = config_error) -> Any:
-    """Modules to recompute: what :func:`wrap_policy` takes (the engine selects by size like auto-wrap)."""
+    """Modules to recompute: what :func:`wrap_policy` takes (the engine selects by size like auto-wrap), or an
+    ``fp.Checkpointing`` (every k-th module, selective) whose ``modules`` are translated the same way."""
+    if isinstance(value, fp.Checkpointing):
+        if value.modules is None:
+            return value
+        return dataclasses.replace(value, modules=wrap_policy(value.modules, key, error))
     return wrap_policy(value, key, error)
 
 
