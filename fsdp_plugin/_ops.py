@@ -13,6 +13,7 @@ from torch import nn
 
 from ._comm import collectives as comm
 from ._flat.layout import is_persistent_buffer
+from ._schedule.join import note_clip
 from .errors import NonFiniteGradientError, ShardingError
 
 
@@ -141,6 +142,7 @@ def clip_grad_norm_(parameters: Union[nn.Module, Iterable[torch.Tensor]], max_no
     params = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
     grads = [p.grad for p in params if p.grad is not None]
     norm_type = float(norm_type)
+    note_clip(clip_grad_norm_, max_norm, norm_type)       # a Join's joined ranks replay it
     sharded = [p.grad for p in params if p.grad is not None and getattr(p, "_fp_handle", None) is not None]
     plain = [p.grad for p in params if p.grad is not None and getattr(p, "_fp_handle", None) is None]
     handle = next((p._fp_handle for p in params if getattr(p, "_fp_handle", None) is not None), None)

@@ -180,6 +180,33 @@ def checkpoint_extra_that_needs_pickle(tmp_path):
     fp.save_checkpoint(str(tmp_path / "ckpt"), fp.shard(nn.Linear(2, 2)), extra={"fn": print})
 
 
+def _late_rank(rank, world, trace_dir):
+    import re
+    import time
+    os.environ["FSDP_PLUGIN_TRACE_DIR"] = trace_dir
+    model = fp.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), auto_wrap_policy={nn.Linear}, timeout_s=3)
+    for step in range(3):
+        if rank == 2 and step == 2:
+            time.sleep(6)      # stuck in its data loader
+            os._exit(0)
+        try:
+            model(torch.ones(2, 4)).sum().backward()
+        except fp.CollectiveError as e:
+            text = re.sub(r"\d+\.\ds ago", "<t>s ago", str(e))
+            text = re.sub(r"\.py:\d+ in", ".py:<line> in", text)
+            return re.sub(r"host \S+, pid \d+", "host <host>, pid <pid>", text)
+
+
+def collective_deadline_names_the_late_rank(tmp_path):
+    """3 ranks, rank 2 stalls before its third step: ranks 0 and 1 name it (ages, host and pid normalized)."""
+    raise fp.CollectiveError(run_ranks(_late_rank, 3, str(tmp_path), timeout=60, may_die={2})[0])
+
+
+def join_before_any_batch():
+    """torch's Join calls this when a rank had no batch at all inside the context."""
+    fp.shard(nn.Sequential(nn.Linear(2, 2)))._fp_root.join.shadow_step()
+
+
 def activation_checkpointing_every_zero():
     fp.ShardingConfig(activation_checkpointing=fp.Checkpointing(modules={Block}, every=0))
 
@@ -273,7 +300,8 @@ CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_polic
          dcp_metadata_naming_a_foreign_global, truncated_dcp_data_file, dcp_save_interrupted,
          dcp_optimizer_groups_differ, export_dcp_onto_an_existing_directory,
          load_a_directory_that_is_not_a_checkpoint, load_an_interrupted_save,
-         activation_checkpointing_every_zero, activation_checkpointing_without_units]
+         activation_checkpointing_every_zero, activation_checkpointing_without_units,
+         collective_deadline_names_the_late_rank, join_before_any_batch]
 
 
 def _capture(case, tmp_path):

@@ -29,6 +29,8 @@ CHECKED = {
     r"^bash \.ci/run$|^python -m pytest": "the test suite itself",
     r"^python benchmarks/": "benchmarks: not part of the suite (README, Tests and benchmarks)",
     r"^torchrun --nnodes 2 .* train\.py$": "a template for two nodes and the user's own train.py",
+    r"torchrun --rdzv-backend c10d .*--max-restarts 3 train\.py$":
+        "the restart recipe's template: tests/test_restart.py runs it on tests/scripts/restart_train.py",
     r"examples/lightning_gpt\.py": "test_demo_pair_trains_then_resumes",
     r"accelerate_train\.py|^fsdp-plugin inspect /tmp/acc_state$": "test_accelerate_pair_trains_then_resumes",
     r"hf_trainer\.py --out runs/sft --max-steps|^fsdp-plugin inspect runs/sft/":

@@ -18,6 +18,7 @@ from .._materialize.materialize import Materializer, decide_scatter, model_kind
 from .._materialize.hf_init import retie
 from .._groups.mesh import Mesh, build_mesh
 from .._groups.shutdown import register_at_exit
+from .._schedule.join import make_joinable
 from .._schedule.root import RootState
 from .strategy import STRATEGIES, unit_policy
 from .._schedule.unit import Unit
@@ -56,6 +57,7 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
     _finish_buffers(model, cfg, mesh, device)
     _release_recording(model)
     model._fp_root = root
+    make_joinable(model, root)   # torch's Join([model]) for uneven inputs
     install_guards(model, root)
     _log.on_sharded(model)   # unit table at INFO, phase memory at DEBUG (FSDP_PLUGIN_LOG)
     return model

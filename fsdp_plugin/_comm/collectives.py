@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveError
+from . import late, status
 
 
 @dataclass
@@ -65,8 +66,9 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = Fal
     n = group_size(group)
     _count(kind, out.numel(), out.element_size(), n)
     if _p2p_ok(group, out, inp):
-        return _issued(_P2PAllGather(out, inp, group, n), async_op)
-    return dist.all_gather_single(out, inp, group=group, async_op=async_op)
+        return _issued(status.issued(_P2PAllGather(out, inp, group, n), kind, group, n, out.numel()), async_op)
+    return status.issued(dist.all_gather_single(out, inp, group=group, async_op=async_op), kind, group, n,
+                         out.numel())
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
@@ -77,8 +79,10 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool =
     n = group_size(group)
     _count("reduce_scatter", inp.numel(), inp.element_size(), n)
     if _p2p_ok(group, out, inp):
-        return _issued(_P2PReduceScatter(out, inp, group, n), async_op)
-    return dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        return _issued(status.issued(_P2PReduceScatter(out, inp, group, n), "reduce_scatter", group, n,
+                                     inp.numel()), async_op)
+    return status.issued(dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op),
+                         "reduce_scatter", group, n, inp.numel())
 
 
 def _p2p_ok(group, out: torch.Tensor, inp: torch.Tensor) -> bool:
@@ -99,7 +103,9 @@ def inflight_host_bytes(kind: str, full_bytes: int, n: int, gloo_cpu: bool) -> i
 def _issued(work, async_op: bool):
     if async_op:
         return work
+    op, work = status.waiting(work, "")
     work.wait()
+    status.finished(op)
     return None
 
 
@@ -129,6 +135,7 @@ class _P2PWork:
                 self.works.append(pg.recv([recvs[j]], j, tag))
                 self.works.append(pg.send([sends[j]], j, tag))
         self.done = False
+        self.fp_op = None        # set by status.issued: this collective's number, for deadline reports
 
     def wait(self, timeout=None) -> bool:
         for w in self.works:
@@ -185,8 +192,9 @@ def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = Fa
     n = group_size(group)
     _count(kind, t.numel(), t.element_size(), n, factor=2)
     if what is None:
-        return dist.all_reduce(t, op=op, group=group, async_op=async_op)
-    _blocking(dist.all_reduce(t, op=op, group=group, async_op=True), what, timeout_s)
+        return status.issued(dist.all_reduce(t, op=op, group=group, async_op=async_op), kind, group, n, t.numel())
+    _blocking(status.issued(dist.all_reduce(t, op=op, group=group, async_op=True), kind, group, n, t.numel()),
+              what, timeout_s)
 
 
 def broadcast(t: torch.Tensor, src: int, group, what: str = "broadcast", timeout_s: Optional[float] = None,
@@ -194,7 +202,8 @@ def broadcast(t: torch.Tensor, src: int, group, what: str = "broadcast", timeout
     """Rank ``src``'s ``t`` into ``t`` on every rank of ``group`` (global rank ``src``); blocking, with a deadline."""
     n = group_size(group)
     _count(kind, t.numel(), t.element_size(), n)
-    _blocking(dist.broadcast(t, src=src, group=group, async_op=True), what, timeout_s)
+    _blocking(status.issued(dist.broadcast(t, src=src, group=group, async_op=True), kind, group, n, t.numel()),
+              what, timeout_s)
 
 
 def broadcast_bytes(data: Optional[bytes], src: int, what: str = "broadcast",
@@ -220,7 +229,8 @@ def barrier(what: str, timeout_s: Optional[float] = None, group=None) -> None:
         return
     STATS.calls["barrier"] += 1
     kw = {"device_ids": [device().index]} if device().type == "cuda" else {}
-    _blocking(dist.barrier(group=group, async_op=True, **kw), what, timeout_s)
+    work = status.issued(dist.barrier(group=group, async_op=True, **kw), "barrier", group, group_size(group))
+    _blocking(work, what, timeout_s)
 
 
 def all_gather_list(outs: list, t: torch.Tensor, group=None, what: str = "all_gather",
@@ -228,7 +238,8 @@ def all_gather_list(outs: list, t: torch.Tensor, group=None, what: str = "all_ga
     """Gather ``t`` from every rank into ``outs[r]`` (same shape on every rank); blocking, with a deadline."""
     n = group_size(group)
     _count(kind, t.numel() * n, t.element_size(), n)
-    _blocking(dist.all_gather(outs, t, group=group, async_op=True), what, timeout_s)
+    _blocking(status.issued(dist.all_gather(outs, t, group=group, async_op=True), kind, group, n, t.numel() * n),
+              what, timeout_s)
 
 
 def gather(t: torch.Tensor, outs: Optional[list], dst: int, group=None, what: str = "gather",
@@ -236,21 +247,22 @@ def gather(t: torch.Tensor, outs: Optional[list], dst: int, group=None, what: st
     """Every rank's ``t`` into ``outs[r]`` on rank ``dst`` (``outs`` None elsewhere); blocking, with a deadline."""
     n = group_size(group)
     _count(kind, t.numel() * n, t.element_size(), n)
-    _blocking(dist.gather(t, outs, dst=dst, group=group, async_op=True), what, timeout_s)
+    _blocking(status.issued(dist.gather(t, outs, dst=dst, group=group, async_op=True), kind, group, n, t.numel() * n),
+              what, timeout_s)
 
 
 def send(t: torch.Tensor, dst: int, what: str = "send", timeout_s: Optional[float] = None) -> None:
     """Point-to-point: ``t`` to global rank ``dst``, which must :func:`recv` it; blocking, with a deadline."""
     STATS.calls["p2p"] += 1
     STATS.bytes["p2p"] += t.numel() * t.element_size()
-    _blocking(dist.isend(t, dst=dst), what, timeout_s)
+    _blocking(status.issued(dist.isend(t, dst=dst), f"send to {dst}", "p2p", 2, t.numel()), what, timeout_s)
 
 
 def recv(t: torch.Tensor, src: int, what: str = "recv", timeout_s: Optional[float] = None) -> None:
     """Point-to-point: fill ``t`` from global rank ``src``'s :func:`send`; blocking, with a deadline."""
     STATS.calls["p2p"] += 1
     STATS.bytes["p2p"] += t.numel() * t.element_size()
-    _blocking(dist.irecv(t, src=src), what, timeout_s)
+    _blocking(status.issued(dist.irecv(t, src=src), f"recv from {src}", "p2p", 2, t.numel()), what, timeout_s)
 
 
 def device() -> torch.device:
@@ -269,33 +281,40 @@ def scatter(out: torch.Tensor, chunks: Optional[list], src: int, group) -> None:
     """Rank ``src`` sends ``chunks[r]`` to rank r (global rank ``src``)."""
     n = group_size(group)
     _count("scatter", out.numel() * n, out.element_size(), n)
-    dist.scatter(out, chunks, src=src, group=group)
+    status.issued(dist.scatter(out, chunks, src=src, group=group), "scatter", group, n, out.numel())
 
 
 def wait(work, what: str = "collective", timeout_s: Optional[float] = None) -> None:
     """Wait for ``work``; a peer that died or diverged becomes a CollectiveError within ``timeout_s``."""
     if work is None:
         return
+    op, work = status.waiting(work, what)
     try:
         ok = work.wait(timeout=timedelta(seconds=timeout_s)) if timeout_s else work.wait()
     except RuntimeError as e:
-        raise _collective_error(what, timeout_s, e) from e
+        raise _collective_error(what, timeout_s, e, op) from e
     if ok is False:
-        raise _collective_error(what, timeout_s, None)
+        raise _collective_error(what, timeout_s, None, op)
+    status.finished(op)
 
 
-def _collective_error(what: str, timeout_s, cause) -> CollectiveError:
+def _collective_error(what: str, timeout_s, cause, op=None) -> CollectiveError:
+    """The error of a failed or timed-out wait; with the operation's record (``op``), the late ranks are
+    named from the rendezvous store (:func:`late.report`)."""
     global FAILED
     FAILED = True
     rank = dist.get_rank() if dist.is_initialized() else 0
     text = str(cause).splitlines()[0][:300] if cause else ""
+    where = f" ({op.place()})" if op is not None and op.seq is not None else ""
+    known = late.report(op)
     if cause is None or "timed out" in text.lower() or "timeout" in text.lower():
+        guess = known or "Another rank probably failed, is stuck or ran different units; check its log."
         return CollectiveError(
-            f"rank {rank}: {what} did not complete within {timeout_s or 0:.0f}s. Another rank probably failed, is stuck "
-            "or ran different units; check its log. The limit is ShardingConfig(timeout_s=...) or the "
-            "FSDP_PLUGIN_TIMEOUT_S environment variable (default 600 s).")
-    return CollectiveError(f"rank {rank}: {what} failed ({text}). Another rank probably died or was killed; "
-                           "check its log.")
+            f"rank {rank}: {what}{where} did not complete within {timeout_s or 0:.0f}s. {guess} The limit is "
+            "ShardingConfig(timeout_s=...) or the FSDP_PLUGIN_TIMEOUT_S environment variable (default 600 s).")
+    guess = f"Another rank probably died or was killed. {known}" if known else \
+        "Another rank probably died or was killed; check its log."
+    return CollectiveError(f"rank {rank}: {what}{where} failed ({text}). {guess}")
 
 
 def default_timeout_s(configured: Optional[float]) -> float:

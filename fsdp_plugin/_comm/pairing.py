@@ -60,10 +60,7 @@ def agree(c: int, units: Sequence, group, world_size: int, timeout_s: Optional[f
     mine = torch.tensor([c], dtype=torch.int64)
     everyone = torch.empty(world_size, dtype=torch.int64)
     work = comm.all_gather(everyone, mine, group, async_op=True, kind="control")
-    try:
-        comm.wait(work, "pairing check", timeout_s)
-    except CollectiveError as e:
-        raise CollectiveError(f"{e} (before {describe(c, units)})") from e.__cause__
+    comm.wait(work, f"pairing check before {describe(c, units)}", timeout_s)  # a deadline names the unit
     seen = everyone.tolist()
     if any(s != c for s in seen):
         names = "; ".join(f"rank {r}: {describe(s, units)}" for r, s in enumerate(seen))

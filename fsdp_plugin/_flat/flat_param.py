@@ -97,6 +97,7 @@ class FlatParamHandle:
         self.pending_reduce: Optional[_PendingReduce] = None
         self.unsharded_grad_accum: Optional[torch.Tensor] = None   # no_sync accumulation
         self.usage = SlotUsage(len(slots))
+        self.grad_divisor: Optional[int] = None   # Join, divide_by_initial_world_size=False: active ranks
 
     # ----------------------------------------------------------------- layout
     def _init_leaf(self) -> None:
@@ -295,8 +296,9 @@ class FlatParamHandle:
         if self.mesh.shard_size > 1 and self.mesh.replicate_size > 1:
             work = comm.all_reduce(out, self.mesh.replicate_group, async_op=True)
             comm.wait(work, f"cross-replica all-reduce of unit {self.label!r}", self.timeout_s)
-        if self.mesh.reduce_world > 1:
-            out.div_(self.mesh.reduce_world)
+        divisor = self.grad_divisor or self.mesh.reduce_world
+        if divisor > 1:
+            out.div_(divisor)
         self._accumulate_shard_grad(out)
 
     def _grad_base(self) -> Optional[torch.Tensor]:

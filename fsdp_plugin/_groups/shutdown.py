@@ -34,6 +34,7 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from .._comm import collectives as comm
+from .._comm import status as comm_status
 from . import mesh as _mesh
 
 
@@ -80,6 +81,7 @@ def destroy() -> bool:
         # a timed-out collective may still occupy a gloo thread: joining it would block until gloo's own
         # timeout, so the groups are left to the process exit
         return False
+    comm_status.stop()   # its thread reads the default group's store
     refs = _group_refs()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

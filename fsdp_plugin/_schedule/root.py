@@ -9,6 +9,7 @@ from torch.utils._pytree import tree_map
 from .._comm import collectives as comm
 from .._comm import pairing
 from .._comm.pairing import Entering
+from .._comm import status as comm_status
 from ..config import ShardingConfig
 from .._groups.mesh import Mesh, control_group
 from .._build.strategy import prefetch_depth, reshard_after_forward_table
@@ -35,6 +36,10 @@ class RootState:
         self.unit_before_root = None        # the unit whose reduction the root's comes right after
         self._reshards = None               # reshard_table(), computed on first use and when the order freezes
         self._unit_index: dict = {}         # unit -> its index in ``units`` (the pairing code's unit number)
+        self.unit_before_root = None        # the unit whose reduction the root's comes right after
+        self._reshards = None               # reshard_table(), computed on first use and when the order freezes
+        self._unit_index: dict = {}         # unit -> its index in ``units`` (the pairing code's unit number)
+        self.join = None                    # join.JoinState: uneven inputs under torch's Join (fp.shard sets it)
 
     @property
     def root_unit(self):
@@ -58,6 +63,9 @@ class RootState:
     # ----------------------------------------------------------------- forward
     def before_unit_forward(self, unit, args, kwargs):
         if unit is self.root_unit:
+            comm_status.begin_step()     # the step that deadline reports and trace files name
+            if self.join is not None:
+                self.join.before_forward(args, kwargs)
             args, kwargs = self._cast_inputs(args, kwargs)
         if self.order_state is OrderState.RECORDING and unit not in self.exec_order:
             self.exec_order.append(unit)

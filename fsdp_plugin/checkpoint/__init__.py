@@ -4,6 +4,7 @@
   ``manifest.json`` written last; any world size and strategy loads any checkpoint, reading only the byte
   ranges it needs; no pickle anywhere.
 * :func:`save_pretrained` / :func:`load_pretrained`: Hugging Face safetensors (+ index) in and out.
+* :func:`latest_checkpoint`: the newest complete checkpoint of a directory (resume after a restart).
 * :func:`consolidate`: offline export of a checkpoint to Hugging Face safetensors (CLI ``fsdp-plugin``).
 """
 from ._async import AsyncSave, release_staging_buffers
@@ -21,6 +22,7 @@ from .errors import (
     UnsafeCheckpointError,
 )
 from .hf import load_pretrained, save_pretrained
+from .latest import latest_checkpoint
 from .load import CheckpointMismatchWarning, load_checkpoint
 from .save import save_checkpoint
 from .tools import inspect_checkpoint, verify_checkpoint
@@ -39,6 +41,7 @@ __all__ = [
     "MismatchReport",
     "UnsafeCheckpointError",
     "consolidate",
+    "latest_checkpoint",
     "inspect_checkpoint",
     "load_checkpoint",
     "load_pretrained",

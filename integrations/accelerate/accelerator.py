@@ -88,6 +88,24 @@ class Accelerator(accelerate.Accelerator):
         return self.state.distributed_type
 
     @property
+    def multi_device(self):
+        """True inside :meth:`join_uneven_inputs` too, so accelerate's own implementation runs for sharded models."""
+        return getattr(self, "_fp_joining", False) or super().multi_device
+
+    @contextlib.contextmanager
+    def join_uneven_inputs(self, joinables, even_batches=None):
+        """accelerate's ``join_uneven_inputs`` (torch's ``Join``; ``even_batches`` override of the data loaders)
+        for sharded models, which fp.shard makes joinables: a rank out of batches shadows the others' steps.
+        Stock accelerate skips it for FSDP (``multi_device`` is False); the override makes it run."""
+        self._fp_joining = self._fp_active and self.num_processes > 1
+        try:
+            with super().join_uneven_inputs(joinables, even_batches) as ctx:
+                self._fp_joining = False          # read once, when the context is entered
+                yield ctx
+        finally:
+            self._fp_joining = False
+
+    @property
     def comm_stats(self):
         """``fp.comm_stats``: collective calls and per-rank bytes by kind since the last ``reset()``."""
         import fsdp_plugin as fp
