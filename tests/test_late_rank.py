@@ -226,8 +226,10 @@ def _trainer_rank_stalls(rank, world, trace_dir):
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-    import fsdp_plugin.integrations.transformers  # noqa: F401
+    import fsdp_plugin.integrations.transformers as integration
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    integration.install()   # what the one-line import does in a fresh process (an earlier test may have undone it)
 
     class Stall(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):

@@ -18,6 +18,7 @@ from .errors import (
     CorruptCheckpointError,
     MismatchReport,
 )
+from .dcp.load import load_dcp  # imported now: its unpicklers subclass pickle's at import
 from .reader import ReadPlan
 
 
@@ -34,7 +35,6 @@ def load_checkpoint(path, model, optimizer=None, strict: bool = True, *, report:
     _async.wait_pending()  # a pending asynchronous save may be writing this very path
     path = os.fspath(path)
     if layouts.is_dcp_dir(path):  # torch's distributed checkpoint: its own reader
-        from .dcp.load import load_dcp
         return load_dcp(path, model, optimizer, strict, report=report)
     err, extra = None, None
     try:
