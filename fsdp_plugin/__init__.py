@@ -10,6 +10,8 @@ from ._log import configure_from_env as _configure_log, memory_report
 from ._build.shard import shard
 from .api import (clip_grad_norm_, full_params, full_state_dict, is_sharded, no_sync,
                   register_forward_method, reset)
+from ._flat.layout import param_info
+from . import optim
 from .config import MixedPrecision, ShardingConfig, size_policy
 from .grad_scaler import GradScaler
 from .errors import (CodecError, CollectiveError, ConfigError, DeferredInitError, FSDPPluginError,
@@ -27,7 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ShardingConfig", "MixedPrecision", "size_policy", "shard", "compile", "deferred_init", "no_sync", "full_params",
-    "clip_grad_norm_", "full_state_dict", "GradScaler", "is_sharded", "register_forward_method", "reset", "comm_stats",
+    "clip_grad_norm_", "full_state_dict", "param_info", "optim", "GradScaler", "is_sharded", "register_forward_method", "reset", "comm_stats",
     "save_checkpoint", "AsyncSave", "load_checkpoint", "load_pretrained", "save_pretrained", "CheckpointError",
     "CheckpointMismatchError", "CorruptCheckpointError", "IncompleteCheckpointError",
     "shutdown",
