@@ -130,3 +130,129 @@ def test_bit_identical_to_stock_muon(world, strategy, mesh, policy):
         assert all(calls.get("optim_exchange", 0) > 0 for _, calls in results)
     if strategy == "no_shard" or world == 1:
         assert split == [] and all(calls.get("optim_exchange", 0) == 0 for _, calls in results)
+
+
+def _sharded(world_policy=None):
+    torch.manual_seed(0)
+    model = Net()
+    fp.shard(model, auto_wrap_policy=world_policy)
+    return model
+
+
+def _step(model, opt):
+    model(torch.randn(6, 8)).pow(2).mean().backward()
+    opt.step()
+
+
+def _stock_on_split(rank, world):
+    model = _sharded()
+    named = dict(model.named_parameters())
+    routed = sorted(n for n, p in named.items() if p.ndim == 2)       # the common recipe's routing
+    before = {n: p.detach().clone() for n, p in named.items()}
+    opt = torch.optim.Muon([p for p in model.parameters() if p.ndim == 2])
+    try:
+        _step(model, opt)
+    except fp.OptimizerError as e:
+        assert all(torch.equal(before[n], p) for n, p in named.items()), "nothing stepped"
+        return str(e), routed
+    return None, routed
+
+
+def test_stock_muon_on_split_matrices_raises_naming_fp_muon():
+    results = run_ranks(_stock_on_split, 2)
+    assert all(msg is not None and "fp.optim.Muon" in msg for msg, _ in results), results
+    assert results[0][1] == results[1][1] == ["a.weight", "b.weight", "c.weight", "head.weight"]
+
+
+def _stock_vs_ours_unsplit(rank, world, stock):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False))
+    fp.shard(model)                 # one unit of 2 x 64 elements on 2 ranks: each matrix whole on one rank
+    assert not any(fp.param_info(p).split for p in model.parameters())
+    assert sorted(p.shape[0] for p in model.parameters()) == [0, 8]   # whole here, empty (0, 8) there
+    cls = torch.optim.Muon if stock else fp.optim.Muon
+    opt = cls(model.parameters(), lr=0.05)
+    for s in range(2):
+        torch.manual_seed(s + rank)
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return fp.full_state_dict(model, rank0_only=False)
+
+
+def test_stock_muon_on_unsplit_matrices_trains_like_fp_muon():
+    stock = run_ranks(_stock_vs_ours_unsplit, 2, True)[0]
+    ours = run_ranks(_stock_vs_ours_unsplit, 2, False)[0]
+    assert all(torch.equal(stock[k], ours[k]) for k in ours)
+
+
+def _per_tensor(rank, world, which):
+    model = _sharded()
+    if which == "adafactor":
+        opt = torch.optim.Adafactor(model.parameters())
+    elif which == "registered":
+        class MyShampoo(torch.optim.SGD):
+            pass
+        fp.optim.register_per_tensor(MyShampoo)
+        opt = MyShampoo(model.parameters(), lr=0.1)
+    else:
+        opt = torch.optim.LBFGS(model.parameters())
+    try:
+        _step(model, opt) if which != "lbfgs" else opt.step(lambda: model(torch.ones(1, 8)).sum())
+    except fp.OptimizerError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("which", ["adafactor", "registered", "lbfgs"])
+def test_per_tensor_optimizers_refuse_pieces(which):
+    msgs = run_ranks(_per_tensor, 2, which)
+    assert all(m is not None and "fp.optim.Muon" in m for m in msgs), msgs
+
+
+def test_muon_refuses_vectors_naming_adamw():
+    model = _sharded()
+    with pytest.raises(fp.OptimizerError, match="'a.bias'.*AdamW"):
+        fp.optim.Muon(model.parameters())
+
+
+def _built_before_shard(rank, world):
+    torch.manual_seed(0)
+    model = Net()
+    mats = [model.a.weight, model.b.weight]
+    try:
+        fp.optim.Muon(mats)
+    except fp.OptimizerError as e:
+        return str(e)
+
+
+def test_muon_built_before_shard_names_the_fix():
+    assert all("after fp.shard(model)" in m for m in run_ranks(_built_before_shard, 2))
+
+
+def _accumulate(rank, world, micro):
+    torch.manual_seed(0)
+    model = Net()
+    fp.shard(model)
+    opt = fp.optim.Muon([p for n, p in model.named_parameters() if n in MATRICES], lr=0.02)
+    torch.manual_seed(7 + rank)
+    x = torch.randn(8, 8)
+    fp.comm_stats.reset()
+    if micro == 1:
+        model(x).pow(2).sum().backward()
+    else:
+        parts = x.chunk(micro)
+        with fp.no_sync(model):
+            for xi in parts[:-1]:
+                model(xi).pow(2).sum().backward()
+        model(parts[-1]).pow(2).sum().backward()
+    opt.step()
+    return fp.full_state_dict(model, rank0_only=False), fp.comm_stats.calls.get("optim_exchange", 0)
+
+
+def test_no_sync_accumulation_steps_once():
+    one = run_ranks(_accumulate, 2, 1)
+    four = run_ranks(_accumulate, 2, 4)
+    for k in MATRICES:
+        assert (one[0][0][k] - four[0][0][k]).abs().max() <= 1e-5, k   # sums in a different order
+    assert one[0][1] == four[0][1] > 0, "one exchange per step, however many micro-batches"

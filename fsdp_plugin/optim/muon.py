@@ -26,6 +26,8 @@ class Muon(torch.optim.Muon):
     after ``fp.shard(model)`` from the model's parameters, on every rank with the same parameter groups.
     """
 
+    _fp_sharding_aware = True    # the per-tensor guard lets it through
+
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, ns_coefficients: tuple[float, float, float] = (DEFAULT_A, DEFAULT_B, DEFAULT_C),
                  eps: float = EPS, ns_steps: int = DEFAULT_NS_STEPS, adjust_lr_fn: str | None = None) -> None:
