@@ -256,3 +256,73 @@ def test_no_sync_accumulation_steps_once():
     for k in MATRICES:
         assert (one[0][0][k] - four[0][0][k]).abs().max() <= 1e-5, k   # sums in a different order
     assert one[0][1] == four[0][1] > 0, "one exchange per step, however many micro-batches"
+
+
+def _full_state(model, opts) -> dict:
+    """Every matrix's full momentum and AdamW moments, assembled from the ranks' pieces."""
+    out = {}
+    for i, opt in enumerate(opts):
+        for g in opt.param_groups:
+            for p in g["params"]:
+                info = fp.param_info(p)
+                for key, v in opt.state[p].items():
+                    if key == "step":
+                        out[i, info.fqn, key] = v.clone()
+                        continue
+                    flat, count = torch.zeros(info.shape.numel()), torch.zeros(info.shape.numel())
+                    flat[info.start:info.end], count[info.start:info.end] = v.reshape(-1), 1
+                    dist.all_reduce(flat)
+                    dist.all_reduce(count)
+                    out[i, info.fqn, key] = flat / count
+    return out
+
+
+def _two_optimizers(seed):
+    torch.manual_seed(seed)
+    model = Net()
+    fp.shard(model)
+    named = dict(model.named_parameters())
+    muon = fp.optim.Muon(groups(named), lr=0.02)
+    adamw = torch.optim.AdamW([p for n, p in named.items() if n not in MATRICES], lr=1e-2)
+    return model, [muon, adamw]
+
+
+def _train(model, opts, steps, first, rank, world):
+    for s in range(first, first + steps):
+        x = torch.randn(12, 8, generator=torch.Generator().manual_seed(s)).chunk(world)[rank]
+        model(x).pow(2).mean().backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+
+
+def _save(rank, world, path):
+    model, opts = _two_optimizers(0)
+    _train(model, opts, 2, 0, rank, world)
+    fp.save_checkpoint(path, model, opts)
+    state = (fp.full_state_dict(model, rank0_only=False), _full_state(model, opts))
+    _train(model, opts, 1, 2, rank, world)
+    return state, fp.full_state_dict(model, rank0_only=False)
+
+
+def _load(rank, world, path):
+    model, opts = _two_optimizers(1)
+    fp.load_checkpoint(path, model, opts)
+    state = (fp.full_state_dict(model, rank0_only=False), _full_state(model, opts))
+    _train(model, opts, 1, 2, rank, world)
+    return state, fp.full_state_dict(model, rank0_only=False)
+
+
+def _equal(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_muon_and_adamw_state_resume_n_to_m(tmp_path):
+    path = str(tmp_path / "ckpt")
+    (saved, after), *_ = run_ranks(_save, 2, path)
+    assert any(k[2] == "momentum_buffer" for k in saved[1]) and any(k[2] == "exp_avg" for k in saved[1])
+    for world in (2, 3, 1):
+        (loaded, resumed), *_ = run_ranks(_load, world, path)
+        assert _equal(saved[0], loaded[0]) and _equal(saved[1], loaded[1]), world
+        if world == 2:
+            assert _equal(after, resumed), "resuming at the same world size is bit-identical"
