@@ -49,14 +49,6 @@ def shard_twice():
     fp.shard(model)
 
 
-def optimizer_stepped_before_shard():
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    opt = torch.optim.Adam(model.parameters())
-    model(torch.ones(2, 4)).sum().backward()
-    opt.step()
-    fp.shard(model)
-    model(torch.ones(2, 4)).sum().backward()
-    opt.step()
 
 
 def dtype_backend_cannot_reduce():
@@ -180,6 +172,69 @@ def checkpoint_extra_that_needs_pickle(tmp_path):
     fp.save_checkpoint(str(tmp_path / "ckpt"), fp.shard(nn.Linear(2, 2)), extra={"fn": print})
 
 
+def _ranks_error(fn, world=2):
+    """Run ``fn`` on ``world`` ranks and re-raise the OptimizerError it raised on rank 0."""
+    try:
+        run_ranks(fn, world)
+    except RankFailure as e:
+        line = [ln for ln in str(e).splitlines() if ln.startswith("fsdp_plugin.errors.OptimizerError: ")][0]
+        raise fp.OptimizerError(line.split("OptimizerError: ", 1)[1]) from None
+
+
+def _stepped_early(rank, world):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    fp.shard(model)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+
+
+def optimizer_stepped_before_shard():
+    """On 2 ranks: with one rank the sharded parameters keep their full shape and the old state still fits."""
+    _ranks_error(_stepped_early)
+
+
+def _matrices():
+    torch.manual_seed(0)
+    return fp.shard(nn.Sequential(nn.Linear(8, 7), nn.Linear(7, 5)))   # on 2 ranks the first weight is cut 6 | 1 rows
+
+
+def _stock_muon(rank, world):
+    model = _matrices()
+    opt = torch.optim.Muon([p for p in model.parameters() if p.ndim == 2])
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()
+
+
+def stock_muon_on_a_split_matrix():
+    _ranks_error(_stock_muon)
+
+
+def _adafactor(rank, world):
+    model = _matrices()
+    opt = torch.optim.Adafactor(model.parameters())
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()
+
+
+def per_tensor_optimizer_on_shard_pieces():
+    _ranks_error(_adafactor)
+
+
+def muon_given_a_vector():
+    fp.optim.Muon(_matrices().parameters())
+
+
+def _muon_early(rank, world):
+    fp.optim.Muon(nn.Linear(8, 6).parameters())
+
+
+def muon_built_before_shard():
+    _ranks_error(_muon_early)
+
+
 CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_policy_matches_nothing,
          mesh_not_dividing_world, shard_twice, optimizer_stepped_before_shard, dtype_backend_cannot_reduce,
          plain_state_dict_on_sharded_model, not_sharded, meta_module_without_init,
@@ -187,7 +242,9 @@ CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_polic
          nonfinite_gradients_with_clipping, checkpoint_from_another_architecture,
          lightning_fsdp_option_without_equivalent, lightning_torch_checkpoint_not_ours,
          trainer_resume_from_foreign_folder, compile_unsharded_model, unknown_async_save_mode,
-         plan_of_an_unknown_model, materialize_a_tensor_that_is_not_deferred, checkpoint_extra_that_needs_pickle]
+         plan_of_an_unknown_model, materialize_a_tensor_that_is_not_deferred, checkpoint_extra_that_needs_pickle,
+         stock_muon_on_a_split_matrix, per_tensor_optimizer_on_shard_pieces, muon_given_a_vector,
+         muon_built_before_shard]
 
 
 def _capture(case, tmp_path):

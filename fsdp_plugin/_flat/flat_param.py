@@ -135,6 +135,7 @@ class FlatParamHandle:
         for s in self.slots:
             s.local_start, s.local_end = self.piece_of(s, self.mesh.shard_rank)
             local = self.flat_shard[self.local_slice(s)]
+            s.param.grad = None      # a gradient from before fp.shard is full-shape: it fits no piece
             set_param_data(s.param, local.view(local_shape(s.shape, s.local_start, s.local_end)))
             s.param._fp_handle = self
 
