@@ -59,8 +59,8 @@ def _place(numels: list[int], widths: list[int], chunk: int) -> tuple[list[int],
             boundary = (o // chunk + 1) * chunk
             if boundary < o + numel and (boundary - o) % w:
                 o += (boundary - o) % w            # the gap: fewer than one row
-            boundary = (o // chunk + 1) * chunk
-            if boundary + chunk < o + numel and chunk % w:
+            boundary = (o // chunk + 1) * chunk    # after the gap: the first boundary inside, if any
+            if boundary < o + numel and ((boundary - o) % w or (boundary + chunk < o + numel and chunk % w)):
                 return offsets, o, w
         offsets.append(o)
         o += numel
