@@ -227,12 +227,15 @@ def muon_given_a_vector():
     fp.optim.Muon(_matrices().parameters())
 
 
-def _muon_early(rank, world):
-    fp.optim.Muon(nn.Linear(8, 6).parameters())
+def _muon_unsharded(rank, world):
+    model = nn.Linear(8, 6, bias=False)
+    opt = fp.optim.Muon(model.parameters())
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()
 
 
-def muon_built_before_shard():
-    _ranks_error(_muon_early)
+def muon_on_a_model_never_sharded():
+    _ranks_error(_muon_unsharded)
 
 
 CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_policy_matches_nothing,
@@ -244,7 +247,7 @@ CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_polic
          trainer_resume_from_foreign_folder, compile_unsharded_model, unknown_async_save_mode,
          plan_of_an_unknown_model, materialize_a_tensor_that_is_not_deferred, checkpoint_extra_that_needs_pickle,
          stock_muon_on_a_split_matrix, per_tensor_optimizer_on_shard_pieces, muon_given_a_vector,
-         muon_built_before_shard]
+         muon_on_a_model_never_sharded]
 
 
 def _capture(case, tmp_path):

@@ -217,17 +217,23 @@ def test_muon_refuses_vectors_naming_adamw():
 
 
 def _built_before_shard(rank, world):
+    """Built before fp.shard (Accelerate/Lightning order): fine, identities survive; never sharded: refused."""
     torch.manual_seed(0)
     model = Net()
-    mats = [model.a.weight, model.b.weight]
+    early = fp.optim.Muon([model.a.weight, model.b.weight], lr=0.02)
+    plain = Net()
+    late_plain = fp.optim.Muon([plain.a.weight])
+    fp.shard(model)
+    _step(model, early)
+    plain(torch.randn(6, 8)).sum().backward()
     try:
-        fp.optim.Muon(mats)
+        late_plain.step()
     except fp.OptimizerError as e:
         return str(e)
 
 
-def test_muon_built_before_shard_names_the_fix():
-    assert all("after fp.shard(model)" in m for m in run_ranks(_built_before_shard, 2))
+def test_muon_built_before_shard_works_and_never_sharded_names_the_fix():
+    assert all("call fp.shard(model) before the first step" in m for m in run_ranks(_built_before_shard, 2))
 
 
 def _accumulate(rank, world, micro):

@@ -27,17 +27,25 @@ def check_hyperparameters(lr, momentum: float, weight_decay: float, adjust_lr_fn
 
 
 def check_params(param_groups: list) -> None:
-    """Every parameter is a matrix (or a stack of them) by its *full* shape, and, with more than one rank,
-    a parameter of a model sharded by fp.shard (raises OptimizerError naming the fix)."""
-    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    """Every parameter is a matrix (or a stack of them) by its *full* shape (raises OptimizerError naming the
+    fix). Unsharded parameters are allowed here: Accelerate and Lightning may shard after the optimizer is
+    built (identities survive fp.shard); :func:`check_managed` checks at each step."""
     for g in param_groups:
         for p in g["params"]:
-            sharded = getattr(p, "_fp_handle", None) is not None
-            if distributed and not sharded:
-                raise OptimizerError(
-                    f"fp.optim.Muon got a parameter of shape {tuple(p.shape)} that fp.shard does not manage: build "
-                    "the optimizer after fp.shard(model), from model.parameters() (or fp.param_info-routed groups)")
             info = param_info(p)
             if len(info.shape) < 2:
                 name = f"parameter {info.fqn!r}" if info.fqn else "a parameter"
                 raise OptimizerError(f"fp.optim.Muon got {name} of shape {tuple(info.shape)}, not a matrix: {_ROUTE}")
+
+
+def check_managed(params: list) -> None:
+    """With more than one rank, every parameter stepped belongs to a model sharded by fp.shard: a plain tensor
+    (a model never sharded, a copy, a full view from fp.full_params) would be orthogonalized per rank."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    for p in params:
+        if getattr(p, "_fp_handle", None) is None:
+            raise OptimizerError(
+                f"fp.optim.Muon got a parameter of shape {tuple(p.shape)} that fp.shard does not manage (a model "
+                "never sharded, a copy, or a view from fp.full_params): call fp.shard(model) before the first "
+                "step and build the optimizer from model.parameters()")

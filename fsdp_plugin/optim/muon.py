@@ -16,14 +16,15 @@ from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS,
 
 from .._flat.layout import param_info
 from ._exchange import orthogonalize_split
-from ._checks import check_hyperparameters, check_params
+from ._checks import check_hyperparameters, check_managed, check_params
 
 
 class Muon(torch.optim.Muon):
     """Muon (same signature and defaults as ``torch.optim.Muon``) on parameters of a sharded model.
 
-    Accepts 2-D matrices and stacks of matrices (``ndim >= 3``, orthogonalized matrix by matrix); build it
-    after ``fp.shard(model)`` from the model's parameters, on every rank with the same parameter groups.
+    Accepts 2-D matrices and stacks of matrices (``ndim >= 3``, orthogonalized matrix by matrix), from the
+    model's parameters, on every rank with the same parameter groups; the model must be sharded by its first
+    step (building it before ``fp.shard`` is fine: parameters keep their identity).
     """
 
     _fp_sharding_aware = True    # the per-tensor guard lets it through
@@ -44,6 +45,7 @@ class Muon(torch.optim.Muon):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        check_managed([p for g in self.param_groups for p in g["params"]])
         items = [(p, g, self._update(p, g)) for g in self.param_groups for p in g["params"] if p.grad is not None]
         orth = self._orthogonalize(items)
         for (p, g, _), o in zip(items, orth):
