@@ -332,3 +332,30 @@ def test_muon_and_adamw_state_resume_n_to_m(tmp_path):
         assert _equal(saved[0], loaded[0]) and _equal(saved[1], loaded[1]), world
         if world == 2:
             assert _equal(after, resumed), "resuming at the same world size is bit-identical"
+
+
+def _exchange_bytes(rank, world, policy):
+    torch.manual_seed(0)
+    model = Net()
+    fp.shard(model, auto_wrap_policy=policy)
+    opt = fp.optim.Muon([p for p in model.parameters() if len(fp.param_info(p).shape) >= 2])
+    model(torch.randn(6, 8)).pow(2).mean().backward()
+    fp.comm_stats.reset()
+    opt.step()
+    return fp.comm_stats.bytes.get("optim_exchange", 0), fp.comm_stats.calls.get("optim_exchange", 0)
+
+
+@pytest.mark.parametrize("policy", [None, {nn.Linear}], ids=["one-unit", "per-linear"])
+def test_plan_predicts_the_exchange_bytes_counted(policy):
+    from fsdp_plugin.planner._muon import muon_step
+    from fsdp_plugin.planner._units import discover_units
+
+    counted = run_ranks(_exchange_bytes, 3, policy)
+    _, specs = discover_units(Net(), policy)
+    sent, flops, calls = muon_step([h.shapes for h in specs if h.requires_grad], 3)
+    assert [b for b, _ in counted] == sent and max(sent) > 0
+    assert all(c == calls for _, c in counted) and max(flops) > 0
+    plan = fp.plan(Net, world_size=3, auto_wrap_policy=policy, optimizer="muon", inputs=lambda: (torch.randn(6, 8),))
+    w = plan.worlds[3]
+    assert w.wire_bytes["optim_exchange"] == max(sent) and w.wire_calls["optim_exchange"] == calls
+    assert w.optimizer_flops == max(flops)
