@@ -3,7 +3,7 @@ gather-per-matrix Muon (every rank ``full_tensor()``s each matrix's gradient and
 
 Per variant and world size: step time (median of the timed steps), bytes this rank put on the wire per step
 (``wchar`` of /proc/self/io: gloo writes to TCP sockets; max over ranks), peak heap (malloc counter preloaded,
-max over ranks) and, for ours, ``fp.comm_stats`` bytes by kind. Parameter groups follow the README recipe:
+max over ranks) and, for ours, ``fp.comm_stats`` bytes per step by kind (max over ranks). Parameter groups follow the README recipe:
 the blocks' 2-D matrices to Muon, embeddings (tied head), norms and biases to AdamW.
 
     python benchmarks/bench_muon.py --preset small --worlds 2 4 --steps 6
@@ -112,7 +112,9 @@ def worker(a) -> None:
     if rank == 0:
         agg = dict(got[0], step_s=max(g["step_s"] for g in got),
                    wire_bytes_per_step=max(g["wire_bytes_per_step"] for g in got),
-                   peak_heap=max(g["peak_heap"] for g in got))
+                   peak_heap=max(g["peak_heap"] for g in got),
+                   comm_stats_per_step={k: max(g["comm_stats_per_step"].get(k, 0) for g in got)
+                                        for k in {k for g in got for k in g["comm_stats_per_step"]}})
         print("RESULT " + json.dumps(agg), flush=True)
     dist.destroy_process_group()
 
