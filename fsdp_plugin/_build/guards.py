@@ -13,7 +13,7 @@ from torch import nn
 from .._flat.layout import param_info
 from ..errors import OptimizerError, StateDictError
 
-_STATE_DICT_HELP = ("on a sharded model outside `with fp.full_params(model):` it would hold 1-D shard pieces; "
+_STATE_DICT_HELP = ("on a sharded model outside `with fp.full_params(model):` it would hold shard pieces (whole rows); "
                     "use fp.full_state_dict(model) (full tensors on rank 0), fp.save_checkpoint/fp.load_checkpoint "
                     "(sharded, any world size), or call it inside `with fp.full_params(model):`")
 # Optimizers whose update of a parameter depends on more than its own elements (norms, factored
