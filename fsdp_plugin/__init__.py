@@ -4,26 +4,23 @@
     model = fp.shard(model, fp.ShardingConfig(auto_wrap_policy={Block}))
     optimizer = torch.optim.AdamW(model.parameters())
 """
-from ._comm.collectives import STATS as comm_stats
-from ._build.compile import compile
-from ._log import configure_from_env as _configure_log, memory_report
-from ._build.shard import shard
-from .api import (clip_grad_norm_, full_params, full_state_dict, is_sharded, no_sync,
-                  register_forward_method, reset)
+from . import planner  # noqa: F401 - fp.planner: fit, calibrate, parse_bytes
+from ._log import configure_from_env as _configure_log
+from .api import (clip_grad_norm_, comm_stats, compile, deferred_init, full_params, full_state_dict, is_sharded,
+                  load_checkpoint, load_pretrained, memory_report, no_sync, plan, register_forward_method, reset,
+                  save_checkpoint, save_pretrained, shard, shutdown)
+from .checkpoint import AsyncSave
 from ._flat.layout import param_info
 from . import optim
 from .config import MixedPrecision, ShardingConfig, size_policy
 from .grad_scaler import GradScaler
+# every error class users may catch (docs/errors.md is the catalogue)
 from .errors import (CodecError, CollectiveError, ConfigError, DeferredInitError, FSDPPluginError,
                      NonFiniteGradientError, NotDeferredError, OptimizerError, ShardingError, StateDictError,
                      UnsupportedError, UsageError)
-
-from ._deferred import deferred_init
-from ._groups.shutdown import shutdown
-from .planner import Plan, PlanError, plan
-from .checkpoint import (AsyncSave, CheckpointError, CheckpointMismatchError, CorruptCheckpointError,
-                         IncompleteCheckpointError, load_checkpoint, load_pretrained, save_checkpoint,
-                         save_pretrained)
+from .checkpoint.errors import (CheckpointError, CheckpointMismatchError, CorruptCheckpointError,
+                                IncompleteCheckpointError)
+from .planner import Plan, PlanError
 
 __version__ = "0.1.0"
 

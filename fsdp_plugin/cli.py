@@ -1,4 +1,5 @@
-"""``fsdp-plugin`` command line: ``inspect CKPT``, ``verify CKPT``, ``consolidate CKPT OUT [--format lightning]``.
+"""``fsdp-plugin`` command line: ``inspect CKPT``, ``verify CKPT``, ``consolidate CKPT OUT [--format lightning]``,
+``export CKPT OUT --format hf|dcp|lightning`` (``dcp``: a torch distributed-checkpoint directory).
 
 Needs no process group and no GPU. Progress goes to stderr; results to stdout. Exit status: 0 ok,
 1 a checkpoint problem (message on stderr), 2 bad usage.
@@ -83,6 +84,16 @@ def _consolidate(args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    if args.format != "dcp":
+        return _consolidate(args)
+    from .checkpoint.dcp import export_dcp
+
+    print(f"wrote {export_dcp(args.ckpt, args.out)} (torch DCP: torch.distributed.checkpoint.load reads it "
+          "into an FSDP2 model and its optimizer, keys model.* and optimizer.*)")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="fsdp-plugin", description="fsdp_plugin checkpoint tools")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -107,6 +118,15 @@ def main(argv=None) -> int:
                         "they are written under every name so a strict load_state_dict works")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(fn=_consolidate)
+    p = sub.add_parser("export", help="leave fsdp_plugin: the checkpoint as torch DCP (dcp), HF safetensors (hf) "
+                                      "or one Lightning file (lightning)")
+    p.add_argument("ckpt")
+    p.add_argument("out", help="output directory (dcp, hf) or file (lightning); must not exist for dcp")
+    p.add_argument("--format", choices=("dcp", "hf", "lightning"), required=True)
+    p.add_argument("--max-shard-size", default="5GB", help="hf: largest output file (default 5GB)")
+    p.add_argument("--drop-tied", action="store_true", help="hf: write tied parameters once")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(fn=_export)
     from .planner.cli import add_parser as _add_plan
     _add_plan(sub)   # ``fsdp-plugin plan``: lives in fsdp_plugin/plan/cli.py
     args = parser.parse_args(argv)

@@ -2,7 +2,7 @@
 
 Integrations (Lightning, Accelerate) translate their options into a ShardingConfig; the engine reads
 nothing else. Validation that needs no process group happens in ``__post_init__``; checks that need the
-world (mesh divides the world, backend dtype support) happen in ``validate_for_world``.
+world (the mesh divides the world) happen when ``fp.shard`` builds the mesh (``_groups/mesh.py``).
 """
 from __future__ import annotations
 

@@ -238,6 +238,67 @@ def muon_on_a_model_never_sharded():
     _ranks_error(_muon_unsharded)
 
 
+class _ForeignPickle:
+    def __reduce__(self):
+        import os
+        return os.system, ("echo pwned",)
+
+
+def _dcp_dir(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    path = str(tmp_path / "dcp")
+    dcp.save({"model": nn.Linear(2, 2).state_dict()}, checkpoint_id=path)  # no process group: one writer
+    return path
+
+
+def dcp_metadata_naming_a_foreign_global(tmp_path):
+    import pickle
+
+    path = _dcp_dir(tmp_path)
+    with open(f"{path}/.metadata", "wb") as f:
+        pickle.dump(_ForeignPickle(), f)
+    fp.load_checkpoint(path, nn.Linear(2, 2))
+
+
+def truncated_dcp_data_file(tmp_path):
+    import os
+
+    path = _dcp_dir(tmp_path)
+    os.truncate(f"{path}/__0_0.distcp", 100)
+    fp.load_checkpoint(path, nn.Linear(2, 2))
+
+
+def dcp_save_interrupted(tmp_path):
+    import os
+
+    path = _dcp_dir(tmp_path)
+    os.remove(f"{path}/.metadata")
+    fp.load_checkpoint(path, nn.Linear(2, 2))
+
+
+def dcp_optimizer_groups_differ(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    opt = torch.optim.AdamW([{"params": model[0].parameters()}, {"params": model[1].parameters()}])
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "dcp"))
+    swapped = torch.optim.AdamW([{"params": model[1].parameters()}, {"params": model[0].parameters()}])
+    fp.load_checkpoint(str(tmp_path / "dcp"), model, swapped)
+
+
+def export_dcp_onto_an_existing_directory(tmp_path):
+    from fsdp_plugin.checkpoint.dcp import export_dcp
+
+    fp.save_checkpoint(str(tmp_path / "ckpt"), nn.Linear(2, 2))
+    (tmp_path / "out").mkdir()
+    export_dcp(tmp_path / "ckpt", tmp_path / "out")
+
+
 CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_policy_matches_nothing,
          mesh_not_dividing_world, shard_twice, optimizer_stepped_before_shard, dtype_backend_cannot_reduce,
          plain_state_dict_on_sharded_model, not_sharded, meta_module_without_init,
@@ -246,6 +307,8 @@ CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_polic
          lightning_fsdp_option_without_equivalent, lightning_torch_checkpoint_not_ours,
          trainer_resume_from_foreign_folder, compile_unsharded_model, unknown_async_save_mode,
          plan_of_an_unknown_model, materialize_a_tensor_that_is_not_deferred, checkpoint_extra_that_needs_pickle,
+         dcp_metadata_naming_a_foreign_global, truncated_dcp_data_file, dcp_save_interrupted,
+         dcp_optimizer_groups_differ, export_dcp_onto_an_existing_directory,
          stock_muon_on_a_split_matrix, per_tensor_optimizer_on_shard_pieces, muon_given_a_vector,
          muon_on_a_model_never_sharded]
 

@@ -12,7 +12,6 @@ import fsdp_plugin as fp
 from _dist import run_ranks
 from fsdp_plugin.cli import main as cli_main
 from fsdp_plugin.planner import PlanError
-from fsdp_plugin.planner._fit import _PLAN_DEFAULTS as _OPTS
 from fsdp_plugin.planner.api import plan_strategies
 from models import GPT, Block, gpt_batch
 
@@ -43,10 +42,32 @@ def test_the_documented_call_and_its_orderings():
     assert "PEAK per rank" in str(plan)
 
 
+def test_plan_takes_the_one_config_object_and_keywords_as_its_shorthands():
+    inputs = lambda: (torch.randint(0, V, (4, 16)),)  # noqa: E731
+    cfg = fp.ShardingConfig(sharding_strategy="shard_grad_op", auto_wrap_policy={Block},
+                            mixed_precision=fp.MixedPrecision(param_dtype=torch.bfloat16))
+    by_config = fp.plan(build, world_size=2, config=cfg, inputs=inputs)
+    by_keywords = fp.plan(build, world_size=2, sharding_strategy="shard_grad_op", auto_wrap_policy={Block},
+                          mixed_precision="bf16", inputs=inputs)
+    assert by_config.strategy == by_keywords.strategy == "shard_grad_op"
+    assert by_config.peak_bytes == by_keywords.peak_bytes and by_config.mixed_precision == "bfloat16"
+    assert fp.plan(build, 2, cfg, sharding_strategy="full_shard", inputs=inputs).strategy == "full_shard"
+    with pytest.raises(PlanError, match="unknown option.*ShardingConfig fields"):
+        fp.plan(build, world_size=2, sharding="full_shard")
+    with pytest.raises(PlanError, match="unknown sharding_strategy"):   # ShardingConfig's own validation
+        fp.plan(build, world_size=2, sharding_strategy="zero3")
+
+
+def test_the_planner_subpackage_and_the_function_do_not_clash():
+    import fsdp_plugin.planner
+    assert callable(fp.plan) and fp.planner.calibrate is fsdp_plugin.planner.calibrate
+    assert fp.planner.plan is fp.plan
+
+
 def test_strategies_optimizers_checkpointing_and_precision_order_memory():
     strategies = ("full_shard", "shard_grad_op", "no_shard")
-    plans = plan_strategies(build, [4], list(strategies), **{**_OPTS, "auto_wrap_policy": {Block},
-                                                            "inputs": lambda: (torch.randint(0, V, (4, 16)),)})
+    plans = plan_strategies(build, [4], list(strategies), auto_wrap_policy={Block},
+                            inputs=lambda: (torch.randint(0, V, (4, 16)),))
     by = {s: p.worlds[4] for s, p in zip(strategies, plans)}
     assert by["full_shard"].peak <= by["shard_grad_op"].peak < by["no_shard"].peak
     assert by["full_shard"].unsharded_params < by["shard_grad_op"].unsharded_params   # ZeRO-3 frees after forward

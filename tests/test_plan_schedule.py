@@ -9,7 +9,7 @@ from torch import nn
 import fsdp_plugin as fp
 from fsdp_plugin._groups.mesh import mesh_dims
 from fsdp_plugin._build.strategy import ShardScope
-from fsdp_plugin.checkpoint.hf_out import parse_size
+from fsdp_plugin._sizes import parse_size
 from fsdp_plugin.errors import ConfigError
 from fsdp_plugin.planner import PlanError, parse_bytes
 from fsdp_plugin.planner import _fake_run as _fake_run

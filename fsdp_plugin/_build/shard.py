@@ -17,6 +17,7 @@ from .host_alloc import keep_freed_host_memory
 from .._materialize.materialize import Materializer, decide_scatter, model_kind
 from .._materialize.hf_init import retie
 from .._groups.mesh import Mesh, build_mesh
+from .._groups.shutdown import register_at_exit
 from .._schedule.root import RootState
 from .strategy import STRATEGIES, unit_policy
 from .._schedule.unit import Unit
@@ -41,10 +42,12 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
                             "units with auto_wrap_policy")
     cfg = ShardingConfig.from_kwargs(config, **kwargs)
     mesh = build_mesh(STRATEGIES[cfg.sharding_strategy].scope, cfg.device_mesh)
+    if mesh.world_size > 1:
+        register_at_exit()  # process groups are in use: destroy them before interpreter exit
     device = _pick_device(model, cfg)
     _check_reducible(model, cfg)
     if cfg.activation_checkpointing is not None:
-        _apply_activation_checkpointing(model, cfg.activation_checkpointing)
+        apply_activation_checkpointing(model, cfg.activation_checkpointing)
     retie(model)
     units = select_unit_modules(model, cfg.auto_wrap_policy, cfg.ignored_modules)
     if device.type == "cpu" and mesh.world_size > 1:
@@ -86,7 +89,7 @@ def _check_reducible(model: nn.Module, cfg: ShardingConfig) -> None:
                               "reduce: set MixedPrecision(reduce_dtype=torch.float32), or freeze/cast that parameter")
 
 
-def _apply_activation_checkpointing(model: nn.Module, policy) -> None:
+def apply_activation_checkpointing(model: nn.Module, policy) -> None:
     """Recompute the selected modules in backward (non-reentrant, so unit hooks run on recompute)."""
     from torch.utils.checkpoint import checkpoint
 
@@ -123,7 +126,7 @@ def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: Ro
                 _empty_meta_buffers(buffer_sites[fqn], device)
             policy = unit_policy(cfg, mesh, fqn, module)
             handles = [_build_handle(group, sites, names, policy.mesh, cfg, device, mat, scatter, fqn or "<root>")
-                       for group in _group_params(owned[fqn]).values()]
+                       for group in group_params(owned[fqn]).values()]
             built.append(Unit(fqn, module, handles, root, reshard_after_forward=policy.reshard_after_forward))
     finally:
         mat.close()
@@ -147,7 +150,7 @@ def _empty_meta_buffers(sites: list, device) -> None:
             m._buffers[n] = torch.empty_like(m._buffers[n], device=device)
 
 
-def _group_params(params: list) -> "OrderedDict[tuple, list]":
+def group_params(params: list) -> "OrderedDict[tuple, list]":
     groups: OrderedDict = OrderedDict()
     for p in params:
         groups.setdefault((p.dtype, p.requires_grad), []).append(p)

@@ -38,11 +38,8 @@ def build_mesh(scope: ShardScope, device_mesh) -> Mesh:
     """The mesh of a strategy's ``ShardScope`` (see ``_strategy.STRATEGIES``)."""
     if not dist.is_initialized():
         return Mesh(1, 0, 1, 0, 1, 0)
-    from .shutdown import register_at_exit
-
     mesh = _build(scope, device_mesh)
     _LIVE_MESHES[id(mesh)] = mesh
-    register_at_exit()
     return mesh
 
 

@@ -29,12 +29,23 @@ import sys
 import threading
 import time
 import weakref
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
 from .._comm import collectives as comm
 from . import mesh as _mesh
+
+
+# Work of the layers above (checkpoint) that must end before the groups go; they register here, so that the
+# engine imports none of them.
+_BEFORE_SHUTDOWN: list[Callable[[], None]] = []
+
+
+def run_before_shutdown(hook: Callable[[], None]) -> None:
+    """Have ``fp.shutdown`` call ``hook()`` (once per registration, in order) before it destroys the groups."""
+    if hook not in _BEFORE_SHUTDOWN:
+        _BEFORE_SHUTDOWN.append(hook)
 
 
 def shutdown(timeout_s: Optional[float] = None) -> bool:
@@ -51,9 +62,8 @@ def shutdown(timeout_s: Optional[float] = None) -> bool:
     Raises :class:`CollectiveError` if another rank does not arrive in time (it probably failed); the
     groups are then left alone, since their threads may still be inside the failed collective.
     """
-    from ..checkpoint._async import shutdown as checkpoint_shutdown
-
-    checkpoint_shutdown()  # a background save's collectives need the groups destroyed below; frees staging
+    for hook in _BEFORE_SHUTDOWN:
+        hook()  # e.g. a background checkpoint save: its collectives need the groups destroyed below
     if dist.is_available() and dist.is_initialized():
         comm.barrier("fp.shutdown (waiting for every rank to finish)", timeout_s)
         _settle()

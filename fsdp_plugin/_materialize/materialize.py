@@ -6,9 +6,12 @@ and tensors recorded under ``fp.deferred_init()`` (replayed, bit-equal to eager 
 """
 from __future__ import annotations
 
+from enum import IntEnum
+
 import torch
 from torch import nn
 
+from .. import _deferred
 from .._comm import collectives as comm
 from .._flat.flat_param import set_param_data
 from .hf_init import HFInit
@@ -16,20 +19,19 @@ from .._flat.layout import is_persistent_buffer
 from ..config import SKIP_INIT
 from ..errors import ShardingError
 
-REAL, META, DEFERRED = 0, 1, 2
+class TensorKind(IntEnum):
+    """Where a tensor's values come from; ordered so that a model's kind is the max of its tensors' kinds."""
+    REAL = 0
+    META = 1       # built on the meta device: initialize (param_init_fn / reset_parameters / _init_weights)
+    DEFERRED = 2   # recorded by fp.deferred_init: replay the recording
 
 
-def _deferred():
-    from .. import _deferred as mod
-    return mod
+REAL, META, DEFERRED = TensorKind.REAL, TensorKind.META, TensorKind.DEFERRED
 
 
-def tensor_kind(t: torch.Tensor) -> int:
+def tensor_kind(t: torch.Tensor) -> TensorKind:
     if t.is_meta:
-        try:
-            return DEFERRED if _deferred().is_deferred(t) else META
-        except ImportError:
-            return META
+        return DEFERRED if _deferred.is_deferred(t) else META
     return REAL
 
 
@@ -79,7 +81,7 @@ class Materializer:
         """Full real values for ``params`` (same order); meta modules are initialized on the way."""
         deferred = [p for p in params if tensor_kind(p) == DEFERRED]
         if deferred:
-            values = _deferred().materialize(list(deferred), self.device)
+            values = _deferred.materialize(list(deferred), self.device)
             for p, v in zip(deferred, values):
                 set_param_data(p, v)
         for p in params:
@@ -92,7 +94,7 @@ class Materializer:
         """Make every buffer in ``sites`` (``(module, name)``) real, initializing meta modules once."""
         deferred = [(m, n) for m, n in sites if tensor_kind(m._buffers[n]) == DEFERRED]
         if deferred:
-            values = _deferred().materialize([m._buffers[n] for m, n in deferred], self.device)
+            values = _deferred.materialize([m._buffers[n] for m, n in deferred], self.device)
             for (m, n), v in zip(deferred, values):
                 m._buffers[n] = v
         for m, n in sites:

@@ -18,6 +18,7 @@ from .errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     MismatchReport,
+    UnsafeCheckpointError,
 )
 from .hf import load_pretrained, save_pretrained
 from .load import CheckpointMismatchWarning, load_checkpoint
@@ -36,6 +37,7 @@ __all__ = [
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
     "MismatchReport",
+    "UnsafeCheckpointError",
     "consolidate",
     "inspect_checkpoint",
     "load_checkpoint",

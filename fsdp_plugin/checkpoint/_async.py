@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import _comm
+from .._groups.shutdown import run_before_shutdown
 
 _lock = threading.Lock()
 _pending: "AsyncSave | None" = None
@@ -272,3 +273,4 @@ def _warn_unobserved_at_exit() -> None:
 import atexit  # noqa: E402 - registered after the definitions it uses
 
 atexit.register(_warn_unobserved_at_exit)
+run_before_shutdown(shutdown)  # fp.shutdown waits for the pending save and frees the staging buffers first

@@ -6,6 +6,7 @@ Every error names the file (and, where one is involved, the tensor and byte rang
     └── CheckpointError                      base class; also raised for unsafe paths
         ├── CorruptCheckpointError           bytes on disk are damaged: size, header, CRC32, manifest
         │   └── IncompleteCheckpointError    no manifest.json: the save was interrupted
+        │   └── UnsafeCheckpointError        a foreign pickle names a global outside the allow-list
         ├── CheckpointMismatchError          a valid checkpoint that does not fit the model/optimizer
         │   ├── CheckpointKeyError (KeyError)            an entry the state to load needs is absent
         │   └── StateMismatchError (RuntimeError)        saved and prepared objects differ in number
@@ -29,6 +30,12 @@ class CorruptCheckpointError(CheckpointError):
 
 class IncompleteCheckpointError(CorruptCheckpointError):
     """The directory has no manifest.json: the save that produced it was interrupted."""
+
+
+class UnsafeCheckpointError(CorruptCheckpointError):
+    """A pickle in a foreign checkpoint (DCP ``.metadata``, a ``.distcp`` item) names a global off the allow-list.
+
+    It is refused, never unpickled (persistent ids outside a tensor record likewise)."""
 
 
 class CheckpointMismatchError(CheckpointError):
@@ -59,6 +66,14 @@ class CheckpointStateError(CheckpointError, ValueError):
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """A file or directory the checkpoint needs does not exist."""
+
+
+class CheckpointMismatchWarning(UserWarning):
+    """Emitted by a non-strict load that skipped names; ``.report`` holds the :class:`MismatchReport`."""
+
+    def __init__(self, message: str, report: MismatchReport):
+        super().__init__(message)
+        self.report = report
 
 
 @dataclass

@@ -12,16 +12,13 @@ import warnings
 import torch
 
 from . import _async, _comm, _format, _model, codec, manifest, optim
-from .errors import CheckpointMismatchError, CorruptCheckpointError, MismatchReport
+from .errors import (
+    CheckpointMismatchError,
+    CheckpointMismatchWarning,
+    CorruptCheckpointError,
+    MismatchReport,
+)
 from .reader import ReadPlan
-
-
-class CheckpointMismatchWarning(UserWarning):
-    """Emitted by a non-strict load that skipped names; ``.report`` holds the :class:`MismatchReport`."""
-
-    def __init__(self, message: str, report: MismatchReport):
-        super().__init__(message)
-        self.report = report
 
 
 @_comm.uses_model_deadline
@@ -32,9 +29,15 @@ def load_checkpoint(path, model, optimizer=None, strict: bool = True, *, report:
     listing missing / unexpected / shape-mismatched names before touching anything; ``strict=False`` loads
     the intersection, warns (:class:`CheckpointMismatchWarning`) and fills ``report`` if given. Optimizer
     state is created when the optimizer has none yet. Dtypes are cast when model and checkpoint differ.
+    A torch distributed checkpoint (DCP) directory is read too (:mod:`.dcp`): its other entries are returned.
     """
     _async.wait_pending()  # a pending asynchronous save may be writing this very path
     path = os.fspath(path)
+    # Hook for foreign layouts: a DCP directory goes to its own reader (layout detection: issue 24).
+    from .dcp.detect import is_dcp_dir
+    if is_dcp_dir(path):
+        from .dcp.load import load_dcp
+        return load_dcp(path, model, optimizer, strict, report=report)
     err, extra = None, None
     try:
         extra = _load_local(path, model, optim.as_list(optimizer), strict, report)

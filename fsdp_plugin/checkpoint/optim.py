@@ -26,9 +26,12 @@ def as_list(optimizer) -> list:
 
 def is_per_element(key: str, value, param: torch.Tensor) -> bool:
     """Whether state ``key`` of ``param`` is sharded like the parameter (see module docstring)."""
-    if not isinstance(value, torch.Tensor) or value.shape != param.shape:
-        return False
-    return param.dim() > 0 or key not in _SCALAR_KEYS
+    return isinstance(value, torch.Tensor) and is_per_element_shape(key, tuple(value.shape), tuple(param.shape))
+
+
+def is_per_element_shape(key: str, value_shape: tuple, param_shape: tuple) -> bool:
+    """:func:`is_per_element` from shapes alone (a foreign checkpoint's state, before it is read)."""
+    return value_shape == param_shape and (len(param_shape) > 0 or key not in _SCALAR_KEYS)
 
 
 def local_record(optimizers: list, shard_of: dict, opt_tensors: list) -> list[dict]:
@@ -111,13 +114,17 @@ def restore_scalars(opt, pairs: list[tuple], saved: dict, i: int) -> None:
     scalars = saved.get("scalars", {})
     for p, fqn in pairs:
         for key, node in scalars.get(fqn, {}).items():
-            value = codec.decode(node, None, f"optimizer[{i}].state.{fqn}.{key}")
-            st = opt.state[p]
-            old = st.get(key)
-            if isinstance(value, torch.Tensor) and isinstance(old, torch.Tensor) and old.shape == value.shape:
-                old.copy_(value)
-            else:
-                st[key] = value.to(p.device) if isinstance(value, torch.Tensor) and _on_device(opt, p) else value
+            set_scalar(opt, p, key, codec.decode(node, None, f"optimizer[{i}].state.{fqn}.{key}"))
+
+
+def set_scalar(opt, p: torch.Tensor, key: str, value) -> None:
+    """Set scalar state ``key`` of ``p`` (copying into an existing tensor of that shape, keeping its device)."""
+    st = opt.state[p]
+    old = st.get(key)
+    if isinstance(value, torch.Tensor) and isinstance(old, torch.Tensor) and old.shape == value.shape:
+        old.copy_(value)
+    else:
+        st[key] = value.to(p.device) if isinstance(value, torch.Tensor) and _on_device(opt, p) else value
 
 
 def _on_device(opt, p) -> bool:

@@ -87,7 +87,7 @@ class ReadPlan:
                     f"{where} is {size:,} bytes; manifest.json says {record['bytes']:,}: the file is "
                     f"{'truncated' if size < record['bytes'] else 'extended'}. Copy the checkpoint again, "
                     "or load the previous one.")
-            header = _format.read_header(fd, size, where)
+            header = self._parse_header(fd, size, where)
             if record is not None and header.data_start != record["data_start"]:
                 raise CorruptCheckpointError(f"{where}: data starts at byte {header.data_start}, "
                                              f"manifest.json says {record['data_start']}")
@@ -95,6 +95,10 @@ class ReadPlan:
             os.close(fd)
             raise
         return _File(fd, size, header, record, where)
+
+    def _parse_header(self, fd: int, size: int, where: str) -> _format.Header:
+        """The file's safetensors header (a subclass reading raw files returns an empty one)."""
+        return _format.read_header(fd, size, where)
 
     def fd(self, name: str) -> tuple[int, str]:
         """``(fd, path)`` of validated file ``name`` (opened by :meth:`header`)."""

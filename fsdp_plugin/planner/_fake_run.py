@@ -168,10 +168,10 @@ def _checkpoint(model: nn.Module, policy) -> Callable[[], None]:
     """Apply fp.shard's activation checkpointing to ``model``; return a function that undoes it."""
     if policy is None:
         return lambda: None
-    from .._build.shard import _apply_activation_checkpointing
+    from .._build.shard import apply_activation_checkpointing
 
     saved = [(m, m.__dict__.get("forward")) for m in model.modules()]
-    _apply_activation_checkpointing(model, policy)
+    apply_activation_checkpointing(model, policy)
 
     def restore():
         for m, fwd in saved:

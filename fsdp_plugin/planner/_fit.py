@@ -2,22 +2,20 @@
 predicted peak per rank fits a memory budget."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from ..checkpoint.hf_out import parse_size
+from .._sizes import parse_size
+from ..config import ShardingConfig
 from ..errors import ConfigError
 from ._capture import capture
 from ._result import Plan, fmt_bytes
-from .api import _calibration, _mixed_precision, plan_strategies
+from .api import _calibration, plan_configs, split_options
 from .errors import PlanError
 
-_PLAN_DEFAULTS = dict(auto_wrap_policy=None, optimizer="adamw", inputs=None, loss_fn=None, mixed_precision=None,
-                      activation_checkpointing=None, cpu_offload=False, backward_prefetch=True,
-                      forward_prefetch=False, limit_all_gathers=True, batch_size=1, seq_len=128, device=None,
-                      calibration=None, gpus_per_node=8, ignored_modules=(), foreach=None)
 _PREFERENCE = ("no_shard", "shard_grad_op", "full_shard")   # least communication first
 
 
@@ -55,25 +53,27 @@ class Fit:
                 + (f", step {self.step_s * 1e3:.1f} ms" if self.step_s else "") + f"\n\n{self.plan}")
 
 
-def fit(model, memory, max_world: int = 1024, **plan_kwargs) -> Fit:
+def fit(model, memory, max_world: int = 1024, config: Optional[ShardingConfig] = None, **plan_kwargs) -> Fit:
     """Recommend (world size, strategy, activation checkpointing) for ``memory`` bytes per rank.
 
     Smallest world size first; at that size the fastest predicted step among the configurations that fit.
-    ``plan_kwargs`` go to `fp.plan` (wrap policy, optimizer, inputs, mixed precision, calibration...).
+    ``config`` and ``plan_kwargs`` are `fp.plan`'s (wrap policy, optimizer, inputs, mixed precision,
+    calibration...); the strategy and activation checkpointing are what `fit` chooses.
     """
     budget = parse_bytes(memory)
     module = capture(model)
     worlds = [1 << k for k in range(max_world.bit_length()) if (1 << k) <= max_world]
-    opts = {**_PLAN_DEFAULTS, **plan_kwargs}
-    if opts["calibration"] == "calibrate":   # measure once, not once per configuration
-        opts["calibration"] = _calibration("calibrate", torch.device(opts["device"] or (
-            "cuda" if torch.cuda.is_available() else "cpu")), _mixed_precision(opts["mixed_precision"]))
+    cfg, run = split_options(config, plan_kwargs)
+    if run["calibration"] == "calibrate":   # measure once, not once per configuration
+        run["calibration"] = _calibration("calibrate", torch.device(run["device"] or (
+            "cuda" if torch.cuda.is_available() else "cpu")), cfg.mixed_precision)
     plans = {}
     for ac in (False, True):
-        for s, p in zip(_PREFERENCE, plan_strategies(module, worlds, list(_PREFERENCE),
-                                                      **{**opts, "activation_checkpointing": ac or None})):
+        base = dataclasses.replace(cfg, activation_checkpointing=True if ac else None)
+        cfgs = [dataclasses.replace(base, sharding_strategy=s) for s in _PREFERENCE]
+        for s, p in zip(_PREFERENCE, plan_configs(module, worlds, cfgs, **run)):
             plans[(s, ac)] = p
-    wrap = repr(plan_kwargs.get("auto_wrap_policy")) if plan_kwargs.get("auto_wrap_policy") else "default (repeated blocks)"
+    wrap = repr(cfg.auto_wrap_policy) if cfg.auto_wrap_policy else "default (repeated blocks)"
     for w in worlds:
         ok = [(p.worlds[w].step_s or 0.0, _PREFERENCE.index(s), ac, s, p) for (s, ac), p in plans.items()
               if p.worlds[w].peak <= budget]

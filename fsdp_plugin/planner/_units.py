@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .._build.shard import _group_params
+from .._build.shard import group_params
 from .._build.wrap import params_by_unit, select_unit_modules
 from .._flat.rows import row_aligned_offsets
 
@@ -57,7 +57,7 @@ def discover_units(model: nn.Module, policy, ignored=()) -> tuple[list[UnitSpec]
     units, handles = [], []
     for i, (fqn, module) in enumerate(chosen):
         unit = UnitSpec(fqn, module)
-        for (dtype, rg), params in _group_params(owned[fqn]).items():
+        for (dtype, rg), params in group_params(owned[fqn]).items():
             unit.handles.append(len(handles))
             handles.append(HandleSpec(i, dtype, rg, sum(p.numel() for p in params), [id(p) for p in params],
                                       max(p.numel() for p in params), [tuple(p.shape) for p in params]))

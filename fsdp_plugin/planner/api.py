@@ -1,12 +1,14 @@
 """`fp.plan`: memory per rank, bytes on the wire and step time of a sharded job, before it starts."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Iterable, Optional, Union
 
 import torch
 from torch import nn
 
 from ..config import MixedPrecision, ShardingConfig
+from ..errors import ConfigError
 from . import _optim as _optim
 from ._capture import ModelSource, capture, hf_inputs
 from ._fake_run import RunSpec, Timeline, run
@@ -18,46 +20,67 @@ from .errors import PlanError
 _MP = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
-def plan(model: ModelSource, world_size: Union[int, Iterable[int]] = 1, sharding_strategy: str = "full_shard",
-         auto_wrap_policy=None, optimizer: str = "adamw", inputs: Optional[Callable] = None, loss_fn=None,
-         mixed_precision: Union[None, str, MixedPrecision] = None, activation_checkpointing=None,
-         cpu_offload: bool = False, backward_prefetch: bool = True, forward_prefetch: bool = False,
-         limit_all_gathers: bool = True, batch_size: int = 1, seq_len: int = 128, device=None,
-         calibration: Union[None, str, Calibration] = None, gpus_per_node: int = 8, ignored_modules=(),
-         foreach: Optional[bool] = None) -> Plan:
-    """Predict per-rank memory, wire bytes and step time of ``fp.shard(model, ...)`` training, allocating nothing.
+_RUN_DEFAULTS = dict(optimizer="adamw", inputs=None, loss_fn=None, batch_size=1, seq_len=128, device=None,
+                    calibration=None, gpus_per_node=8, foreach=None)
+_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ShardingConfig))
+
+
+def plan(model: ModelSource, world_size: Union[int, Iterable[int]] = 1, config: Optional[ShardingConfig] = None,
+         **options) -> Plan:
+    """Predict per-rank memory, wire bytes and step time of ``fp.shard(model, config)`` training, allocating nothing.
 
     model: a callable building the model (run on the meta device), an ``nn.Module`` (meta is fine), a Hugging
         Face config path, or ``"pkg.module:factory"``.
     world_size: one size or several; ``Plan.peak_bytes[w]`` is the peak device bytes of the worst rank at w.
-    inputs: callable returning one micro-batch *per rank* (a tensor, tuple of args or dict of kwargs); it is
-        converted to fake tensors. None: token ids of ``(batch_size, seq_len)`` (with labels for HF models).
-    loss_fn: callable(output) -> scalar; None: ``output.loss`` if present, else the output (or its first
-        floating tensor) summed.
-    activation_checkpointing: None/False, True (recompute every unit), or a ShardingConfig policy.
-    calibration: None (assumed throughputs for ``device``), "calibrate" (measure here, collectively under a
-        process group), a name in ``HARDWARE`` (e.g. "a100-80gb"), or a ``Calibration``.
+    config: the ``ShardingConfig`` the job passes to ``fp.shard`` (default: its defaults). Any of its fields
+        may also be given as a keyword, overriding it and validated as ``ShardingConfig`` validates; two
+        shorthands: ``mixed_precision="bf16"`` (or "fp16", a dtype) and ``activation_checkpointing=True``
+        (recompute every unit).
+    Run options (keywords): ``optimizer`` ("adamw", "sgd", ...); ``inputs``: callable returning one micro-batch
+        *per rank* (a tensor, tuple of args or dict of kwargs), converted to fake tensors; None: token ids of
+        ``(batch_size, seq_len)`` (with labels for HF models); ``loss_fn``: callable(output) -> scalar (None:
+        ``output.loss`` if present, else the output summed); ``device``; ``calibration``: None (assumed
+        throughputs for ``device``), "calibrate" (measure here, collectively under a process group), a name in
+        ``HARDWARE`` (e.g. "a100-80gb") or a ``Calibration``; ``gpus_per_node``; ``foreach``.
     """
-    opts = dict(auto_wrap_policy=auto_wrap_policy, optimizer=optimizer, inputs=inputs, loss_fn=loss_fn,
-                mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
-                cpu_offload=cpu_offload, backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
-                limit_all_gathers=limit_all_gathers, batch_size=batch_size, seq_len=seq_len, device=device,
-                calibration=calibration, gpus_per_node=gpus_per_node, ignored_modules=ignored_modules,
-                foreach=foreach)
-    return plan_strategies(model, world_size, [sharding_strategy], **opts)[0]
+    cfg, run = split_options(config, options)
+    return plan_configs(model, world_size, [cfg], **run)[0]
 
 
-def plan_strategies(model: ModelSource, world_size, strategies: list, **opts) -> list:
+def split_options(config: Optional[ShardingConfig], options: dict) -> tuple[ShardingConfig, dict]:
+    """(the ShardingConfig, the run options) of `plan`'s keywords; unknown names raise PlanError."""
+    unknown = sorted(set(options) - _CONFIG_FIELDS - set(_RUN_DEFAULTS))
+    if unknown:
+        raise PlanError(f"fp.plan: unknown option(s) {unknown}; ShardingConfig fields: {sorted(_CONFIG_FIELDS)}; "
+                        f"run options: {sorted(_RUN_DEFAULTS)}")
+    fields = {k: v for k, v in options.items() if k in _CONFIG_FIELDS}
+    if "mixed_precision" in fields:
+        fields["mixed_precision"] = _mixed_precision(fields["mixed_precision"])
+    if fields.get("activation_checkpointing") is False:
+        fields["activation_checkpointing"] = None
+    if config is not None and not isinstance(config, ShardingConfig):
+        raise PlanError(f"fp.plan(model, world_size, config): config must be a ShardingConfig, not "
+                        f"{type(config).__name__}")
+    try:
+        cfg = ShardingConfig.from_kwargs(config, **fields)
+    except ConfigError as e:
+        raise PlanError(str(e)) from e
+    return cfg, {**_RUN_DEFAULTS, **{k: v for k, v in options.items() if k in _RUN_DEFAULTS}}
+
+
+def plan_strategies(model: ModelSource, world_size, strategies: list, **options) -> list:
     """`plan` for several strategies from one fake run (the run does not depend on the strategy)."""
+    cfg, run = split_options(options.pop("config", None), options)
+    return plan_configs(model, world_size, [dataclasses.replace(cfg, sharding_strategy=s) for s in strategies], **run)
+
+
+def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
+    """One Plan per config; the configs share the model's units, precision and activation checkpointing."""
     worlds = sorted({int(world_size)} if isinstance(world_size, int) else {int(w) for w in world_size})
     if not worlds or min(worlds) < 1:
         raise PlanError(f"world_size={world_size!r}: give a positive size or a list of them")
-    mp = _mixed_precision(opts["mixed_precision"])
-    ac = opts["activation_checkpointing"] if opts["activation_checkpointing"] is not False else None
-    cfgs = [ShardingConfig(sharding_strategy=s, auto_wrap_policy=opts["auto_wrap_policy"], mixed_precision=mp,
-                           cpu_offload=opts["cpu_offload"], backward_prefetch=opts["backward_prefetch"],
-                           forward_prefetch=opts["forward_prefetch"], limit_all_gathers=opts["limit_all_gathers"],
-                           ignored_modules=opts["ignored_modules"]) for s in strategies]
+    mp = cfgs[0].mixed_precision
+    ac = cfgs[0].activation_checkpointing
     opt = _optim.check(opts["optimizer"])
     named_gpu = isinstance(opts["calibration"], str) and opts["calibration"] in HARDWARE
     device = torch.device(opts["device"] or ("cuda" if torch.cuda.is_available() or named_gpu else "cpu"))
@@ -71,7 +94,7 @@ def plan_strategies(model: ModelSource, world_size, strategies: list, **opts) ->
     tl = run(module, units, handles, spec, make_inputs, opts["loss_fn"])
     cal = _calibration(opts["calibration"], device, mp)
     foreach = device.type == "cuda" if opts["foreach"] is None else opts["foreach"]
-    notes = _notes(run_device, device, opts["cpu_offload"]) + (
+    notes = _notes(run_device, device, cfgs[0].cpu_offload) + (
         [f"target {device.type} has no device here: activations measured with CPU kernels"]
         if run_device != device else [])
     out = []

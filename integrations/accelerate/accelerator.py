@@ -246,8 +246,12 @@ class Accelerator(accelerate.Accelerator):
         input_dir = state_dirs.input_dir(self, input_dir)
         for hook in self._load_model_state_pre_hook.values():
             hook(self._models, input_dir)
-        state_io.load_models(input_dir, self._models, self._optimizers)
-        state_io.load_small_state(input_dir, self)
+        from .state import stock
+        if stock.is_stock_sharded(input_dir):  # resuming a stock accelerate FSDP run (torch DCP inside)
+            stock.load_stock(input_dir, self, self._models, self._optimizers)
+        else:
+            state_io.load_models(input_dir, self._models, self._optimizers)
+            state_io.load_small_state(input_dir, self)
         self.wait_for_everyone()
 
 

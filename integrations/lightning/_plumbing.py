@@ -1,4 +1,4 @@
-"""Pieces shared by the Trainer and Fabric strategies: config, process group, sharding, precision plugins."""
+"""Pieces shared by the Trainer and Fabric strategies: config, process plumbing, sharding, precision plugins."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,12 +18,53 @@ from lightning.fabric.utilities.distributed import (
     _init_dist_connection,
 )
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 import fsdp_plugin as fp
 from fsdp_plugin.errors import UsageError
 
 FORWARD_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 _CONVERTIBLE = (Precision, MixedPrecision, HalfPrecision, FabricPrecision, FabricMixed, FabricHalf)
+
+
+class ProcessPerDevice:
+    """Plumbing the Trainer and Fabric strategies share: one process per device, global ranks node-major.
+
+    Mixed in before Lightning's ``ParallelStrategy``; the subclass sets ``_launcher_cls`` (the Trainer's or
+    Fabric's own subprocess launcher) and, in ``__init__``, ``sharding_config``, ``_process_group_backend`` and
+    ``_timeout``."""
+
+    _launcher_cls: type
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = self._launcher_cls(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        utils_rank_zero_only.rank = self.global_rank
+
+    def _init_process_group(self) -> None:
+        assert self.cluster_environment is not None
+        self._process_group_backend = init_process_group(
+            self.cluster_environment, self.root_device, self._process_group_backend, self._timeout,
+            bool(getattr(self.sharding_config, "cpu_offload", False)))
 
 
 def sharding_config(kwargs: dict[str, Any]) -> Any:

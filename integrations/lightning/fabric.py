@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from fsdp_plugin.integrations.lightning import _plumbing as common
 from fsdp_plugin.integrations.lightning.checkpoint import fabric_state as fstate
-from fsdp_plugin.integrations.lightning._register import STRATEGY_NAME
 from fsdp_plugin.integrations.lightning.precision import FSDPPluginFabricPrecision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.launchers.subprocess_script import (
@@ -28,7 +27,6 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
 )
-from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -44,13 +42,15 @@ class _NoSync(_BackwardSyncControl):
         return fp.no_sync(module) if enabled else nullcontext()
 
 
-class FSDPPluginFabricStrategy(ParallelStrategy, _Sharded):
+class FSDPPluginFabricStrategy(common.ProcessPerDevice, ParallelStrategy, _Sharded):
     """Fully sharded data parallel Fabric strategy.
 
     Keyword arguments: the ``fp.ShardingConfig`` fields, or Fabric ``FSDPStrategy``'s spellings of them (see
     ``_fsdp_kwargs``). ``state_dict_type`` is ``"sharded"`` (Fabric's default; ``"full"`` is refused:
     ``fabric.save`` writes a sharded directory, which ``fsdp-plugin consolidate`` exports).
     """
+
+    _launcher_cls = _SubprocessScriptLauncher
 
     def __init__(
         self,
@@ -78,11 +78,6 @@ class FSDPPluginFabricStrategy(ParallelStrategy, _Sharded):
         self._num_nodes = 1
         self._backward_sync_control = _NoSync()
 
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(STRATEGY_NAME, cls, description="fsdp_plugin fully sharded data parallel",
-                                   override=True)
-
     # ----------------------------------------------------------------- plumbing
     @property
     def precision(self) -> Any:
@@ -102,11 +97,6 @@ class FSDPPluginFabricStrategy(ParallelStrategy, _Sharded):
             raise UnsupportedError(f"{type(self).__name__} does not use CheckpointIO plugins")
 
     @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
     def num_nodes(self) -> int:
         return self._num_nodes
 
@@ -114,28 +104,10 @@ class FSDPPluginFabricStrategy(ParallelStrategy, _Sharded):
     def num_nodes(self, num_nodes: int) -> None:
         self._num_nodes = num_nodes
 
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
     def setup_environment(self) -> None:
         super().setup_environment()
-        assert self.cluster_environment is not None
-        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
-        self._process_group_backend = common.init_process_group(
-            self.cluster_environment, self.root_device, self._process_group_backend, self._timeout,
-            bool(getattr(self.sharding_config, "cpu_offload", False)))
+        self.set_world_ranks()
+        self._init_process_group()
 
     # ----------------------------------------------------------------- modules
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:

@@ -35,8 +35,8 @@ from fsdp_plugin.integrations import _pending_save as pending_save
 from fsdp_plugin.integrations.lightning import _compile
 from fsdp_plugin.integrations.lightning.checkpoint import async_save as _async_save
 from fsdp_plugin.integrations.lightning.checkpoint import io as ckpt
+from fsdp_plugin.integrations.lightning.checkpoint import stock as stock_ckpt
 from fsdp_plugin.integrations.lightning import _plumbing as common
-from fsdp_plugin.integrations.lightning._register import STRATEGY_NAME
 from fsdp_plugin.integrations.lightning.precision import FSDPPluginPrecision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
@@ -47,8 +47,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import (
 )
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 import fsdp_plugin as fp
@@ -59,7 +58,7 @@ _STATE_DICT_TYPES = ("sharded", "full")
 _ACCUMULATION = ("sharded", "no_sync")
 
 
-class FSDPPluginStrategy(ParallelStrategy):
+class FSDPPluginStrategy(common.ProcessPerDevice, ParallelStrategy):
     """Fully sharded data parallel training on the fsdp_plugin engine.
 
     Args:
@@ -88,6 +87,8 @@ class FSDPPluginStrategy(ParallelStrategy):
 
     #: ``torch.compile``d LightningModules are compiled per unit (see ``_compile``), not refused.
     compiles_per_unit = True
+
+    _launcher_cls = _SubprocessScriptLauncher
 
     def __init__(
         self,
@@ -124,11 +125,6 @@ class FSDPPluginStrategy(ParallelStrategy):
         self.num_nodes = 1
 
     # ----------------------------------------------------------------- registry and plumbing
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(STRATEGY_NAME, cls, description="fsdp_plugin fully sharded data parallel",
-                                   override=True)
-
     @property
     def precision_plugin(self) -> Any:
         return self._precision_plugin if self._precision_plugin is not None else FSDPPluginPrecision()
@@ -136,19 +132,6 @@ class FSDPPluginStrategy(ParallelStrategy):
     @precision_plugin.setter
     def precision_plugin(self, plugin: Any) -> None:
         self._precision_plugin = common.convert_precision(plugin, FSDPPluginPrecision)
-
-    @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
     def is_distributed(self) -> bool:
@@ -171,27 +154,13 @@ class FSDPPluginStrategy(ParallelStrategy):
         """Asynchronous checkpoint saves this strategy started."""
         return pending_save.of(self).started
 
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-
     def setup_environment(self) -> None:
         super().setup_environment()
         from lightning.fabric.utilities.seed import reset_seed
 
         reset_seed()
         self.set_world_ranks()
-        assert self.cluster_environment is not None
-        self._process_group_backend = common.init_process_group(
-            self.cluster_environment, self.root_device, self._process_group_backend, self._timeout,
-            bool(getattr(self.sharding_config, "cpu_offload", False)))
+        self._init_process_group()
 
     # ----------------------------------------------------------------- model construction and sharding
     @contextmanager
@@ -302,10 +271,12 @@ class FSDPPluginStrategy(ParallelStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))
         kind = ckpt.checkpoint_kind(path)
         assert self.model is not None and self.lightning_module is not None
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if kind is None and stock_ckpt.is_stock_sharded(path):  # from Lightning's own FSDPStrategy (torch DCP)
+            return stock_ckpt.load_stock(path, self.model, self.optimizers if fitting else [])
         if kind is None:
             raise CheckpointStateError(f"{path} is not an fsdp_plugin Lightning checkpoint: give a checkpoint directory "
                                        "(with manifest.json, state_dict_type='sharded') or a 'full' checkpoint file.")
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         if kind == "sharded":
             return ckpt.load_sharded(path, self.model, self.optimizers if fitting else [])
         meta = ckpt.load_full(path, self.model)

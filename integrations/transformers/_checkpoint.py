@@ -34,6 +34,28 @@ def has_state(checkpoint: str) -> bool:
     return os.path.isfile(os.path.join(state_dir(checkpoint), "manifest.json"))
 
 
+def stock_fsdp_dirs(checkpoint: str) -> tuple[str, str] | None:
+    """``(model dir, optimizer dir)`` of a stock Trainer FSDP ``SHARDED_STATE_DICT`` checkpoint (torch DCP
+    written by accelerate: ``pytorch_model_fsdp_0/``, ``optimizer_0/``), or None."""
+    from fsdp_plugin.checkpoint.dcp import is_dcp_dir
+
+    model_dir = os.path.join(checkpoint, "pytorch_model_fsdp_0")
+    return (model_dir, os.path.join(checkpoint, "optimizer_0")) if is_dcp_dir(model_dir) else None
+
+
+def _load_stock_fsdp(trainer: Any, checkpoint: str, with_optimizer: bool) -> None:
+    """Model (+ optimizer, + ``scheduler.pt`` read with ``weights_only=True``) from a stock FSDP checkpoint."""
+    import torch
+    from fsdp_plugin.checkpoint.dcp import is_dcp_dir, load_dcp
+
+    model_dir, optim_dir = stock_fsdp_dirs(checkpoint)
+    optimizer = _optimizer(trainer) if with_optimizer and is_dcp_dir(optim_dir) else None
+    load_dcp(model_dir, trainer.model, optimizer, optimizer_path=optim_dir if optimizer is not None else None)
+    sched, sched_file = getattr(trainer, "lr_scheduler", None), os.path.join(checkpoint, "scheduler.pt")
+    if optimizer is not None and sched is not None and os.path.isfile(sched_file):
+        sched.load_state_dict(torch.load(sched_file, map_location="cpu", weights_only=True))
+
+
 def has_hf_weights(checkpoint: str) -> bool:
     """Whether ``checkpoint`` holds Hugging Face safetensors weights (``save_only_model`` / full saves)."""
     return any(os.path.isfile(os.path.join(checkpoint, name)) for name in _HF_WEIGHTS)
@@ -82,12 +104,15 @@ def load(trainer: Any, checkpoint: str, with_optimizer: bool = True) -> None:
             warnings.warn(f"{checkpoint} holds no optimizer state (save_only_model?): the optimizer and the "
                           "learning-rate schedule restart", stacklevel=3)
         return
+    if stock_fsdp_dirs(checkpoint) is not None:  # resuming a stock torch-FSDP Trainer run
+        _load_stock_fsdp(trainer, checkpoint, with_optimizer)
+        return
     if has_hf_weights(checkpoint):
         fp.load_pretrained(trainer.model, checkpoint)
         if with_optimizer:
             warnings.warn(f"{checkpoint} holds only model weights: the optimizer and the learning-rate schedule "
                           "restart", stacklevel=3)
         return
-    raise TrainerCheckpointError(f"{checkpoint} has neither {CHECKPOINT_DIR}/ (fsdp_plugin's sharded state) nor "
-                                 "Hugging Face safetensors weights: give a checkpoint-<step> folder written by a "
-                                 "Trainer running on fsdp_plugin")
+    raise TrainerCheckpointError(f"{checkpoint} has neither {CHECKPOINT_DIR}/ (fsdp_plugin's sharded state), "
+                                 "pytorch_model_fsdp_0/ (a stock FSDP run) nor Hugging Face safetensors weights: "
+                                 "give a checkpoint-<step> folder written by a Trainer")

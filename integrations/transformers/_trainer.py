@@ -88,10 +88,11 @@ def load_from_checkpoint(stock, self, resume_from_checkpoint: str, model=None) -
     """Before ``prepare``: only check the folder; the sharded load happens after ``prepare``."""
     if not active(self):
         return stock(self, resume_from_checkpoint, model)
-    if not (ckpt.has_state(resume_from_checkpoint) or ckpt.has_hf_weights(resume_from_checkpoint)):
+    if not (ckpt.has_state(resume_from_checkpoint) or ckpt.has_hf_weights(resume_from_checkpoint)
+            or ckpt.stock_fsdp_dirs(resume_from_checkpoint) is not None):
         raise ckpt.TrainerCheckpointError(
-            f"{resume_from_checkpoint} has neither {ckpt.CHECKPOINT_DIR}/ nor Hugging Face safetensors weights: "
-            "give a checkpoint-<step> folder written by a Trainer running on fsdp_plugin")
+            f"{resume_from_checkpoint} has neither {ckpt.CHECKPOINT_DIR}/, pytorch_model_fsdp_0/ (a stock FSDP run) "
+            "nor Hugging Face safetensors weights: give a checkpoint-<step> folder written by a Trainer")
     return None
 
 

@@ -3,7 +3,7 @@
     accelerate launch --config_file CFG tests/scripts/hf_trainer_check.py OUT PHASE [CHECKPOINT]
     python tests/scripts/hf_trainer_check.py OUT reference        # plain single process, no FSDP
 
-Phases: ``train`` (6 steps, GA 2, clipping, gradient checkpointing, save_steps 3, save_model, then a second
+Phases: ``stock_fsdp`` (plain single process, checkpoints in the stock FSDP SHARDED_STATE_DICT layout), ``train`` (6 steps, GA 2, clipping, gradient checkpointing, save_steps 3, save_model, then a second
 Trainer resuming from checkpoint-3), ``resume`` (from CHECKPOINT), ``lora`` (PEFT LoRA under torchrun with
 FSDP set in TrainingArguments: adapter-only training and saves), ``reference`` (the plain single-process
 twins of ``train`` and ``lora``; bf16 is exercised by examples/hf_trainer.py).
@@ -144,10 +144,42 @@ def phase_reference(out: str) -> dict:
     return {"hist": history(tr), "lora": history(lora), "engine": bool(getattr(tr.accelerator, "_fp_active", 0))}
 
 
+def _stock_fsdp_layout_callback():
+    """At every save, replace the stock checkpoint's model.safetensors + optimizer.pt by what a stock FSDP
+    ``SHARDED_STATE_DICT`` Trainer writes instead (accelerate's ``save_fsdp_model/optimizer``: torch DCP of
+    ``{"model": ...}`` in ``pytorch_model_fsdp_0/`` and ``{"optimizer": ...}`` in ``optimizer_0/``). A stock
+    FSDP Trainer needs a GPU; on CPU the same layout is written here from the plain run's state."""
+    from transformers import TrainerCallback
+
+    class StockFSDPLayout(TrainerCallback):
+        def on_save(self, targs, state, control, model=None, optimizer=None, **kw):
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            ck = os.path.join(targs.output_dir, f"checkpoint-{state.global_step}")
+            msd, osd = get_state_dict(model, getattr(optimizer, "optimizer", optimizer))
+            dcp.save({"model": msd}, checkpoint_id=os.path.join(ck, "pytorch_model_fsdp_0"))
+            dcp.save({"optimizer": osd}, checkpoint_id=os.path.join(ck, "optimizer_0"))
+            for name in ("model.safetensors", "optimizer.pt", "config.json", "generation_config.json",
+                         "training_args.bin"):  # a SHARDED_STATE_DICT save_model writes none of them
+                os.remove(os.path.join(ck, name))
+
+    return StockFSDPLayout()
+
+
+def phase_stock_fsdp(out: str) -> dict:
+    """Plain single-process stock Trainer (no fsdp_plugin engine), checkpoints in the stock FSDP layout."""
+    tr = trainer(tiny_llama(), out)
+    tr.add_callback(_stock_fsdp_layout_callback())
+    tr.train()
+    return {"hist": history(tr), "engine": bool(getattr(tr.accelerator, "_fp_active", 0)),
+            "ckpt3": sorted(os.listdir(os.path.join(out, "checkpoint-3")))}
+
+
 def main() -> None:
     out, phase = sys.argv[1], sys.argv[2]
     rep = {"train": lambda: phase_train(out), "resume": lambda: phase_resume(out, sys.argv[3]),
-           "lora": lambda: phase_lora(out),
+           "lora": lambda: phase_lora(out), "stock_fsdp": lambda: phase_stock_fsdp(out),
            "reference": lambda: phase_reference(out)}[phase]()
     rank = int(os.environ.get("RANK", "0"))
     with open(os.path.join(out, f"{phase}_rank{rank}.json"), "w") as f:

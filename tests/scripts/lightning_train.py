@@ -174,7 +174,31 @@ def fsdp_strategy_kwargs() -> dict:
             "limit_all_gathers": True, "use_orig_params": True, "state_dict_type": "full"}
 
 
+def stock_fsdp_strategy():
+    """Lightning's own ``FSDPStrategy(state_dict_type="sharded")`` on CPU: a subclass passes the Trainer's
+    GPU-only guard (it checks ``type(strategy) is FSDPStrategy``); :class:`StockRegressor` wraps its network
+    in FSDP1 with ``device_id=cpu`` itself (Lightning then leaves the wrapped model as it is)."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    class CpuFSDPStrategy(FSDPStrategy):
+        pass
+
+    return CpuFSDPStrategy(state_dict_type="sharded")
+
+
+class StockRegressor(Regressor):
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        if not isinstance(self.net, FSDP):
+            self.net = FSDP(self.net, auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}),
+                            device_id=torch.device("cpu"), use_orig_params=True)
+
+
 def build_strategy(args: argparse.Namespace):
+    if args.strategy == "stock_fsdp":
+        return stock_fsdp_strategy()
     if args.fsdp_kwargs:
         from fsdp_plugin.integrations.lightning import FSDPPluginStrategy
 
@@ -239,7 +263,7 @@ def main() -> None:
         plugins=[AsyncCheckpointIO()] if args.async_ckpt else None,
     )
     with trainer.init_module(empty_init=True) if args.init_module else contextlib.nullcontext():
-        model = Regressor(deferred=args.deferred)
+        model = (StockRegressor if args.strategy == "stock_fsdp" else Regressor)(deferred=args.deferred)
     if args.test:
         return _test_only(args, trainer, model)
     per_rank = GLOBAL_BATCH // args.devices // args.accumulate
