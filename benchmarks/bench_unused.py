@@ -44,8 +44,8 @@ def worker(rank, world, steps):
             pass
 
     def plain_views(self):
-        pieces = torch.split(self.leaf, self._split_sizes)
-        return [p.view(s.shape) for p, s in zip(pieces, self.slots)]
+        pieces = torch.split(self.leaf, self._split_sizes)     # segments: slots, row-alignment gaps, padding
+        return [pieces[i].view(s.shape) for i, s in zip(self._slot_segment, self.slots)]
     on, off = [], []
     for s in range(steps):
         g = torch.Generator().manual_seed(s * 10 + rank)

@@ -191,8 +191,8 @@ def main(argv=None) -> None:
     else:
         model = build().to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    # weight decay only on matrices (not biases, LayerNorms, position embeddings): decided by name before
-    # sharding, since sharded parameters are 1-D pieces; names survive fp.shard.
+    # weight decay only on matrices (not biases, LayerNorms, position embeddings), decided before sharding;
+    # sharded pieces keep their ndim and names survive fp.shard, so deciding after it gives the same groups.
     decay_names = {n for n, p in model.named_parameters() if p.dim() == 2 and "pos_emb" not in n}
 
     cfg = fp.ShardingConfig(sharding_strategy=args.strategy, auto_wrap_policy={Block})

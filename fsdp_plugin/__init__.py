@@ -10,6 +10,8 @@ from .api import (clip_grad_norm_, comm_stats, compile, deferred_init, full_para
                   latest_checkpoint, load_checkpoint, load_pretrained, memory_report, no_sync, plan,
                   register_forward_method, reset, save_checkpoint, save_pretrained, shard, shutdown)
 from .checkpoint import AsyncSave
+from ._flat.layout import param_info
+from . import optim
 from .config import Checkpointing, MixedPrecision, ShardingConfig, size_policy
 from .grad_scaler import GradScaler
 # every error class users may catch (docs/errors.md is the catalogue)
@@ -24,7 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ShardingConfig", "MixedPrecision", "Checkpointing", "size_policy", "shard", "compile", "deferred_init", "no_sync", "full_params",
-    "clip_grad_norm_", "full_state_dict", "GradScaler", "is_sharded", "register_forward_method", "reset", "comm_stats",
+    "clip_grad_norm_", "full_state_dict", "param_info", "optim", "GradScaler", "is_sharded", "register_forward_method", "reset", "comm_stats",
     "save_checkpoint", "AsyncSave", "load_checkpoint", "latest_checkpoint", "load_pretrained", "save_pretrained", "CheckpointError",
     "CheckpointMismatchError", "CorruptCheckpointError", "IncompleteCheckpointError",
     "shutdown",

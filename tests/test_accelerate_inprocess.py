@@ -150,3 +150,28 @@ def test_full_state_dict_type_also_writes_full_hf_weights(tmp_path):
     assert sorted(full) == sorted(want) and all(torch.equal(full[k], want[k]) for k in want)
     assert (tmp_path / "s" / "model_0" / "manifest.json").is_file()  # load_state resumes from the sharded state
     acc.load_state(tmp_path / "s")
+
+
+def test_prepare_model_muon_and_adamw_trains_and_resumes(tmp_path):
+    """prepare(model, muon, adamw) with the optimizers built before sharding (accelerate's order)."""
+    acc = Accelerator(sharding_config=fp.ShardingConfig())
+    model = net()
+    mats = [p for n, p in model.named_parameters() if n.endswith("lin.weight")]
+    rest = [p for n, p in model.named_parameters() if not n.endswith("lin.weight")]
+    muon, adamw = fp.optim.Muon(mats, lr=0.02), torch.optim.AdamW(rest, lr=1e-2)
+    model, muon, adamw = acc.prepare(model, muon, adamw)
+    assert fp.is_sharded(model)
+    for _ in range(2):
+        acc.backward(model(torch.randn(3, 4)).pow(2).sum())
+        muon.step()
+        adamw.step()
+        muon.zero_grad()
+        adamw.zero_grad()
+    inner = muon.optimizer if hasattr(muon, "optimizer") else muon
+    assert all("momentum_buffer" in inner.state[p] for p in mats)
+    acc.save_state(tmp_path / "s")
+    want = {id(p): inner.state[p]["momentum_buffer"].clone() for p in mats}
+    for p in mats:
+        inner.state[p]["momentum_buffer"].zero_()
+    acc.load_state(tmp_path / "s")
+    assert all(torch.equal(inner.state[p]["momentum_buffer"], want[id(p)]) for p in mats)

@@ -49,14 +49,6 @@ def shard_twice():
     fp.shard(model)
 
 
-def optimizer_stepped_before_shard():
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    opt = torch.optim.Adam(model.parameters())
-    model(torch.ones(2, 4)).sum().backward()
-    opt.step()
-    fp.shard(model)
-    model(torch.ones(2, 4)).sum().backward()
-    opt.step()
 
 
 def dtype_backend_cannot_reduce():
@@ -216,6 +208,72 @@ def activation_checkpointing_without_units():
              activation_checkpointing=True)
 
 
+def _ranks_error(fn, world=2):
+    """Run ``fn`` on ``world`` ranks and re-raise the OptimizerError it raised on rank 0."""
+    try:
+        run_ranks(fn, world)
+    except RankFailure as e:
+        line = [ln for ln in str(e).splitlines() if ln.startswith("fsdp_plugin.errors.OptimizerError: ")][0]
+        raise fp.OptimizerError(line.split("OptimizerError: ", 1)[1]) from None
+
+
+def _stepped_early(rank, world):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    fp.shard(model)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+
+
+def optimizer_stepped_before_shard():
+    """On 2 ranks: with one rank the sharded parameters keep their full shape and the old state still fits."""
+    _ranks_error(_stepped_early)
+
+
+def _matrices():
+    torch.manual_seed(0)
+    return fp.shard(nn.Sequential(nn.Linear(8, 7), nn.Linear(7, 5)))   # on 2 ranks the first weight is cut 6 | 1 rows
+
+
+def _stock_muon(rank, world):
+    model = _matrices()
+    opt = torch.optim.Muon([p for p in model.parameters() if p.ndim == 2])
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()
+
+
+def stock_muon_on_a_split_matrix():
+    _ranks_error(_stock_muon)
+
+
+def _adafactor(rank, world):
+    model = _matrices()
+    opt = torch.optim.Adafactor(model.parameters())
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()
+
+
+def per_tensor_optimizer_on_shard_pieces():
+    _ranks_error(_adafactor)
+
+
+def muon_given_a_vector():
+    fp.optim.Muon(_matrices().parameters())
+
+
+def _muon_unsharded(rank, world):
+    model = nn.Linear(8, 6, bias=False)
+    opt = fp.optim.Muon(model.parameters())
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()
+
+
+def muon_on_a_model_never_sharded():
+    _ranks_error(_muon_unsharded)
+
+
 class _ForeignPickle:
     def __reduce__(self):
         import os
@@ -301,7 +359,9 @@ CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_polic
          dcp_optimizer_groups_differ, export_dcp_onto_an_existing_directory,
          load_a_directory_that_is_not_a_checkpoint, load_an_interrupted_save,
          activation_checkpointing_every_zero, activation_checkpointing_without_units,
-         collective_deadline_names_the_late_rank, join_before_any_batch]
+         collective_deadline_names_the_late_rank, join_before_any_batch,
+         stock_muon_on_a_split_matrix, per_tensor_optimizer_on_shard_pieces, muon_given_a_vector,
+         muon_on_a_model_never_sharded]
 
 
 def _capture(case, tmp_path):

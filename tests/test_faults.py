@@ -72,6 +72,6 @@ def test_a_forward_that_raises_leaves_the_model_usable():
         model(x, y)
     except RuntimeError:
         pass
-    assert all(p.dim() == 1 for p in model.parameters()), "the root is resharded after the exception"
+    assert all(hasattr(p, "_fp_handle") for p in model.parameters()), "the root is resharded after the exception"
     model(x, y).backward()
     assert all(p.grad is not None for p in model.parameters())

@@ -73,7 +73,9 @@ def test_strategies_optimizers_checkpointing_and_precision_order_memory():
     assert by["full_shard"].unsharded_params < by["shard_grad_op"].unsharded_params   # ZeRO-3 frees after forward
     assert by["no_shard"].wire_bytes.keys() == {"all_reduce"}
     state = {o: _plan((1,), optimizer=o).worlds[1].optimizer_state for o in ("sgd", "sgd-momentum")}
-    assert state["sgd"] == 0 and by["full_shard"].optimizer_state == 2 * state["sgd-momentum"] / 4 > 0
+    assert state["sgd"] == 0 and state["sgd-momentum"] > 0
+    # a quarter of one rank's, plus the row-aligned layout's padding (test_rows.py: same as the engine's)
+    assert 2 * state["sgd-momentum"] / 4 <= by["full_shard"].optimizer_state <= 1.03 * 2 * state["sgd-momentum"] / 4
     long_inputs = lambda: (torch.randint(0, V, (16, 16)),)   # noqa: E731
     base = _plan((2,), inputs=long_inputs)
     ac = _plan((2,), inputs=long_inputs, activation_checkpointing=True)

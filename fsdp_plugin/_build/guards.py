@@ -1,22 +1,33 @@
 """Guards against silent misuse of a sharded model: plain state_dict()/load_state_dict() (they would
-see 1-D shard pieces) and optimizers whose state does not match the sharded parameters."""
+see shard pieces), optimizers whose state does not match the sharded parameters, and per-tensor optimizers
+(Muon, Adafactor, LAMB...) on pieces of tensors, which would compute per-piece statistics: they raise at
+their first step, on every rank alike (the decision uses the layout, which every rank knows), never warn."""
 from __future__ import annotations
 
-import warnings
 import weakref
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch import nn
 
+from .._flat.layout import param_info
 from ..errors import OptimizerError, StateDictError
 
-_STATE_DICT_HELP = ("on a sharded model outside `with fp.full_params(model):` it would hold 1-D shard pieces; "
+_STATE_DICT_HELP = ("on a sharded model outside `with fp.full_params(model):` it would hold shard pieces (whole rows); "
                     "use fp.full_state_dict(model) (full tensors on rank 0), fp.save_checkpoint/fp.load_checkpoint "
                     "(sharded, any world size), or call it inside `with fp.full_params(model):`")
 # Optimizers whose update of a parameter depends on more than its own elements (norms, factored
-# moments, line searches): on 1-D shard pieces they compute per-shard statistics instead.
-_NOT_ELEMENTWISE = {"LAMB", "Lamb", "FusedLAMB", "Adafactor", "LARS", "LBFGS", "Shampoo", "Muon", "SophiaG"}
+# moments, orthogonalization, line searches): on shard pieces they compute per-piece statistics instead.
+# By class name (and classes registered with fp.optim.register_per_tensor): the libraries need not be imported.
+PER_TENSOR = {"LAMB", "Lamb", "FusedLAMB", "Adafactor", "LARS", "LBFGS", "Shampoo", "DistributedShampoo", "SOAP",
+              "Muon", "SophiaG", "Dion"}
+_REGISTERED: set = set()
+
+
+def register_per_tensor(cls: type) -> type:
+    """Mark optimizer class ``cls`` (and its subclasses) as per-tensor: the guard refuses it on shard pieces."""
+    _REGISTERED.add(cls)
+    return cls
 _checked_optimizers: "weakref.WeakSet" = weakref.WeakSet()
 _hook_handle = None
 
@@ -58,9 +69,31 @@ def _check_optimizer(optimizer, args, kwargs) -> None:
                     f"{type(optimizer).__name__} state {key!r} has shape {tuple(value.shape)} but the sharded "
                     f"parameter is {tuple(p.shape)}: the optimizer stepped before fp.shard(). Build the optimizer "
                     "after fp.shard(model) from model.parameters(), or restore its state with fp.load_checkpoint")
-    name = type(optimizer).__name__
-    if name in _NOT_ELEMENTWISE:
-        warnings.warn(f"{name} is not elementwise: its update uses whole-tensor statistics (norms, factored "
-                      "moments), which on sharded 1-D pieces become per-shard statistics and differ from "
-                      "unsharded training. Prefer an elementwise optimizer (SGD, Adam, AdamW, Lion).", stacklevel=3)
+    _check_per_tensor(optimizer, sharded)
     _checked_optimizers.add(optimizer)
+
+
+def _check_per_tensor(optimizer, sharded: list) -> None:
+    """Stock Muon is exact on matrices no rank splits (whole on one rank, empty elsewhere); any other
+    per-tensor optimizer needs every tensor whole on every rank (it fails on empty pieces, too)."""
+    cls = type(optimizer)
+    if getattr(cls, "_fp_sharding_aware", False):
+        return
+    if cls.__name__ not in PER_TENSOR and not any(issubclass(cls, r) for r in _REGISTERED):
+        return
+    if cls.__name__ == "Muon":
+        split = [param_info(p) for p in sharded if param_info(p).split]
+        if split:
+            raise OptimizerError(
+                f"{cls.__module__}.Muon on a sharded model: {split[0].fqn!r} (shape {tuple(split[0].shape)}) is cut "
+                f"between ranks ({len(split)} such matrices), and Newton–Schulz on a rank's rows is not Muon on the "
+                "matrix. Use fp.optim.Muon (same arguments and defaults): it is bit-identical to torch.optim.Muon "
+                "on the full tensors")
+        return
+    pieces = [param_info(p) for p in sharded if p._fp_handle.mesh.shard_size > 1]
+    if pieces:
+        raise OptimizerError(
+            f"{cls.__name__} is a per-tensor optimizer (whole-tensor statistics) but {pieces[0].fqn!r} is sharded "
+            f"into pieces ({len(pieces)} such parameters): it would train differently from unsharded training. Use "
+            "fp.optim.Muon for the 2-D hidden matrices and an elementwise optimizer (AdamW, Adam, SGD, Lion) for the "
+            "rest, or give this optimizer only parameters of no_shard units")

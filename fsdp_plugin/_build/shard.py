@@ -176,10 +176,7 @@ def _build_handle(params, dtype: torch.dtype, sites, names, mesh: Mesh, cfg: Sha
         _log.logger.info("unit %s: %d trainable %s parameters get %s master shards (MixedPrecision(master_dtype="
                          "None) keeps %s)", label, len(params), params[0].dtype, dtype, params[0].dtype)
     values = mat.param_values(params) if (not scatter or mesh.rank == 0) else None
-    slots, offset = [], 0
-    for p in params:
-        slots.append(ParamSlot(p, names[id(p)], [(f, m, a) for f, m, a in sites[id(p)]], p.shape, offset))
-        offset += p.numel()
+    slots = [ParamSlot(p, names[id(p)], [(f, m, a) for f, m, a in sites[id(p)]], p.shape) for p in params]
     compute, reduce = handle_dtypes(cfg.mixed_precision, dtype)
     shard_device = torch.device("cpu") if cfg.cpu_offload else device
     handle = FlatParamHandle(slots, mesh, dtype, requires_grad, device, compute, reduce, shard_device,

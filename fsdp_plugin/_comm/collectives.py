@@ -251,6 +251,18 @@ def gather(t: torch.Tensor, outs: Optional[list], dst: int, group=None, what: st
               what, timeout_s)
 
 
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list, in_splits: list, group, what: str,
+               timeout_s: Optional[float] = None, kind: str = "optim_exchange") -> None:
+    """Rank ``r`` sends ``inp``'s ``in_splits[j]`` elements (in order) to group rank ``j`` and receives
+    ``out_splits[j]`` from it into ``out``; blocking, with a deadline. Counted as the bytes this rank sends to
+    others (its own split stays local), like a point-to-point send."""
+    n = group_size(group)
+    me = dist.get_rank(group) if n > 1 else 0
+    STATS.calls[kind] += 1
+    STATS.bytes[kind] += (sum(in_splits) - in_splits[me]) * inp.element_size()
+    _blocking(dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True), what, timeout_s)
+
+
 def send(t: torch.Tensor, dst: int, what: str = "send", timeout_s: Optional[float] = None) -> None:
     """Point-to-point: ``t`` to global rank ``dst``, which must :func:`recv` it; blocking, with a deadline."""
     STATS.calls["p2p"] += 1

@@ -1,10 +1,11 @@
 """One flat, padded parameter buffer per (unit, dtype, requires_grad) group: the paper's FlatParameter.
 
-Layout (unsharded, ``padded`` elements): ``[p0 | p1 | ... | pk | pad]``, padded so that the shard group of
-``n`` ranks divides it; shard rank ``r`` keeps elements ``[r*chunk, (r+1)*chunk)`` in ``flat_shard``
-(the master copy, original dtype). Every original ``nn.Parameter`` keeps its identity; its ``.data`` is
-always its 1-D local piece, a view into ``flat_shard``, and its ``.grad`` the matching view into
-the flat sharded gradient. Forward and backward use views of ``leaf``, an autograd leaf whose storage is freed while
+Layout (unsharded, ``padded`` elements): ``[p0 | gap | p1 | ... | pk | pad]``, row-aligned (see ``rows.py``):
+shard rank ``r`` keeps elements ``[r*chunk, (r+1)*chunk)`` in ``flat_shard`` (the master copy, original dtype)
+and every boundary that cuts a parameter cuts it between rows. Every original ``nn.Parameter`` keeps its
+identity; its ``.data`` is its local piece as whole rows, ``(k, *shape[1:])`` (the full shape when whole here,
+``k = 0`` when none of it is here), a view into ``flat_shard``, and its ``.grad`` the matching view into the
+flat sharded gradient. Forward and backward use views of ``leaf``, an autograd leaf whose storage is freed while
 sharded and refilled by the all-gather, so tensors saved for backward see the refilled values.
 """
 from __future__ import annotations
@@ -20,6 +21,8 @@ from .._groups.mesh import Mesh
 from .._schedule.states import ShardedState
 from .._reduce.usage import SlotUsage
 from .._comm.trace import _traced
+from .owners import choose_owners
+from .rows import local_shape, piece, row_aligned_offsets
 
 
 def set_param_data(param: nn.Parameter, tensor: torch.Tensor) -> None:
@@ -40,7 +43,7 @@ class ParamSlot:
     fqn: str
     sites: list                  # every (module, attr_name) that registers this parameter
     shape: torch.Size
-    offset: int                  # first element in the unsharded flat buffer
+    offset: int = 0              # first element in the unsharded flat buffer (set by the handle's layout)
     local_start: int = 0         # this rank's piece is the flattened param's [local_start, local_end)
     local_end: int = 0
 
@@ -66,7 +69,8 @@ class _LeafViews(torch.autograd.Function):
     def forward(ctx, handle, leaf):
         ctx.handle = handle
         ctx.set_materialize_grads(False)
-        return tuple(p.view(s) for p, s in zip(leaf.split_with_sizes(handle._split_sizes), handle._shapes))
+        pieces = leaf.split_with_sizes(handle._split_sizes)
+        return tuple(pieces[i].view(s) for i, s in zip(handle._slot_segment, handle._shapes))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -85,7 +89,9 @@ class FlatParamHandle:
         self.shard_device = shard_device
         self.total = sum(s.numel for s in slots)
         n = mesh.shard_size
-        self.padded = -(-self.total // n) * n
+        offsets, self.padded = row_aligned_offsets([s.shape for s in slots], n)
+        for s, o in zip(slots, offsets):
+            s.offset = o
         self.chunk = self.padded // n
         self.chunk_start = mesh.shard_rank * self.chunk
         self.flat_shard = torch.zeros(self.chunk, dtype=dtype, device=shard_device)
@@ -110,17 +116,40 @@ class FlatParamHandle:
         # Collectives write through this alias: its version counter is separate from the leaf's, so
         # refilling the storage does not trip autograd's saved-tensor version check.
         self._full = self.leaf.data
-        self._split_sizes = [s.numel for s in self.slots] + ([self.padded - self.total] if self.padded > self.total else [])
+        self._split_sizes, self._slot_segment = self._segments()
         self._shapes = [s.shape for s in self.slots]
+
+    def _segments(self) -> tuple[list[int], list[int]]:
+        """Sizes of the flat buffer's consecutive segments (slots, gaps, tail padding) and each slot's index."""
+        sizes, index, pos = [], [], 0
+        for s in self.slots:
+            if s.offset > pos:
+                sizes.append(s.offset - pos)
+            index.append(len(sizes))
+            sizes.append(s.numel)
+            pos = s.offset + s.numel
+        if self.padded > pos:
+            sizes.append(self.padded - pos)
+        return sizes, index
 
     def _bind_local_pieces(self) -> None:
         for s in self.slots:
-            lo = min(max(self.chunk_start - s.offset, 0), s.numel)
-            hi = min(max(self.chunk_start + self.chunk - s.offset, 0), s.numel)
-            s.local_start, s.local_end = lo, max(lo, hi)
-            a = s.offset + s.local_start - self.chunk_start
-            set_param_data(s.param, self.flat_shard[a:a + (s.local_end - s.local_start)])
+            s.local_start, s.local_end = self.piece_of(s, self.mesh.shard_rank)
+            local = self.flat_shard[self.local_slice(s)]
+            s.param.grad = None      # a gradient from before fp.shard is full-shape: it fits no piece
+            set_param_data(s.param, local.view(local_shape(s.shape, s.local_start, s.local_end)))
             s.param._fp_handle = self
+
+    def piece_of(self, slot: ParamSlot, shard_rank: int) -> tuple[int, int]:
+        """Shard rank ``shard_rank``'s piece ``[start, end)`` of the flattened parameter (whole rows)."""
+        return piece(slot.offset, slot.numel, self.chunk, shard_rank)
+
+    @property
+    def owners(self) -> list[int]:
+        """Owner shard rank of every slot (see ``owners.py``); computed once, from the layout alone."""
+        if getattr(self, "_owners", None) is None:
+            self._owners = choose_owners(self)
+        return self._owners
 
     def local_slice(self, slot: ParamSlot) -> slice:
         a = slot.offset + slot.local_start - self.chunk_start
@@ -227,7 +256,8 @@ class FlatParamHandle:
 
     def split_full(self, full: torch.Tensor) -> list[torch.Tensor]:
         """Full-shape views of a padded flat tensor, one per slot."""
-        return [piece.view(s.shape) for piece, s in zip(full.split(self._split_sizes), self.slots)]
+        pieces = full.split(self._split_sizes)
+        return [pieces[i].view(s.shape) for i, s in zip(self._slot_segment, self.slots)]
 
     def views(self) -> list[torch.Tensor]:
         """Full-shape views of the unsharded leaf, one per slot (autograd-connected in grad mode).
@@ -238,20 +268,18 @@ class FlatParamHandle:
         if self.requires_grad and torch.is_grad_enabled() and self.slots:
             return list(_LeafViews.apply(self, self.leaf))
         pieces = self.leaf.split_with_sizes(self._split_sizes)
-        return [piece.view(shape) for piece, shape in zip(pieces, self._shapes)]
+        return [pieces[i].view(shape) for i, shape in zip(self._slot_segment, self._shapes)]
 
     def flat_grad(self, grads) -> torch.Tensor:
         """The leaf's gradient from per-slot gradients (None: unused, zeros), marking used slots."""
-        now, parts = self.usage.now, []
-        for i, (g, n) in enumerate(zip(grads, self._split_sizes)):
-            if g is None:
-                parts.append(torch.zeros(n, dtype=self.compute_dtype, device=self.device))
-            else:
+        now = self.usage.now
+        parts: list = [None] * len(self._split_sizes)   # None: zeros (gaps, padding, unused slots)
+        for i, (g, seg) in enumerate(zip(grads, self._slot_segment)):
+            if g is not None:
                 now[i] = 1
-                parts.append(g.reshape(-1))
-        if self.padded > self.total:
-            parts.append(torch.zeros(self.padded - self.total, dtype=self.compute_dtype, device=self.device))
-        return torch.cat(parts)
+                parts[seg] = g.reshape(-1)
+        return torch.cat([torch.zeros(n, dtype=self.compute_dtype, device=self.device) if p is None else p
+                          for p, n in zip(parts, self._split_sizes)])
 
     # ------------------------------------------------------------- gradients
     def take_unsharded_grad(self) -> Optional[torch.Tensor]:
@@ -327,7 +355,7 @@ class FlatParamHandle:
         else:
             base.add_(reduced)
         for s in self.slots:
-            s.param.grad = base[self.local_slice(s)]
+            s.param.grad = base[self.local_slice(s)].view(s.param.shape)
 
     def reduce_now(self) -> None:
         """Reduce outside backward order (every rank calls it for the same handles, in the same order):

@@ -24,6 +24,42 @@ class ParamShard:
 
 
 @dataclass(frozen=True)
+class ParamInfo:
+    """Where a parameter of a sharded model lives (``fp.param_info``). Ranks are global ranks; with
+    hybrid_shard, ``owner`` is the owner inside this rank's shard group (every replica has its own)."""
+
+    fqn: str
+    shape: torch.Size       # the full parameter's shape (``p.shape`` is this rank's piece)
+    owner: int              # the rank holding it whole, or the rank fp.optim.Muon orthogonalizes it on
+    start: int              # this rank's piece is the flattened parameter's elements [start, end)
+    end: int
+    split: bool             # cut between ranks (no rank holds it whole)
+
+
+def param_info(p: nn.Parameter) -> ParamInfo:
+    """Full shape, owner rank and this rank's piece of ``p`` (a parameter of a model sharded by fp.shard).
+    A parameter fp.shard does not manage is reported whole on this rank."""
+    h = getattr(p, "_fp_handle", None)
+    if h is None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return ParamInfo("", p.shape, rank, 0, p.numel(), False)
+    i = next(i for i, s in enumerate(h.slots) if s.param is p)
+    slot, n = h.slots[i], h.mesh.shard_size
+    split = 0 < slot.numel and all(hi - lo < slot.numel for lo, hi in (h.piece_of(slot, j) for j in range(n)))
+    owner = shard_group_ranks(h.mesh)[h.owners[i]]
+    return ParamInfo(slot.fqn, slot.shape, owner, slot.local_start, slot.local_end, split)
+
+
+def shard_group_ranks(mesh) -> list[int]:
+    """Global rank of every shard rank of this rank's shard group, in shard-rank order."""
+    if mesh.shard_size == 1:
+        return [mesh.rank]
+    if mesh.shard_group is None or mesh.shard_group is dist.group.WORLD:
+        return list(range(mesh.world_size))
+    return list(dist.get_process_group_ranks(mesh.shard_group))
+
+
+@dataclass(frozen=True)
 class ShardingInfo:
     strategy: str
     world_size: int

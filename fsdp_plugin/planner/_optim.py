@@ -7,8 +7,10 @@ from ..errors import ConfigError
 # one fp32 step, pass by pass as torch's implementations run them (for-loop and foreach alike): SGD
 # param.add_(grad) 12; momentum buf.mul_().add_(grad) 20 + 12; Adam exp_avg.lerp_ 12, exp_avg_sq.mul_().addcmul_
 # 20, denom = sqrt / bias correction + eps 24, param.addcdiv_ 16; AdamW adds param.mul_(1 - lr*wd) 8.
-_STATE = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
-_STEP_TRAFFIC = {"sgd": 12, "sgd-momentum": 32, "adam": 72, "adamw": 80}
+# Muon (fp.optim.Muon): buf.lerp_ 12, grad.lerp 12, bf16 cast 6, param.mul_ 8, param.add_(bf16) 10; its
+# Newton–Schulz FLOPs and owner exchange are counted by _muon.py.
+_STATE = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2, "muon": 1}
+_STEP_TRAFFIC = {"sgd": 12, "sgd-momentum": 32, "adam": 72, "adamw": 80, "muon": 48}
 OPTIMIZERS = tuple(_STATE)
 
 
@@ -38,5 +40,5 @@ def step_traffic(name: str, trainable_elems: int) -> int:
 
 def step_ops(name: str, n_tensors: int, foreach: bool) -> int:
     """Ops one step dispatches: about a dozen per parameter tensor (for-loop) or per group (foreach)."""
-    per = {"sgd": 3, "sgd-momentum": 6, "adam": 12, "adamw": 12}[check(name)]
+    per = {"sgd": 3, "sgd-momentum": 6, "adam": 12, "adamw": 12, "muon": 30}[check(name)]
     return per * (1 if foreach else n_tensors)

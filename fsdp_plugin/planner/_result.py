@@ -35,6 +35,7 @@ class WorldPlan:
     comm_s: Optional[float] = None
     host_bytes: int = 0        # with cpu_offload: shards, gradients and optimizer state in host memory
     runtime: int = 0           # CPU targets: heap the runtime keeps after the first step (in the peak)
+    optimizer_flops: int = 0   # optimizer="muon": the busiest rank's Newton–Schulz FLOPs per step
 
     @property
     def wire_total(self) -> int:

@@ -1,6 +1,7 @@
 """The units `fp.shard` would build, found with the engine's own wrap-policy code (no allocation)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -8,6 +9,7 @@ from torch import nn
 
 from .._build.shard import group_params
 from .._build.wrap import params_by_unit, select_unit_modules
+from .._flat.rows import row_aligned_offsets
 
 
 @dataclass
@@ -20,12 +22,21 @@ class HandleSpec:
     numel: int                # unpadded elements
     param_ids: list = field(default_factory=list)
     largest: int = 0          # elements of its largest parameter
+    shapes: list = field(default_factory=list)   # every parameter's shape, in layout order
 
     def padded(self, shard_size: int) -> int:
-        return -(-self.numel // shard_size) * shard_size
+        """Flat buffer length with the engine's row-aligned layout (gaps and tail padding included)."""
+        if not self.shapes:
+            return -(-self.numel // shard_size) * shard_size
+        return _padded(tuple(self.shapes), shard_size)
 
     def chunk(self, shard_size: int) -> int:
         return self.padded(shard_size) // shard_size
+
+
+@functools.lru_cache(maxsize=4096)
+def _padded(shapes: tuple, shard_size: int) -> int:
+    return row_aligned_offsets(shapes, shard_size)[1]
 
 
 @dataclass
@@ -50,7 +61,7 @@ def discover_units(model: nn.Module, policy, ignored=(), mp=None) -> tuple[list[
         for (dtype, rg), params in group_params(owned[fqn], mp).items():
             unit.handles.append(len(handles))
             handles.append(HandleSpec(i, dtype, rg, sum(p.numel() for p in params), [id(p) for p in params],
-                                      max(p.numel() for p in params)))
+                                      max(p.numel() for p in params), [tuple(p.shape) for p in params]))
         units.append(unit)
     return units, handles
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from .._groups.mesh import mesh_dims
 from .._build.strategy import STRATEGIES
+from ._muon import muon_step
 from ..config import ShardingConfig
 from . import _optim as _optim
 from ._replay import Layout, replay
@@ -52,10 +53,11 @@ def world_plan(world: int, cfg: ShardingConfig, units, handles, tl, module, opt:
     res = replay(units, handles, tl, lay, on_device + buffers + tl.input_bytes + runtime,
                  0 if cfg.cpu_offload else step_temps)
     p = res.peak
+    ns_flops = _muon_into(res, handles, s) if opt == "muon" else 0
     cal_w = cal(world) if callable(cal) else cal
     n_tensors = sum(len(h.param_ids) for h in handles if h.requires_grad)
     ops = tl.ops + _optim.step_ops(opt, n_tensors, foreach)
-    t = predict(tl.flops, tl.other_bytes + res.engine_bytes, _optim.step_traffic(opt, trainable_elems),
+    t = predict(tl.flops + ns_flops, tl.other_bytes + res.engine_bytes, _optim.step_traffic(opt, trainable_elems),
                 sum(res.wire.values()), sum(res.calls.values()), cal_w, ops,
                 tl.attention_flops) if cal_w is not None else {}
     return WorldPlan(world_size=world, param_shards=param_shards, grad_shards=trainable, optimizer_state=opt_state,
@@ -67,4 +69,14 @@ def world_plan(world: int, cfg: ShardingConfig, units, handles, tl, module, opt:
                      wire_bytes=dict(res.wire), wire_calls=dict(res.calls), step_s=t.get("step_s"),
                      compute_s=t.get("compute_s"), comm_s=t.get("comm_s"),
                      host_bytes=(param_shards + opt_state + trainable) if cfg.cpu_offload else 0,
-                     runtime=runtime)
+                     runtime=runtime, optimizer_flops=ns_flops)
+
+
+def _muon_into(res, handles, shard_size: int) -> int:
+    """Add fp.optim.Muon's owner exchange (the busiest rank's bytes) to the replay's wire counts; return the
+    busiest rank's Newton–Schulz FLOPs."""
+    sent, flops, calls = muon_step([h.shapes for h in handles if h.requires_grad], shard_size)
+    if calls:
+        res.wire["optim_exchange"] = max(sent)
+        res.calls["optim_exchange"] = calls
+    return max(flops)

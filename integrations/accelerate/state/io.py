@@ -33,13 +33,11 @@ def model_dir(directory: str, index: int) -> str:
 
 
 def optimizer_for(model: torch.nn.Module, optimizers: list) -> Any:
-    """The (unwrapped) optimizer whose parameters belong to ``model``, or None."""
+    """The (unwrapped) optimizers whose parameters belong to ``model``, in prepare order: None, one, or a list
+    (e.g. ``fp.optim.Muon`` + AdamW; one ``fp.save_checkpoint`` stores them all)."""
     params = {id(p) for p in model.parameters()}
-    found = [o for o in optimizers if any(id(p) in params for g in _inner(o).param_groups for p in g["params"])]
-    if len(found) > 1:
-        raise ConfigError("save_state/load_state: several optimizers hold parameters of one model; "
-                         "use one optimizer per model (with parameter groups)")
-    return _inner(found[0]) if found else None
+    found = [_inner(o) for o in optimizers if any(id(p) in params for g in _inner(o).param_groups for p in g["params"])]
+    return None if not found else found[0] if len(found) == 1 else found
 
 
 def _inner(optimizer: Any) -> Any:
@@ -49,7 +47,10 @@ def _inner(optimizer: Any) -> Any:
 
 def check_optimizers(models: list, optimizers: list) -> None:
     """Every prepared optimizer must belong to a prepared model (its state is saved with that model)."""
-    owned = {id(_inner(optimizer_for(m, optimizers))) for m in models if optimizer_for(m, optimizers) is not None}
+    owned = set()
+    for m in models:
+        mine = optimizer_for(m, optimizers)
+        owned.update(id(o) for o in (mine if isinstance(mine, list) else [mine] if mine is not None else []))
     orphans = [type(_inner(o)).__name__ for o in optimizers if id(_inner(o)) not in owned]
     if orphans:
         raise ConfigError(f"save_state/load_state: optimizer(s) {orphans} hold no parameter of a prepared model; "
