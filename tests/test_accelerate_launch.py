@@ -88,7 +88,7 @@ def test_really_our_engine_on_two_ranks(trained):
         assert r["num_processes"] == r["pg_world"] == 2
         assert r["is_sharded"] and r["unwrap_is_model"] and r["opt_params_are_model_params"]
         assert r["state_type"] == "DistributedType.MULTI_CPU" and r["distributed_type"] == "DistributedType.FSDP"
-        assert r["local_numel"] <= r["total_numel"] // 2 + 8  # each rank holds about half (+ padding)
+        assert r["local_numel"] <= 0.55 * r["total_numel"]  # about half each (+ row padding: whole rows per rank)
         assert r["settings"]["sharding_strategy"] == r["strategy"] == "full_shard"
         assert r["settings"]["auto_wrap"] == r["wrap"] == ["Block"]
     assert r0["local_numel"] + r1["local_numel"] >= r0["total_numel"]
