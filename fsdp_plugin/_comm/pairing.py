@@ -47,10 +47,11 @@ def code(entering: Entering, unit_index: int = 0) -> int:
 def describe(c: int, units: Sequence) -> str:
     """``c`` in words; ``units``: every unit (``.name``), indexed by the code's unit number."""
     entering, index = Entering(c >> _UNIT_BITS), c & ((1 << _UNIT_BITS) - 1)
+    name = repr(units[index].name) if index < len(units) else f"#{index}"
     if entering is Entering.ALL_GATHER:
-        return f"all-gather of unit {units[index].name!r}"
+        return f"all-gather of unit {name}"
     if entering is Entering.REDUCTION:
-        return f"gradient reduction of unit {units[index].name!r}"
+        return f"gradient reduction of unit {name}"
     return "end of forward" if entering is Entering.END_OF_FORWARD else "end of backward"
 
 
