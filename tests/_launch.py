@@ -38,6 +38,15 @@ def _tail(out: str | None, lines: int = 60) -> str:
     return "\n".join((out or "").splitlines()[-lines:])
 
 
+def kill_all(procs: list) -> None:
+    """SIGKILL every process group of ``procs`` (started with ``start_new_session=True``)."""
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def run_all(commands: list, timeout: float = 180, cwd=ROOT, env: dict | None = None) -> list:
     """Start every command at once; return ``[(returncode, output)]``; kill all of them on timeout."""
     procs = [subprocess.Popen(c, cwd=cwd, env=clean_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -47,11 +56,7 @@ def run_all(commands: list, timeout: float = 180, cwd=ROOT, env: dict | None = N
         for p in procs:
             outs.append(p.communicate(timeout=timeout)[0])
     except subprocess.TimeoutExpired:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_all(procs)
         raise AssertionError(f"launcher timed out after {timeout:.0f}s: {commands}\n"
                              f"{_tail(procs[len(outs)].communicate()[0])}") from None
     return [(p.returncode, out) for p, out in zip(procs, outs)]

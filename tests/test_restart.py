@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import subprocess
 import time
 
@@ -92,9 +91,5 @@ def _staggered(commands: list, gap_s: float, timeout: float) -> list:
         outs = [p.communicate(timeout=timeout)[0] for p in procs]
         return [(p.returncode, out) for p, out in zip(procs, outs)]
     except subprocess.TimeoutExpired:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        launch.kill_all(procs)
         raise AssertionError(f"elastic run timed out after {timeout:.0f}s") from None

@@ -23,7 +23,8 @@ from .errors import (
 )
 from .hf import load_pretrained, save_pretrained
 from .latest import latest_checkpoint
-from .load import CheckpointMismatchWarning, load_checkpoint
+from .errors import CheckpointMismatchWarning
+from .load import load_checkpoint
 from .save import save_checkpoint
 from .tools import inspect_checkpoint, verify_checkpoint
 

@@ -7,14 +7,13 @@ byte range in rank ``r``'s file and one contiguous slice of the local tensor.
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 
+from ._finish import finish_load
 from . import _async, _comm, _format, _model, codec, layouts, manifest, optim
 from .errors import (
     CheckpointMismatchError,
-    CheckpointMismatchWarning,
     CorruptCheckpointError,
     MismatchReport,
 )
@@ -62,14 +61,7 @@ def _load_local(path, model, optimizers, strict, out_report):
             act(plan, copy_back)
         extra = _plan_extra(plan, doc, path)
         plan.execute()
-    for dst, src in copy_back:
-        dst.copy_(src)
-    for fin in finishers:
-        fin()
-    if report:
-        warnings.warn(CheckpointMismatchWarning(f"load_checkpoint({path}) skipped: {report.describe()}", report))
-        if out_report is not None:
-            out_report.extend(report)
+    finish_load(path, copy_back, finishers, report, out_report)
     return extra
 
 

@@ -11,10 +11,10 @@ import warnings
 
 import torch
 
+from .._finish import finish_load
 from .. import _comm, _model, optim
 from ..errors import (
     CheckpointMismatchError,
-    CheckpointMismatchWarning,
     MismatchReport,
     UnsafeCheckpointError,
 )
@@ -59,14 +59,7 @@ def _load_local(parts: tree.Parts, path: str, model, optimizers: list, strict: b
             act(reader, copy_back, finishers)
         extra = _queue_extra(reader, parts.extra, "")
         reader.execute()
-    for dst, src in copy_back:
-        dst.copy_(src)
-    for fin in finishers:
-        fin()
-    if report:
-        warnings.warn(CheckpointMismatchWarning(f"load_checkpoint({path}) skipped: {report.describe()}", report))
-        if out_report is not None:
-            out_report.extend(report)
+    finish_load(path, copy_back, finishers, report, out_report)
     return _resolve(extra)
 
 
