@@ -6,12 +6,14 @@ Lightning directory, an accelerate ``save_state`` directory, a Trainer ``checkpo
 describes the ones it does not read (DCP, a Lightning file) and names what reads them.
 
 Needs no process group and no GPU. Progress goes to stderr (a bar on a terminal, whole lines in a log); results
-to stdout. Exit status: 0 ok, 1 a checkpoint problem (message on stderr), 2 bad usage.
+to stdout. Exit status: 0 ok, 1 a checkpoint problem (message on stderr), 2 bad usage, 141 the reader of stdout
+went away (``| head``), as a tool killed by SIGPIPE reports it.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from ._progress import Progress
@@ -133,6 +135,16 @@ def main(argv=None) -> int:
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    # ``fsdp-plugin inspect CKPT | head`` closes our stdout early: that is the reader's choice, not a failure
+    # worth a traceback. Point stdout at /dev/null so the interpreter's final flush does not raise again.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 141
 
 
 if __name__ == "__main__":

@@ -198,3 +198,17 @@ def test_consolidate_memory_is_bounded(tmp_path):
     delta_kb = q.get(timeout=300)
     p.join()
     assert delta_kb < 64 * 1024, f"peak RSS grew by {delta_kb / 1024:.0f} MB"
+
+
+def test_cli_inspect_into_a_closed_pipe_exits_quietly(tmp_path):
+    """``fsdp-plugin inspect CKPT | head -1``: the reader leaves early; no traceback, the SIGPIPE status."""
+    import subprocess
+    import sys
+    ck = tmp_path / "ck"
+    run_ranks(_save_ckpt, 2, str(ck), timeout=120)
+    r, w = os.pipe()
+    os.close(r)   # the reader is gone before we write a byte: deterministic, unlike racing ``head``
+    proc = subprocess.run([sys.executable, "-m", "fsdp_plugin.cli", "inspect", str(ck)], stdout=w,
+                          stderr=subprocess.PIPE, text=True, timeout=120)
+    os.close(w)
+    assert proc.returncode == 141 and "Traceback" not in proc.stderr, proc.stderr
