@@ -123,8 +123,12 @@ def register_forward_method(model: nn.Module, name: str) -> None:
     if method is None:
         raise ShardingError(f"{type(model).__name__} has no method {name!r} to register")
 
+    join = _root(model).join
+
     @functools.wraps(method)
     def wrapped(*args, **kwargs):
+        if join is not None:
+            join.entry = name       # a Join's joined ranks replay this method, not forward
         args, kwargs = unit.pre_forward(args, kwargs)
         return unit.post_forward(method(model, *args, **kwargs))
 

@@ -14,9 +14,14 @@ after backward: ``fp.clip_grad_norm_`` with the same arguments, each optimizer t
 parameters (its hyper-parameters taken from the non-joined ranks by a MAX all-reduce, so learning-rate
 schedules keep going), ``zero_grad``. Model buffers are restored after the shadow forward.
 
-Per step while a Join context is enabled, every rank issues one 2-element all-reduce ``[active, reducing]``
-at the root's forward (the number of ranks still training; whether this step reduces gradients, i.e. not
-``no_sync``) and, while some rank has joined, one small MAX all-reduce per optimizer step.
+Per step while a Join context is enabled, every rank issues one 3-element all-reduce ``[active, reducing,
+stepping]`` at the root's forward (the number of ranks still training; how many reduce gradients, i.e. not
+``no_sync``; how many will step the optimizers after this backward: all reducing ones unless an integration
+marks the micro-batch ``accumulating``, as Lightning's ``accumulate_grad_batches`` does) and, while some rank
+has joined, one small MAX all-reduce per optimizer step. Active ranks that disagree about reducing or stepping
+(a partial last accumulation window on one rank) get a UsageError on every rank, not a hang. The shadow
+replays the entry point of the last real step: ``model(...)``, or the method registered with
+``fp.register_forward_method`` (Lightning's ``training_step``).
 ``divide_by_initial_world_size=False`` averages gradients over the active ranks instead of the world (DDP's
 rule). Contract: every step of the loop does the same thing after backward (clip every step or never, the
 same optimizers); no evaluation forward and no other collective inside the context (the joined ranks
@@ -56,43 +61,59 @@ class JoinState:
         self._this_step: list = []
         self._clip_this_step: Optional[tuple] = None
         self._reducing = False                      # the current real step reduces gradients (not no_sync)
+        self._stepping = False                      # ... and its optimizers step after backward
         self._stepped = False                       # this rank's previous step ran the optimizers
+        self.entry = "__call__"                     # set by a registered forward method before its root forward
+        self.accumulating = False                   # set by integrations: this micro-batch reduces, no optimizer step
 
     # -------------------------------------------------------------- every rank
     def before_forward(self, args, kwargs) -> None:
         """Root forward with grad enabled inside an enabled Join: count the active ranks (the joined ones
         answer from the hook) and remember the input; the finished step's record becomes the script."""
-        model = self.model_ref()
+        model, entry, self.entry = self.model_ref(), self.entry, "__call__"
         if self.shadowing or not torch.is_grad_enabled() or model is None or not model._join_config.enable:
             return
         if self not in _ACTIVE:
             _ACTIVE.append(self)
         Join.notify_join_context(model)
         self._promote()
-        self.last_input, self._stepped = (args, kwargs), False
-        self._reducing = self._count(active=1, reducing=0 if self.root.reduction.no_sync else 1) and not self.root.reduction.no_sync
+        self.last_input, self._stepped = (args, kwargs, entry), False
+        reducing = 0 if self.root.reduction.no_sync else 1
+        self._reducing, self._stepping = self._count(1, reducing, reducing and not self.accumulating)
 
     def _promote(self) -> None:
-        """The last real step is complete: if it reduced gradients, what it did after backward is the script."""
-        if self._reducing:
+        """The last real step is complete: if it stepped the optimizers, what it did after backward is the
+        script (an accumulation micro-batch only reduces)."""
+        if self._stepping:
             self.optimizers, self.clip = list(self._this_step), self._clip_this_step
-        self._this_step, self._clip_this_step, self._reducing = [], None, False
+        self._this_step, self._clip_this_step, self._reducing, self._stepping = [], None, False, False
 
-    def _count(self, active: int, reducing: int) -> int:
-        """The 2-element all-reduce of every step: sets n_active and the gradient divisor; returns reducing."""
-        flags = torch.tensor([active, reducing], dtype=torch.int64, device=self.root.device)
+    def _count(self, active: int, reducing: int, stepping: int) -> tuple:
+        """The 3-element all-reduce of every step: sets n_active and the gradient divisor; returns whether
+        the active ranks reduce and step (they must agree: UsageError on every rank otherwise)."""
+        flags = torch.tensor([active, reducing, int(stepping)], dtype=torch.int64, device=self.root.device)
         comm.all_reduce(flags, None, kind="control", what="Join: counting the ranks that still have inputs",
                         timeout_s=self._timeout())
-        self.n_active, reducing = flags.tolist()
+        self.n_active, reducing, stepping = flags.tolist()
+        if reducing not in (0, self.n_active) or stepping not in (0, self.n_active):
+            raise UsageError(f"inside Join, {reducing} of {self.n_active} active ranks reduce gradients and "
+                             f"{stepping} step the optimizers in this step: every rank must do the same (with "
+                             "gradient accumulation, give every rank a number of batches that is a multiple of "
+                             "the accumulation, e.g. drop_last=True or limit_train_batches)")
         divisor = None if self.divide_by_world or self.n_active == self.root.mesh.world_size else self.n_active
         for u in self.root.units:
             for h in u.handles:
                 h.grad_divisor = divisor
-        return reducing
+        return bool(reducing), bool(stepping)
 
     def _timeout(self) -> Optional[float]:
         hs = [h for u in self.root.units for h in u.handles]
         return hs[0].timeout_s if hs else None
+
+    @property
+    def shadow_stepped(self) -> bool:
+        """Whether the last shadow step ran the optimizers (integrations count the others' steps by it)."""
+        return self._stepped
 
     def note_optimizer(self, opt) -> None:
         if not self.shadowing and opt not in self._this_step:
@@ -124,22 +145,23 @@ class JoinState:
             raise UsageError(f"rank {rank} joined before its first training step inside the Join "
                              "context: every rank needs at least one batch (it replays its last step for the others)")
         self._promote()
-        reducing = self._count(active=0, reducing=0)
-        if reducing and self._stepped:
-            model.zero_grad(set_to_none=True)   # the last step's gradients (a loop that zeroes at its start)
+        reducing, stepping = self._count(0, 0, 0)
+        if self._stepped:                       # a finished window's gradients (a loop that zeroes at its start)
+            model.zero_grad(set_to_none=True)
         buffers = [(b, b.detach().clone()) for b in model.buffers()]
         self.shadowing, window = True, self.root.reduction.window
         try:
             self.root.reduction.window = ReduceWindow.SYNC if reducing else ReduceWindow.NO_SYNC
             with torch.enable_grad():
-                args, kwargs = self.last_input
-                zero_loss(model(*args, **kwargs)).backward()
+                args, kwargs, entry = self.last_input
+                call = model if entry == "__call__" else getattr(model, entry)
+                zero_loss(call(*args, **kwargs)).backward()
             with torch.no_grad():
                 for b, saved in buffers:
                     b.copy_(saved)
-            if reducing:
+            if stepping:
                 self._after_backward(model)
-            self._stepped = bool(reducing)
+            self._stepped = stepping
         finally:
             self.shadowing = False
             self.root.reduction.restore_window(window)
