@@ -214,20 +214,35 @@ def _install_optimizer_hook() -> None:
     global _HOOKS_INSTALLED
     if not _HOOKS_INSTALLED:
         _HOOKS_INSTALLED = True
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
         register_optimizer_step_pre_hook(_before_optimizer_step)
+        register_optimizer_step_post_hook(_after_optimizer_step)
+
+
+def _states_of(opt) -> list:
+    ids = {id(getattr(p, "_fp_handle", None)) for g in opt.param_groups for p in g["params"]}
+    return [state for state in _ACTIVE if ids & state.handle_ids]
 
 
 def _before_optimizer_step(opt, args, kwargs) -> None:
-    """Global pre-step hook; free when no Join context is active (one list check)."""
-    if not _ACTIVE:
-        return
-    ids = {id(getattr(p, "_fp_handle", None)) for g in opt.param_groups for p in g["params"]}
-    for state in _ACTIVE:
-        if ids & state.handle_ids:
-            state.note_optimizer(opt)
-            if state.n_active < state.root.mesh.world_size:
+    """Global pre-step hook, for the joined ranks' shadow steps: take the others' hyper-parameters before
+    stepping. Free when no Join context is active (one list check)."""
+    if _ACTIVE:
+        for state in _states_of(opt):
+            if state.shadowing:
                 _sync_hyperparameters(opt, state)
+
+
+def _after_optimizer_step(opt, args, kwargs) -> None:
+    """Global post-step hook, for real steps: record the optimizer and send its hyper-parameters. After the
+    step, not before: ``opt.step(closure)`` (Lightning) runs forward and backward inside the step, and the
+    MAX all-reduce must come after backward on every rank, where the joined ranks' shadow has it."""
+    if _ACTIVE:
+        for state in _states_of(opt):
+            if not state.shadowing:
+                state.note_optimizer(opt)
+                if state.n_active < state.root.mesh.world_size:
+                    _sync_hyperparameters(opt, state)
 
 
 def note_clip(clip, max_norm: float, norm_type: float) -> None:
