@@ -288,3 +288,10 @@ def _sync_hyperparameters(opt, state: JoinState) -> None:
 def _weak(model):
     import weakref
     return weakref.ref(model)
+
+
+def state_of(model: torch.nn.Module) -> Optional[JoinState]:
+    """The JoinState of a sharded root model, for integrations that run Join themselves (Lightning):
+    ``accumulating``, ``shadow_stepped``, ``close()``."""
+    root = getattr(model, "_fp_root", None)
+    return getattr(root, "join", None)

@@ -21,6 +21,9 @@ Limitations:
 * Weights loaded inside ``configure_model`` go through deferred init; prefer loading pretrained weights
   after setup with ``fp.load_pretrained``, or build the model outside ``configure_model``.
 * ``sync_batchnorm=True`` (torch's SyncBatchNorm needs CUDA) is not reverted after ``fit``.
+
+Ranks may have different numbers of training batches: each training epoch runs inside torch's ``Join`` (see
+``_uneven``: a rank out of batches shadows the others' steps, gradients divided by the world size).
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from typing import Any, Literal
 
 import torch
 from fsdp_plugin.integrations import _pending_save as pending_save
-from fsdp_plugin.integrations.lightning import _compile
+from fsdp_plugin.integrations.lightning import _compile, _uneven
 from fsdp_plugin.integrations.lightning.checkpoint import async_save as _async_save
 from fsdp_plugin.integrations.lightning.checkpoint import io as ckpt
 from fsdp_plugin.integrations.lightning.checkpoint import stock as stock_ckpt
@@ -189,6 +192,7 @@ class FSDPPluginStrategy(common.ProcessPerDevice, ParallelStrategy):
         self.barrier()
         self._comm_seen, self._comm_steps = fp.comm_stats.snapshot(), 0
         if trainer.state.fn == TrainerFn.FITTING:
+            _uneven.install(trainer)
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)  # built from the sharded parameters
         self.setup_precision_plugin()
@@ -200,7 +204,7 @@ class FSDPPluginStrategy(common.ProcessPerDevice, ParallelStrategy):
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Accumulation steps: sharded reduce-scatter each micro-batch, or ``fp.no_sync`` when asked."""
         context = fp.no_sync(self.model) if self.accumulate_grads == "no_sync" else nullcontext()
-        with context:
+        with context, _uneven.accumulating(self.model):
             yield None
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:

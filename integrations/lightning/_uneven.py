@@ -1,0 +1,184 @@
+"""Uneven training batches across ranks: every training epoch of ``Trainer(strategy="fsdp_plugin")`` runs
+inside torch's ``Join`` over the sharded LightningModule (``fsdp_plugin/_schedule/join.py``).
+
+A rank whose epoch ends first (fewer batches: ``use_distributed_sampler=False`` with per-rank data of
+different lengths, an ``IterableDataset``, ``limit_train_batches``...) leaves the Join right after its last
+real step, in ``on_train_batch_end`` (this callback is the first one, so the step and the optimizer are done,
+and no user hook of that batch has run a collective yet), and shadows the others' steps there until the
+last rank's epoch ends; then every rank goes on to validation, ``on_train_epoch_end`` and checkpoints together.
+Lightning's prefetching fetcher knows that a batch is the last before it runs (``batch_progress.is_last_batch``,
+or the sized loader's length), so the decision uses Lightning's own end-of-epoch test, not an exhausted iterator.
+
+Gradients are divided by the initial world size (``divide_by_initial_world_size=True``, the default DDP +
+Join users get): a shadowed step equals one process on the global batch in which the joined ranks'
+samples count zero, i.e. the loss ``sum over active ranks of their mean loss / world_size``.
+
+Besides the model's own shadow step (the last ``training_step`` replayed with a zero loss), each shadowed
+batch on a joined rank does what Lightning's loop does around a step on the others:
+
+* the per-batch SIGTERM broadcast of ``_TrainingEpochLoop.advance`` (issued once more when leaving: the
+  broadcast of the step that the others start next);
+* the counters: ``global_step`` (so ``max_steps`` and checkpoint names agree), the logging step, and the
+  ``interval="step"`` learning-rate schedulers (stepped after the shadow's optimizer step, as the others do).
+
+Contract (as with DDP + Join): no other collective in per-batch code while ranks are uneven: ``self.log(...,
+sync_dist=True)`` on step outside ``training_step``, ``strategy.reduce``/barriers in ``on_train_batch_*`` hooks,
+``every_n_train_steps`` checkpoints and mid-epoch validation (``val_check_interval < 1``) each rank would
+schedule by its own batch count. With ``accumulate_grad_batches``, give every rank a multiple of it (else a
+UsageError on every rank). Manual optimization is not shadowed (its ``training_step`` runs backward and
+the optimizers itself, so it cannot be replayed with a zero loss): there the Join only detects uneven
+batches (``throw_on_early_termination``) and every rank raises instead of hanging.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer import call
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+
+from fsdp_plugin._schedule.join import state_of
+from fsdp_plugin.errors import UsageError
+
+
+def install(trainer: Any) -> None:
+    """Put :class:`UnevenInputs` first in ``trainer.callbacks`` (once): its ``on_train_batch_end`` must run
+    before any user hook of the last batch, which may use collectives."""
+    if not any(isinstance(c, UnevenInputs) for c in trainer.callbacks):
+        trainer.callbacks.insert(0, UnevenInputs())
+
+
+@contextmanager
+def accumulating(model: torch.nn.Module) -> Iterator[None]:
+    """A micro-batch of ``accumulate_grad_batches`` that reduces gradients but steps no optimizer: a joined
+    rank's shadow must do the same."""
+    state = state_of(model)
+    if state is None:
+        yield
+        return
+    before, state.accumulating = state.accumulating, True
+    try:
+        yield
+    finally:
+        state.accumulating = before
+
+
+class UnevenInputs(Callback):
+    """Internal: the strategy puts it first in ``trainer.callbacks`` when fitting on more than one rank."""
+
+    def __init__(self) -> None:
+        self._join: Optional[Join] = None
+        self._model: Any = None
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.world_size > 1 and state_of(trainer.strategy.model) is not None:
+            self._model = trainer.strategy.model
+            self._join = Join([self._model, _LoopShadow(trainer, self._model)], divide_by_initial_world_size=True,
+                              throw_on_early_termination=not pl_module.automatic_optimization)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._join is not None and _epoch_ends_after_this_batch(trainer):
+            _per_batch_collectives(trainer)  # the broadcast of the others' next step
+            self._leave(pl_module)
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        """The epoch ended without our last-batch test seeing it (the fetcher raised StopIteration in a further
+        ``advance``, or ``on_train_batch_start`` returned -1): that advance already made its broadcast."""
+        if self._join is not None:
+            self._leave(pl_module)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """Later forwards are plain (no Join counting); the other ranks meet their own error or deadline."""
+        state = state_of(self._model) if self._model is not None else None
+        if state is not None:
+            state.close()
+        self._join = None
+
+    def _leave(self, pl_module: Any) -> None:
+        """Shadow the others' steps until every rank is here. The shadow replays ``training_step``, so its
+        ``self.log`` calls land in ``training_step``'s results (no new metric keys, no extra epoch-end sync)."""
+        join, self._join = self._join, None
+        fx, pl_module._current_fx_name = pl_module._current_fx_name, "training_step"
+        try:
+            join.__exit__(None, None, None)
+        except RuntimeError as e:
+            if not join._throw_on_early_termination:
+                raise
+            self.on_exception(None, pl_module, e)
+            raise UsageError(f"rank {dist.get_rank()} ran out of training batches before the others, with manual "
+                             "optimization: uneven batches are only shadowed under automatic optimization. Give "
+                             "every rank the same number of batches (use_distributed_sampler=True, drop_last=True, "
+                             "or limit_train_batches).") from e
+        finally:
+            pl_module._current_fx_name = fx
+
+
+def _epoch_ends_after_this_batch(trainer: Any) -> bool:
+    """Lightning's own end-of-epoch test (``_TrainingEpochLoop.done``), read after the batch's step."""
+    loop = trainer.fit_loop.epoch_loop
+    return bool(loop._is_training_done or (trainer.should_stop and trainer.fit_loop._can_stop_early))
+
+
+def _per_batch_collectives(trainer: Any) -> None:
+    """The collectives Lightning's loop makes per training batch outside the step: Lightning 2.5+ broadcasts
+    rank 0's SIGTERM flag at the start of every ``advance`` (raising SIGTERMException here too if set)."""
+    loop = trainer.fit_loop.epoch_loop
+    if hasattr(loop, "_broadcast_sigterm_tensor") and dist.is_initialized() and trainer.world_size > 1:
+        loop._broadcast_sigterm_tensor()
+
+
+def _count_shadow_batch(trainer: Any, index: int, stepped: bool) -> None:
+    """What the others' loop counted for their batch ``index`` (0-based in the epoch), if it stepped."""
+    if not stepped:
+        return
+    loop = trainer.fit_loop.epoch_loop
+    progress = loop.automatic_optimization.optim_progress.optimizer.step  # global_step (automatic optimization)
+    progress.increment_ready()
+    progress.increment_completed()
+    loop._batches_that_stepped += 1
+    _step_schedulers(trainer, index)
+
+
+def _step_schedulers(trainer: Any, index: int) -> None:
+    """``_TrainingEpochLoop._update_learning_rates("step")`` for the others' batch ``index``."""
+    loop = trainer.fit_loop.epoch_loop
+    for config in trainer.lr_scheduler_configs:
+        if config.interval == "step" and not config.reduce_on_plateau and (index + 1) % config.frequency == 0:
+            loop.scheduler_progress.increment_ready()
+            call._call_lightning_module_hook(trainer, "lr_scheduler_step", config.scheduler, None)
+            loop.scheduler_progress.increment_completed()
+
+
+class _LoopShadow(Joinable):
+    """The second joinable (after the model, whose hook runs the shadow step): Lightning's loop around it."""
+
+    def __init__(self, trainer: Any, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.trainer, self.model = trainer, model
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return _LoopHook(self.trainer, self.model)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.model.join_device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.model.join_process_group
+
+
+class _LoopHook(JoinHook):
+    def __init__(self, trainer: Any, model: torch.nn.Module) -> None:
+        self.trainer, self.state = trainer, state_of(model)
+        self.shadowed = 0  # batches shadowed so far in this epoch
+
+    def main_hook(self) -> None:
+        done = self.trainer.fit_loop.epoch_loop.batch_progress.current.ready  # this rank's real batches
+        _count_shadow_batch(self.trainer, done + self.shadowed, self.state.shadow_stepped)
+        self.shadowed += 1
+        _per_batch_collectives(self.trainer)
