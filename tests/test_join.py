@@ -163,3 +163,23 @@ def _accumulating(rank, world, counts):
 def test_join_with_gradient_accumulation_matches_ddp_join():
     for want, got in run_ranks(_accumulating, 2, (6, 2), timeout=120):
         assert max((want[k] - got[k]).abs().max().item() for k in want) <= 1e-5
+
+
+def _disagree_on_stepping(rank, world):
+    from fsdp_plugin._schedule.join import state_of
+
+    model = fp.shard(build(), auto_wrap_policy={nn.Linear})
+    state_of(model).accumulating = rank == 0   # rank 0: an accumulation micro-batch; rank 1 will step
+    try:
+        with Join([model]):
+            x, y = batches(rank, 1)[0]
+            nn.functional.mse_loss(model(x), y).backward()
+    except fp.FSDPPluginError as e:
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+def test_ranks_that_disagree_about_stepping_get_a_clear_error_on_every_rank():
+    """A partial last accumulation window on one rank (Lightning steps on each rank's final batch)."""
+    for cls, msg in run_ranks(_disagree_on_stepping, 2, timeout=60):
+        assert cls == "UsageError" and "1 step the optimizers" in msg and "multiple" in msg, msg
