@@ -105,6 +105,7 @@ def main() -> None:
     p.add_argument("--iterable", action="store_true")
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--counts", type=int, nargs=2, default=COUNTS)
+    p.add_argument("--manual", action="store_true", help="manual optimization (not shadowed: UsageError if uneven)")
     args = p.parse_args()
     out = Path(args.out)
 
@@ -113,11 +114,19 @@ def main() -> None:
             super().__init__()
             self.net = build()
             self.losses: list = []
+            self.automatic_optimization = not args.manual
 
         def training_step(self, batch, batch_idx):
             x, y = batch
             loss = nn.functional.mse_loss(self.net(x), y)
             self.log("train_loss", loss, on_step=True, on_epoch=True)
+            if args.manual:
+                opt = self.optimizers()
+                opt.zero_grad()
+                self.manual_backward(loss)
+                opt.step()
+                self.lr_schedulers().step()
+                return {"loss": loss.detach()}
             return loss
 
         def on_train_batch_end(self, outputs, batch, batch_idx):  # real batches only (a shadow replays training_step)
