@@ -29,13 +29,14 @@ def _run(tmp_path, *args) -> list:
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def _check(reports, ref, accumulate: int, steps: int) -> None:
+def _check(reports, ref, accumulate: int) -> None:
     for rank, report in enumerate(reports):
         got = [loss * accumulate for loss in report["losses"]]  # Lightning reports loss / accumulate
         want = ref["losses"][rank]
         assert len(got) == len(want), (rank, got, want)
         assert max(abs(a - b) for a, b in zip(got, want)) <= TOL * max(1.0, max(want)), (rank, got, want)
-        assert report["global_step"] == steps and report["epoch"] == lu.EPOCHS  # the short rank counted the shadows
+        assert report["global_step"] == ref["steps"]           # the short rank counted the shadowed steps
+        assert report["epoch"] == reports[0]["epoch"]
         assert report["lr"] == pytest.approx(ref["lr"], rel=1e-12)                # its scheduler followed
         assert report["val_loss"] == pytest.approx(ref["val_loss"], rel=TOL)
     weights = {k.removeprefix("net."): torch.tensor(v) for k, v in reports[0]["weights"].items()}
@@ -47,13 +48,19 @@ def test_uneven_batches_shadowed_then_validation_second_epoch_and_checkpoints(tm
     ref = lu.reference()
     even = lu.reference((3, 3))  # the test can fail: the long rank's last two steps matter
     assert max((ref["weights"][k] - even["weights"][k]).abs().max().item() for k in ref["weights"]) > 1e-3
-    _check(_run(tmp_path), ref, accumulate=1, steps=10)
+    assert ref["steps"] == 10
+    _check(_run(tmp_path), ref, accumulate=1)
     # ModelCheckpoint names come from rank 0, the short rank: its global_step includes the shadowed steps
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["epoch=0-step=5.ckpt", "epoch=1-step=10.ckpt"]
     assert (tmp_path / "final.ckpt" / "manifest.json").is_file()
 
 
-def test_uneven_iterable_dataset_with_gradient_accumulation(tmp_path):
-    """No ``__len__`` (Lightning prefetches to find the last batch) and accumulate_grad_batches=2."""
-    _check(_run(tmp_path, "--iterable", "--accumulate", 2, "--counts", 4, 6), lu.reference((4, 6), 2),
-           accumulate=2, steps=6)
+def test_uneven_iterable_dataset_with_gradient_accumulation_and_max_steps(tmp_path):
+    """No ``__len__`` (Lightning prefetches to find the last batch), accumulate_grad_batches=2, and max_steps
+    cutting the second epoch where the short rank's epoch ends: no rank validates there (the last ones to
+    finish would not), the last validation is epoch 0's."""
+    ref = lu.reference((4, 6), 2, max_steps=5)
+    assert ref["steps"] == 5
+    reports = _run(tmp_path, "--iterable", "--accumulate", 2, "--counts", 4, 6, "--max-steps", 5)
+    _check(reports, ref, accumulate=2)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["epoch=0-step=3.ckpt", "epoch=1-step=5.ckpt"]

@@ -25,9 +25,10 @@ Contract (as with DDP + Join): no other collective in per-batch code while ranks
 sync_dist=True)`` on step outside ``training_step``, ``strategy.reduce``/barriers in ``on_train_batch_*`` hooks,
 ``every_n_train_steps`` checkpoints and mid-epoch validation (``val_check_interval < 1``) each rank would
 schedule by its own batch count. With ``accumulate_grad_batches``, give every rank a multiple of it (else a
-UsageError on every rank). Manual optimization is not shadowed (its ``training_step`` runs backward and
-the optimizers itself, so it cannot be replayed with a zero loss): there the Join only detects uneven
-batches (``throw_on_early_termination``) and every rank raises instead of hanging.
+UsageError on every rank). Manual optimization (its ``training_step`` runs backward and the optimizers
+itself, so it cannot be replayed with a zero loss) and ``16-mixed`` (the gradient scaler's inf check is a
+collective) are not shadowed: there the Join only detects uneven batches (``throw_on_early_termination``)
+and every rank raises instead of hanging.
 """
 from __future__ import annotations
 
@@ -76,12 +77,13 @@ class UnevenInputs(Callback):
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         if trainer.world_size > 1 and state_of(trainer.strategy.model) is not None:
-            self._model = trainer.strategy.model
-            self._join = Join([self._model, _LoopShadow(trainer, self._model)], divide_by_initial_world_size=True,
-                              throw_on_early_termination=not pl_module.automatic_optimization)
+            self._model, self._loop = trainer.strategy.model, _LoopShadow(trainer, trainer.strategy.model)
+            self._join = Join([self._model, self._loop], divide_by_initial_world_size=True,
+                              throw_on_early_termination=not _shadowable(trainer, pl_module))
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._join is not None and _epoch_ends_after_this_batch(trainer):
+            self._loop.validates = _validates_now(trainer)
             _per_batch_collectives(trainer)  # the broadcast of the others' next step
             self._leave(pl_module)
 
@@ -110,17 +112,40 @@ class UnevenInputs(Callback):
                 raise
             self.on_exception(None, pl_module, e)
             raise UsageError(f"rank {dist.get_rank()} ran out of training batches before the others, with manual "
-                             "optimization: uneven batches are only shadowed under automatic optimization. Give "
-                             "every rank the same number of batches (use_distributed_sampler=True, drop_last=True, "
-                             "or limit_train_batches).") from e
+                             "optimization or a gradient scaler (16-mixed): uneven batches are only shadowed under "
+                             "automatic optimization without one. Give every rank the same number of batches "
+                             "(use_distributed_sampler=True, drop_last=True, or limit_train_batches).") from e
         finally:
             pl_module._current_fx_name = fx
+
+
+def _shadowable(trainer: Any, pl_module: Any) -> bool:
+    """Manual optimization runs backward and the optimizers inside ``training_step`` (no zero-loss replay);
+    a gradient scaler's inf check is a collective the shadow does not make."""
+    return pl_module.automatic_optimization and getattr(trainer.precision_plugin, "scaler", None) is None
 
 
 def _epoch_ends_after_this_batch(trainer: Any) -> bool:
     """Lightning's own end-of-epoch test (``_TrainingEpochLoop.done``), read after the batch's step."""
     loop = trainer.fit_loop.epoch_loop
     return bool(loop._is_training_done or (trainer.should_stop and trainer.fit_loop._can_stop_early))
+
+
+def _validates_now(trainer: Any) -> bool:
+    """Whether Lightning will validate after this batch (``on_advance_end``), from this rank's counts."""
+    loop = trainer.fit_loop.epoch_loop
+    return bool(loop._should_check_val_fx(trainer.fit_loop._data_fetcher))
+
+
+def _agree_on_validation(trainer: Any, validates: bool, is_last_joiner: bool, device: torch.device) -> None:
+    """After the Join: validate only if the last ranks to finish do. A rank that ran out of batches would
+    validate at its end of epoch, while the others may stop earlier in theirs (``max_steps``), without.
+    One MIN all-reduce per epoch, on every rank."""
+    flag = torch.tensor([1 if validates or not is_last_joiner else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    loop = trainer.fit_loop.epoch_loop
+    if validates and not flag.item() and hasattr(loop, "_skip_next_val"):
+        loop._skip_next_val = True
 
 
 def _per_batch_collectives(trainer: Any) -> None:
@@ -159,9 +184,10 @@ class _LoopShadow(Joinable):
     def __init__(self, trainer: Any, model: torch.nn.Module) -> None:
         super().__init__()
         self.trainer, self.model = trainer, model
+        self.validates = False  # set when this rank leaves after its last batch
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        return _LoopHook(self.trainer, self.model)
+        return _LoopHook(self)
 
     @property
     def join_device(self) -> torch.device:
@@ -173,8 +199,8 @@ class _LoopShadow(Joinable):
 
 
 class _LoopHook(JoinHook):
-    def __init__(self, trainer: Any, model: torch.nn.Module) -> None:
-        self.trainer, self.state = trainer, state_of(model)
+    def __init__(self, loop: _LoopShadow) -> None:
+        self.loop, self.trainer, self.state = loop, loop.trainer, state_of(loop.model)
         self.shadowed = 0  # batches shadowed so far in this epoch
 
     def main_hook(self) -> None:
@@ -182,3 +208,6 @@ class _LoopHook(JoinHook):
         _count_shadow_batch(self.trainer, done + self.shadowed, self.state.shadow_stepped)
         self.shadowed += 1
         _per_batch_collectives(self.trainer)
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        _agree_on_validation(self.trainer, self.loop.validates, is_last_joiner, self.loop.join_device)

@@ -52,15 +52,18 @@ def make_opt(params):
     return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
 
 
-def reference(counts=COUNTS, accumulate: int = 1) -> dict:
+def reference(counts=COUNTS, accumulate: int = 1, max_steps: int = -1) -> dict:
     """One process: at micro-batch k the loss is sum over ranks with a batch k of their mean loss / world
-    (the joined ranks' samples count zero, gradients divided by the initial world size)."""
+    (the joined ranks' samples count zero, gradients divided by the initial world size). Validation after
+    each epoch that reached its last batch (Lightning does not validate where ``max_steps`` cuts an epoch)."""
     model, world = build(), len(counts)
     opt, sched = make_opt(model.parameters())
     data = [rank_batches(r, n) for r, n in enumerate(counts)]
-    losses = [[] for _ in counts]
+    losses, steps, val = [[] for _ in counts], 0, None
     for _ in range(EPOCHS):
         for k in range(max(counts)):
+            if steps == max_steps:
+                break
             total = 0.0
             for r in range(world):
                 if k < counts[r]:
@@ -73,9 +76,13 @@ def reference(counts=COUNTS, accumulate: int = 1) -> dict:
                 opt.step()
                 sched.step()
                 opt.zero_grad()
-    with torch.no_grad():
-        val = sum(float(nn.functional.mse_loss(model(x), y)) for r in range(world) for x, y in val_batches(r))
-    return {"losses": losses, "lr": opt.param_groups[0]["lr"], "val_loss": val / (2 * world),
+                steps += 1
+        else:
+            with torch.no_grad():
+                val = sum(float(nn.functional.mse_loss(model(x), y)) for r in range(world) for x, y in val_batches(r))
+            continue
+        break
+    return {"losses": losses, "lr": opt.param_groups[0]["lr"], "val_loss": val / (2 * world), "steps": steps,
             "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
@@ -105,6 +112,7 @@ def main() -> None:
     p.add_argument("--iterable", action="store_true")
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--counts", type=int, nargs=2, default=COUNTS)
+    p.add_argument("--max-steps", type=int, default=-1)
     p.add_argument("--manual", action="store_true", help="manual optimization (not shadowed: UsageError if uneven)")
     args = p.parse_args()
     out = Path(args.out)
@@ -140,7 +148,7 @@ def main() -> None:
             opt, sched = make_opt(self.parameters())
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="fsdp_plugin", max_epochs=EPOCHS,
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="fsdp_plugin", max_epochs=EPOCHS, max_steps=args.max_steps,
                          use_distributed_sampler=False, accumulate_grad_batches=args.accumulate, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          callbacks=[ModelCheckpoint(out / "ck", save_top_k=-1, every_n_epochs=1)])
@@ -150,8 +158,9 @@ def main() -> None:
                 loader(val_batches(rank), args.iterable))
     trainer.save_checkpoint(out / "final.ckpt")
     weights = {k: v.tolist() for k, v in fp.full_state_dict(model).items()}
-    report = {"losses": model.losses, "global_step": trainer.global_step, "lr": trainer.optimizers[0].param_groups[0]["lr"],
-              "val_loss": float(trainer.callback_metrics["val_loss"]), "epoch": trainer.current_epoch,
+    report = {"losses": model.losses, "global_step": trainer.global_step,
+              "lr": trainer.optimizers[0].param_groups[0]["lr"],
+              "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))), "epoch": trainer.current_epoch,
               "weights": weights if rank == 0 else None}
     (out / f"rank{rank}.json").write_text(json.dumps(report))
 
