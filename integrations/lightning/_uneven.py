@@ -74,6 +74,7 @@ class UnevenInputs(Callback):
     def __init__(self) -> None:
         self._join: Optional[Join] = None
         self._model: Any = None
+        self._loop: Optional[_LoopShadow] = None
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         if trainer.world_size > 1 and state_of(trainer.strategy.model) is not None:
@@ -108,7 +109,7 @@ class UnevenInputs(Callback):
         try:
             join.__exit__(None, None, None)
         except RuntimeError as e:
-            if not join._throw_on_early_termination:
+            if "exhausted all inputs" not in str(e):  # torch's throw_on_early_termination message
                 raise
             self.on_exception(None, pl_module, e)
             raise UsageError(f"rank {dist.get_rank()} ran out of training batches before the others, with manual "
