@@ -21,8 +21,11 @@ batch on a joined rank does what Lightning's loop does around a step on the othe
 * the counters: ``global_step`` (so ``max_steps`` and checkpoint names agree), the logging step, and the
   ``interval="step"`` learning-rate schedulers (stepped after the shadow's optimizer step, as the others do).
 
-Contract (as with DDP + Join): no other collective in per-batch code while ranks are uneven: ``self.log(...,
-sync_dist=True)`` on step outside ``training_step``, ``strategy.reduce``/barriers in ``on_train_batch_*`` hooks,
+The shadow replays ``training_step`` itself (the engine replays the registered entry point), so its
+``self.log(..., sync_dist=True)`` pairs with the others' (the joined rank adds the value of its last batch;
+its logged metrics of shadowed steps are those of the replay). Contract (as with DDP + Join): no other
+collective in per-batch code while ranks are uneven: ``self.log(..., sync_dist=True)`` outside
+``training_step``, ``strategy.reduce``/barriers in ``on_train_batch_*`` hooks,
 ``every_n_train_steps`` checkpoints and mid-epoch validation (``val_check_interval < 1``) each rank would
 schedule by its own batch count. With ``accumulate_grad_batches``, give every rank a multiple of it (else a
 UsageError on every rank). Manual optimization (its ``training_step`` runs backward and the optimizers

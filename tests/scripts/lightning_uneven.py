@@ -127,7 +127,7 @@ def main() -> None:
         def training_step(self, batch, batch_idx):
             x, y = batch
             loss = nn.functional.mse_loss(self.net(x), y)
-            self.log("train_loss", loss, on_step=True, on_epoch=True)
+            self.log("train_loss", loss, on_step=True, on_epoch=True, sync_dist=True)  # the shadow replays it
             if args.manual:
                 opt = self.optimizers()
                 opt.zero_grad()
