@@ -359,3 +359,67 @@ def test_plan_predicts_the_exchange_bytes_counted(policy):
     w = plan.worlds[3]
     assert w.wire_bytes["optim_exchange"] == max(sent) and w.wire_calls["optim_exchange"] == calls
     assert w.optimizer_flops == max(flops)
+
+
+def _combined(seed):
+    """fp.optim.MuonWithAdamW with the same groups as _two_optimizers, interleaved (Muon, AdamW, Muon)."""
+    torch.manual_seed(seed)
+    model = Net()
+    fp.shard(model)
+    named = dict(model.named_parameters())
+    muon = [dict(g, use_muon=True, lr=0.02) for g in groups(named)]
+    rest = {"params": [p for n, p in named.items() if n not in MATRICES], "use_muon": False, "lr": 1e-2}
+    return model, fp.optim.MuonWithAdamW([muon[0], rest, muon[1]])
+
+
+def _scheduled(model, opts, steps, first, rank, world):
+    """_train with a LambdaLR per optimizer (the Trainer's scheduler writes each group's lr)."""
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 / (s + 1)) for o in opts]
+    for s in range(first, first + steps):
+        _train(model, opts, 1, s, rank, world)
+        for sc in scheds:
+            sc.step()
+
+
+def _by_name(state: dict) -> dict:
+    return {(fqn, key): v for (_, fqn, key), v in state.items()}
+
+
+def _combined_vs_pair(rank, world, path):
+    model, opt = _combined(0)
+    ref_model, ref_opts = _two_optimizers(0)
+    _scheduled(model, [opt], 3, 0, rank, world)
+    _scheduled(ref_model, ref_opts, 3, 0, rank, world)
+    fp.save_checkpoint(path, model, opt)
+    return (fp.full_state_dict(model, rank0_only=False), fp.full_state_dict(ref_model, rank0_only=False),
+            _by_name(_full_state(model, [opt])), _by_name(_full_state(ref_model, ref_opts)),
+            [g["lr"] for g in opt.param_groups])
+
+
+def _combined_load(rank, world, path):
+    model, opt = _combined(1)
+    fp.load_checkpoint(path, model, opt)
+    assert opt.muon.state is opt.state and opt.adamw.param_groups[0] is opt.param_groups[1]
+    return fp.full_state_dict(model, rank0_only=False), _by_name(_full_state(model, [opt])), \
+        [g["lr"] for g in opt.param_groups]
+
+
+def test_muon_with_adamw_is_muon_then_adamw_and_resumes_n_to_m(tmp_path):
+    """One optimizer (what the transformers Trainer takes) == fp.optim.Muon + torch.optim.AdamW, bit for bit,
+    through a scheduler; its checkpoint loads at 2, 3 and 1 ranks."""
+    path = str(tmp_path / "ckpt")
+    (ours, ref, state, ref_state, lrs), *_ = run_ranks(_combined_vs_pair, 2, path)
+    assert _equal(ours, ref) and _equal(state, ref_state)
+    assert any(k[1] == "momentum_buffer" for k in state) and any(k[1] == "exp_avg" for k in state)
+    assert lrs == [0.02 / 4, 1e-2 / 4, 0.02 / 4]
+    for world in (2, 3, 1):
+        (model, loaded, loaded_lrs), *_ = run_ranks(_combined_load, world, path)
+        assert _equal(model, ours) and _equal(loaded, state) and loaded_lrs == lrs, world
+
+
+def test_muon_with_adamw_needs_use_muon_in_every_group():
+    model = Net()
+    with pytest.raises(fp.OptimizerError, match="'use_muon'"):
+        fp.optim.MuonWithAdamW([{"params": [model.a.weight]}])
+    with pytest.raises(fp.OptimizerError, match="'a.bias'.*AdamW|route it to AdamW"):
+        fp.optim.MuonWithAdamW([{"params": [model.a.bias], "use_muon": True}])
