@@ -1,13 +1,15 @@
 """Guards against silent misuse of a sharded model: plain state_dict()/load_state_dict() (they would
 see shard pieces), optimizers whose state does not match the sharded parameters, and per-tensor optimizers
 (Muon, Adafactor, LAMB...) on pieces of tensors, which would compute per-piece statistics: they raise at
-their first step, on every rank alike (the decision uses the layout, which every rank knows), never warn."""
+their first step, on every rank alike (the decision uses the layout, which every rank knows), never warn —
+except torch's Adafactor and classes marked with ``register_per_tensor``, which get the exact owner step
+(``optim/owner_step.py``: the stock step on full tensors)."""
 from __future__ import annotations
 
 import weakref
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch import nn
 
 from .._flat.layout import param_info
@@ -25,7 +27,9 @@ _REGISTERED: set = set()
 
 
 def register_per_tensor(cls: type) -> type:
-    """Mark optimizer class ``cls`` (and its subclasses) as per-tensor: the guard refuses it on shard pieces."""
+    """Mark optimizer class ``cls`` (and its subclasses) as per-tensor: its step updates each parameter from
+    that parameter's own full tensors and state, with no collectives. On a sharded model it then runs the
+    owner step (exact: the stock step on full tensors; ``fsdp_plugin/optim/owner_step.py``)."""
     _REGISTERED.add(cls)
     return cls
 _checked_optimizers: "weakref.WeakSet" = weakref.WeakSet()
@@ -53,14 +57,27 @@ def install_guards(model: nn.Module, root) -> None:
 def _install_optimizer_check() -> None:
     global _hook_handle
     if _hook_handle is None:
-        _hook_handle = register_optimizer_step_pre_hook(_check_optimizer)
+        _hook_handle = (register_optimizer_step_pre_hook(_check_optimizer),
+                        register_optimizer_step_post_hook(_after_step))
+
+
+def _owner_stepped(optimizer) -> bool:
+    from ..optim import owner_step
+
+    return owner_step.applies(type(optimizer), _REGISTERED)
 
 
 def _check_optimizer(optimizer, args, kwargs) -> None:
     if optimizer in _checked_optimizers:
+        if _owner_stepped(optimizer):
+            _owner_before(optimizer)
         return
     sharded = [p for g in optimizer.param_groups for p in g["params"] if getattr(p, "_fp_handle", None) is not None]
     if not sharded:
+        return
+    if _owner_stepped(optimizer):      # its state lives whole on the rank that steps each parameter
+        _checked_optimizers.add(optimizer)
+        _owner_before(optimizer)
         return
     for p in sharded:
         for key, value in optimizer.state.get(p, {}).items():
@@ -73,9 +90,23 @@ def _check_optimizer(optimizer, args, kwargs) -> None:
     _checked_optimizers.add(optimizer)
 
 
+def _owner_before(optimizer) -> None:
+    from ..optim import owner_step
+
+    owner_step.before(optimizer)
+
+
+def _after_step(optimizer, args, kwargs) -> None:
+    if optimizer in _checked_optimizers and _owner_stepped(optimizer):
+        from ..optim import owner_step
+
+        owner_step.after(optimizer)
+
+
 def _check_per_tensor(optimizer, sharded: list) -> None:
     """Stock Muon is exact on matrices no rank splits (whole on one rank, empty elsewhere); any other
-    per-tensor optimizer needs every tensor whole on every rank (it fails on empty pieces, too)."""
+    per-tensor optimizer not marked with register_per_tensor (LAMB, LBFGS, Shampoo...: their steps may
+    couple parameters or communicate) needs every tensor whole on every rank."""
     cls = type(optimizer)
     if getattr(cls, "_fp_sharding_aware", False):
         return
@@ -96,4 +127,6 @@ def _check_per_tensor(optimizer, sharded: list) -> None:
             f"{cls.__name__} is a per-tensor optimizer (whole-tensor statistics) but {pieces[0].fqn!r} is sharded "
             f"into pieces ({len(pieces)} such parameters): it would train differently from unsharded training. Use "
             "fp.optim.Muon for the 2-D hidden matrices and an elementwise optimizer (AdamW, Adam, SGD, Lion) for the "
-            "rest, or give this optimizer only parameters of no_shard units")
+            "rest, give this optimizer only parameters of no_shard units, or, if its step updates each parameter "
+            "from that parameter alone without collectives, mark the class with fp.optim.register_per_tensor "
+            "(it then runs exactly, on full tensors)")
