@@ -60,15 +60,16 @@ def _my_state(model, opt) -> dict:
             for n, p in model.named_parameters() if p in opt.state}
 
 
-def _model(policy, seed=0):
+def _model(policy, seed=0, mesh=None):
     torch.manual_seed(seed)
     model = Net()
-    fp.shard(model, auto_wrap_policy=policy)
+    kwargs = {"sharding_strategy": "hybrid_shard", "device_mesh": mesh} if mesh else {}
+    fp.shard(model, auto_wrap_policy=policy, **kwargs)
     return model
 
 
-def _worker(rank, world, which, policy):
-    model = _model(policy)
+def _worker(rank, world, which, policy, mesh=None):
+    model = _model(policy, mesh=mesh)
     full = fp.full_state_dict(model, rank0_only=False)
     ref_params = {n: nn.Parameter(t.clone()) for n, t in full.items()}
     ref = _make(which, list(ref_params.values()))
@@ -104,6 +105,12 @@ def test_owner_step_is_the_stock_step_on_full_tensors(which, policy, world):
         assert all(calls.get("optim_exchange", 0) > 0 for _, _, calls in results)
     held = [n for _, mine, _ in results for n in mine]
     assert sorted(held) == sorted(set(held)) and len(held) == 8, "each parameter's state on exactly one rank"
+
+
+def test_owner_step_hybrid_shard_each_replica_steps_its_own():
+    results = run_ranks(_worker, 4, "adafactor", None, (2, 2), timeout=180)
+    assert results[0][0] and all(calls.get("optim_exchange", 0) > 0 for _, _, calls in results)
+    assert sorted(results[0][1] + results[1][1]) == sorted(results[2][1] + results[3][1])
 
 
 def _train(model, opt, steps, first, rank, world):
