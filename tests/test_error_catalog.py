@@ -248,9 +248,13 @@ def stock_muon_on_a_split_matrix():
     _ranks_error(_stock_muon)
 
 
+class LAMB(torch.optim.SGD):
+    """Stands for a third-party per-tensor optimizer (refused by name; Adafactor runs the owner step)."""
+
+
 def _adafactor(rank, world):
     model = _matrices()
-    opt = torch.optim.Adafactor(model.parameters())
+    opt = LAMB(model.parameters(), lr=0.1)
     model(torch.ones(2, 8)).sum().backward()
     opt.step()
 
@@ -261,6 +265,10 @@ def per_tensor_optimizer_on_shard_pieces():
 
 def muon_given_a_vector():
     fp.optim.Muon(_matrices().parameters())
+
+
+def muon_with_adamw_group_without_use_muon():
+    fp.optim.MuonWithAdamW([{"params": list(_matrices().parameters()), "lr": 0.02}])
 
 
 def _muon_unsharded(rank, world):
@@ -361,6 +369,7 @@ CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_polic
          activation_checkpointing_every_zero, activation_checkpointing_without_units,
          collective_deadline_names_the_late_rank, join_before_any_batch,
          stock_muon_on_a_split_matrix, per_tensor_optimizer_on_shard_pieces, muon_given_a_vector,
+         muon_with_adamw_group_without_use_muon,
          muon_on_a_model_never_sharded]
 
 
