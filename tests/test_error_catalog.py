@@ -237,14 +237,18 @@ def _matrices():
     return fp.shard(nn.Sequential(nn.Linear(8, 7), nn.Linear(7, 5)))   # on 2 ranks the first weight is cut 6 | 1 rows
 
 
+class Muon(torch.optim.SGD):
+    """Stands for a third-party Muon (by name; torch.optim.Muon itself runs the owner step)."""
+
+
 def _stock_muon(rank, world):
     model = _matrices()
-    opt = torch.optim.Muon([p for p in model.parameters() if p.ndim == 2])
+    opt = Muon([p for p in model.parameters() if p.ndim == 2], lr=0.1)
     model(torch.ones(2, 8)).sum().backward()
     opt.step()
 
 
-def stock_muon_on_a_split_matrix():
+def third_party_muon_on_a_split_matrix():
     _ranks_error(_stock_muon)
 
 
@@ -368,7 +372,7 @@ CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_polic
          load_a_directory_that_is_not_a_checkpoint, load_an_interrupted_save,
          activation_checkpointing_every_zero, activation_checkpointing_without_units,
          collective_deadline_names_the_late_rank, join_before_any_batch,
-         stock_muon_on_a_split_matrix, per_tensor_optimizer_on_shard_pieces, muon_given_a_vector,
+         third_party_muon_on_a_split_matrix, per_tensor_optimizer_on_shard_pieces, muon_given_a_vector,
          muon_with_adamw_group_without_use_muon,
          muon_on_a_model_never_sharded]
 

@@ -39,7 +39,13 @@ fp.optim.register_per_tensor(NormSGD)
 
 
 def _make(which, params):
+    params = list(params)
+    if which == "muon":      # stock torch.optim.Muon: the 2-D matrices (same on every rank: pieces keep ndim)
+        return torch.optim.Muon([p for p in params if p.ndim == 2], lr=0.05)
     return torch.optim.Adafactor(params, lr=0.05) if which == "adafactor" else NormSGD(params)
+
+
+HELD = {"adafactor": 8, "registered": 8, "muon": 4}     # parameters with state
 
 
 def _full_grads(model) -> dict:
@@ -96,7 +102,7 @@ def _worker(rank, world, which, policy, mesh=None):
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("policy", [None, {nn.Linear}], ids=["one-unit", "per-linear"])
-@pytest.mark.parametrize("which", ["adafactor", "registered"])
+@pytest.mark.parametrize("which", ["adafactor", "registered", "muon"])
 def test_owner_step_is_the_stock_step_on_full_tensors(which, policy, world):
     results = run_ranks(_worker, world, which, policy, timeout=180)
     split = results[0][0]
@@ -104,7 +110,7 @@ def test_owner_step_is_the_stock_step_on_full_tensors(which, policy, world):
         assert split, "a parameter is cut between ranks: the exchange path is exercised"
         assert all(calls.get("optim_exchange", 0) > 0 for _, _, calls in results)
     held = [n for _, mine, _ in results for n in mine]
-    assert sorted(held) == sorted(set(held)) and len(held) == 8, "each parameter's state on exactly one rank"
+    assert sorted(held) == sorted(set(held)) and len(held) == HELD[which], "each parameter's state on one rank"
 
 
 def test_owner_step_hybrid_shard_each_replica_steps_its_own():
@@ -155,12 +161,12 @@ def _same(a: dict, b: dict) -> bool:
                                            for k in a[n]) for n in a)
 
 
-@pytest.mark.parametrize("which", ["adafactor", "registered"])
+@pytest.mark.parametrize("which", ["adafactor", "registered", "muon"])
 def test_owner_step_state_resumes_n_to_m(tmp_path, which):
     path = str(tmp_path / "ckpt")
     saved = run_ranks(_save, 2, path, which)
     want = _merged(saved)
-    assert len(want) == 8
+    assert len(want) == HELD[which]
     for world in (2, 3, 1):
         loaded = run_ranks(_load, world, path, which)
         assert _same(_merged(loaded), want), world

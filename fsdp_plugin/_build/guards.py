@@ -104,9 +104,9 @@ def _after_step(optimizer, args, kwargs) -> None:
 
 
 def _check_per_tensor(optimizer, sharded: list) -> None:
-    """Stock Muon is exact on matrices no rank splits (whole on one rank, empty elsewhere); any other
-    per-tensor optimizer not marked with register_per_tensor (LAMB, LBFGS, Shampoo...: their steps may
-    couple parameters or communicate) needs every tensor whole on every rank."""
+    """A Muon by name (not torch's: that one runs the owner step) is exact on matrices no rank splits (whole
+    on one rank, empty elsewhere); any other per-tensor optimizer not marked with register_per_tensor (LAMB,
+    LBFGS, Shampoo...: their steps may couple parameters or communicate) needs every tensor whole everywhere."""
     cls = type(optimizer)
     if getattr(cls, "_fp_sharding_aware", False):
         return
@@ -118,8 +118,8 @@ def _check_per_tensor(optimizer, sharded: list) -> None:
             raise OptimizerError(
                 f"{cls.__module__}.Muon on a sharded model: {split[0].fqn!r} (shape {tuple(split[0].shape)}) is cut "
                 f"between ranks ({len(split)} such matrices), and Newton–Schulz on a rank's rows is not Muon on the "
-                "matrix. Use fp.optim.Muon (same arguments and defaults): it is bit-identical to torch.optim.Muon "
-                "on the full tensors")
+                "matrix. Use fp.optim.Muon (torch.optim.Muon's arguments and defaults): it is bit-identical to "
+                "torch.optim.Muon on the full tensors (torch.optim.Muon itself also runs exactly, at 3x the bytes)")
         return
     pieces = [param_info(p) for p in sharded if p._fp_handle.mesh.shard_size > 1]
     if pieces:

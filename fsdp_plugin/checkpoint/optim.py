@@ -5,9 +5,9 @@ A state value is *per-element* when it is a tensor shaped like the local paramet
 Every other tensor (``step``, ASGD's ``eta``...) and every non-tensor value is *scalar* state, stored in
 the manifest through the JSON codec (tensors inline, bit-exact). ``param_groups`` keep their
 hyper-parameters (codec-encoded) and list their parameters by FQN. Under the owner step (Adafactor, classes
-marked per-tensor: ``fsdp_plugin/optim/owner_step.py``) a split parameter's state is whole on its owner, so
-it is always scalar state, written by the owner; per-element pieces loaded onto a split parameter are
-then gathered to its owner.
+marked per-tensor: ``fsdp_plugin/optim/owner_step.py``) a split parameter's state is whole on its owner:
+a tensor of the full parameter's shape is written by the owner as the one piece ``[0, numel)``, anything
+else as scalar state; per-element pieces loaded onto a split parameter are then gathered to its owner.
 """
 from __future__ import annotations
 
@@ -80,7 +80,13 @@ def _record_state(i, sh, state: dict, tensors: dict, scalars: dict, opt_tensors:
     for key, value in state.items():
         if not isinstance(key, str):
             raise CheckpointError(f"optimizer {i}: state key {key!r} of {sh.fqn} is not a string")
-        if not inline and is_per_element(key, value, sh.param):
+        whole = inline and isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) == tuple(sh.shape)
+        if whole:   # owner step: the owner's whole tensor is the one piece [0, numel) (not inline JSON)
+            if sh.writer:
+                tensors.setdefault(sh.fqn, {})[key] = {"dtype": _format.dtype_name(value.dtype), "start": 0,
+                                                       "end": value.numel(), "shape": list(sh.shape)}
+                opt_tensors.append((manifest.tensor_key("optim", sh.fqn, i, key), value))
+        elif not inline and is_per_element(key, value, sh.param):
             if sh.writer and sh.end > sh.start:
                 tensors.setdefault(sh.fqn, {})[key] = {"dtype": _format.dtype_name(value.dtype), "start": sh.start, "end": sh.end,
                                                        "shape": list(sh.shape)}

@@ -1,5 +1,6 @@
-"""The generic owner step: a stock per-tensor optimizer (``torch.optim.Adafactor``, classes marked with
-``fp.optim.register_per_tensor``) on a sharded model runs its own ``step`` on full tensors, exactly.
+"""The generic owner step: a stock per-tensor optimizer (``torch.optim.Adafactor``, ``torch.optim.Muon``,
+classes marked with ``fp.optim.register_per_tensor``) on a sharded model runs its own ``step`` on full
+tensors, exactly.
 
 Contract of a per-tensor optimizer: its step updates each parameter from that parameter's own full tensors
 (parameter, gradient, state) and issues no collectives, so running it on a different subset of the
@@ -33,10 +34,11 @@ _CTX = "_fp_owner_step"
 
 
 def applies(cls: type, registered: set) -> bool:
-    """Whether optimizer class ``cls`` gets the owner step: Adafactor and registered per-tensor classes."""
+    """Whether optimizer class ``cls`` gets the owner step: torch's Adafactor and Muon (stock; fp.optim.Muon
+    is sharding-aware and cheaper: bf16 updates only) and registered per-tensor classes."""
     if getattr(cls, "_fp_sharding_aware", False):
         return False
-    return issubclass(cls, torch.optim.Adafactor) or any(issubclass(cls, r) for r in registered)
+    return issubclass(cls, (torch.optim.Adafactor, torch.optim.Muon)) or any(issubclass(cls, r) for r in registered)
 
 
 def is_owner_stepped(opt) -> bool:
