@@ -2,8 +2,8 @@
 see shard pieces), optimizers whose state does not match the sharded parameters, and per-tensor optimizers
 (Muon, Adafactor, LAMB...) on pieces of tensors, which would compute per-piece statistics: they raise at
 their first step, on every rank alike (the decision uses the layout, which every rank knows), never warn —
-except torch's Adafactor and classes marked with ``register_per_tensor``, which get the exact owner step
-(``optim/owner_step.py``: the stock step on full tensors)."""
+except torch's Muon and Adafactor and classes marked with ``fp.optim.register_per_tensor``, which get the
+exact owner step (``optim/owner_step.py``: the stock step on full tensors)."""
 from __future__ import annotations
 
 import weakref
@@ -14,24 +14,16 @@ from torch import nn
 
 from .._flat.layout import param_info
 from ..errors import OptimizerError, StateDictError
+from ..optim import owner_step
 
 _STATE_DICT_HELP = ("on a sharded model outside `with fp.full_params(model):` it would hold shard pieces (whole rows); "
                     "use fp.full_state_dict(model) (full tensors on rank 0), fp.save_checkpoint/fp.load_checkpoint "
                     "(sharded, any world size), or call it inside `with fp.full_params(model):`")
 # Optimizers whose update of a parameter depends on more than its own elements (norms, factored
 # moments, orthogonalization, line searches): on shard pieces they compute per-piece statistics instead.
-# By class name (and classes registered with fp.optim.register_per_tensor): the libraries need not be imported.
+# By class name: the libraries need not be imported (registered classes and torch's own run the owner step).
 PER_TENSOR = {"LAMB", "Lamb", "FusedLAMB", "Adafactor", "LARS", "LBFGS", "Shampoo", "DistributedShampoo", "SOAP",
               "Muon", "SophiaG", "Dion"}
-_REGISTERED: set = set()
-
-
-def register_per_tensor(cls: type) -> type:
-    """Mark optimizer class ``cls`` (and its subclasses) as per-tensor: its step updates each parameter from
-    that parameter's own full tensors and state, with no collectives. On a sharded model it then runs the
-    owner step (exact: the stock step on full tensors; ``fsdp_plugin/optim/owner_step.py``)."""
-    _REGISTERED.add(cls)
-    return cls
 _checked_optimizers: "weakref.WeakSet" = weakref.WeakSet()
 _hook_handle = None
 
@@ -62,9 +54,7 @@ def _install_optimizer_check() -> None:
 
 
 def _owner_stepped(optimizer) -> bool:
-    from ..optim import owner_step
-
-    return owner_step.applies(type(optimizer), _REGISTERED)
+    return owner_step.applies(type(optimizer))
 
 
 def _check_optimizer(optimizer, args, kwargs) -> None:
@@ -91,15 +81,11 @@ def _check_optimizer(optimizer, args, kwargs) -> None:
 
 
 def _owner_before(optimizer) -> None:
-    from ..optim import owner_step
-
     owner_step.before(optimizer)
 
 
 def _after_step(optimizer, args, kwargs) -> None:
     if optimizer in _checked_optimizers and _owner_stepped(optimizer):
-        from ..optim import owner_step
-
         owner_step.after(optimizer)
 
 
@@ -110,7 +96,7 @@ def _check_per_tensor(optimizer, sharded: list) -> None:
     cls = type(optimizer)
     if getattr(cls, "_fp_sharding_aware", False):
         return
-    if cls.__name__ not in PER_TENSOR and not any(issubclass(cls, r) for r in _REGISTERED):
+    if cls.__name__ not in PER_TENSOR:
         return
     if cls.__name__ == "Muon":
         split = [param_info(p) for p in sharded if param_info(p).split]

@@ -33,19 +33,28 @@ from ._exchange import exchange
 _CTX = "_fp_owner_step"
 
 
-def applies(cls: type, registered: set) -> bool:
+_REGISTERED: set = set()
+
+
+def register_per_tensor(cls: type) -> type:
+    """Mark optimizer class ``cls`` (and its subclasses) as per-tensor: its step updates each parameter from
+    that parameter's own full tensors and state, with no collectives. On a sharded model it then runs the
+    owner step (exact: the stock step on full tensors)."""
+    _REGISTERED.add(cls)
+    return cls
+
+
+def applies(cls: type) -> bool:
     """Whether optimizer class ``cls`` gets the owner step: torch's Adafactor and Muon (stock; fp.optim.Muon
     is sharding-aware and cheaper: bf16 updates only) and registered per-tensor classes."""
     if getattr(cls, "_fp_sharding_aware", False):
         return False
-    return issubclass(cls, (torch.optim.Adafactor, torch.optim.Muon)) or any(issubclass(cls, r) for r in registered)
+    return issubclass(cls, (torch.optim.Adafactor, torch.optim.Muon)) or any(issubclass(cls, r) for r in _REGISTERED)
 
 
 def is_owner_stepped(opt) -> bool:
     """Whether ``opt`` runs the owner step when its parameters are sharded (for the checkpoint layer)."""
-    from .._build.guards import _REGISTERED
-
-    return applies(type(opt), _REGISTERED)
+    return applies(type(opt))
 
 
 def state_is_whole(opt, p) -> bool:
