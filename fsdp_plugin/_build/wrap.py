@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
-from typing import Callable, Iterable
+from typing import Callable, Collection, Iterable
 
 from torch import nn
 
@@ -11,8 +11,13 @@ from ..config import _SizePolicy
 from ..errors import ConfigError
 
 
-def select_unit_modules(model: nn.Module, policy, ignored: Iterable[nn.Module]) -> list[tuple[str, nn.Module]]:
-    """Return ``[(fqn, module)]`` for every unit, root first, in module order (parents before children)."""
+def select_unit_modules(model: nn.Module, policy, ignored: Iterable[nn.Module],
+                        some_ranks: Collection[str] = ()) -> list[tuple[str, nn.Module]]:
+    """Return ``[(fqn, module)]`` for every unit, root first, in module order (parents before children).
+
+    ``some_ranks``: fqns from `some_ranks_fqns`; each is a unit and no unit is chosen inside one (its
+    parameters are gathered as one piece on every rank, whatever runs inside it).
+    """
     ignored_ids = {id(m) for ig in ignored for m in ig.modules()}
     candidates = [(n, m) for n, m in model.named_modules() if n and id(m) not in ignored_ids]
     if policy is None:
@@ -26,7 +31,34 @@ def select_unit_modules(model: nn.Module, policy, ignored: Iterable[nn.Module]) 
     else:
         raise ConfigError(f"auto_wrap_policy={policy!r}: use a set of module classes, a callable(module) -> bool, "
                           "fp.size_policy(min_params) or None")
+    if some_ranks:
+        inside = lambda n: any(n.startswith(f + ".") for f in some_ranks)
+        return [("", model)] + [(n, m) for n, m in candidates if n in some_ranks or id(m) in chosen and not inside(n)]
     return [("", model)] + [(n, m) for n, m in candidates if id(m) in chosen]
+
+
+def some_ranks_fqns(model: nn.Module, rule, ignored: Iterable[nn.Module] = ()) -> list[str]:
+    """The outermost modules ``ShardingConfig.some_ranks_modules`` (``rule``) selects, by fqn, in module order;
+    never the root (it runs on every rank). A rule that selects nothing is a ConfigError (a typo would
+    otherwise leave the divergence it was meant to handle)."""
+    if rule is None:
+        return []
+    if callable(rule):
+        match = rule
+    else:
+        classes = tuple(c for c in rule if isinstance(c, type))
+        names = {c for c in rule if isinstance(c, str)}
+        match = lambda m: isinstance(m, classes) or type(m).__name__ in names
+    ignored_ids = {id(m) for ig in ignored for m in ig.modules()}
+    found: list[str] = []
+    for n, m in model.named_modules():
+        if n and id(m) not in ignored_ids and not any(n.startswith(f + ".") for f in found) and match(m):
+            found.append(n)
+    if not found:
+        present = sorted({type(m).__name__ for m in model.modules()})
+        raise ConfigError(f"some_ranks_modules={rule!r} matches no submodule of {type(model).__name__}; its module "
+                          f"classes are: {', '.join(present)}")
+    return found
 
 
 def _class_policy(model, candidates, classes) -> set:

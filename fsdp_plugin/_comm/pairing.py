@@ -68,4 +68,5 @@ def agree(c: int, units: Sequence, group, world_size: int, timeout_s: Optional[f
         raise CollectiveError(
             f"ranks diverged: their next collectives belong to different units, so they would pair wrongly ({names}). Every rank must run the "
             "same units in the same order, and every unit's output must reach the loss on every rank or on none "
-            "(no rank-dependent branches around sharded modules; put such modules inside a unit that runs everywhere)")
+            "(no rank-dependent branches around sharded modules; declare a module that runs on some ranks only, e.g. a "
+            "vision tower, in ShardingConfig(some_ranks_modules={...}), or put it inside a unit that runs everywhere)")

@@ -46,6 +46,11 @@ class RootState:
         return self.units[0]
 
     @property
+    def some_ranks_units(self) -> list:
+        """Units whose forward may run on some ranks only (``ShardingConfig.some_ranks_modules``)."""
+        return [u for u in self.units if u.some_ranks]
+
+    @property
     def in_backward(self) -> bool:
         return self.phase is RootPhase.BACKWARD
 
@@ -67,8 +72,8 @@ class RootState:
             if self.join is not None:
                 self.join.before_forward(args, kwargs)
             args, kwargs = self._cast_inputs(args, kwargs)
-        if self.order_state is OrderState.RECORDING and unit not in self.exec_order:
-            self.exec_order.append(unit)
+        if self.order_state is OrderState.RECORDING and unit not in self.exec_order and not unit.some_ranks:
+            self.exec_order.append(unit)   # some_ranks units: rank-dependent, so out of the order and prefetch
         return args, kwargs
 
     def agree_next(self, entering: Entering, unit=None) -> None:
@@ -83,14 +88,23 @@ class RootState:
 
     def after_unshard_in_forward(self, unit) -> None:
         """Forward prefetch, in a real forward only: a recomputation in backward (activation checkpointing)
-        would gather units whose backward is already done and keep them to the end of backward."""
-        if torch.is_grad_enabled() and not self.in_backward:
+        would gather units whose backward is already done and keep them to the end of backward. The root's
+        pre-forward, which every rank reaches once per step, also starts every ``some_ranks`` unit's gather."""
+        if self.in_backward:
+            return
+        if unit is self.root_unit:
+            for u in self.some_ranks_units:
+                u.unshard()
+        if torch.is_grad_enabled():
             for nxt in self._forward_next.get(unit, ()):
                 nxt.unshard()
 
     def after_unit_forward(self, unit, raised: bool = False) -> None:
         if unit is not self.root_unit:
             return
+        if raised or not torch.is_grad_enabled():    # no backward will free them (local: no collective)
+            for u in self.some_ranks_units:
+                u.end_backward()
         if self.order_state is OrderState.RECORDING:
             self.freeze_order(self.exec_order)
         if not raised and self.mesh is not None and self.mesh.shard_size > 1:

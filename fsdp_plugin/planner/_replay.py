@@ -94,6 +94,7 @@ class _SimUnit(ScheduledUnit):
     def __init__(self, sim: "_Sim", index: int, name: str, reshard_policy: bool):
         self.sim, self.index, self.name = sim, index, name
         self.reshard_policy = reshard_policy
+        self.some_ranks = False
 
     @property
     def in_backward(self) -> bool:

@@ -1,0 +1,159 @@
+"""Units that run on some ranks only (``ShardingConfig.some_ranks_modules``, issue 22): a tower that runs on
+rank 0 only at some steps, on no rank at others, on both, twice on one rank, trains exactly as one process on
+the global batch (per-step loss, ``.grad is None`` and full parameters within 1e-5), with SGD + momentum and
+AdamW, under gradient accumulation too; undeclared, the same model is still a CollectiveError."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fsdp_plugin as fp
+from _dist import run_ranks
+from _parity import check_steps, global_mean, make_optimizer
+
+D, B, WORLD = 8, 4, 2
+# Per step: how many times each rank runs the tower (0: no image on that rank).
+CALLS = [(1, 0), (0, 0), (1, 1), (0, 2), (1, 0), (0, 0)]
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x))
+
+
+class Tower(nn.Module):
+    """A vision tower: blocks the wrap policy would pick (they merge into the tower's unit) and a projector."""
+
+    def __init__(self):
+        super().__init__()
+        self.patch = nn.Linear(2 * D, D)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.proj = nn.Linear(D, D, bias=False)
+
+    def forward(self, img):
+        h = self.patch(img)
+        for b in self.blocks:
+            h = b(h)
+        return self.proj(h)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(D, D)
+        self.tower = Tower()
+        self.layers = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(D, 1)
+
+    def forward(self, x, imgs, y):
+        h = self.embed(x)
+        for img in imgs:          # 0, 1 or more images per sample: rank-dependent
+            h = h + self.tower(img)
+        for b in self.layers:
+            h = b(h)
+        return ((self.head(h) - y) ** 2).mean()
+
+
+def batch(step: int, rank: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x, y = torch.randn(B, D, generator=g), torch.randn(B, 1, generator=g)
+    imgs = [torch.randn(B, 2 * D, generator=g) for _ in range(CALLS[step][rank])]
+    return x, imgs, y
+
+
+def _record(model, loss, full):
+    return loss, {n: p.grad is None for n, p in model.named_parameters()}, full
+
+
+def reference(optim: str, accum: int):
+    """One process: the loss is the mean over every rank's (micro-)batch, one backward per step."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = make_optimizer(optim, model.parameters())
+    out = []
+    for s in range(len(CALLS)):
+        opt.zero_grad()
+        loss = sum(model(*batch(s, r)) for r in range(WORLD) for _ in range(accum)) / (WORLD * accum)
+        loss.backward()
+        none = {n: p.grad is None for n, p in model.named_parameters()}
+        opt.step()
+        out.append((loss.item(), none, {k: v.detach().clone() for k, v in model.state_dict().items()}))
+    return out
+
+
+def _worker(rank, world, optim, strategy, accum, declared=True):
+    torch.manual_seed(0)
+    model = Net()
+    fp.shard(model, auto_wrap_policy={Block}, sharding_strategy=strategy,
+             some_ranks_modules={Tower} if declared else None, timeout_s=60)
+    tower = model._fp_root.some_ranks_units
+    assert [u.fqn for u in tower] == (["tower"] if declared else [])
+    opt = make_optimizer(optim, model.parameters())
+    out = []
+    for s in range(len(CALLS)):
+        opt.zero_grad()
+        total = 0.0
+        for i in range(accum):       # gradient accumulation: every micro-batch but the last under no_sync
+            ctx = fp.no_sync(model) if i < accum - 1 else _nothing()
+            with ctx:
+                loss = model(*batch(s, rank)) / accum
+                loss.backward()
+            total += loss.item()
+        _, none, _ = _record(model, 0.0, None)
+        opt.step()
+        full = fp.full_state_dict(model)
+        out.append((global_mean(torch.tensor(total), world), none, full if rank == 0 else {}))
+    assert all(not h.is_unsharded or h._aliases_shard for u in tower for h in u.handles)   # ZeRO-3 at rest
+    return out
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_tower_on_some_ranks_trains_like_one_process(optim):
+    got = run_ranks(_worker, WORLD, optim, "full_shard", 1, timeout=120)
+    check_steps(got, reference(optim, 1))
+
+
+@pytest.mark.parametrize("strategy", ["shard_grad_op", "no_shard"])
+def test_other_strategies_and_gradient_accumulation(strategy):
+    got = run_ranks(_worker, WORLD, "adamw", strategy, 2, timeout=120)
+    check_steps(got, reference("adamw", 2))
+
+
+def _undeclared(rank, world):
+    try:
+        _worker(rank, world, "sgd", "full_shard", 1, declared=False)
+    except fp.CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+def test_undeclared_tower_is_still_a_collective_error():
+    msgs = run_ranks(_undeclared, WORLD, timeout=120)
+    assert all("ranks diverged" in m and "some_ranks_modules" in m for m in msgs), msgs
+
+
+def test_config_names_and_validation():
+    model = Net()
+    from fsdp_plugin._build.wrap import select_unit_modules, some_ranks_fqns
+
+    assert some_ranks_fqns(model, {"Tower"}) == ["tower"]
+    assert some_ranks_fqns(model, lambda m: isinstance(m, (Tower, Block))) == ["tower", "layers.0", "layers.1"]
+    units = [f for f, _ in select_unit_modules(model, {Block}, (), {"tower"})]
+    assert units == ["", "tower", "layers.0", "layers.1"]    # the tower's own blocks merged into it
+    with pytest.raises(fp.ConfigError, match="matches no submodule"):
+        some_ranks_fqns(model, {"VisionTower"})
+    with pytest.raises(fp.ConfigError, match="some_ranks_modules"):
+        fp.ShardingConfig(some_ranks_modules=Tower)
