@@ -157,3 +157,12 @@ def test_config_names_and_validation():
         some_ranks_fqns(model, {"VisionTower"})
     with pytest.raises(fp.ConfigError, match="some_ranks_modules"):
         fp.ShardingConfig(some_ranks_modules=Tower)
+
+
+def test_plan_holds_the_tower_all_step():
+    """fp.plan builds the same units and keeps the tower's full parameters from the root's pre-forward on."""
+    inputs = lambda: (torch.randn(B, D), [torch.randn(B, 2 * D)], torch.randn(B, 1))
+    plan = fp.plan(Net, world_size=2, auto_wrap_policy={Block}, some_ranks_modules={Tower}, inputs=inputs,
+                   loss_fn=lambda loss: loss)
+    assert [u["name"] for u in plan.units] == ["<root>", "tower", "layers.0", "layers.1"]
+    assert set(plan.worlds[2].unsharded_units) == {"<root>", "tower", "layers.0", "layers.1"}
