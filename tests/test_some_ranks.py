@@ -108,6 +108,8 @@ def _worker(rank, world, optim, strategy, accum, declared=True):
         opt.step()
         full = fp.full_state_dict(model)
         out.append((global_mean(torch.tensor(total), world), none, full if rank == 0 else {}))
+    with torch.no_grad():          # an evaluation forward, image on rank 0 only: no backward frees the tower
+        model(*batch(0, rank))
     assert all(not h.is_unsharded or h._aliases_shard for u in tower for h in u.handles)   # ZeRO-3 at rest
     return out
 

@@ -14,6 +14,10 @@ from _dist import run_ranks
 from _parity import global_mean, make_optimizer
 
 pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+# Imported here, once: the forked ranks inherit them instead of importing them each (seconds on a busy box).
+from transformers import (CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration,  # noqa: E402
+                          Trainer, TrainingArguments)
 
 IMAGE, VOCAB, SEQ, PER_RANK, WORLD = 63, 64, 10, 2, 2
 HAS_IMAGE = {0, 8, 11, 14}        # sample indices; sample i of step k is 4k + i, rank r holds 4k + 2r, 4k + 2r + 1
@@ -21,8 +25,6 @@ STEPS = 4
 
 
 def tiny_llava():
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
-
     vision = CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                               image_size=8, patch_size=4)
     text = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
@@ -103,7 +105,6 @@ def _trainer(rank, world, out_dir):
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     import fsdp_plugin.integrations.transformers as integration
-    from transformers import Trainer, TrainingArguments
 
     integration.install()   # what the one-line import does in a fresh process (an earlier test may have undone it)
     args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=PER_RANK * WORLD // world,
