@@ -86,10 +86,10 @@ def reference(optim: str, accum: int):
     return out
 
 
-def _worker(rank, world, optim, strategy, accum, declared=True):
+def _worker(rank, world, optim, strategy, accum, declared=True, recompute=False):
     torch.manual_seed(0)
     model = Net()
-    fp.shard(model, auto_wrap_policy={Block}, sharding_strategy=strategy,
+    fp.shard(model, auto_wrap_policy={Block}, sharding_strategy=strategy, activation_checkpointing=recompute,
              some_ranks_modules={Tower} if declared else None, timeout_s=60)
     tower = model._fp_root.some_ranks_units
     assert [u.fqn for u in tower] == (["tower"] if declared else [])
@@ -132,6 +132,12 @@ def test_tower_on_some_ranks_trains_like_one_process(optim):
 def test_other_strategies_and_gradient_accumulation(strategy):
     got = run_ranks(_worker, WORLD, "adamw", strategy, 2, timeout=120)
     check_steps(got, reference("adamw", 2))
+
+
+def test_recomputed_tower():
+    """Activation checkpointing of every unit, the tower included: recomputation needs no new gather."""
+    got = run_ranks(_worker, WORLD, "sgd", "full_shard", 1, True, True, timeout=120)
+    check_steps(got, reference("sgd", 1))
 
 
 def _undeclared(rank, world):

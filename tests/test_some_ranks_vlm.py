@@ -125,3 +125,23 @@ def test_trainer_llava_images_on_some_ranks(tmp_path):
                        env={"MASTER_ADDR": "localhost", "MASTER_PORT": "0"})[0]
     assert len(sharded) == len(single) == STEPS, (sharded, single)
     assert max(abs(a - b) for a, b in zip(sharded, single)) <= 1e-5, (sharded, single)
+
+
+def test_accelerate_settings_carry_the_declared_classes(monkeypatch):
+    """accelerate's config has no such key: FSDP_PLUGIN_SOME_RANKS_MODULES reaches ShardingConfig (env route
+    and FullyShardedDataParallelPlugin route alike)."""
+    from fsdp_plugin.integrations.accelerate.config.from_env import settings_from_env
+    from fsdp_plugin.integrations.accelerate.config.resolve import sharding_config
+
+    env = {"ACCELERATE_USE_FSDP": "true", **ENV}
+    cfg = sharding_config(settings_from_env(env), tiny_llava())
+    assert cfg.some_ranks_modules == ("CLIPVisionModel",)
+    env.pop("FSDP_PLUGIN_SOME_RANKS_MODULES")
+    assert sharding_config(settings_from_env(env), tiny_llava()).some_ranks_modules is None
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from fsdp_plugin.integrations.accelerate.config.from_plugin import settings_from_plugin
+
+    monkeypatch.setenv("FSDP_PLUGIN_SOME_RANKS_MODULES", "CLIPVisionModel, LlavaMultiModalProjector")
+    names = settings_from_plugin(FullyShardedDataParallelPlugin()).some_ranks_modules
+    assert names == ("CLIPVisionModel", "LlavaMultiModalProjector")
