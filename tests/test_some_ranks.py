@@ -140,6 +140,37 @@ def test_recomputed_tower():
     check_steps(got, reference("sgd", 1))
 
 
+JOIN_STEPS = (4, 2)      # rank 1 runs out of batches after two steps and shadows the other two
+
+
+def _joined(rank, world):
+    from torch.distributed.algorithms.join import Join
+
+    torch.manual_seed(0)
+    model = fp.shard(Net(), auto_wrap_policy={Block}, some_ranks_modules={Tower}, timeout_s=60)
+    opt = make_optimizer("sgd", model.parameters())
+    with Join([model]):
+        for s in range(JOIN_STEPS[rank]):
+            opt.zero_grad()
+            model(*batch(s, rank)).backward()
+            opt.step()
+    return fp.full_state_dict(model)
+
+
+def test_uneven_inputs_under_join():
+    """A joined rank replays the root's forward: it gathers the tower and adds zeros like any rank without it."""
+    got = run_ranks(_joined, WORLD, timeout=120)[0]
+    torch.manual_seed(0)
+    model = Net()
+    opt = make_optimizer("sgd", model.parameters())
+    for s in range(max(JOIN_STEPS)):
+        opt.zero_grad()
+        (sum(model(*batch(s, r)) for r in range(WORLD) if s < JOIN_STEPS[r]) / WORLD).backward()
+        opt.step()
+    for k, v in model.state_dict().items():
+        assert (got[k] - v).abs().max().item() <= 1e-5, k
+
+
 def _undeclared(rank, world):
     try:
         _worker(rank, world, "sgd", "full_shard", 1, declared=False)
