@@ -140,6 +140,83 @@ def test_recomputed_tower():
     check_steps(got, reference("sgd", 1))
 
 
+class Expert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+class MoEBlock(Block):
+    """A block (a unit) with a rarely routed expert wrapped alone: it runs only for batches routed to it."""
+
+    def __init__(self):
+        super().__init__()
+        self.expert = Expert()
+
+    def forward(self, x):
+        h = super().forward(x)
+        return h + self.expert(h) if h.mean() > 0 else h     # the routing decision depends on this rank's data
+
+
+class MoENet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(MoEBlock() for _ in range(2))
+        self.head = nn.Linear(D, 1)
+
+    def forward(self, x, y):
+        for b in self.layers:
+            x = b(x)
+        return ((self.head(x) - y) ** 2).mean()
+
+
+def moe_batch(step, rank):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(B, D, generator=g) + (0.3 if (step + rank) % 3 == 0 else -0.3), torch.randn(B, 1, generator=g)
+
+
+def _moe(rank, world):
+    torch.manual_seed(0)
+    model = fp.shard(MoENet(), auto_wrap_policy={MoEBlock, Expert}, some_ranks_modules={Expert}, timeout_s=60)
+    assert [u.fqn for u in model._fp_root.some_ranks_units] == ["layers.0.expert", "layers.1.expert"]
+    opt = make_optimizer("adamw", model.parameters())
+    out = []
+    for s in range(6):
+        opt.zero_grad()
+        loss = model(*moe_batch(s, rank))
+        loss.backward()
+        none = {n: p.grad is None for n, p in model.named_parameters()}
+        opt.step()
+        full = fp.full_state_dict(model)     # collective: every rank calls it
+        out.append((global_mean(loss, world), none, full if rank == 0 else {}))
+    return out
+
+
+def test_rarely_routed_expert_wrapped_alone():
+    torch.manual_seed(0)
+    model = MoENet()
+    opt = make_optimizer("adamw", model.parameters())
+    want, ran = [], []
+    model.layers[0].expert.register_forward_hook(lambda *a: ran.append(current))
+    for s in range(6):
+        opt.zero_grad()
+        losses = []
+        for r in range(WORLD):
+            current = (s, r)
+            losses.append(model(*moe_batch(s, r)))
+        loss = sum(losses) / WORLD
+        loss.backward()
+        none = {n: p.grad is None for n, p in model.named_parameters()}
+        opt.step()
+        want.append((loss.item(), none, {k: v.detach().clone() for k, v in model.state_dict().items()}))
+    assert any(w[1]["layers.0.expert.up.weight"] for w in want), "some step must route to no expert anywhere"
+    assert any(len({r for st, r in ran if st == s}) == 1 for s in range(6)), f"no step routes on one rank: {ran}"
+    check_steps(run_ranks(_moe, WORLD, timeout=120), want)
+
+
 JOIN_STEPS = (4, 2)      # rank 1 runs out of batches after two steps and shadows the other two
 
 
