@@ -217,6 +217,27 @@ def test_rarely_routed_expert_wrapped_alone():
     check_steps(run_ranks(_moe, WORLD, timeout=120), want)
 
 
+def _bf16(rank, world, declared):
+    torch.manual_seed(0)
+    model = fp.shard(Net(), auto_wrap_policy={Block}, some_ranks_modules={Tower} if declared else None,
+                     mixed_precision=fp.MixedPrecision(param_dtype=torch.bfloat16), timeout_s=60)
+    opt = make_optimizer("adamw", model.parameters())
+    for s in range(3):
+        x, _, y = batch(s, rank)
+        img = torch.randn(B, 2 * D, generator=torch.Generator().manual_seed(s + 10 * rank))
+        opt.zero_grad()
+        model(x, [img], y).backward()      # every rank runs the tower: declared or not, the same numbers
+        opt.step()
+    return fp.full_state_dict(model)
+
+
+def test_bf16_compute_fp32_reduce_same_as_undeclared_when_every_rank_runs_it():
+    """Under mixed precision the deferred reduction casts and averages as the in-backward one does."""
+    declared, plain = (run_ranks(_bf16, WORLD, flag, timeout=120)[0] for flag in (True, False))
+    for k in plain:
+        assert torch.equal(declared[k], plain[k]), k
+
+
 JOIN_STEPS = (4, 2)      # rank 1 runs out of batches after two steps and shadows the other two
 
 
