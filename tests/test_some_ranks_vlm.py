@@ -92,6 +92,22 @@ def test_plain_api_llava_images_on_some_ranks():
     assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)
 
 
+def _undeclared(rank, world):
+    model = fp.shard(tiny_llava(), timeout_s=60)     # the default policy makes CLIPEncoderLayer units
+    try:
+        model(**rank_batch(0, rank)).loss.backward()
+    except fp.CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+def test_undeclared_tower_error_names_the_class_to_declare():
+    msgs = run_ranks(_undeclared, WORLD, timeout=120)
+    assert msgs[0] == msgs[1], msgs
+    assert "'model.vision_tower' (CLIPVisionModel)" in msgs[0], msgs[0]
+    assert "some_ranks_modules={'CLIPVisionModel'}" in msgs[0], msgs[0]
+
+
 ENV = {"FSDP_SHARDING_STRATEGY": "FULL_SHARD", "FSDP_SYNC_MODULE_STATES": "false", "FSDP_VERSION": "1",
        "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer,CLIPEncoderLayer",
        "FSDP_RESHARD_AFTER_FORWARD": "full_shard", "FSDP_CPU_RAM_EFFICIENT_LOADING": "false",

@@ -37,6 +37,31 @@ def select_unit_modules(model: nn.Module, policy, ignored: Iterable[nn.Module],
     return [("", model)] + [(n, m) for n, m in candidates if id(m) in chosen]
 
 
+# Attribute names transformers 5.24 gives modality encoders that run only on batches holding that modality
+# (45 models `vision_tower`, 23 `audio_tower`, 22 `visual`, ...). `vision_model` is left out: CLIP/SigLIP-style
+# models run it on every batch.
+_ENCODER_NAMES = ("vision_tower", "visual", "audio_tower", "vision_encoder", "audio_encoder", "image_encoder",
+                  "audio_model")
+
+
+def some_ranks_hint(model: nn.Module, units) -> str:
+    """A sentence for a divergence error: the modality encoders (by transformers' attribute names) that hold
+    ordinary units, and the ``some_ranks_modules`` that would declare them; '' when there are none."""
+    found: dict[str, str] = {}
+    for u in units:
+        parts = u.fqn.split(".") if u.fqn and not u.some_ranks else []
+        at = next((i for i, p in enumerate(parts) if p in _ENCODER_NAMES), None)
+        if at is not None:
+            prefix = ".".join(parts[:at + 1])
+            found.setdefault(prefix, type(model.get_submodule(prefix)).__name__)
+    if not found:
+        return ""
+    where = ", ".join(f"{p!r} ({c})" for p, c in found.items())
+    classes = ", ".join(repr(c) for c in dict.fromkeys(found.values()))
+    return (f" Likely cause: {where} runs only on ranks whose batch holds that modality; declare "
+            f"ShardingConfig(some_ranks_modules={{{classes}}}).")
+
+
 def some_ranks_fqns(model: nn.Module, rule, ignored: Iterable[nn.Module] = ()) -> list[str]:
     """The outermost modules ``ShardingConfig.some_ranks_modules`` (``rule``) selects, by fqn, in module order;
     never the root (it runs on every rank). A rule that selects nothing is a ConfigError (a typo would

@@ -13,6 +13,7 @@ from .._comm import status as comm_status
 from ..config import ShardingConfig
 from .._groups.mesh import Mesh, control_group
 from .._build.strategy import prefetch_depth, reshard_after_forward_table
+from .._build.wrap import some_ranks_hint
 from .protocols import ScheduledUnit
 from .states import OrderState, RootPhase
 from .._reduce.reduction import Reduction
@@ -39,6 +40,7 @@ class RootState:
         self.unit_before_root = None        # the unit whose reduction the root's comes right after
         self._reshards = None               # reshard_table(), computed on first use and when the order freezes
         self._unit_index: dict = {}         # unit -> its index in ``units`` (the pairing code's unit number)
+        self._hint = None                   # some_ranks_hint for divergence errors, computed at the first check
         self.join = None                    # join.JoinState: uneven inputs under torch's Join (fp.shard sets it)
 
     @property
@@ -83,8 +85,10 @@ class RootState:
         if mesh is None or mesh.world_size == 1:
             return
         c = pairing.code(entering, self.index_of(unit) if unit is not None else 0)
+        if self._hint is None:      # once: the units never change
+            self._hint = some_ranks_hint(self.root_unit.module, self.units)
         pairing.agree(c, self.units, control_group(), mesh.world_size,
-                      comm.default_timeout_s(self.config.timeout_s))
+                      comm.default_timeout_s(self.config.timeout_s), self._hint)
 
     def after_unshard_in_forward(self, unit) -> None:
         """Forward prefetch, in a real forward only: a recomputation in backward (activation checkpointing)
