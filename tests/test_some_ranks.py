@@ -303,3 +303,10 @@ def test_plan_holds_the_tower_all_step():
                    loss_fn=lambda loss: loss)
     assert [u["name"] for u in plan.units] == ["<root>", "tower", "layers.0", "layers.1"]
     assert set(plan.worlds[2].unsharded_units) == {"<root>", "tower", "layers.0", "layers.1"}
+
+
+def test_lightning_strategy_passes_it_through():
+    pytest.importorskip("lightning")
+    from fsdp_plugin.integrations.lightning._plumbing import sharding_config
+
+    assert sharding_config({"some_ranks_modules": {"CLIPVisionModel"}}).some_ranks_modules == {"CLIPVisionModel"}
