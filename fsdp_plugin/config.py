@@ -156,6 +156,16 @@ class ShardingConfig:
         ``fp.Checkpointing(modules, every=k, selective=True)`` for every k-th module and torch's selective
         checkpointing (keep matmul/attention outputs, recompute the pointwise rest).
     ignored_modules: modules whose parameters stay unsharded and unmanaged.
+    some_ranks_modules: modules whose forward may run on some ranks only in a step, or on none, or more than
+        once (a vision tower when only some ranks hold images, an audio encoder, a rarely routed expert): module
+        classes, class names (``"CLIPVisionModel"``), a callable(module) -> bool, or None (no such module: every
+        unit must run on every rank or on none, else the pairing check raises CollectiveError). Each outermost
+        match becomes one unit (units the wrap policy picks inside it merge into it) on a rank-independent
+        schedule: every rank all-gathers it in the root's pre-forward, keeps it unsharded to the end of
+        backward, and reduce-scatters its gradient there (zeros from ranks that did not run it; skipped, grads
+        left None, when no rank did). Exact single-process/DDP gradients; master and optimizer state stay
+        sharded. Cost: the unit's full parameters (and, where it ran, its full gradient) held all step, and its
+        reduction is not overlapped with backward compute.
     timeout_s: seconds a collective may wait for the other ranks before raising CollectiveError (naming
         the rank, unit and collective) instead of hanging; None reads FSDP_PLUGIN_TIMEOUT_S, default 600.
     device: where unsharded parameters live (default: the current CUDA device under NCCL -- call
@@ -173,6 +183,7 @@ class ShardingConfig:
     cpu_offload: bool = False
     activation_checkpointing: Union[WrapPolicy, bool, "Checkpointing"] = None
     ignored_modules: Iterable[nn.Module] = field(default_factory=tuple)
+    some_ranks_modules: Union[None, set, frozenset, tuple, list, Callable[[nn.Module], bool]] = None
     timeout_s: Optional[float] = None
     device: Optional[torch.device] = None
     reshard_after_forward: Union[None, bool, set, frozenset, tuple, list, Callable[[str, nn.Module], bool]] = None
@@ -195,6 +206,7 @@ class ShardingConfig:
         self.ignored_modules = tuple(self.ignored_modules or ())
         as_checkpointing(self.activation_checkpointing)   # validates; kept as given (integrations compare it)
         _check_reshard_rule(self.reshard_after_forward)
+        _check_some_ranks_rule(self.some_ranks_modules)
         self.device = torch.device(self.device) if self.device is not None else None
 
     @classmethod
@@ -209,6 +221,16 @@ class ShardingConfig:
         if not isinstance(config, ShardingConfig):
             raise ConfigError(f"fp.shard(model, config): config must be a ShardingConfig, not {type(config).__name__}")
         return dataclasses.replace(config, **kwargs)
+
+
+def _check_some_ranks_rule(rule) -> None:
+    if rule is None or callable(rule) and not isinstance(rule, type):
+        return
+    if isinstance(rule, (set, frozenset, tuple, list)) and rule and all(
+            isinstance(c, str) or isinstance(c, type) and issubclass(c, nn.Module) for c in rule):
+        return
+    raise ConfigError(f"some_ranks_modules={rule!r}: use a set of module classes or class names (e.g. "
+                      "{'CLIPVisionModel'}), a callable(module) -> bool, or None")
 
 
 def _check_reshard_rule(rule) -> None:

@@ -44,6 +44,43 @@ def mesh_not_dividing_world():
         raise fp.ConfigError(line.split("ConfigError: ", 1)[1]) from None
 
 
+class _Tower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class _WithTower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.tower, self.head = nn.Linear(4, 4), _Tower(), nn.Linear(4, 1)
+
+    def forward(self, x, image=None):
+        h = self.embed(x)
+        return self.head(h if image is None else h + self.tower(image)).sum()
+
+
+def _tower_on_rank0(rank, world):
+    model = fp.shard(_WithTower(), auto_wrap_policy={_Tower}, timeout_s=30)
+    try:
+        model(torch.ones(2, 4), torch.ones(2, 4) if rank == 0 else None).backward()
+    except fp.CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+def a_unit_runs_on_some_ranks_only():
+    """Rank 0 holds an image, rank 1 does not; the tower is a unit but not in some_ranks_modules."""
+    raise fp.CollectiveError(run_ranks(_tower_on_rank0, 2, timeout=60)[0])
+
+
+def some_ranks_modules_matches_nothing():
+    fp.shard(_WithTower(), some_ranks_modules={"VisionTower"})
+
+
 def shard_twice():
     model = fp.shard(GPT(), auto_wrap_policy={Block})
     fp.shard(model)
@@ -374,7 +411,7 @@ CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_polic
          collective_deadline_names_the_late_rank, join_before_any_batch,
          third_party_muon_on_a_split_matrix, per_tensor_optimizer_on_shard_pieces, muon_given_a_vector,
          muon_with_adamw_group_without_use_muon,
-         muon_on_a_model_never_sharded]
+         muon_on_a_model_never_sharded, a_unit_runs_on_some_ranks_only, some_ranks_modules_matches_nothing]
 
 
 def _capture(case, tmp_path):

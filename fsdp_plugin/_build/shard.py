@@ -22,7 +22,7 @@ from .._schedule.join import make_joinable
 from .._schedule.root import RootState
 from .strategy import STRATEGIES, unit_policy
 from .._schedule.unit import Unit
-from .wrap import owner_unit, params_by_unit, select_unit_modules
+from .wrap import owner_unit, params_by_unit, select_unit_modules, some_ranks_fqns
 from ..config import ShardingConfig
 from ..errors import ConfigError, ShardingError
 
@@ -48,12 +48,13 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
     device = _pick_device(model, cfg)
     _check_reducible(model, cfg)
     retie(model)
-    units = select_unit_modules(model, cfg.auto_wrap_policy, cfg.ignored_modules)
+    some_ranks = set(some_ranks_fqns(model, cfg.some_ranks_modules, cfg.ignored_modules))
+    units = select_unit_modules(model, cfg.auto_wrap_policy, cfg.ignored_modules, some_ranks)
     apply_activation_checkpointing(model, cfg.activation_checkpointing, [m for f, m in units if f])
     if device.type == "cpu" and mesh.world_size > 1:
         keep_freed_host_memory()    # per-step buffers are malloc blocks on the CPU (see _host_alloc)
     root = RootState(cfg, mesh, device)
-    _build_units(model, units, cfg, mesh, device, root)
+    _build_units(model, units, cfg, mesh, device, root, some_ranks)
     _finish_buffers(model, cfg, mesh, device)
     _release_recording(model)
     model._fp_root = root
@@ -90,7 +91,7 @@ def _check_reducible(model: nn.Module, cfg: ShardingConfig) -> None:
                               "reduce: set MixedPrecision(reduce_dtype=torch.float32), or freeze/cast that parameter")
 
 
-def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: RootState) -> None:
+def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: RootState, some_ranks: set) -> None:
     unit_fqns = [f for f, _ in units]
     sites, names, owned = params_by_unit(model, unit_fqns, cfg.ignored_modules)
     model_kind(model)   # refuses a model partly changed after fp.deferred_init()
@@ -112,7 +113,9 @@ def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: Ro
             handles = [_build_handle(group, dtype, sites, names, policy.mesh, cfg, device, mat, scatter,
                                      fqn or "<root>")
                        for (dtype, _), group in group_params(owned[fqn], cfg.mixed_precision).items()]
-            built.append(Unit(fqn, module, handles, root, reshard_policy=policy.reshard_after_forward))
+            some = fqn in some_ranks    # held from the root's pre-forward to the end of backward: never resharded
+            built.append(Unit(fqn, module, handles, root, reshard_policy=policy.reshard_after_forward and not some,
+                              some_ranks=some))
             if progress is not None:
                 progress(sum(h.total * h.dtype.itemsize for h in handles))
         if progress is not None:

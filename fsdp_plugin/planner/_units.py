@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .._build.shard import group_params
-from .._build.wrap import params_by_unit, select_unit_modules
+from .._build.wrap import params_by_unit, select_unit_modules, some_ranks_fqns
 from .._flat.rows import row_aligned_offsets
 
 
@@ -44,20 +44,23 @@ class UnitSpec:
     fqn: str
     module: nn.Module
     handles: list = field(default_factory=list)   # indices into the handle list
+    some_ranks: bool = False     # ShardingConfig.some_ranks_modules: held from the root's pre-forward to the end
 
     @property
     def name(self) -> str:
         return self.fqn or "<root>"
 
 
-def discover_units(model: nn.Module, policy, ignored=(), mp=None) -> tuple[list[UnitSpec], list[HandleSpec]]:
+def discover_units(model: nn.Module, policy, ignored=(), mp=None,
+                   some_ranks_rule=None) -> tuple[list[UnitSpec], list[HandleSpec]]:
     """Units root first (as fp.shard orders them) and their handles, grouped (and given their master dtype,
-    ``mp`` the MixedPrecision) exactly like fp.shard."""
-    chosen = select_unit_modules(model, policy, ignored)
+    ``mp`` the MixedPrecision) exactly like fp.shard; ``some_ranks_rule``: ``ShardingConfig.some_ranks_modules``."""
+    some = set(some_ranks_fqns(model, some_ranks_rule, ignored))
+    chosen = select_unit_modules(model, policy, ignored, some)
     _, _, owned = params_by_unit(model, [f for f, _ in chosen], ignored)
     units, handles = [], []
     for i, (fqn, module) in enumerate(chosen):
-        unit = UnitSpec(fqn, module)
+        unit = UnitSpec(fqn, module, some_ranks=fqn in some)
         for (dtype, rg), params in group_params(owned[fqn], mp).items():
             unit.handles.append(len(handles))
             handles.append(HandleSpec(i, dtype, rg, sum(p.numel() for p in params), [id(p) for p in params],

@@ -85,7 +85,8 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
     named_gpu = isinstance(opts["calibration"], str) and opts["calibration"] in HARDWARE
     device = torch.device(opts["device"] or ("cuda" if torch.cuda.is_available() or named_gpu else "cpu"))
     module = capture(model)
-    units, handles = discover_units(module, cfgs[0].auto_wrap_policy, cfgs[0].ignored_modules, mp)
+    units, handles = discover_units(module, cfgs[0].auto_wrap_policy, cfgs[0].ignored_modules, mp,
+                                    cfgs[0].some_ranks_modules)
     ac_policy = _ac_policy(ac, units)
     run_device = device if (device.type != "cuda" or torch.cuda.is_available()) else torch.device("cpu")
     spec = RunSpec(run_device, mp.param_dtype if mp else None, mp.buffer_dtype if mp else None,

@@ -27,7 +27,7 @@ def sharding_kwargs(s: FsdpSettings, model: nn.Module, device: torch.device | No
         "limit_all_gathers": s.limit_all_gathers, "cpu_offload": s.cpu_offload,
         "activation_checkpointing": checkpoint_policy(s, wrap, model),
         "ignored_modules": ignored_modules(s.ignored_modules, model, s.key("ignored_modules")),
-        "param_init_fn": s.param_init_fn,
+        "param_init_fn": s.param_init_fn, "some_ranks_modules": s.some_ranks_modules,
     }
     if device is not None:
         kwargs["device"] = device

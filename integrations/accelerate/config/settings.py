@@ -57,6 +57,7 @@ class FsdpSettings:
     cpu_ram_efficient_loading: bool = False
     sync_module_states: bool = True
     param_init_fn: Callable | None = None
+    some_ranks_modules: tuple[str, ...] | None = None   # class names (FSDP_PLUGIN_SOME_RANKS_MODULES)
     keys: dict[str, str] = field(default_factory=dict)
 
     def key(self, name: str) -> str:
