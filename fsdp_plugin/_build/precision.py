@@ -8,16 +8,18 @@ Two sources, two rules:
   (``re.search``, ``*`` = any characters) stay float32, with no casts, exactly as ``from_pretrained(dtype=...)``
   leaves them; the model's code casts around them itself (T5's ``wo``, MoE routers' ``gate.weight``).
 * ``fp32_modules`` (the user's): the module's parameters are float32 in forward and backward, its 16-bit
-  floating inputs are cast to float32 on entry and its float32 outputs to ``param_dtype`` on exit -- torch
-  FSDP2's ``MixedPrecisionPolicy(param_dtype=float32, output_dtype=param_dtype)`` on that module, or by hand
-  ``module.float()`` plus those two casts -- so the 16-bit modules around it see 16-bit tensors. Autograd casts
-  the gradients back through the same casts. Only the outermost matching modules get the casts: a module
-  matched inside another fp32 module already runs in float32.
+  floating inputs are cast to float32 on entry, autocast is off inside it, and its float32 outputs are cast to
+  ``param_dtype`` on exit -- torch FSDP2's ``MixedPrecisionPolicy(param_dtype=float32,
+  output_dtype=param_dtype)`` on that module, or by hand ``module.float()`` plus those casts -- so the 16-bit
+  modules around it see 16-bit tensors. Autograd casts the gradients back through the same casts. Only the
+  outermost matching modules get the casts: a module matched inside another fp32 module already runs in
+  float32.
 """
 from __future__ import annotations
 
+import functools
 import re
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -109,14 +111,36 @@ def _inside(regions: list) -> set[int]:
     return {id(x) for _, m in regions for x in m.modules()}
 
 
-def install_casts(regions: list[tuple[str, nn.Module]], low: torch.dtype) -> list:
-    """Inputs to float32 before each fp32 module's forward, outputs to ``low`` after it (see module doc);
-    returns the hook handles (fp.plan's fake run removes them again)."""
-    hooks = []
+def install_casts(regions: list[tuple[str, nn.Module]], low: torch.dtype, device_type: str) -> Callable[[], None]:
+    """Wrap each fp32 module's ``forward`` (see module doc): 16-bit inputs to float32, autocast off for
+    ``device_type`` (Lightning's ``*-mixed`` and accelerate autocast the whole model, which would run the
+    module's matmuls in 16 bits again), float32 outputs to ``low``. The ``forward`` is wrapped, not
+    ``__call__``: a unit's hooks still gather before the casts. Returns a function that unwraps them
+    (fp.plan's fake run)."""
+    saved = [(m, m.__dict__.get("forward")) for _, m in regions]
     for _, m in regions:
-        hooks.append(m.register_forward_pre_hook(_to_fp32_inputs, with_kwargs=True))
-        hooks.append(m.register_forward_hook(_make_output_cast(low)))
-    return hooks
+        m.forward = _fp32_forward(m.forward, low, device_type)
+
+    def restore() -> None:
+        for m, fwd in saved:
+            if fwd is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = fwd
+    return restore
+
+
+def _fp32_forward(inner: Callable, low: torch.dtype, device_type: str) -> Callable:
+    def down(x):
+        return x.to(low) if isinstance(x, torch.Tensor) and x.dtype == torch.float32 else x
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        args, kwargs = tree_map(_up, (args, kwargs))
+        with torch.autocast(device_type, enabled=False):
+            out = inner(*args, **kwargs)
+        return tree_map(down, out)
+    return forward
 
 
 def _up(x):
@@ -124,16 +148,3 @@ def _up(x):
     if isinstance(x, torch.Tensor) and x.is_floating_point() and x.element_size() < 4:
         return x.float()
     return x
-
-
-def _to_fp32_inputs(module, args, kwargs):
-    return tree_map(_up, args), tree_map(_up, kwargs)
-
-
-def _make_output_cast(low: torch.dtype):
-    def down(x):
-        return x.to(low) if isinstance(x, torch.Tensor) and x.dtype == torch.float32 else x
-
-    def to_low(module, args, output):
-        return tree_map(down, output)
-    return to_low

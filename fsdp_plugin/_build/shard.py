@@ -57,8 +57,8 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
     root = RootState(cfg, mesh, device)
     _build_units(model, units, cfg, mesh, device, root, regions)
     _finish_buffers(model, cfg, mesh, device, fp32_buffers(model, cfg.mixed_precision, regions))
-    if regions:     # after the units' hooks: a unit's pre-forward gathers, then the inputs are cast
-        install_casts(regions, cfg.mixed_precision.param_dtype)
+    if regions:
+        install_casts(regions, cfg.mixed_precision.param_dtype, device.type)
     _release_recording(model)
     model._fp_root = root
     make_joinable(model, root)   # torch's Join([model]) for uneven inputs

@@ -155,7 +155,7 @@ def run(model: nn.Module, units, handles, spec: RunSpec, inputs: Callable, loss_
     """Fake forward+backward of ``model`` (left as it was found) with the engine's unit boundaries marked."""
     tl = Timeline()
     restore_fwd = _checkpoint(model, spec.checkpoint_policy)
-    casts = install_casts(spec.fp32_regions, spec.compute_dtype) if spec.fp32_regions else []
+    restore_casts = install_casts(spec.fp32_regions, spec.compute_dtype, spec.device.type)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     try:
         with fake_mode:
@@ -165,9 +165,8 @@ def run(model: nn.Module, units, handles, spec: RunSpec, inputs: Callable, loss_
         finally:
             restore_params()
     finally:
+        restore_casts()
         restore_fwd()
-        for hook in casts:
-            hook.remove()
     return tl
 
 
