@@ -276,3 +276,30 @@ def test_fp32_modules_values():
             fp.MixedPrecision(param_dtype=BF16, fp32_modules=bad)
     with pytest.raises(fp.ConfigError, match="16-bit"):
         fp.MixedPrecision(fp32_modules=(nn.LayerNorm,))
+
+
+# ------------------------------------------------- torch FSDP1's per-module switch, through the integrations
+def _batchnorm_worker(rank, world):
+    from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision   # the baseline's type, tests only
+
+    from fsdp_plugin.integrations.accelerate.config.torch_fsdp_args import mixed_precision
+
+    mp = mixed_precision(TorchMixedPrecision(param_dtype=BF16, reduce_dtype=torch.float32, buffer_dtype=BF16))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    fp.shard(model, auto_wrap_policy={nn.Linear}, mixed_precision=mp)
+    out = model(torch.randn(6, 4))
+    out.float().sum().backward()
+    root = model._fp_root.units[0]
+    return (mp.fp32_modules, {h.compute_dtype for h in root.handles}, model[1].running_mean.dtype, out.dtype,
+            model[1].weight.grad.dtype)
+
+
+def test_fsdp1_module_classes_to_ignore_become_fp32_modules():
+    """torch FSDP1 runs ``MixedPrecision._module_classes_to_ignore`` (default: BatchNorm) outside mixed
+    precision; the one translator (Lightning's FSDP kwargs, accelerate's plugin) maps it to fp32_modules."""
+    keep, dtypes, running, out, grad = run_ranks(_batchnorm_worker, 2)[0]
+    assert keep == (torch.nn.modules.batchnorm._BatchNorm,)
+    assert dtypes == {torch.float32}          # the root unit holds just the BatchNorm
+    assert running == torch.float32 and grad == torch.float32      # buffer_dtype skips it
+    assert out == BF16

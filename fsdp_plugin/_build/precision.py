@@ -61,17 +61,18 @@ def _matches(entry, fqn: str, module: nn.Module) -> bool:
 
 def fp32_regions(model: nn.Module, mp: Optional[MixedPrecision]) -> list[tuple[str, nn.Module]]:
     """The outermost modules ``mp.fp32_modules`` selects, in ``named_modules`` order ([] without 16-bit
-    compute). An entry that matches no module is refused (a typo would silently train in 16 bits)."""
+    compute). A string that matches no module is refused (a typo would silently train in 16 bits); a class
+    may be absent (torch FSDP1's default ``_module_classes_to_ignore=(_BatchNorm,)`` maps to one)."""
     if mp is None or not mp.low_precision or not mp.fp32_modules:
         return []
     named = list(model.named_modules())
     hits = {e: [m for f, m in named if _matches(e, f, m)] for e in mp.fp32_modules}
-    missing = [e for e, ms in hits.items() if not ms]
+    missing = [e for e, ms in hits.items() if not ms and isinstance(e, str)]
     if missing:
         present = sorted({type(m).__name__ for m in model.modules()})
         raise ConfigError(f"MixedPrecision(fp32_modules=...) entries {missing} match no module of "
                           f"{type(model).__name__}; its module classes are: {', '.join(present)} (give a class, a "
-                          "class name, or a pattern found in a module's qualified name)")
+                          "class name, or a pattern found in a module's qualified name or its parameters' names)")
     chosen = {id(m) for ms in hits.values() for m in ms}
     regions, inside = [], set()
     for fqn, m in named:

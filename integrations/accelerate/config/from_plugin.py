@@ -49,6 +49,7 @@ def settings_from_plugin(plugin: Any) -> FsdpSettings:
     policy = args["mixed_precision"]
     if policy is not None:  # explicit dtypes (they override the mixed_precision flag)
         s.param_dtype, s.reduce_dtype, s.buffer_dtype = policy.param_dtype, policy.reduce_dtype, policy.buffer_dtype
+        s.fp32_modules = policy.fp32_modules
     return s
 
 
