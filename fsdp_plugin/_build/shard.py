@@ -180,7 +180,10 @@ def _build_handle(params, dtype: torch.dtype, fp32: bool, sites, names, mesh: Me
                   mat: Materializer, scatter: bool, label: str) -> FlatParamHandle:
     """One flat handle whose master shard is ``dtype`` (the loaded values are cast into it)."""
     requires_grad = params[0].requires_grad
-    if dtype != params[0].dtype:    # accelerate logs its upcast too: the memory is the user's to know about
+    if dtype != params[0].dtype and fp32:
+        _log.logger.info("unit %s: %d trainable %s parameters of fp32 modules get %s master shards", label,
+                         len(params), params[0].dtype, dtype)
+    elif dtype != params[0].dtype:    # accelerate logs its upcast too: the memory is the user's to know about
         _log.logger.info("unit %s: %d trainable %s parameters get %s master shards (MixedPrecision(master_dtype="
                          "None) keeps %s)", label, len(params), params[0].dtype, dtype, params[0].dtype)
     values = mat.param_values(params) if (not scatter or mesh.rank == 0) else None
