@@ -198,8 +198,8 @@ def _lm_batch(step, rank):
     return {"input_ids": ids, "labels": ids}
 
 
-def _declared(name: str, _module=None) -> bool:
-    # transformers' rule for _keep_in_fp32_modules_strict = {"gate.weight", "e_score_correction_bias"} under bf16
+def _declared(name: str) -> bool:
+    """transformers' rule for Glm4-MoE's _keep_in_fp32_modules_strict under bf16, written out independently."""
     return any(re.search(p, name) for p in ("gate.weight", "e_score_correction_bias"))
 
 
@@ -224,6 +224,7 @@ def test_transformers_keep_in_fp32_modules_strict_is_honoured_by_default():
 
 
 def _train_kwargs(model, opt, rank, world, steps):
+    """`_parity.train` for a model called with keyword batches (input_ids, labels) that returns ``.loss``."""
     losses = []
     for s in range(steps):
         loss = model(**_lm_batch(s, rank)).loss
