@@ -32,6 +32,22 @@ def wrap_policy_matches_nothing():
     fp.shard(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), auto_wrap_policy={Missing})
 
 
+def bad_fp32_modules_value():
+    fp.MixedPrecision(param_dtype=torch.bfloat16, fp32_modules=[nn.LayerNorm, 3])
+
+
+def fp32_modules_match_nothing():
+    fp.shard(GPT(), mixed_precision=fp.MixedPrecision(param_dtype=torch.bfloat16, fp32_modules=("RMSNorm",)))
+
+
+def fp32_modules_without_16_bit_compute():
+    fp.MixedPrecision(fp32_modules=(nn.LayerNorm,))
+
+
+def fp32_module_tied_to_a_16_bit_module():
+    fp.shard(GPT(), mixed_precision=fp.MixedPrecision(param_dtype=torch.bfloat16, fp32_modules=("head",)))
+
+
 def _mesh(rank, world):
     fp.shard(GPT(), sharding_strategy="hybrid_shard", device_mesh=(3, 1))
 
@@ -397,6 +413,8 @@ def load_an_interrupted_save(tmp_path):
 
 
 CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_policy_matches_nothing,
+         bad_fp32_modules_value, fp32_modules_match_nothing, fp32_modules_without_16_bit_compute,
+         fp32_module_tied_to_a_16_bit_module,
          mesh_not_dividing_world, shard_twice, optimizer_stepped_before_shard, dtype_backend_cannot_reduce,
          plain_state_dict_on_sharded_model, not_sharded, meta_module_without_init,
          transformers_init_leaves_module_unset, skip_cannot_fill_nonpersistent_buffer,

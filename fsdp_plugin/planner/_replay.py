@@ -46,10 +46,10 @@ class Layout:
         return self.config.cpu_offload
 
     def compute(self, h) -> torch.dtype:
-        return handle_dtypes(self.config.mixed_precision, h.dtype)[0]
+        return handle_dtypes(self.config.mixed_precision, h.dtype, h.fp32)[0]
 
     def reduce(self, h) -> torch.dtype:
-        return handle_dtypes(self.config.mixed_precision, h.dtype)[1]
+        return handle_dtypes(self.config.mixed_precision, h.dtype, h.fp32)[1]
 
     def aliases(self, h) -> bool:
         """The engine's FlatParamHandle._aliases_shard: the leaf is the shard itself (never gathered)."""

@@ -50,6 +50,7 @@ def settings_from_plugin(plugin: Any) -> FsdpSettings:
     policy = args["mixed_precision"]
     if policy is not None:  # explicit dtypes (they override the mixed_precision flag)
         s.param_dtype, s.reduce_dtype, s.buffer_dtype = policy.param_dtype, policy.reduce_dtype, policy.buffer_dtype
+        s.fp32_modules = policy.fp32_modules
     s.some_ranks_modules = parse.some_ranks_from_env(os.environ)   # the plugin has no such field
     return s
 

@@ -127,7 +127,8 @@ def mixed_precision(s: FsdpSettings):
     import fsdp_plugin as fp
 
     if s.param_dtype is not None or s.reduce_dtype is not None or s.buffer_dtype is not None:
-        return fp.MixedPrecision(param_dtype=s.param_dtype, reduce_dtype=s.reduce_dtype, buffer_dtype=s.buffer_dtype)
+        return fp.MixedPrecision(param_dtype=s.param_dtype, reduce_dtype=s.reduce_dtype, buffer_dtype=s.buffer_dtype,
+                                 fp32_modules=s.fp32_modules)
     if s.mixed_precision == "no":
         return None
     return fp.MixedPrecision(param_dtype=_DTYPES[s.mixed_precision], reduce_dtype=torch.float32)
