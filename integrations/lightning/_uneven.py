@@ -1,5 +1,6 @@
 """Uneven training batches across ranks: every training epoch of ``Trainer(strategy="fsdp_plugin")`` runs
-inside torch's ``Join`` over the sharded LightningModule (``fsdp_plugin/_schedule/join.py``).
+inside torch's ``Join`` over the sharded LightningModule (``fsdp_plugin/_schedule/join.py``), unless every
+rank has the same finite number of batches that epoch (one all-reduce at its start decides).
 
 A rank whose epoch ends first (fewer batches: ``use_distributed_sampler=False`` with per-rank data of
 different lengths, an ``IterableDataset``, ``limit_train_batches``...) leaves the Join right after its last
@@ -35,6 +36,7 @@ and every rank raises instead of hanging.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Optional
@@ -80,7 +82,7 @@ class UnevenInputs(Callback):
         self._loop: Optional[_LoopShadow] = None
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        if trainer.world_size > 1 and state_of(trainer.strategy.model) is not None:
+        if trainer.world_size > 1 and state_of(trainer.strategy.model) is not None and not _even_epoch(trainer):
             self._model, self._loop = trainer.strategy.model, _LoopShadow(trainer, trainer.strategy.model)
             self._join = Join([self._model, self._loop], divide_by_initial_world_size=True,
                               throw_on_early_termination=not _shadowable(trainer, pl_module))
@@ -121,6 +123,18 @@ class UnevenInputs(Callback):
                              "(use_distributed_sampler=True, drop_last=True, or limit_train_batches).") from e
         finally:
             pl_module._current_fx_name = fx
+
+
+def _even_epoch(trainer: Any) -> bool:
+    """Every rank has the same finite number of training batches this epoch (what the DistributedSampler
+    default gives): no Join is needed, so even data pays one 2-element all-reduce per epoch instead of Join's
+    two per step. Unsized loaders (an ``IterableDataset``) count as uneven."""
+    n = trainer.num_training_batches
+    mine = n if isinstance(n, int) or (isinstance(n, float) and math.isfinite(n)) else -1
+    counts = torch.tensor([mine, -mine], dtype=torch.int64, device=trainer.strategy.model.join_device)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    most, fewest = counts[0].item(), -counts[1].item()
+    return most == fewest and fewest >= 0
 
 
 def _shadowable(trainer: Any, pl_module: Any) -> bool:
