@@ -52,10 +52,8 @@ class Unit:
 
     # ------------------------------------------------------------ state moves
     def unshard(self, async_op: bool = True) -> None:
-        if any(h.unshard_communicates for h in self.handles):
-            self.root.agree_next(Entering.ALL_GATHER, self)
-        for h in self.handles:
-            h.unshard(async_op)
+        for h in self.handles:       # each all-gather announced (pairing check) as it is issued
+            h.unshard(async_op, self.root.gate(Entering.ALL_GATHER, self) if h.unshard_communicates else None)
 
     def wait_and_use_views(self) -> None:
         for h in self.handles:
