@@ -97,7 +97,7 @@ def announce(everyone: torch.Tensor, mine: torch.Tensor, group):
     not the point-to-point one: its future runs the callback that posts a gated collective."""
     n = group_size(group)
     _count("control", everyone.numel(), everyone.element_size(), n)
-    work = dist.all_gather_into_tensor(everyone, mine, group=group, async_op=True)
+    work = dist.all_gather_single(everyone, mine, group=group, async_op=True)
     return status.issued(work, "control", group, n, everyone.numel()), work.get_future()
 
 
