@@ -28,6 +28,7 @@ they raise; ``fp.reset`` re-aligns them (`realign`) before it cleans up.
 from __future__ import annotations
 
 import contextlib
+import threading
 from enum import IntEnum
 from typing import Callable, Optional, Sequence
 
@@ -85,6 +86,8 @@ class Gate:
         self._everyone = torch.empty(world_size, dtype=torch.int64)
         self._work, self._future = comm.announce(self._everyone, torch.tensor([c], dtype=torch.int64), group)
         self._after = None           # the future of the ``then`` callback
+        self._post: Optional[Callable[[], None]] = None   # what ``then`` posts, until claimed
+        self._claim = threading.Lock()
         self._seen: Optional[list] = None
 
     @property
@@ -93,20 +96,31 @@ class Gate:
         return self.seq % _TAG_SPAN
 
     def then(self, post: Callable[[], None]) -> None:
-        """Call ``post`` (on gloo's thread) once every rank announced this gate's code; never otherwise."""
+        """Call ``post`` once every rank announced this gate's code, never otherwise: from gloo's thread when
+        the announcement completes, or from ``wait`` if that comes first (no thread hop when the data is
+        waited right away, as in a forward without prefetch). Exactly once either way (``_claim``)."""
+        self._post = post
+
         def on_done(fut):
             fut.value()              # a failed all-gather: nothing is posted, ``wait`` reports the failure
-            if all(s == self.code for s in self._everyone.tolist()):
-                post()
+            self._post_if_agreed()
         self._after = self._future.then(on_done)
+
+    def _post_if_agreed(self) -> bool:
+        """Post the bound collective if nobody did yet and every rank agreed; True if this call claimed it."""
+        with self._claim:
+            post, self._post = self._post, None
+        if post is not None and all(s == self.code for s in self._everyone.tolist()):
+            post()
+        return post is not None
 
     def wait(self, what: str) -> bool:
         """Block until the verdict is known: True when every rank announced this code; else a CollectiveError
         naming every rank's announcement (False instead, quietly, while fp.reset abandons the step)."""
         if self._seen is None:
             comm.wait(self._work, f"pairing check before {what}", comm.default_timeout_s(self._timeout_s))
-            if self._after is not None:
-                self._after.wait()   # the data was posted (or not) before the verdict is read
+            if self._after is not None and not self._post_if_agreed():
+                self._after.wait()   # gloo's thread claimed the posting: let it finish before the data's wait
             self._seen = self._everyone.tolist()
         if all(s == self.code for s in self._seen):
             return True
