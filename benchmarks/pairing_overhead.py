@@ -33,11 +33,11 @@ _SPENT = {"s": 0.0, "n": 0, "depth": 0}
 
 
 def _timed(check):
-    def timed(self, entering, unit=None):
+    def timed(self, entering, *args, **kw):
         t0 = time.perf_counter()
         _SPENT["depth"] += 1
         try:
-            return check(self, entering, unit)
+            return check(self, entering, *args, **kw)
         finally:
             _SPENT["depth"] -= 1
             if not _SPENT["depth"]:          # agree_next announces through gate: count it once
@@ -56,7 +56,7 @@ def main():
     from fsdp_plugin._schedule.root import RootState
 
     checked = (_timed(RootState.gate), _timed(RootState.agree_next))
-    unchecked = (lambda self, entering, unit=None: None,) * 2
+    unchecked = (lambda self, entering, *args, **kw: None,) * 2
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(**PRESETS[a.preset])

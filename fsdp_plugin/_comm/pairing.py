@@ -78,10 +78,13 @@ class Gate:
     """One announcement: this rank's ``code`` all-gathered asynchronously on the pairing ``group``.
 
     ``seq``: its position among pairing-group collectives (the same on every rank), from which a gated data
-    collective takes its tag. ``timeout_s``: the deadline of ``wait``."""
+    collective takes its tag. ``timeout_s``: the deadline of ``wait``. ``prompt``: the bound collective is
+    waited right away, so ``wait`` posts it and no completion callback is registered (a Python call on gloo's
+    thread and a GIL hand-off saved where they could not overlap anything)."""
 
-    def __init__(self, c: int, units: Sequence, group, world_size: int, timeout_s: Optional[float]):
-        self.code, self._units, self._timeout_s = c, units, timeout_s
+    def __init__(self, c: int, units: Sequence, group, world_size: int, timeout_s: Optional[float],
+                 prompt: bool = False):
+        self.code, self._units, self._timeout_s, self._prompt = c, units, timeout_s, prompt
         self.seq, _State.seq = _State.seq, _State.seq + 1
         self._everyone = torch.empty(world_size, dtype=torch.int64)
         self._work, self._future = comm.announce(self._everyone, torch.tensor([c], dtype=torch.int64), group)
@@ -97,9 +100,11 @@ class Gate:
 
     def then(self, post: Callable[[], None]) -> None:
         """Call ``post`` once every rank announced this gate's code, never otherwise: from gloo's thread when
-        the announcement completes, or from ``wait`` if that comes first (no thread hop when the data is
+        the announcement completes (not for a ``prompt`` gate), or from ``wait`` if that comes first (no thread hop when the data is
         waited right away, as in a forward without prefetch). Exactly once either way (``_claim``)."""
         self._post = post
+        if self._prompt:
+            return
 
         def on_done(fut):
             fut.value()              # a failed all-gather: nothing is posted, ``wait`` reports the failure
@@ -119,7 +124,7 @@ class Gate:
         naming every rank's announcement (False instead, quietly, while fp.reset abandons the step)."""
         if self._seen is None:
             comm.wait(self._work, f"pairing check before {what}", comm.default_timeout_s(self._timeout_s))
-            if self._after is not None and not self._post_if_agreed():
+            if not self._post_if_agreed() and self._after is not None:
                 self._after.wait()   # gloo's thread claimed the posting: let it finish before the data's wait
             self._seen = self._everyone.tolist()
         if all(s == self.code for s in self._seen):

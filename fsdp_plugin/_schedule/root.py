@@ -67,19 +67,19 @@ class RootState:
             self.exec_order.append(unit)
         return args, kwargs
 
-    def gate(self, entering: Entering, unit=None):
+    def gate(self, entering: Entering, unit=None, prompt: bool = False):
         """The pairing announcement of a per-unit collective about to be issued (``_comm.pairing.Gate``; the
-        collective is bound to it), or None in a world of one rank."""
+        collective is bound to it; ``prompt``: it is waited right away), or None in a world of one rank."""
         mesh = self.mesh
         if mesh is None or mesh.world_size == 1:
             return None
         c = pairing.code(entering, self.index_of(unit) if unit is not None else 0)
-        return pairing.Gate(c, self.units, control_group(), mesh.world_size, self.config.timeout_s)
+        return pairing.Gate(c, self.units, control_group(), mesh.world_size, self.config.timeout_s, prompt)
 
     def agree_next(self, entering: Entering, unit=None) -> None:
         """Blocking pairing check where a rank's per-unit collectives may end early: every rank must be at
         the same point, else CollectiveError on every rank (``_comm.pairing``)."""
-        gate = self.gate(entering, unit)
+        gate = self.gate(entering, unit, prompt=True)
         if gate is not None:
             gate.wait(pairing.describe(gate.code, self.units))
 
