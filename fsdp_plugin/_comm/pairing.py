@@ -80,11 +80,12 @@ class Gate:
     ``seq``: its position among pairing-group collectives (the same on every rank), from which a gated data
     collective takes its tag. ``timeout_s``: the deadline of ``wait``. ``prompt``: the bound collective is
     waited right away, so ``wait`` posts it and no completion callback is registered (a Python call on gloo's
-    thread and a GIL hand-off saved where they could not overlap anything)."""
+    thread and a GIL hand-off saved where they could not overlap anything). ``hint``: the end of a divergence
+    message (the model's likely cause, the same on every rank)."""
 
     def __init__(self, c: int, units: Sequence, group, world_size: int, timeout_s: Optional[float],
-                 prompt: bool = False):
-        self.code, self._units, self._timeout_s, self._prompt = c, units, timeout_s, prompt
+                 prompt: bool = False, hint: str = ""):
+        self.code, self._units, self._timeout_s, self._prompt, self._hint = c, units, timeout_s, prompt, hint
         self.seq, _State.seq = _State.seq, _State.seq + 1
         self._everyone = torch.empty(world_size, dtype=torch.int64)
         self._work, self._future = comm.announce(self._everyone, torch.tensor([c], dtype=torch.int64), group)
@@ -100,8 +101,8 @@ class Gate:
 
     def then(self, post: Callable[[], None]) -> None:
         """Call ``post`` once every rank announced this gate's code, never otherwise: from gloo's thread when
-        the announcement completes (not for a ``prompt`` gate), or from ``wait`` if that comes first (no thread hop when the data is
-        waited right away, as in a forward without prefetch). Exactly once either way (``_claim``)."""
+        the announcement completes (not for a ``prompt`` gate), or from ``wait`` if that comes first (no thread
+        hop when the data is waited right away). Exactly once either way (``_claim``)."""
         self._post = post
         if self._prompt:
             return
@@ -132,21 +133,23 @@ class Gate:
         _State.diverged = True
         if _State.abandoning:
             return False
-        raise CollectiveError(_divergence_message(self._seen, self._units))
+        raise CollectiveError(_divergence_message(self._seen, self._units) + self._hint)
 
 
 def _divergence_message(seen: list, units: Sequence) -> str:
     names = "; ".join(f"rank {r}: {describe(s, units)}" for r, s in enumerate(seen))
     return (f"ranks diverged: their next collectives belong to different units, so they would pair wrongly "
             f"({names}). Every rank must run the same units in the same order, and every unit's output must reach "
-            "the loss on every rank or on none (no rank-dependent branches around sharded modules; put such modules "
-            "inside a unit that runs everywhere). Call fp.reset(model) before the next step")
+            "the loss on every rank or on none (no rank-dependent branches around sharded modules; declare a module that "
+            "runs on some ranks only, e.g. a vision tower, in ShardingConfig(some_ranks_modules={...}), or put it inside "
+            "a unit that runs everywhere). Call fp.reset(model) on every rank before the next step.")
 
 
-def agree(c: int, units: Sequence, group, world_size: int, timeout_s: Optional[float]) -> None:
+def agree(c: int, units: Sequence, group, world_size: int, timeout_s: Optional[float], hint: str = "") -> None:
     """Blocking: every rank of ``group`` (``world_size`` ranks) announces the same code ``c``, else a
-    CollectiveError on every rank naming each rank's next collective (``describe`` over ``units``)."""
-    Gate(c, units, group, world_size, timeout_s).wait(describe(c, units))
+    CollectiveError on every rank naming each rank's next collective (``describe`` over ``units``) and ending
+    with ``hint``."""
+    Gate(c, units, group, world_size, timeout_s, prompt=True, hint=hint).wait(describe(c, units))
 
 
 def diverged() -> bool:
