@@ -3,12 +3,14 @@
     torchrun --standalone --nproc-per-node 2 benchmarks/pairing_overhead.py --preset small [--steps 20]
 
 Two arms alternate every step so machine load hits both alike: ``checked`` (the engine as shipped) and
-``unchecked`` (``RootState.agree_next`` replaced by a no-op). Rank 0 prints, per arm, the median step time
+``unchecked`` (``RootState.gate`` returning no announcement, ``RootState.agree_next`` a no-op). Rank 0 prints,
+per arm, the median step time
 (slowest rank: forward + backward + AdamW + zero_grad) and the median process CPU seconds per step (all
 threads, busiest rank: far less sensitive to other programs than wall time), their ratios, and the wall time
-spent inside the checks themselves in the checked arm. That last number is an upper bound that is only
-meaningful on a quiet machine: a check's wait also absorbs the other rank's lateness, which the next
-collective would wait for anyway (on a loaded machine it is mostly that). Last, the intrinsic cost of one
+spent in the pairing calls on the hot path in the checked arm (issuing announcements, the two blocking
+end-of-pass checks; a gated collective's verdict is read inside the data's own wait and is not counted). That
+last number is an upper bound that is only meaningful on a quiet machine: a blocking check's wait also absorbs
+the other rank's lateness, which the next collective would wait for anyway. Last, the intrinsic cost of one
 check: 300 back-to-back checks in lockstep (wall and process CPU per check).
 """
 from __future__ import annotations
@@ -27,18 +29,21 @@ import torch.distributed as dist  # noqa: E402
 
 from _model import GPT, PRESET_BATCH, PRESETS, Block, GPTConfig  # noqa: E402
 
-_SPENT = {"s": 0.0, "n": 0}
+_SPENT = {"s": 0.0, "n": 0, "depth": 0}
 
 
 def _timed(check):
-    def agree_next(self, entering, unit=None):
+    def timed(self, entering, *args, **kw):
         t0 = time.perf_counter()
+        _SPENT["depth"] += 1
         try:
-            return check(self, entering, unit)
+            return check(self, entering, *args, **kw)
         finally:
-            _SPENT["s"] += time.perf_counter() - t0
-            _SPENT["n"] += 1
-    return agree_next
+            _SPENT["depth"] -= 1
+            if not _SPENT["depth"]:          # agree_next announces through gate: count it once
+                _SPENT["s"] += time.perf_counter() - t0
+                _SPENT["n"] += 1
+    return timed
 
 
 def main():
@@ -50,7 +55,8 @@ def main():
     import fsdp_plugin as fp
     from fsdp_plugin._schedule.root import RootState
 
-    checked, unchecked = _timed(RootState.agree_next), (lambda self, entering, unit=None: None)
+    checked = (_timed(RootState.gate), _timed(RootState.agree_next))
+    unchecked = (lambda self, entering, *args, **kw: None,) * 2
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(**PRESETS[a.preset])
@@ -65,8 +71,8 @@ def main():
     spent, counts = [], []
     for step in range(2 + a.steps * len(arms)):
         arm = arms[step % len(arms)]
-        RootState.agree_next = checked if arm == "checked" else unchecked
-        _SPENT.update(s=0.0, n=0)
+        RootState.gate, RootState.agree_next = checked if arm == "checked" else unchecked
+        _SPENT.update(s=0.0, n=0, depth=0)
         dist.barrier()
         t0, c0 = time.perf_counter(), time.process_time()
         model(x, x).backward()
@@ -89,7 +95,7 @@ def main():
               + f"; checked/unchecked {med['checked'] / med['unchecked']:.4f}")
         print("median CPU s per step: " + ", ".join(f"{k} {v:.4f}" for k, v in mcpu.items())
               + f"; checked/unchecked {mcpu['checked'] / mcpu['unchecked']:.4f}")
-        print(f"checks per step {statistics.median(counts):.0f}, time in checks {statistics.median(spent) * 1e3:.2f} ms"
+        print(f"announcements per step {statistics.median(counts):.0f}, time in pairing calls {statistics.median(spent) * 1e3:.2f} ms"
               f" per step = {100 * share:.2f}% of the checked step")
     _lockstep(world, rank)
     dist.destroy_process_group()

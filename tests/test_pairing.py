@@ -35,23 +35,28 @@ class Tower(Block):
 
 
 class Net(nn.Module):
-    """``mode`` decides, per step and rank, how the ranks diverge from step ``at`` on:
-    "tower": rank 0 runs the tower, rank 1 does not; "unused": both run it, only rank 0's loss uses it;
-    "swap": rank 0 runs the two (equal-sized) blocks in reverse order."""
+    """``mode`` decides, per step and rank, how the ranks diverge from step ``at`` on (at step ``at`` only
+    with ``once``): "tower": rank 0 runs the tower, rank 1 does not; "unused": both run it, only rank 0's loss
+    uses it; "swap": rank 0 runs the two (equal-sized) blocks in reverse order; "order": rank 0 runs the tower
+    (a different size) before the blocks, so its all-gather meets another unit's."""
 
-    def __init__(self, mode: str, at: int):
+    def __init__(self, mode: str, at: int, once: bool = False):
         super().__init__()
-        self.mode, self.at, self.step = mode, at, 0
+        self.mode, self.at, self.once, self.step = mode, at, once, 0
         self.inp, self.head = nn.Linear(D, D), nn.Linear(D, 1)
         self.blocks = nn.ModuleList(Block() for _ in range(2))
         self.tower = Tower()
 
     def forward(self, x):
-        odd = self.step >= self.at and dist.get_rank() == 0
+        odd = (self.step == self.at if self.once else self.step >= self.at) and dist.get_rank() == 0
         h = self.inp(x)
+        if self.mode == "order" and odd:
+            h = self.tower(h)
         blocks = reversed(self.blocks) if self.mode == "swap" and odd else self.blocks
         for blk in blocks:
             h = blk(h)
+        if self.mode == "order":
+            return self.head(h if odd else self.tower(h)).pow(2).mean()
         t = self.tower(h) if self.mode != "tower" or odd or self.step < self.at else None
         use_tower = t is not None and (self.mode != "unused" or odd or self.step < self.at)
         return self.head(h + t if use_tower else h).pow(2).mean()
@@ -76,7 +81,8 @@ def _train(rank, world, mode, strategy, at=1, steps=3):
 
 
 CASES = [("tower", "full_shard", "tower"), ("tower", "no_shard", "tower"), ("unused", "full_shard", "tower"),
-         ("unused", "no_shard", "tower"), ("swap", "full_shard", "blocks.")]
+         ("unused", "no_shard", "tower"), ("swap", "full_shard", "blocks."), ("order", "full_shard", "tower"),
+         ("order", "shard_grad_op", "tower")]
 
 
 @pytest.mark.parametrize("mode,strategy,named", CASES, ids=[f"{m}-{s}" for m, s, _ in CASES])
@@ -102,3 +108,37 @@ def test_agreeing_ranks_pay_one_check_per_unit_collective():
     # per step: root + 2 blocks + tower all-gathered in forward, blocks.0/blocks.1/tower again in backward
     # (the last unit is kept), 4 reductions; plus end of forward, end of backward, the unused-parameter mask
     assert calls["all_gather"] + calls["reduce_scatter"] + 3 == calls["control"], calls
+
+
+def _recover(rank, world, mode, strategy):
+    """Diverge at step 1 only, fp.reset, train two more steps: the same loss on every rank at the end."""
+    torch.manual_seed(0)
+    model = fp.shard(Net(mode, at=1, once=True), auto_wrap_policy={Block, Tower}, sharding_strategy=strategy,
+                     timeout_s=30)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    errors = []
+    for step in range(4):
+        model.step = step
+        opt.zero_grad()
+        x = torch.randn(4, D, generator=torch.Generator().manual_seed(10 * step + rank))
+        try:
+            model(x).backward()
+        except fp.CollectiveError as e:
+            errors.append((step, str(e)))
+            fp.reset(model)
+            continue
+        opt.step()
+    model.step = 99
+    with torch.no_grad():
+        loss = model(torch.ones(4, D)).reshape(1)
+    losses = [torch.zeros(1) for _ in range(world)]
+    dist.all_gather(losses, loss)
+    return errors, [t.item() for t in losses]
+
+
+@pytest.mark.parametrize("mode", ["tower", "unused", "swap", "order"])
+def test_after_a_divergence_fp_reset_realigns_and_training_goes_on(mode):
+    for rank, (errors, losses) in enumerate(run_ranks(_recover, 2, mode, "full_shard", timeout=90)):
+        assert [step for step, _ in errors] == [1], (rank, errors)
+        assert "ranks diverged" in errors[0][1], errors
+        assert losses[0] == losses[1], losses      # the shards still pair: both ranks see the same model

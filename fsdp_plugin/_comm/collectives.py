@@ -58,31 +58,67 @@ def _count(kind: str, total_elems: int, elem_size: int, n: int, factor: int = 1)
     STATS.bytes[kind] += ring_bytes(total_elems, elem_size, n, factor)
 
 
-def all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False, kind: str = "all_gather"):
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False, kind: str = "all_gather",
+               gate=None, what: str = "all-gather"):
     """Gather ``inp`` (one chunk per rank) into ``out`` (``n * inp.numel()`` elements), rank order.
 
     On gloo with CPU tensors the chunks go point to point (`_P2PAllGather`): torch's gloo all-gather gathers
-    into a temporary flat buffer and copies it out, one extra full-size buffer and copy per call."""
+    into a temporary flat buffer and copies it out, one extra full-size buffer and copy per call.
+    ``gate``: the collective's pairing announcement (`pairing.Gate`, see there; ``what`` names it)."""
     n = group_size(group)
     _count(kind, out.numel(), out.element_size(), n)
     if _p2p_ok(group, out, inp):
-        return _issued(status.issued(_P2PAllGather(out, inp, group, n), kind, group, n, out.numel()), async_op)
+        work = _P2PAllGather(out, inp, group, n, _Bound.of(gate, what))
+        return _issued(status.issued(work, kind, group, n, out.numel()), async_op)
+    _ungated(gate, what)
     return status.issued(dist.all_gather_single(out, inp, group=group, async_op=async_op), kind, group, n,
                          out.numel())
 
 
-def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False, gate=None,
+                   what: str = "reduce-scatter"):
     """Sum ``inp`` across ranks and keep this rank's chunk in ``out`` (``inp.numel() / n`` elements).
 
     On gloo with CPU tensors the chunks go point to point (`_P2PReduceScatter`): torch's gloo reduce-scatter
-    copies the whole input and all-reduces it, moving twice the ring bytes."""
+    copies the whole input and all-reduces it, moving twice the ring bytes. ``gate``: as for `all_gather`."""
     n = group_size(group)
     _count("reduce_scatter", inp.numel(), inp.element_size(), n)
     if _p2p_ok(group, out, inp):
-        return _issued(status.issued(_P2PReduceScatter(out, inp, group, n), "reduce_scatter", group, n,
-                                     inp.numel()), async_op)
+        work = _P2PReduceScatter(out, inp, group, n, _Bound.of(gate, what))
+        return _issued(status.issued(work, "reduce_scatter", group, n, inp.numel()), async_op)
+    _ungated(gate, what)
     return status.issued(dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op),
                          "reduce_scatter", group, n, inp.numel())
+
+
+def announce(everyone: torch.Tensor, mine: torch.Tensor, group):
+    """Pairing announcement (``_comm.pairing.Gate``): ``mine`` (one int64) of every rank of ``group`` (gloo,
+    CPU) into ``everyone``, asynchronously; ``(work to wait on, its torch future)``. torch's own all-gather,
+    not the point-to-point one: its future runs the callback that posts a gated collective."""
+    n = group_size(group)
+    _count("control", everyone.numel(), everyone.element_size(), n)
+    work = dist.all_gather_single(everyone, mine, group=group, async_op=True)
+    return status.issued(work, "control", group, n, everyone.numel()), work.get_future()
+
+
+class _Bound:
+    """A gate and the name of the collective bound to it (the deadline message of the gate's wait)."""
+
+    __slots__ = ("gate", "what")
+
+    def __init__(self, gate, what: str):
+        self.gate, self.what = gate, what
+
+    @staticmethod
+    def of(gate, what: str) -> "Optional[_Bound]":
+        return _Bound(gate, what) if gate is not None else None
+
+
+def _ungated(gate, what: str) -> None:
+    """A native collective cannot be posted conditionally: its gate's verdict is waited on the host before it
+    is issued (on NCCL a gloo round trip, no device synchronization), so a mismatched one is never issued."""
+    if gate is not None:
+        gate.wait(what)
 
 
 def _p2p_ok(group, out: torch.Tensor, inp: torch.Tensor) -> bool:
@@ -110,7 +146,8 @@ def _issued(work, async_op: bool):
 
 
 _P2P_TAG_BASE = 1 << 20          # above the tags of plain send/recv (0); one tag per collective of a group
-_p2p_tags: dict = {}              # group name -> collectives issued (names, not groups: no reference kept)
+_GATED_TAG_BASE = 2 << 20        # gated collectives: + their gate's tag (pairing sequence number, < 1 << 20)
+_p2p_tags: dict = {}              # group name -> ungated collectives issued (names, not groups: no reference kept)
 
 
 class _P2PWork:
@@ -118,26 +155,36 @@ class _P2PWork:
 
     Per rank it writes ``chunk·(N−1)`` bytes, the ring formula of the counters. Every rank of a group issues its
     collectives in the same order (the contract of any collective), so a per-group counter gives matching tags;
-    the tag keeps two collectives in flight between the same ranks apart."""
+    the tag keeps two collectives in flight between the same ranks apart. A gated collective (``bound``) takes
+    its tag from its pairing gate and is posted by the gate's callback once every rank announced the same
+    collective, so mismatched messages are never sent (``_comm/pairing.py``)."""
 
-    def __init__(self, group, me: int, sends: list, recvs: list):
+    def __init__(self, group, me: int, sends: list, recvs: list, bound: Optional[_Bound] = None):
         """``me``: this rank in ``group``; ``sends[j]`` / ``recvs[j]``: the tensor for group rank ``j``."""
         # The process group's own send/recv take group ranks and skip dist.isend's Python checks (they cost
         # more than the call itself at a few dozen calls per step).
         pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        self.me, self.bound = me, bound
+        self.works = []
+        self.done = False
+        self.fp_op = None        # set by status.issued: this collective's number, for deadline reports
+        if bound is not None:
+            tag = _GATED_TAG_BASE + bound.gate.tag
+            bound.gate.then(lambda: self._post(pg, tag, sends, recvs))
+            return
         key = pg.group_name      # holding the group itself would keep it alive past fp.shutdown
         tag = _P2P_TAG_BASE + _p2p_tags.get(key, 0)
         _p2p_tags[key] = (_p2p_tags.get(key, 0) + 1) % _P2P_TAG_BASE
-        self.me = me
-        self.works = []
-        for j in range(len(sends)):
-            if j != me:
-                self.works.append(pg.recv([recvs[j]], j, tag))
-                self.works.append(pg.send([sends[j]], j, tag))
-        self.done = False
-        self.fp_op = None        # set by status.issued: this collective's number, for deadline reports
+        self._post(pg, tag, sends, recvs)
+
+    def _post(self, pg, tag: int, sends: list, recvs: list) -> None:
+        self.works = [w for j in range(len(sends)) if j != self.me
+                      for w in (pg.recv([recvs[j]], j, tag), pg.send([sends[j]], j, tag))]
 
     def wait(self, timeout=None) -> bool:
+        if self.bound is not None and not self.done and not self.bound.gate.wait(self.bound.what):
+            self.done, self.works = True, []   # fp.reset after a divergence: nothing was sent, nothing to wait
+            return True
         for w in self.works:
             if (w.wait(timeout) if timeout is not None else w.wait()) is False:
                 return False
@@ -153,11 +200,11 @@ class _P2PWork:
 class _P2PAllGather(_P2PWork):
     """Rank ``r`` copies its chunk into ``out`` chunk ``r`` and receives every peer's chunk in place."""
 
-    def __init__(self, out: torch.Tensor, inp: torch.Tensor, group, n: int):
+    def __init__(self, out: torch.Tensor, inp: torch.Tensor, group, n: int, bound: Optional[_Bound] = None):
         me = dist.get_rank(group)
         chunks = out.view(n, -1)
         chunks[me].copy_(inp.view(-1))
-        super().__init__(group, me, [inp.view(-1)] * n, list(chunks))
+        super().__init__(group, me, [inp.view(-1)] * n, list(chunks), bound)
         self.keep = inp
 
 
@@ -166,12 +213,12 @@ class _P2PReduceScatter(_P2PWork):
     sums them in rank order into ``out`` (at N = 2 bit-equal to an all-reduce's sum: one commutative addition).
     No copy of the input."""
 
-    def __init__(self, out: torch.Tensor, inp: torch.Tensor, group, n: int):
+    def __init__(self, out: torch.Tensor, inp: torch.Tensor, group, n: int, bound: Optional[_Bound] = None):
         me = dist.get_rank(group)
         self.out, self.chunks = out, inp.view(n, -1)
         recv = list(torch.empty((n - 1, out.numel()), dtype=inp.dtype))
         self.recvs = recv[:me] + [None] + recv[me:]
-        super().__init__(group, me, list(self.chunks), self.recvs)
+        super().__init__(group, me, list(self.chunks), self.recvs, bound)
         self.keep = inp
 
     def _finish(self) -> None:
@@ -186,11 +233,13 @@ class _P2PReduceScatter(_P2PWork):
 
 
 def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False, kind: str = "all_reduce",
-               what: Optional[str] = None, timeout_s: Optional[float] = None):
+               what: Optional[str] = None, timeout_s: Optional[float] = None, gate=None):
     """In-place all-reduce; ``kind="control"`` keeps small bookkeeping out of the training-bytes formula.
-    With ``what``, a blocking call waited with a deadline (see module docstring)."""
+    With ``what``, a blocking call waited with a deadline (see module docstring). ``gate``: its pairing
+    announcement, waited before the (native, so ungated) all-reduce is issued."""
     n = group_size(group)
     _count(kind, t.numel(), t.element_size(), n, factor=2)
+    _ungated(gate, what or "all-reduce")
     if what is None:
         return status.issued(dist.all_reduce(t, op=op, group=group, async_op=async_op), kind, group, n, t.numel())
     _blocking(status.issued(dist.all_reduce(t, op=op, group=group, async_op=True), kind, group, n, t.numel()),
@@ -303,6 +352,8 @@ def wait(work, what: str = "collective", timeout_s: Optional[float] = None) -> N
     op, work = status.waiting(work, what)
     try:
         ok = work.wait(timeout=timedelta(seconds=timeout_s)) if timeout_s else work.wait()
+    except CollectiveError:
+        raise                    # a gated collective's pairing verdict: already the whole story
     except RuntimeError as e:
         raise _collective_error(what, timeout_s, e, op) from e
     if ok is False:

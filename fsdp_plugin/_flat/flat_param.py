@@ -182,8 +182,9 @@ class FlatParamHandle:
         return self.mesh.shard_size > 1 or self.mesh.replicate_size > 1
 
     @_traced("unshard")
-    def unshard(self, async_op: bool = True) -> None:
-        """SHARDED -> UNSHARDING (or UNSHARDED without communication); ``wait_unshard`` before use."""
+    def unshard(self, async_op: bool = True, gate=None) -> None:
+        """SHARDED -> UNSHARDING (or UNSHARDED without communication); ``wait_unshard`` before use.
+        ``gate``: the all-gather's pairing announcement (``_comm.pairing``; given when it communicates)."""
         if self.state is not ShardedState.SHARDED:
             return
         self._alloc_full()
@@ -192,7 +193,9 @@ class FlatParamHandle:
             self._full.copy_(src)
             self.state = ShardedState.UNSHARDED
             return
-        self._gather = (comm.all_gather(self._full, src, self.mesh.shard_group, async_op=True), src)
+        work = comm.all_gather(self._full, src, self.mesh.shard_group, async_op=True, gate=gate,
+                               what=f"all-gather of unit {self.label!r}")
+        self._gather = (work, src)
         self.state = ShardedState.UNSHARDING
         if not async_op:
             self.wait_unshard()
@@ -296,19 +299,21 @@ class FlatParamHandle:
             self.unsharded_grad_accum = grad if acc is None else acc.add_(grad)
 
     @_traced("reduce")
-    def start_reduce(self, grad: torch.Tensor) -> None:
+    def start_reduce(self, grad: torch.Tensor, gate=None) -> None:
         """Issue the gradient reduction asynchronously; ``finish_reduce`` completes it.
 
         Shard groups of more than one rank reduce-scatter; a group of one (no_shard) all-reduces across
-        the replicas right away; hybrid all-reduces the reduced chunk across replicas in ``finish_reduce``.
+        the replicas right away; hybrid all-reduces the reduced chunk across replicas in ``finish_reduce``
+        (after the reduce-scatter's wait: its pairing verdict covers both). ``gate``: as for ``unshard``.
         """
         grad = grad.to(self.reduce_dtype)
+        what = f"gradient reduction of unit {self.label!r}"
         if self.mesh.shard_size > 1:
             out = torch.empty(self.chunk, dtype=self.reduce_dtype, device=self.device)
-            work = comm.reduce_scatter(out, grad, self.mesh.shard_group, async_op=True)
+            work = comm.reduce_scatter(out, grad, self.mesh.shard_group, async_op=True, gate=gate, what=what)
             self.pending_reduce = _PendingReduce(work, out, grad)
         elif self.mesh.replicate_size > 1:
-            work = comm.all_reduce(grad, self.mesh.replicate_group, async_op=True)
+            work = comm.all_reduce(grad, self.mesh.replicate_group, async_op=True, gate=gate, what=what)
             self.pending_reduce = _PendingReduce(work, grad, grad)
         else:
             self.pending_reduce = _PendingReduce(None, grad, grad)

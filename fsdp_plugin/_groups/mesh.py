@@ -45,15 +45,16 @@ def build_mesh(scope: ShardScope, device_mesh) -> Mesh:
 
 
 def _ensure_control_group() -> None:
-    """On a backend other than gloo (NCCL), a gloo group of every rank for host-side control checks; created
-    here, where every rank is in fp.shard (new_group is collective), once per process group."""
-    if dist.get_backend() != "gloo" and "control" not in _GROUP_CACHE:
+    """A gloo group of every rank that carries the pairing announcements (``_comm.pairing``) and nothing else;
+    created here, where every rank is in fp.shard (new_group is collective), once per process group."""
+    if "control" not in _GROUP_CACHE:
         _GROUP_CACHE["control"] = (dist.new_group(backend="gloo"), None)
 
 
 def control_group():
-    """The group of every rank for small CPU-tensor control messages (``_comm.pairing``): the default group
-    on gloo, else the gloo group ``build_mesh`` made (so that reading their result never waits for a GPU)."""
+    """The pairing group (``_ensure_control_group``): gloo, so that reading a verdict never waits for a GPU,
+    and of its own, so that announcements still in flight after a divergence can pair with nothing but the
+    announcements of fp.reset's re-alignment (``pairing.realign``)."""
     return _GROUP_CACHE.get("control", (None, None))[0]
 
 

@@ -54,9 +54,9 @@ class Reduction:
     # ---------------------------------------------------------------- backward
     def grad_ready(self, h, unit) -> None:
         """Handle ``h`` of ``unit`` has its unsharded gradient (post-accumulate hook): accumulate it in the no_sync
-        window, else issue its reduction (after the pairing check when it communicates). A ``some_ranks`` unit's
-        gradient is always kept: every rank reduces it at the end of backward (``UsageAgreement.finish``), since
-        only some ranks reach this hook."""
+        window, else issue its reduction (announced for the pairing check when it communicates). A
+        ``some_ranks`` unit's gradient is always kept: every rank reduces it at the end of backward
+        (``UsageAgreement.finish``), since only some ranks reach this hook."""
         if self.no_sync or unit.some_ranks:
             h.accumulate_without_sync()
             h.usage.close_backward(reducing=False)
@@ -65,14 +65,16 @@ class Reduction:
         if grad is None:
             return
         h.usage.close_backward(reducing=True)
-        if h.reduce_communicates:
-            self.root.agree_next(Entering.REDUCTION, unit)
-        self.enqueue(h, grad, unit)
+        gate = self.root.gate(Entering.REDUCTION, unit) if h.reduce_communicates else None
+        self.enqueue(h, grad, unit, gate)
 
-    def enqueue(self, handle, grad: Optional[torch.Tensor], unit=None) -> None:
-        """Issue ``handle``'s reduction and finish older ones beyond the in-flight limit (the planner's replay
-        calls this too, with its stand-in handles)."""
-        handle.start_reduce(grad)
+    def enqueue(self, handle, grad: Optional[torch.Tensor], unit=None, gate=None) -> None:
+        """Issue ``handle``'s reduction (with its pairing ``gate``, if any) and finish older ones beyond the
+        in-flight limit (the planner's replay calls this too, with its stand-in handles and no gate)."""
+        if gate is None:
+            handle.start_reduce(grad)
+        else:
+            handle.start_reduce(grad, gate)
         self._pending.append(handle)
         self.state = ReduceState.IN_FLIGHT
         # The root's gradient is assembled last (embedding backward + the flat leaf's gradient: its peak of the

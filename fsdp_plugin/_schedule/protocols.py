@@ -36,7 +36,8 @@ class ReducingHandle(Protocol):
     """What the reduction queue (``Reduction.enqueue``) calls on a handle."""
 
     def start_reduce(self, grad: torch.Tensor) -> None:
-        """Issue the handle's gradient reduction (asynchronous)."""
+        """Issue the handle's gradient reduction (asynchronous); engine handles also take the pairing gate
+        (``FlatParamHandle.start_reduce(grad, gate)``), stand-ins never get one."""
 
     def finish_reduce(self) -> None:
         """Wait for it and accumulate the reduced shard into the parameters' ``.grad``."""
@@ -64,3 +65,5 @@ class UnitRoot(Protocol):
     def prefetch_backward(self, unit) -> None: ...
 
     def agree_next(self, entering, unit=None) -> None: ...
+
+    def gate(self, entering, unit=None, prompt: bool = False): ...

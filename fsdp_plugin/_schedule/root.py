@@ -6,7 +6,6 @@ import torch
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
-from .._comm import collectives as comm
 from .._comm import pairing
 from .._comm.pairing import Entering
 from .._comm import status as comm_status
@@ -34,9 +33,6 @@ class RootState:
         # Filled once when the order freezes (``freeze_order``): the hot path only looks them up.
         self._forward_next: dict = {}       # unit -> units to prefetch after its unshard in forward
         self._backward_next: dict = {}      # unit -> units to prefetch at its pre-backward, nearest first
-        self.unit_before_root = None        # the unit whose reduction the root's comes right after
-        self._reshards = None               # reshard_table(), computed on first use and when the order freezes
-        self._unit_index: dict = {}         # unit -> its index in ``units`` (the pairing code's unit number)
         self.unit_before_root = None        # the unit whose reduction the root's comes right after
         self._reshards = None               # reshard_table(), computed on first use and when the order freezes
         self._unit_index: dict = {}         # unit -> its index in ``units`` (the pairing code's unit number)
@@ -78,17 +74,24 @@ class RootState:
             self.exec_order.append(unit)   # some_ranks units: rank-dependent, so out of the order and prefetch
         return args, kwargs
 
-    def agree_next(self, entering: Entering, unit=None) -> None:
-        """Pairing check before a per-unit collective (or where a rank's may end early): every rank must be
-        entering the same one, else CollectiveError on every rank (``_comm.pairing``)."""
+    def gate(self, entering: Entering, unit=None, prompt: bool = False):
+        """The pairing announcement of a per-unit collective about to be issued (``_comm.pairing.Gate``; the
+        collective is bound to it; ``prompt``: it is waited right away), or None in a world of one rank."""
         mesh = self.mesh
         if mesh is None or mesh.world_size == 1:
-            return
+            return None
         c = pairing.code(entering, self.index_of(unit) if unit is not None else 0)
         if self._hint is None:      # once: the units never change
             self._hint = some_ranks_hint(self.root_unit.module, self.units)
-        pairing.agree(c, self.units, control_group(), mesh.world_size,
-                      comm.default_timeout_s(self.config.timeout_s), self._hint)
+        return pairing.Gate(c, self.units, control_group(), mesh.world_size, self.config.timeout_s, prompt,
+                            self._hint)
+
+    def agree_next(self, entering: Entering, unit=None) -> None:
+        """Blocking pairing check where a rank's per-unit collectives may end early: every rank must be at
+        the same point, else CollectiveError on every rank (``_comm.pairing``)."""
+        gate = self.gate(entering, unit, prompt=True)
+        if gate is not None:
+            gate.wait(pairing.describe(gate.code, self.units))
 
     def after_unshard_in_forward(self, unit) -> None:
         """Forward prefetch, in a real forward only: a recomputation in backward (activation checkpointing)
@@ -203,7 +206,14 @@ class RootState:
 
     def reset(self) -> None:
         """Abandon the current step (fp.reset): any phase -> IDLE, every unit IDLE and sharded, in-flight
-        collectives finished, unreduced gradients dropped. Raises the first CollectiveError after cleaning up."""
+        collectives finished, unreduced gradients dropped. Raises the first CollectiveError after cleaning up.
+        After a divergence the pairing checks are re-aligned first (every rank calls fp.reset then)."""
+        if pairing.diverged():
+            pairing.realign(self.units, control_group(), self.mesh.world_size, self.config.timeout_s)
+        with pairing.abandoning():
+            self._abandon()
+
+    def _abandon(self) -> None:
         error = self.reduction.abandon()
         for unit in self.units:
             for h in unit.handles:

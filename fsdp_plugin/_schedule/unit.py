@@ -56,11 +56,12 @@ class Unit:
         return self.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
 
     # ------------------------------------------------------------ state moves
-    def unshard(self, async_op: bool = True) -> None:
-        if any(h.unshard_communicates for h in self.handles):
-            self.root.agree_next(Entering.ALL_GATHER, self)
+    def unshard(self, async_op: bool = True, prompt: bool = False) -> None:
+        """Start all-gathering every handle, each all-gather announced (pairing check) as it is issued;
+        ``prompt``: the caller waits for them right away (``pairing.Gate``: no completion callback)."""
         for h in self.handles:
-            h.unshard(async_op)
+            gate = self.root.gate(Entering.ALL_GATHER, self, prompt) if h.unshard_communicates else None
+            h.unshard(async_op, gate)
 
     def wait_and_use_views(self) -> None:
         for h in self.handles:
@@ -113,7 +114,7 @@ class Unit:
         if not self.in_backward:       # recomputation in backward keeps the backward state
             self.state = TrainingState.FORWARD
         args, kwargs = self.root.before_unit_forward(self, args, kwargs)
-        self.unshard()
+        self.unshard(prompt=True)
         self.wait_and_use_views()
         self.root.after_unshard_in_forward(self)
         if self._frozen and torch.is_grad_enabled() and self.reshard_policy:
@@ -174,7 +175,7 @@ class Unit:
         self.root.on_backward_hook()
         if not self.in_backward:
             self.state = TrainingState.PRE_BACKWARD
-            self.unshard()
+            self.unshard(prompt=True)
             with torch.enable_grad():  # backward hooks run in no-grad mode; activation-checkpoint recomputation
                 self.wait_and_use_views()  # of a non-unit submodule reads these views and needs them connected
             self.root.prefetch_backward(self)
