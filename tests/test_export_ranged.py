@@ -1,0 +1,102 @@
+"""Exports without a gather: transformers' ``save_pretrained`` / PEFT adapter saves on a sharded model write
+every rank's own byte ranges (``integrations/_ranged_save.py``), and the files are byte-identical to the
+library's own save of an unsharded copy with the same weights: safetensors shards, index, configs.
+``st_header`` reproduces the safetensors library's header and layout exactly."""
+from __future__ import annotations
+
+import os
+import struct
+
+import pytest
+import torch
+from _dist import run_ranks
+
+import fsdp_plugin as fp
+from fsdp_plugin.checkpoint import st_header
+from fsdp_plugin.checkpoint._format import dtype_name
+
+pytest.importorskip("transformers")
+
+
+def _header(path) -> bytes:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return f.read(n)
+
+
+@pytest.mark.parametrize("metadata", [None, {}, {"format": "pt", "zz": "1", "aa": "2"}])
+def test_header_is_the_safetensors_library_layout(tmp_path, metadata):
+    from safetensors.torch import _TYPES, save_file
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"t{i}.{'é' if i % 5 == 0 else 'w'}": torch.randint(0, 2, (i % 3 + 1, i % 4), generator=g).to(dt)
+               for i, dt in enumerate(_TYPES.values())}
+    tensors["empty"] = torch.zeros(0, 3)
+    path = tmp_path / "ref.safetensors"
+    save_file(tensors, path, metadata=metadata)
+    entries = [(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()]
+    header, offsets, size = st_header.encode(entries, metadata)
+    raw = path.read_bytes()
+    assert header == raw[:len(header)] and size == len(raw)
+    rebuilt = bytearray(size)
+    rebuilt[:len(header)] = header
+    for n, t in tensors.items():
+        data = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        rebuilt[offsets[n]:offsets[n] + len(data)] = data
+    assert bytes(rebuilt) == raw
+
+
+def _llama(seed: int, tie: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                      tie_word_embeddings=tie)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg)
+
+
+def _lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(7)
+    peft = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                                            init_lora_weights=False))
+    return peft
+
+
+def _build(tie: bool, adapter: bool):
+    model = _llama(3, tie)
+    return _lora(model) if adapter else model
+
+
+def _ranks(rank, world, out, tie, adapter):
+    import fsdp_plugin.integrations.transformers as integration
+    from fsdp_plugin.integrations import _ranged_save
+
+    integration.install()
+    model = _build(tie, adapter)
+    fp.shard(model)
+    gathered = []
+    real = _ranged_save.write_on_rank0
+    _ranged_save.write_on_rank0 = lambda *a: gathered.append(1) or real(*a)
+    model.save_pretrained(out, max_shard_size="12KB")
+    return bool(gathered)
+
+
+def _files(d) -> dict[str, bytes]:
+    return {n: (d / n).read_bytes() for n in sorted(os.listdir(d))}
+
+
+@pytest.mark.parametrize("world,tie,adapter", [(2, True, False), (3, False, False), (2, False, True)])
+def test_save_pretrained_sharded_is_byte_identical_to_transformers(tmp_path, world, tie, adapter):
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    _build(tie, adapter).save_pretrained(ref, max_shard_size="12KB")
+    gathered = run_ranks(_ranks, world, str(out), tie, adapter, timeout=180)
+    assert not any(gathered)  # the ranged path, not the rank-0 fallback
+    want, got = _files(ref), _files(out)
+    if not adapter:
+        assert "model.safetensors.index.json" in want and sum(n.endswith(".safetensors") for n in want) > 2
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name] == want[name], name
