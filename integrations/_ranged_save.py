@@ -1,4 +1,5 @@
-"""The integrations' exports (transformers ``save_pretrained``, ``Trainer.save_model``, PEFT adapters) written
+"""The integrations' exports (transformers ``save_pretrained``, ``Trainer.save_model``, PEFT adapters, accelerate
+``save_model``) written
 the way the library writes them, without gathering the model: every rank writes its own byte ranges.
 
 How: rank 0 runs the library's own save code on meta stand-ins of the plain model's ``state_dict``
@@ -29,7 +30,9 @@ _log = logging.getLogger("fsdp_plugin")
 
 #: ``(module, attribute)`` of every safetensors writer the libraries call, replaced while capturing.
 _WRITERS = (("safetensors.torch", "save_file"), ("transformers.modeling_utils", "safe_save_file"),
-            ("peft.peft_model", "safe_save_file"))
+            ("peft.peft_model", "safe_save_file"), ("accelerate.utils.other", "safe_save_file"))
+#: ``(module, attribute)`` of the libraries' alias checks (they compare storages, which meta tensors lack).
+_ALIAS_CHECKS = (("peft.peft_model", "id_tensor_storage"), ("accelerate.utils.other", "id_tensor_storage"))
 
 
 def save_like_library(model: torch.nn.Module, save: Callable[[dict[str, Any]], T], op: str) -> T | None:
@@ -65,7 +68,7 @@ def _plan_on_rank0(model, save) -> tuple[Any, list | None]:
 @contextlib.contextmanager
 def _capture(sources: dict[int, str]) -> Iterator[list]:
     """Inside: the libraries' safetensors writes append ``(abs path, metadata, tensors)`` to the yielded list
-    instead of writing; PEFT's alias check sees stand-ins as distinct unless they are the same model tensor."""
+    instead of writing; PEFT's and accelerate's alias checks see stand-ins as distinct unless they are the same model tensor."""
     import importlib
 
     files: list = []
@@ -77,7 +80,7 @@ def _capture(sources: dict[int, str]) -> Iterator[list]:
         base = t._base if t._base is not None else t
         return ("fsdp_plugin stand-in", sources.get(id(base), id(base)))
 
-    patches = [(mod, attr, record) for mod, attr in _WRITERS] + [("peft.peft_model", "id_tensor_storage", storage_id)]
+    patches = [(m, a, record) for m, a in _WRITERS] + [(m, a, storage_id) for m, a in _ALIAS_CHECKS]
     saved = []
     try:
         for mod_name, attr, fn in patches:

@@ -33,7 +33,7 @@ def write_planned(model, plan: list | None, uid: str) -> None:
     files = [_File(path, metadata, entries, uid) for path, metadata, entries in plan]
     err = _attempt(lambda: [f.create() for f in files]) if rank == 0 else None
     _comm.raise_if_any_failed(err, "creating the export files")
-    shared = _comm.all_true(all(os.path.exists(f.tmp) for f in files), "checking the files are shared")
+    shared = _comm.all_true(_sees(files), "checking the files are shared")
     err = _attempt(lambda: _Sources(model).write(files, shared))
     for f in files:
         f.close()
@@ -46,6 +46,11 @@ def write_planned(model, plan: list | None, uid: str) -> None:
         raise
     err = _attempt(lambda: [f.publish() for f in files]) if rank == 0 else None
     _comm.raise_if_any_failed(err, "publishing the export files")
+
+
+def _sees(files: list) -> bool:
+    """Whether this rank sees the files rank 0 created (a shared filesystem)."""
+    return all(os.path.exists(f.tmp) for f in files)
 
 
 class _File:

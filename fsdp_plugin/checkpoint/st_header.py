@@ -5,7 +5,9 @@ byte ranges into a file that is byte-identical to ``safetensors.torch.save_file`
 The library's rules, checked against it by ``tests/test_export_ranged.py``: tensors are laid out by dtype
 (descending in the order of :data:`_DTYPE_ORDER`, the library's ``Dtype`` enum), then by name; the header is
 compact JSON (``__metadata__`` first when given, even empty; non-ASCII names as raw UTF-8), padded with spaces
-to a multiple of 8 bytes; data follows with no gaps.
+to a multiple of 8 bytes; data follows with no gaps. One thing the library does not fix: with more than one
+metadata key it orders them by a per-process seeded hash, so two of its own saves differ there; we keep the
+given order (transformers, PEFT and accelerate all write the one key ``format``).
 """
 from __future__ import annotations
 
