@@ -6,8 +6,9 @@ tensor ``name`` holds elements ``[start, start + numel(shape))`` of the flattene
 ``state_dict`` key: parameter, tied alias or persistent buffer). Rank 0 creates each file at its final size under
 a temporary name with its header (:mod:`.st_header`: the safetensors library's own layout), every rank
 ``pwrite``\\ s the overlap of its shard pieces (buffers: rank 0), rank 0 fsyncs and renames the files into place.
-Memory: no tensor is assembled; a rank's bytes go from its shard to the file (on an accelerator, one piece at a
-time through the host). Without a shared filesystem the pieces go to rank 0 point-to-point, one at a time.
+Memory: no tensor is assembled; a rank's bytes go from its shard to the file (from an accelerator, through the
+host in chunks of ``_CHUNK`` elements). Without a shared filesystem the pieces go to rank 0 point-to-point,
+one at a time.
 """
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ from .errors import CheckpointError
 from .fsio import byte_view, fsync_path, write_all
 from .hf_gather import piece_table
 from .writer import flat_cpu
+
+#: Elements copied to the host at a time from an accelerator shard (a view, no copy, on CPU).
+_CHUNK = 1 << 22
 
 
 def write_planned(model, plan: list | None, uid: str) -> None:
@@ -129,7 +133,9 @@ class _Sources:
         if shared:
             lo, hi = max(start, sh.start), min(start + n, sh.end)
             if sh.writer and lo < hi:
-                f.pwrite(name, dt, lo - start, byte_view(_piece(sh.param, lo - sh.start, hi - sh.start)))
+                for a in range(lo, hi, _CHUNK):  # off-host shards pass through the host one chunk at a time
+                    b = min(a + _CHUNK, hi)
+                    f.pwrite(name, dt, a - start, byte_view(_piece(sh.param, a - sh.start, b - sh.start)))
         else:
             self._via_rank0(f, name, dt, n, i, start)
 
