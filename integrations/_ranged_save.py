@@ -58,11 +58,10 @@ def _plan_on_rank0(model, save) -> tuple[Any, list | None]:
     state, sources = export_plan.placeholders(model)
     with _capture(sources) as files, _plain_parameter_count(model):
         result = save(state)
-    try:
-        return result, export_plan.plan(files, sources)
-    except export_plan.UnplannableError as e:
-        _log.warning("%s: %s; gathering the model to rank 0 to write it", type(model).__name__, e)
-        return result, None
+    plan, why = export_plan.plan(files, sources)
+    if plan is None:
+        _log.warning("%s: %s; gathering the model to rank 0 to write it", type(model).__name__, why)
+    return result, plan
 
 
 @contextlib.contextmanager

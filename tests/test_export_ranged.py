@@ -157,3 +157,47 @@ def test_accelerate_save_model_is_byte_identical_to_stock(tmp_path):
     assert "model.safetensors.index.json" in want and sorted(got) == sorted(want)
     for name in want:
         assert got[name] == want[name], name
+
+
+class _TrainerStub:
+    """What ``Trainer._save`` and our ``save_model`` replacement read from a Trainer (no training loop needed)."""
+
+    processing_class = data_collator = None
+    is_distributed_loading_by_transformers = False
+
+    def __init__(self, model, out, active):
+        from types import SimpleNamespace
+
+        self.model = model
+        self.args = SimpleNamespace(should_save=True, output_dir=out, push_to_hub=False, save_only_model=False)
+        self.accelerator = SimpleNamespace(_fp_active=active, fsdp_settings=None, unwrap_model=lambda m, **_: m)
+
+    def _save(self, output_dir=None, state_dict=None):
+        from transformers import Trainer
+
+        return Trainer._save(self, output_dir, state_dict)
+
+
+def _trainer_ranks(rank, world, out):
+    import fsdp_plugin.integrations.transformers as integration
+    from fsdp_plugin.integrations import _ranged_save
+    from fsdp_plugin.integrations.transformers import _trainer
+
+    integration.install()
+    model = _build(True, False)
+    fp.shard(model)
+    gathered = []
+    real = _ranged_save.write_on_rank0
+    _ranged_save.write_on_rank0 = lambda *a: gathered.append(1) or real(*a)
+    _trainer.save_model(None, _TrainerStub(model, out, True), out)
+    return bool(gathered)
+
+
+def test_trainer_save_model_is_byte_identical_to_the_trainers_own(tmp_path):
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    _TrainerStub(_build(True, False), str(ref), False)._save(str(ref))
+    assert not any(run_ranks(_trainer_ranks, 2, str(out), timeout=180))
+    want, got = _files(ref), _files(out)
+    assert {"model.safetensors", "config.json", "training_args.bin"} <= set(want) and sorted(got) == sorted(want)
+    for name in set(want) - {"training_args.bin"}:  # torch.save of the arguments: their path, a random id
+        assert got[name] == want[name], name

@@ -11,10 +11,6 @@ import torch
 from . import _format, _model
 
 
-class UnplannableError(Exception):
-    """A captured tensor is not a stand-in or a contiguous view of one (the library computed it from data)."""
-
-
 def placeholders(model) -> tuple[dict[str, torch.Tensor], dict[int, str]]:
     """``(state_dict, sources)``: meta stand-ins under the plain model's ``state_dict`` keys, in its order (tied
     aliases share one stand-in, as they share storage), and ``id(stand-in) -> the key it stands for``."""
@@ -40,18 +36,26 @@ def plain_numel(model) -> dict[int, int]:
     return {id(sh.param): sh.shape.numel() for sh in _model.param_shards(model)}
 
 
-def plan(files: list[tuple[str, dict | None, dict]], sources: dict[int, str]) -> list:
-    """``[path, metadata, [[name, dtype, shape, source, start], ...]]`` per captured ``(path, metadata, tensors)``.
+def plan(files: list[tuple[str, dict | None, dict]], sources: dict[int, str]) -> tuple[list | None, str]:
+    """``(plan, "")``: ``[path, metadata, [[name, dtype, shape, source, start], ...]]`` per captured
+    ``(path, metadata, tensors)``; or ``(None, why)`` when a tensor is neither a stand-in nor a contiguous view
+    of one (the library computed it from data: only the tensors themselves can be written)."""
+    out = []
+    for path, metadata, tensors in files:
+        entries = []
+        for name, t in tensors.items():
+            entry = _entry(name, t, sources)
+            if entry is None:
+                return None, f"{name!r} is not a model tensor or a contiguous slice of one"
+            entries.append(entry)
+        out.append([path, metadata, entries])
+    return out, ""
 
-    Raises :class:`UnplannableError` for a tensor that is neither a stand-in nor a contiguous view of one."""
-    return [[path, metadata, [_entry(name, t, sources) for name, t in tensors.items()]]
-            for path, metadata, tensors in files]
 
-
-def _entry(name: str, t: torch.Tensor, sources: dict[int, str]) -> list:
+def _entry(name: str, t: torch.Tensor, sources: dict[int, str]) -> list | None:
     base, start = t, 0
     if id(t) not in sources and t._base is not None and t.is_contiguous():
         base, start = t._base, t.storage_offset() - t._base.storage_offset()
     if id(base) not in sources or base.dtype != t.dtype:
-        raise UnplannableError(f"{name!r} is not a model tensor or a contiguous slice of one")
+        return None
     return [name, _format.dtype_name(t.dtype), list(t.shape), sources[id(base)], start]
