@@ -201,3 +201,52 @@ def test_trainer_save_model_is_byte_identical_to_the_trainers_own(tmp_path):
     assert {"model.safetensors", "config.json", "training_args.bin"} <= set(want) and sorted(got) == sorted(want)
     for name in set(want) - {"training_args.bin"}:  # torch.save of the arguments: their path, a random id
         assert got[name] == want[name], name
+
+
+def _gpt():
+    from models import GPT
+
+    torch.manual_seed(0)
+    return GPT(vocab=64, d=16, n_layer=2, seq=16)
+
+
+_LIGHTNING = {"epoch": 3, "global_step": 12, "hyper_parameters": {"lr": 0.1, "name": "x"}}
+
+
+def _lightning_ranks(rank, world, out):
+    from models import Block
+
+    from fsdp_plugin.integrations.lightning.checkpoint import torch_file
+
+    model = _gpt()
+    fp.shard(model, auto_wrap_policy={Block})
+    torch_file.write_sharded(__import__("pathlib").Path(out), model, dict(_LIGHTNING), {"extra": [1, 2]})
+    return os.path.exists(out)
+
+
+def _records(path) -> dict[str, bytes]:
+    import zipfile
+
+    with zipfile.ZipFile(path) as zf:
+        assert zf.testzip() is None  # every CRC32 right
+        return {i.filename.split("/", 1)[1]: zf.read(i) for i in zf.infolist()}
+
+
+def test_lightning_full_file_written_by_ranges_matches_the_gathered_one(tmp_path):
+    from pathlib import Path
+
+    from fsdp_plugin.integrations.lightning.checkpoint import torch_file
+
+    ref, out = tmp_path / "ref.ckpt", tmp_path / "out.ckpt"
+    torch_file.write(ref, _gpt().state_dict(), dict(_LIGHTNING), {"extra": [1, 2]})
+    assert all(run_ranks(_lightning_ranks, 2, str(out), timeout=180))
+    want, got = _records(ref), _records(out)
+    assert sorted(got) == sorted(want)
+    for name in set(want) - {"data.pkl", ".data/serialization_id"}:  # the id is torch's, random per save
+        assert got[name] == want[name], name
+    a, b = torch.load(ref, weights_only=True), torch.load(out, weights_only=True)  # the same payload
+    assert a.keys() == b.keys() and all(a[k] == b[k] for k in _LIGHTNING)
+    assert a["state_dict"].keys() == b["state_dict"].keys()
+    assert all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"])
+    (sa, ea), (sb, eb) = torch_file.read(ref), torch_file.read(Path(out))  # and our pickle-free reader
+    assert ea == eb and all(torch.equal(sa[k], sb[k]) for k in sa) and sa.keys() == sb.keys()

@@ -57,6 +57,20 @@ def _sees(files: list) -> bool:
     return all(os.path.exists(f.tmp) for f in files)
 
 
+def fill_existing(model, path: str | None, entries: list | None) -> None:
+    """Collective: write each rank's bytes into file ``path`` that rank 0 laid out already (e.g. a
+    ``torch.save`` archive with empty storage records). ``path`` and ``entries``
+    (``[[name, dtype, shape, source, start, absolute byte offset], ...]``) are given on rank 0, None elsewhere."""
+    rank = _comm.rank()
+    path, entries = json.loads(_comm.broadcast_bytes(json.dumps([path, entries]).encode() if rank == 0 else None,
+                                                     step="broadcasting the export plan"))
+    target = _Existing(path, entries)
+    shared = _comm.all_true(_sees([target]), "checking the file is shared")
+    err = _attempt(lambda: _Sources(model).write([target], shared))
+    target.close()
+    _comm.raise_if_any_failed(err, "writing the export file")
+
+
 class _File:
     """One planned safetensors file: header, where each tensor's bytes go, and the temporary it is built in."""
 
@@ -100,6 +114,16 @@ class _File:
             os.remove(self.tmp)
         except FileNotFoundError:
             pass
+
+
+class _Existing(_File):
+    """A file laid out by someone else: the byte offset of every entry is given."""
+
+    def __init__(self, path: str, entries: list):
+        self.path = self.tmp = path
+        self.entries = [(n, dt, tuple(shape), src, int(start)) for n, dt, shape, src, start, _ in entries]
+        self.offset = {e[0]: int(e[5]) for e in entries}
+        self._fd = None
 
 
 class _Sources:

@@ -66,6 +66,90 @@ def write(path: Path, state: dict[str, torch.Tensor], lightning_state: dict[str,
             tmp.unlink()
 
 
+def write_sharded(path: Path, model: torch.nn.Module, lightning_state: dict[str, Any], index_extra: Any) -> None:
+    """Collective: :func:`write` of the sharded ``model``'s plain weights, with no rank holding more than its shard.
+
+    Rank 0 lays the archive out with ``torch.save`` of fake tensors under ``skip_data`` (every storage record at
+    its final offset, empty), every rank writes its byte ranges into the records (``ranged.fill_existing``),
+    rank 0 fills in the CRC32s (:func:`fsdp_plugin.checkpoint.torch_zip.fix_crcs`, streaming), appends the
+    index and publishes. Same records and bytes as :func:`write` of the gathered weights (up to the archive's
+    folder name and torch's per-save ``serialization_id``, which differ between any two saves).
+    """
+    from fsdp_plugin.checkpoint import _comm, ranged
+
+    if "state_dict" in lightning_state:
+        raise ValueError("lightning_state must not hold 'state_dict': the weights are passed separately")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    layout, err = None, None
+    if _comm.rank() == 0:
+        try:
+            layout = _lay_out(tmp, model, lightning_state)
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            err = e
+    _comm.raise_if_any_failed(err, "laying out the Lightning file")
+    try:
+        ranged.fill_existing(model, str(tmp) if layout else None, layout)
+        err = _attempt(lambda: _finish(tmp, path, layout, index_extra)) if _comm.rank() == 0 else None
+        _comm.raise_if_any_failed(err, "publishing the Lightning file")
+    finally:
+        if _comm.rank() == 0 and tmp.exists():
+            tmp.unlink()
+
+
+def _lay_out(tmp: Path, model: torch.nn.Module, lightning_state: dict[str, Any]) -> list:
+    """``torch.save`` of fake weights (one storage each, as :func:`_own_storages` makes them) at ``tmp``; the
+    fill plan ``[[name, dtype, shape, name, 0, data offset of record data/i], ...]``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fsdp_plugin.checkpoint import export_plan, torch_zip
+    from fsdp_plugin.checkpoint._format import dtype_name
+
+    stand_ins, _ = export_plan.placeholders(model)
+    with FakeTensorMode():
+        fakes = {k: torch.empty(tuple(t.shape), dtype=t.dtype) for k, t in stand_ins.items()}
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        torch.save({"state_dict": fakes, **lightning_state}, tmp)
+    recs = torch_zip.records(str(tmp))
+    plan = []
+    for i, (name, t) in enumerate(fakes.items()):
+        offset, size = recs[f"data/{i}"]
+        if size != t.numel() * t.element_size():
+            raise RuntimeError(f"torch.save stored weight {name!r} somewhere other than record data/{i}: "
+                               "fsdp_plugin's index would be wrong (please report this with your torch version)")
+        plan.append([name, dtype_name(t.dtype), list(t.shape), name, 0, offset])
+    return plan
+
+
+def _finish(tmp: Path, path: Path, layout: list, index_extra: Any) -> None:
+    from fsdp_plugin.checkpoint import torch_zip
+
+    torch_zip.fix_crcs(str(tmp), [f"data/{i}" for i in range(len(layout))])
+    tensors = {name: {"record": f"data/{i}", "dtype": str(_torch_dtype(dt)).removeprefix("torch."),
+                      "shape": list(shape)} for i, (name, dt, shape, *_rest) in enumerate(layout)}
+    with zipfile.ZipFile(tmp, "a") as zf:
+        index = {"format": FORMAT, "version": VERSION, "tensors": tensors, "extra": index_extra}
+        zf.writestr(_prefix(zf) + INDEX_RECORD, json.dumps(index, allow_nan=False))
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    from fsdp_plugin.checkpoint._format import to_dtype
+
+    return to_dtype(name)
+
+
+def _attempt(fn) -> BaseException | None:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - every rank raises together
+        return e
+    return None
+
+
 def read(path: Path) -> tuple[dict[str, torch.Tensor], Any]:
     """The weights and ``index_extra`` of a file :func:`write` wrote; no pickle is executed."""
     try:
