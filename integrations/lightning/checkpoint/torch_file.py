@@ -97,28 +97,79 @@ def write_sharded(path: Path, model: torch.nn.Module, lightning_state: dict[str,
 
 
 def _lay_out(tmp: Path, model: torch.nn.Module, lightning_state: dict[str, Any]) -> list:
-    """``torch.save`` of fake weights (one storage each, as :func:`_own_storages` makes them) at ``tmp``; the
-    fill plan ``[[name, dtype, shape, name, 0, data offset of record data/i], ...]``."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from fsdp_plugin.checkpoint import export_plan, torch_zip
+    """:func:`_lay_out_entries` for the plain ``model``'s state dict (stand-ins: no weights)."""
+    from fsdp_plugin.checkpoint import export_plan
     from fsdp_plugin.checkpoint._format import dtype_name
 
     stand_ins, _ = export_plan.placeholders(model)
+    entries = [(k, dtype_name(t.dtype), tuple(t.shape)) for k, t in stand_ins.items()]
+    return _lay_out_entries(tmp, entries, lightning_state)
+
+
+def _lay_out_entries(tmp: Path, entries: list, lightning_state: dict[str, Any]) -> list:
+    """``torch.save`` at ``tmp`` of fake weights ``(name, dtype, shape)`` (one storage each, as
+    :func:`_own_storages` makes them); returns ``[[name, dtype, shape, name, 0, data offset of data/i], ...]``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fsdp_plugin.checkpoint import torch_zip
+
     with FakeTensorMode():
-        fakes = {k: torch.empty(tuple(t.shape), dtype=t.dtype) for k, t in stand_ins.items()}
+        fakes = {n: torch.empty(shape, dtype=_torch_dtype(dt)) for n, dt, shape in entries}
     tmp.parent.mkdir(parents=True, exist_ok=True)
     with torch.serialization.skip_data(materialize_fake_tensors=True):
         torch.save({"state_dict": fakes, **lightning_state}, tmp)
     recs = torch_zip.records(str(tmp))
     plan = []
-    for i, (name, t) in enumerate(fakes.items()):
+    for i, (name, dt, shape) in enumerate(entries):
         offset, size = recs[f"data/{i}"]
-        if size != t.numel() * t.element_size():
+        if size != fakes[name].numel() * fakes[name].element_size():
             raise RuntimeError(f"torch.save stored weight {name!r} somewhere other than record data/{i}: "
                                "fsdp_plugin's index would be wrong (please report this with your torch version)")
-        plan.append([name, dtype_name(t.dtype), list(t.shape), name, 0, offset])
+        plan.append([name, dt, list(shape), name, 0, offset])
     return plan
+
+
+def write_streamed(path: Path, entries: list, lightning_state: dict[str, Any], index_extra: Any, fill) -> None:
+    """:func:`write` with the weights ``(name, dtype, shape)`` supplied piece by piece: ``fill(target)`` calls
+    ``target.pwrite(name, elem_start, bytes)`` (``target.place[name].dtype`` names the stored dtype), so the
+    weights are never held (``fsdp-plugin consolidate --format lightning``). No process group."""
+    if "state_dict" in lightning_state:
+        raise ValueError("lightning_state must not hold 'state_dict': the weights are passed separately")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        layout = _lay_out_entries(tmp, entries, lightning_state)
+        target = _ZipTarget(tmp, layout)
+        try:
+            fill(target)
+        finally:
+            target.close()
+        _finish(tmp, path, layout, index_extra)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+class _ZipTarget:
+    """``pwrite`` into the storage records of a laid-out archive (the interface consolidate's copy writes to)."""
+
+    def __init__(self, tmp: Path, layout: list):
+        from types import SimpleNamespace
+
+        self.place = {n: SimpleNamespace(dtype=dt, offset=off) for n, dt, _shape, _src, _start, off in layout}
+        self._fd = os.open(tmp, os.O_WRONLY)
+
+    def pwrite(self, name: str, elem_start: int, data: memoryview) -> None:
+        from fsdp_plugin.checkpoint._format import itemsize
+
+        p = self.place[name]
+        pos = p.offset + elem_start * itemsize(p.dtype)
+        while len(data):
+            n = os.pwrite(self._fd, data, pos)
+            data, pos = data[n:], pos + n
+
+    def close(self) -> None:
+        os.fsync(self._fd)
+        os.close(self._fd)
 
 
 def _finish(tmp: Path, path: Path, layout: list, index_extra: Any) -> None:
