@@ -56,30 +56,50 @@ def save_like_library(model: torch.nn.Module, save: Callable[[dict[str, Any]], T
 
 def _plan_on_rank0(model, save) -> tuple[Any, list | None]:
     state, sources = export_plan.placeholders(model)
-    with _capture(sources) as files, _plain_parameter_count(model):
+    with _capture(sources) as cap, _plain_parameter_count(model):
         result = save(state)
-    plan, why = export_plan.plan(files, sources)
+    plan, why = export_plan.plan(cap.files, sources) if not cap.pickled else (None, cap.pickled)
     if plan is None:
         _log.warning("%s: %s; gathering the model to rank 0 to write it", type(model).__name__, why)
     return result, plan
 
 
+class _Capture:
+    """What the library tried to write: safetensors ``files`` ``(abs path, metadata, tensors)``; ``pickled``
+    names a ``torch.save`` of stand-ins (e.g. PEFT's ``safe_serialization=False``), which only a gather can write."""
+
+    def __init__(self) -> None:
+        self.files: list = []
+        self.pickled = ""
+
+
 @contextlib.contextmanager
-def _capture(sources: dict[int, str]) -> Iterator[list]:
-    """Inside: the libraries' safetensors writes append ``(abs path, metadata, tensors)`` to the yielded list
-    instead of writing; PEFT's and accelerate's alias checks see stand-ins as distinct unless they are the same model tensor."""
+def _capture(sources: dict[int, str]) -> Iterator[_Capture]:
+    """Inside: the libraries' safetensors writes are recorded instead of performed; a ``torch.save`` holding a
+    stand-in is skipped and noted (the caller then gathers); PEFT's and accelerate's alias checks see
+    stand-ins as distinct unless they are the same model tensor."""
     import importlib
 
-    files: list = []
+    from torch.utils._pytree import tree_leaves
+
+    cap = _Capture()
+    real_save = torch.save
 
     def record(tensors, filename, metadata=None):
-        files.append((os.path.abspath(os.fspath(filename)), metadata, dict(tensors)))
+        cap.files.append((os.path.abspath(os.fspath(filename)), metadata, dict(tensors)))
+
+    def guarded_save(obj, f, *args, **kwargs):
+        if any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_leaves(obj)):
+            cap.pickled = f"torch.save of the weights to {f}"
+            return None
+        return real_save(obj, f, *args, **kwargs)
 
     def storage_id(t):  # meta tensors share no storage; a stand-in's identity is the model tensor it stands for
         base = t._base if t._base is not None else t
         return ("fsdp_plugin stand-in", sources.get(id(base), id(base)))
 
-    patches = [(m, a, record) for m, a in _WRITERS] + [(m, a, storage_id) for m, a in _ALIAS_CHECKS]
+    patches = ([(m, a, record) for m, a in _WRITERS] + [(m, a, storage_id) for m, a in _ALIAS_CHECKS]
+               + [("torch", "save", guarded_save)])
     saved = []
     try:
         for mod_name, attr, fn in patches:
@@ -90,7 +110,7 @@ def _capture(sources: dict[int, str]) -> Iterator[list]:
             if hasattr(mod, attr):
                 saved.append((mod, attr, getattr(mod, attr)))
                 setattr(mod, attr, fn)
-        yield files
+        yield cap
     finally:
         for mod, attr, fn in reversed(saved):
             setattr(mod, attr, fn)

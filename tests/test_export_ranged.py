@@ -312,3 +312,27 @@ def test_consolidate_lightning_memory_is_bounded(tmp_path):
     p.join()
     assert delta_kb < 64 * 1024, f"peak RSS grew by {delta_kb / 1024:.0f} MB"
     assert torch.load(tmp_path / "m.ckpt", weights_only=True)["state_dict"]["1.weight"].shape == (4096, 8192)
+
+
+def _pickled_adapter_ranks(rank, world, out):
+    import fsdp_plugin.integrations.transformers as integration
+    from fsdp_plugin.integrations import _ranged_save
+
+    integration.install()
+    model = _build(False, True)
+    fp.shard(model)
+    gathered = []
+    real = _ranged_save.write_on_rank0
+    _ranged_save.write_on_rank0 = lambda *a: gathered.append(1) or real(*a)
+    model.save_pretrained(out, safe_serialization=False)
+    return bool(gathered)
+
+
+def test_pickled_adapter_save_falls_back_to_the_gather(tmp_path):
+    """PEFT's ``safe_serialization=False`` pickles the weights: stand-ins must never reach that file."""
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    _build(False, True).save_pretrained(ref, safe_serialization=False)
+    assert all(run_ranks(_pickled_adapter_ranks, 2, str(out), timeout=180)[:1])
+    a = torch.load(ref / "adapter_model.bin", weights_only=True)
+    b = torch.load(out / "adapter_model.bin", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
