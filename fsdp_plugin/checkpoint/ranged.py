@@ -169,8 +169,8 @@ class _Sources:
         if rank != 0:
             lo, hi = max(start, sh.start), min(start + n, sh.end)
             if sh.writer and lo < hi:
-                _comm.send(_piece(sh.param, lo - sh.start, hi - sh.start).to(_comm._device()), 0,
-                           f"sending {name!r} to rank 0")
+                piece = sh.param.detach().reshape(-1)[lo - sh.start:hi - sh.start]
+                _comm.send(piece.to(_comm._device()).contiguous(), 0, f"sending {name!r} to rank 0")
             return
         for r, rng in enumerate(row[i] for row in self.table):
             lo, hi = (max(start, rng[0]), min(start + n, rng[1])) if rng else (0, 0)
