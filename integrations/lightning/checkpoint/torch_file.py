@@ -72,23 +72,25 @@ def write_sharded(path: Path, model: torch.nn.Module, lightning_state: dict[str,
     Rank 0 lays the archive out with ``torch.save`` of fake tensors under ``skip_data`` (every storage record at
     its final offset, empty), every rank writes its byte ranges into the records (``ranged.fill_existing``),
     rank 0 fills in the CRC32s (:func:`fsdp_plugin.checkpoint.torch_zip.fix_crcs`, streaming), appends the
-    index and publishes. Same records and bytes as :func:`write` of the gathered weights (up to the archive's
-    folder name and torch's per-save ``serialization_id``, which differ between any two saves).
+    index and publishes. Same records and bytes as :func:`write` of the gathered weights, but for the archive's
+    folder name and torch's per-save ``serialization_id`` (which differ between any two saves) and the pickle
+    memo of ``data.pkl`` (a location string repeated instead of referenced: the same unpickled value).
     """
     from fsdp_plugin.checkpoint import _comm, ranged
 
     if "state_dict" in lightning_state:
         raise ValueError("lightning_state must not hold 'state_dict': the weights are passed separately")
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    layout, err = None, None
-    if _comm.rank() == 0:
-        try:
-            layout = _lay_out(tmp, model, lightning_state)
-        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
-            err = e
-    _comm.raise_if_any_failed(err, "laying out the Lightning file")
+    layout = None
+
+    def lay_out() -> None:
+        nonlocal layout
+        layout = _lay_out(tmp, model, lightning_state)
+
     try:
-        ranged.fill_existing(model, str(tmp) if layout else None, layout)
+        err = _attempt(lay_out) if _comm.rank() == 0 else None
+        _comm.raise_if_any_failed(err, "laying out the Lightning file")
+        ranged.fill_existing(model, str(tmp) if _comm.rank() == 0 else None, layout)
         err = _attempt(lambda: _finish(tmp, path, layout, index_extra)) if _comm.rank() == 0 else None
         _comm.raise_if_any_failed(err, "publishing the Lightning file")
     finally:
