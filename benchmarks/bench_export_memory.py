@@ -2,12 +2,14 @@
 byte ranges (every rank its own pieces: ``integrations/_ranged_save.py``) vs the rank-0 gather it replaced.
 
     .venv/bin/python benchmarks/bench_export_memory.py [--model medium|1b] [--world 2] [--path ranged|gather]
+                                                       [--export hf|lightning]
 
 Each rank builds the Llama on the meta device and ``fp.shard`` materializes its own shard (so building never
 holds the whole model), then saves with ``max_shard_size="500MB"``. Per rank: the shard (bytes of the pieces it
 writes), growth of the malloc heap peak (LD_PRELOAD counter from ``_mem``, the CPU analogue of
 ``max_memory_allocated``) and of the RSS high-water mark during the save, as a percentage of the shard.
-``--path gather`` forces the old path (``fp.full_state_dict`` to rank 0, the library writes there). Prints one
+``--export lightning`` writes Lightning's ``state_dict_type="full"`` file instead (``torch_file.write_sharded``;
+with ``--path gather``: the old ``write_on_rank0`` + ``torch_file.write``). ``--path gather`` forces the old path (``fp.full_state_dict`` to rank 0, the library writes there). Prints one
 line per rank and the load average; noisy on a shared machine.
 """
 from __future__ import annotations
@@ -33,7 +35,21 @@ MODELS = {  # LlamaConfig keywords
 }
 
 
-def _rank(rank, world, model_name, path, out):
+def _save(model, out: str, export: str, path: str) -> None:
+    from pathlib import Path
+
+    from fsdp_plugin.integrations._rank0_save import write_on_rank0
+    from fsdp_plugin.integrations.lightning.checkpoint import torch_file
+
+    if export == "hf":
+        model.save_pretrained(out, max_shard_size="500MB")
+    elif path == "gather":
+        write_on_rank0(model, lambda sd: torch_file.write(Path(out) / "full.ckpt", sd, {"epoch": 1}, {}), "bench")
+    else:
+        torch_file.write_sharded(Path(out) / "full.ckpt", model, {"epoch": 1}, {})
+
+
+def _rank(rank, world, model_name, path, out, export):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -55,7 +71,7 @@ def _rank(rank, world, model_name, path, out):
     h0, r0 = heap.reset_peak(), _mem.rss()
     _mem.reset_rss_peak()
     t = time.perf_counter()
-    model.save_pretrained(out, max_shard_size="500MB")
+    _save(model, out, export, path)
     wall = time.perf_counter() - t
     return dict(rank=rank, shard=shard, heap=heap.peak() - h0 if heap.available else -1,
                 rss=_mem.rss_peak() - r0, wall=wall)
@@ -66,6 +82,7 @@ def main() -> None:
     ap.add_argument("--model", choices=sorted(MODELS), default="medium")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--path", choices=("ranged", "gather"), default="ranged")
+    ap.add_argument("--export", choices=("hf", "lightning"), default="hf")
     ap.add_argument("--dir", default=None, help="output folder (default: a temporary one, removed)")
     args = ap.parse_args()
     lib = _mem.build_heap_tracker()
@@ -75,14 +92,14 @@ def main() -> None:
 
     out = args.dir or tempfile.mkdtemp(prefix="bench_export_")
     try:
-        res = run_ranks(_rank, args.world, args.model, args.path, out, timeout=3000)
+        res = run_ranks(_rank, args.world, args.model, args.path, out, args.export, timeout=3000)
     finally:
         if args.dir is None:
             shutil.rmtree(out, ignore_errors=True)
     load = open("/proc/loadavg").read().split()[:3]
     for r in res:
         gb = 1e9
-        print(f"{args.model} world={args.world} path={args.path} rank={r['rank']}: shard {r['shard'] / gb:.3f} GB, "
+        print(f"{args.model} world={args.world} export={args.export} path={args.path} rank={r['rank']}: shard {r['shard'] / gb:.3f} GB, "
               f"heap peak +{r['heap'] / gb:.3f} GB ({100 * r['heap'] / r['shard']:.1f}% of shard), RSS peak "
               f"+{r['rss'] / gb:.3f} GB ({100 * r['rss'] / r['shard']:.1f}%), save {r['wall']:.1f} s; "
               f"load {' '.join(load)}")
