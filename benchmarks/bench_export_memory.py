@@ -25,13 +25,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 
-import _mem  # noqa: E402
+import _mem
 
 MODELS = {  # LlamaConfig keywords
-    "medium": dict(vocab_size=32768, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                   num_attention_heads=12, num_key_value_heads=12, tie_word_embeddings=True),   # 0.11 B
-    "1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-               num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),       # 1.24 B
+    "medium": {"vocab_size": 32768, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
+               "num_attention_heads": 12, "num_key_value_heads": 12, "tie_word_embeddings": True},   # 0.11 B
+    "1b": {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": True},       # 1.24 B
 }
 
 
@@ -50,11 +50,11 @@ def _save(model, out: str, export: str, path: str) -> None:
 
 
 def _rank(rank, world, model_name, path, out, export):
+    import fsdp_plugin.integrations.transformers as integration
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import fsdp_plugin as fp
-    import fsdp_plugin.integrations.transformers as integration
     from fsdp_plugin.checkpoint import export_plan
     from fsdp_plugin.checkpoint._model import param_shards
 
@@ -73,8 +73,8 @@ def _rank(rank, world, model_name, path, out, export):
     t = time.perf_counter()
     _save(model, out, export, path)
     wall = time.perf_counter() - t
-    return dict(rank=rank, shard=shard, heap=heap.peak() - h0 if heap.available else -1,
-                rss=_mem.rss_peak() - r0, wall=wall)
+    return {"rank": rank, "shard": shard, "heap": heap.peak() - h0 if heap.available else -1,
+            "rss": _mem.rss_peak() - r0, "wall": wall}
 
 
 def main() -> None:
@@ -96,7 +96,8 @@ def main() -> None:
     finally:
         if args.dir is None:
             shutil.rmtree(out, ignore_errors=True)
-    load = open("/proc/loadavg").read().split()[:3]
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[:3]
     for r in res:
         gb = 1e9
         print(f"{args.model} world={args.world} export={args.export} path={args.path} rank={r['rank']}: shard {r['shard'] / gb:.3f} GB, "

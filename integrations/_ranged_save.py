@@ -21,9 +21,9 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
+from fsdp_plugin.integrations._rank0_save import write_on_rank0
 
 from fsdp_plugin.checkpoint import _comm, export_plan, ranged
-from fsdp_plugin.integrations._rank0_save import write_on_rank0
 
 T = TypeVar("T")
 _log = logging.getLogger("fsdp_plugin")

@@ -77,8 +77,9 @@ def _build(tie: bool, adapter: bool):
 
 def _ranks(rank, world, out, tie, adapter, shared=True):
     import fsdp_plugin.integrations.transformers as integration
-    from fsdp_plugin.checkpoint import ranged
     from fsdp_plugin.integrations import _ranged_save
+
+    from fsdp_plugin.checkpoint import ranged
 
     integration.install()
     if not shared and rank == world - 1:
@@ -214,9 +215,8 @@ _LIGHTNING = {"epoch": 3, "global_step": 12, "hyper_parameters": {"lr": 0.1, "na
 
 
 def _lightning_ranks(rank, world, out):
-    from models import Block
-
     from fsdp_plugin.integrations.lightning.checkpoint import torch_file
+    from models import Block
 
     model = _gpt()
     fp.shard(model, auto_wrap_policy={Block})
@@ -253,9 +253,8 @@ def test_lightning_full_file_written_by_ranges_matches_the_gathered_one(tmp_path
 
 
 def _lightning_ckpt_ranks(rank, world, path):
-    from models import Block
-
     from fsdp_plugin.integrations.lightning.checkpoint import io as lio
+    from models import Block
 
     model = _gpt()
     fp.shard(model, auto_wrap_policy={Block})
@@ -263,10 +262,11 @@ def _lightning_ckpt_ranks(rank, world, path):
 
 
 def test_consolidate_lightning_streams_the_same_records(tmp_path):
-    from fsdp_plugin.checkpoint.consolidate import state_entries
-    from fsdp_plugin.cli import main
     from fsdp_plugin.integrations.lightning.checkpoint import io as lio
     from fsdp_plugin.integrations.lightning.checkpoint import torch_file
+
+    from fsdp_plugin.checkpoint.consolidate import state_entries
+    from fsdp_plugin.cli import main
 
     ck, out, ref = tmp_path / "ck", tmp_path / "out.ckpt", tmp_path / "ref.ckpt"
     run_ranks(_lightning_ckpt_ranks, 2, str(ck), timeout=180)
@@ -286,7 +286,9 @@ def test_consolidate_lightning_streams_the_same_records(tmp_path):
 def _consolidate_lightning_rss(ck, out, q):
     import resource
 
-    from fsdp_plugin.integrations.lightning.checkpoint.convert import consolidate_lightning
+    from fsdp_plugin.integrations.lightning.checkpoint.convert import (
+        consolidate_lightning,
+    )
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     consolidate_lightning(ck, out)

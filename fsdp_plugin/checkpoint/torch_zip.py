@@ -27,7 +27,7 @@ def records(path: str) -> dict[str, tuple[int, int]]:
     with open(path, "rb") as f, zipfile.ZipFile(f) as zf:
         for info in zf.infolist():
             f.seek(info.header_offset)
-            sig, name_len, extra_len = _local_header(f.read(30), info.filename)
+            _, name_len, extra_len = _local_header(f.read(30), info.filename)
             short = info.filename.split("/", 1)[1] if "/" in info.filename else info.filename
             out[short] = (info.header_offset + 30 + name_len + extra_len, info.file_size)
     return out
