@@ -48,7 +48,8 @@ def save_like_library(model: torch.nn.Module, save: Callable[[dict[str, Any]], T
                 err = e
         _comm.raise_if_any_failed(err, "running the library's save on stand-ins")
         if not _comm.all_true(_comm.rank() != 0 or plan is not None, "agreeing on the export path"):
-            return write_on_rank0(model, save, op)
+            with _plain_parameter_count(model):
+                return write_on_rank0(model, save, op)
         uid = _comm.broadcast_bytes(uuid.uuid4().hex.encode() if _comm.rank() == 0 else None).decode()
         ranged.write_planned(model, plan, uid)
     return result

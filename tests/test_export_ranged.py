@@ -338,3 +338,39 @@ def test_pickled_adapter_save_falls_back_to_the_gather(tmp_path):
     a = torch.load(ref / "adapter_model.bin", weights_only=True)
     b = torch.load(out / "adapter_model.bin", weights_only=True)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    return MixtralForCausalLM(MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                            num_local_experts=4, num_experts_per_tok=2))
+
+
+def _moe_ranks(rank, world, out):
+    import fsdp_plugin.integrations.transformers as integration
+    from fsdp_plugin.integrations import _ranged_save
+
+    integration.install()
+    model = _mixtral()
+    fp.shard(model)
+    gathered = []
+    real = _ranged_save.write_on_rank0
+    _ranged_save.write_on_rank0 = lambda *a: gathered.append(1) or real(*a)
+    model.save_pretrained(out, max_shard_size="40KB")
+    return bool(gathered)
+
+
+def test_moe_save_pretrained_reverts_fused_experts_and_is_byte_identical(tmp_path):
+    """Mixtral's fused ``experts.gate_up_proj`` is written back per expert by transformers' reverse conversion
+    (a chunk, a copy, an unbind): the same files as transformers' own save."""
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    _mixtral().save_pretrained(ref, max_shard_size="40KB")
+    gathered = run_ranks(_moe_ranks, 2, str(out), timeout=180)
+    want, got = _files(ref), _files(out)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name] == want[name], name
+    return gathered
