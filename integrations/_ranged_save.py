@@ -24,6 +24,7 @@ import torch
 from fsdp_plugin.integrations._rank0_save import write_on_rank0
 
 from fsdp_plugin.checkpoint import _comm, export_plan, ranged
+from fsdp_plugin.checkpoint.hf import fused_runs
 
 T = TypeVar("T")
 _log = logging.getLogger("fsdp_plugin")
@@ -59,7 +60,8 @@ def _plan_on_rank0(model, save) -> tuple[Any, list | None]:
     state, sources = export_plan.placeholders(model)
     with _capture(sources) as cap, _plain_parameter_count(model):
         result = save(state)
-    plan, why = export_plan.plan(cap.files, sources) if not cap.pickled else (None, cap.pickled)
+    plan, why = (export_plan.plan(cap.files, sources, lambda: fused_runs(model)) if not cap.pickled
+                 else (None, cap.pickled))
     if plan is None:
         _log.warning("%s: %s; gathering the model to rank 0 to write it", type(model).__name__, why)
     return result, plan
@@ -78,7 +80,8 @@ class _Capture:
 def _capture(sources: dict[int, str]) -> Iterator[_Capture]:
     """Inside: the libraries' safetensors writes are recorded instead of performed; a ``torch.save`` holding a
     stand-in is skipped and noted (the caller then gathers); PEFT's and accelerate's alias checks see
-    stand-ins as distinct unless they are the same model tensor."""
+    stand-ins as distinct unless they are the same model tensor; huggingface_hub's shard split sees a view
+    share its base's storage (meta tensors have none to compare), so it splits as for the real weights."""
     import importlib
 
     from torch.utils._pytree import tree_leaves
@@ -99,8 +102,18 @@ def _capture(sources: dict[int, str]) -> Iterator[_Capture]:
         base = t._base if t._base is not None else t
         return ("fsdp_plugin stand-in", sources.get(id(base), id(base)))
 
+    import huggingface_hub.serialization._torch as hub
+
+    real_hub_id = hub.get_torch_storage_id
+
+    def hub_storage_id(t):  # the shard split: views share their base's storage (counted once), as real ones do
+        if not t.is_meta:
+            return real_hub_id(t)
+        base = t._base if t._base is not None else t
+        return ("fsdp_plugin stand-in", id(base), base.untyped_storage().nbytes())
+
     patches = ([(m, a, record) for m, a in _WRITERS] + [(m, a, storage_id) for m, a in _ALIAS_CHECKS]
-               + [("torch", "save", guarded_save)])
+               + [("torch", "save", guarded_save), (hub.__name__, "get_torch_storage_id", hub_storage_id)])
     saved = []
     try:
         for mod_name, attr, fn in patches:

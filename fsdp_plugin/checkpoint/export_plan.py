@@ -36,15 +36,20 @@ def plain_numel(model) -> dict[int, int]:
     return {id(sh.param): sh.shape.numel() for sh in _model.param_shards(model)}
 
 
-def plan(files: list[tuple[str, dict | None, dict]], sources: dict[int, str]) -> tuple[list | None, str]:
-    """``(plan, "")``: ``[path, metadata, [[name, dtype, shape, source, start], ...]]`` per captured
-    ``(path, metadata, tensors)``; or ``(None, why)`` when a tensor is neither a stand-in nor a contiguous view
-    of one (the library computed it from data: only the tensors themselves can be written)."""
-    out = []
+def plan(files: list[tuple[str, dict | None, dict]], sources: dict[int, str],
+         known_runs=None) -> tuple[list | None, str]:
+    """``(plan, "")``: ``[path, metadata, [[name, dtype, shape, runs], ...]]`` per captured
+    ``(path, metadata, tensors)`` (runs as :mod:`.ranged` reads them); or ``(None, why)`` when a tensor is
+    neither a stand-in nor a contiguous view of one, nor named by ``known_runs()`` (called once, when needed:
+    ``{output name: runs}`` for tensors the library copies, e.g. :func:`.hf.fused_runs`)."""
+    out, known = [], None
     for path, metadata, tensors in files:
         entries = []
         for name, t in tensors.items():
             entry = _entry(name, t, sources)
+            if entry is None and known_runs is not None:
+                known = known_runs() if known is None else known
+                entry = _known(name, t, known)
             if entry is None:
                 return None, f"{name!r} is not a model tensor or a contiguous slice of one"
             entries.append(entry)
@@ -58,4 +63,11 @@ def _entry(name: str, t: torch.Tensor, sources: dict[int, str]) -> list | None:
         base, start = t._base, t.storage_offset() - t._base.storage_offset()
     if id(base) not in sources or base.dtype != t.dtype:
         return None
-    return [name, _format.dtype_name(t.dtype), list(t.shape), sources[id(base)], start]
+    return [name, _format.dtype_name(t.dtype), list(t.shape), [[0, sources[id(base)], start, t.numel()]]]
+
+
+def _known(name: str, t: torch.Tensor, known: dict) -> list | None:
+    runs = known.get(name)
+    if runs is None or sum(r[3] for r in runs) != t.numel():
+        return None
+    return [name, _format.dtype_name(t.dtype), list(t.shape), [list(r) for r in sorted(runs)]]

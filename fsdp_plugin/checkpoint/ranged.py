@@ -1,9 +1,10 @@
 """Write safetensors files planned elsewhere (names, dtypes, shapes, metadata: e.g. captured from a library's own
 ``save_pretrained``) from a sharded model, every rank its own byte ranges. Collective.
 
-A plan is one JSON-able list per file: ``[path, metadata, [[name, dtype, shape, source, start], ...]]``; output
-tensor ``name`` holds elements ``[start, start + numel(shape))`` of the flattened model tensor ``source`` (a
-``state_dict`` key: parameter, tied alias or persistent buffer). Rank 0 creates each file at its final size under
+A plan is one JSON-able list per file: ``[path, metadata, [[name, dtype, shape, runs], ...]]``; each run
+``[out, source, start, n]`` says that elements ``[out, out + n)`` of output tensor ``name`` are elements
+``[start, start + n)`` of the flattened model tensor ``source`` (a ``state_dict`` key: parameter, tied alias or
+persistent buffer); the runs of a tensor cover it exactly. Rank 0 creates each file at its final size under
 a temporary name with its header (:mod:`.st_header`: the safetensors library's own layout), every rank
 ``pwrite``\\ s the overlap of its shard pieces (buffers: rank 0), rank 0 fsyncs and renames the files into place.
 Memory: no tensor is assembled; a rank's bytes go from its shard to the file (from an accelerator, through the
@@ -60,7 +61,7 @@ def _sees(files: list) -> bool:
 def fill_existing(model, path: str | None, entries: list | None) -> None:
     """Collective: write each rank's bytes into file ``path`` that rank 0 laid out already (e.g. a
     ``torch.save`` archive with empty storage records). ``path`` and ``entries``
-    (``[[name, dtype, shape, source, start, absolute byte offset], ...]``) are given on rank 0, None elsewhere."""
+    (``[[name, dtype, shape, runs, absolute byte offset], ...]``) are given on rank 0, None elsewhere."""
     rank = _comm.rank()
     path, entries = json.loads(_comm.broadcast_bytes(json.dumps([path, entries]).encode() if rank == 0 else None,
                                                      step="broadcasting the export plan"))
@@ -76,7 +77,7 @@ class _File:
 
     def __init__(self, path: str, metadata, entries: list, uid: str):
         self.path, self.tmp = path, f"{path}.tmp-{uid}"
-        self.entries = [(n, dt, tuple(shape), src, int(start)) for n, dt, shape, src, start in entries]
+        self.entries = [(n, dt, tuple(shape), runs) for n, dt, shape, runs in entries]
         self.header, self.offset, self.size = st_header.encode([e[:3] for e in self.entries], metadata)
         self._fd: int | None = None
 
@@ -121,8 +122,8 @@ class _Existing(_File):
 
     def __init__(self, path: str, entries: list):
         self.path = self.tmp = path
-        self.entries = [(n, dt, tuple(shape), src, int(start)) for n, dt, shape, src, start, _ in entries]
-        self.offset = {e[0]: int(e[5]) for e in entries}
+        self.entries = [(n, dt, tuple(shape), runs) for n, dt, shape, runs, _ in entries]
+        self.offset = {e[0]: int(e[4]) for e in entries}
         self._fd = None
 
 
@@ -140,14 +141,16 @@ class _Sources:
         if not shared:
             self.table = piece_table(self.shards)
         for f in files:
-            for name, dt, shape, src, start in f.entries:
-                self._one(f, name, dt, _format.numel(shape), src, start, shared)
+            for name, dt, _shape, runs in f.entries:
+                for out, src, start, n in runs:
+                    self._one(f, name, dt, int(out), src, int(start), int(n), shared)
 
-    def _one(self, f: _File, name, dt, n: int, src: str, start: int, shared: bool) -> None:
+    def _one(self, f: _File, name, dt, out: int, src: str, start: int, n: int, shared: bool) -> None:
+        """Elements ``[start, start + n)`` of ``src`` to elements ``[out, out + n)`` of output ``name``."""
         if src in self.buffers:
             if _comm.rank() == 0:
                 flat = flat_cpu(self.buffers[src])[start:start + n]
-                f.pwrite(name, dt, 0, byte_view(_checked(flat, dt, name)))
+                f.pwrite(name, dt, out, byte_view(_checked(flat, dt, name)))
             return
         if src not in self.index:
             raise CheckpointError(f"export plan: {name!r} comes from {src!r}, which the model does not have")
@@ -159,11 +162,11 @@ class _Sources:
             if sh.writer and lo < hi:
                 for a in range(lo, hi, _CHUNK):  # off-host shards pass through the host one chunk at a time
                     b = min(a + _CHUNK, hi)
-                    f.pwrite(name, dt, a - start, byte_view(_piece(sh.param, a - sh.start, b - sh.start)))
+                    f.pwrite(name, dt, out + a - start, byte_view(_piece(sh.param, a - sh.start, b - sh.start)))
         else:
-            self._via_rank0(f, name, dt, n, i, start)
+            self._via_rank0(f, name, dt, out, i, start, n)
 
-    def _via_rank0(self, f: _File, name, dt, n: int, i: int, start: int) -> None:
+    def _via_rank0(self, f: _File, name, dt, out: int, i: int, start: int, n: int) -> None:
         """No shared filesystem: each writer rank's overlap goes to rank 0, which writes it."""
         sh, rank = self.shards[i], _comm.rank()
         if rank != 0:
@@ -181,7 +184,7 @@ class _Sources:
             else:
                 piece = torch.empty(hi - lo, dtype=sh.dtype, device=_comm._device())
                 _comm.recv(piece, r, f"receiving {name!r} from rank {r}")
-            f.pwrite(name, dt, lo - start, byte_view(flat_cpu(piece)))
+            f.pwrite(name, dt, out + lo - start, byte_view(flat_cpu(piece)))
 
 
 def _piece(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:

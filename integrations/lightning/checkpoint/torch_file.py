@@ -110,7 +110,7 @@ def _lay_out(tmp: Path, model: torch.nn.Module, lightning_state: dict[str, Any])
 
 def _lay_out_entries(tmp: Path, entries: list, lightning_state: dict[str, Any]) -> list:
     """``torch.save`` at ``tmp`` of fake weights ``(name, dtype, shape)`` (one storage each, as
-    :func:`_own_storages` makes them); returns ``[[name, dtype, shape, name, 0, data offset of data/i], ...]``."""
+    :func:`_own_storages` makes them); returns ``[[name, dtype, shape, runs (all of tensor name), data offset of data/i], ...]``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from fsdp_plugin.checkpoint import torch_zip
@@ -127,7 +127,7 @@ def _lay_out_entries(tmp: Path, entries: list, lightning_state: dict[str, Any]) 
         if size != fakes[name].numel() * fakes[name].element_size():
             raise RuntimeError(f"torch.save stored weight {name!r} somewhere other than record data/{i}: "
                                "fsdp_plugin's index would be wrong (please report this with your torch version)")
-        plan.append([name, dt, list(shape), name, 0, offset])
+        plan.append([name, dt, list(shape), [[0, name, 0, fakes[name].numel()]], offset])
     return plan
 
 
@@ -157,7 +157,7 @@ class _ZipTarget:
     def __init__(self, tmp: Path, layout: list):
         from types import SimpleNamespace
 
-        self.place = {n: SimpleNamespace(dtype=dt, offset=off) for n, dt, _shape, _src, _start, off in layout}
+        self.place = {n: SimpleNamespace(dtype=dt, offset=off) for n, dt, _shape, _runs, off in layout}
         self._fd = os.open(tmp, os.O_WRONLY)
 
     def pwrite(self, name: str, elem_start: int, data: memoryview) -> None:
