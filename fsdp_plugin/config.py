@@ -7,6 +7,7 @@ world (the mesh divides the world) happen when ``fp.shard`` builds the mesh (``_
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Union
 
@@ -36,6 +37,18 @@ class MixedPrecision:
         steps and keeps its state in fp32 (what stock accelerate's FSDP does). Frozen parameters (a LoRA
         base) keep the dtype they were loaded in, and so do all parameters without a 16-bit param_dtype.
         None keeps every master in its loaded dtype (bf16 masters and optimizer state: half the memory).
+    fp32_modules: modules that compute in float32 inside 16-bit units (norms, MoE routers): a tuple (a single
+        entry is accepted too) of ``nn.Module`` classes (isinstance) and strings. A string matches a module
+        whose class name equals it, or whose qualified name, or one of its own parameters' or buffers' names,
+        contains it (``re.search``, ``*`` = any characters: transformers' rule for its lists). Their
+        parameters get their own flat handle per unit, gathered, computed and reduced in float32 (trainable ones
+        get fp32 masters even with ``master_dtype=None``); their 16-bit inputs are cast to float32 and their
+        float32 outputs back to ``param_dtype`` (torch FSDP2's ``MixedPrecisionPolicy(param_dtype=float32,
+        output_dtype=param_dtype)`` on the module); their buffers skip ``buffer_dtype``. Needs a 16-bit
+        ``param_dtype``. In addition, always: the parameters a model declares by transformers' rule
+        (``_keep_in_fp32_modules_strict`` under fp16 and bf16, ``_keep_in_fp32_modules`` under fp16) stay
+        float32 with no casts, as ``from_pretrained(dtype=...)`` leaves them (set the attribute to None on the
+        model to opt out, as in transformers). See ``_build/precision.py``.
     """
 
     param_dtype: Optional[torch.dtype] = None
@@ -43,6 +56,7 @@ class MixedPrecision:
     buffer_dtype: Optional[torch.dtype] = None
     cast_forward_inputs: bool = True
     master_dtype: Optional[torch.dtype] = torch.float32
+    fp32_modules: tuple = ()
 
     def __post_init__(self):
         for name in ("param_dtype", "reduce_dtype", "buffer_dtype", "master_dtype"):
@@ -50,18 +64,57 @@ class MixedPrecision:
             if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
                 raise ConfigError(f"MixedPrecision.{name}={value!r}: use a floating torch dtype such as "
                                   "torch.bfloat16, torch.float16 or torch.float32, or None")
+        object.__setattr__(self, "fp32_modules", _fp32_entries(self.fp32_modules))
+        if self.fp32_modules and not self.low_precision:
+            raise ConfigError(f"MixedPrecision(fp32_modules={self.fp32_modules!r}) with param_dtype="
+                              f"{self.param_dtype}: fp32 modules only differ from the rest under 16-bit "
+                              "compute; set param_dtype=torch.bfloat16 (or float16), or drop fp32_modules")
 
-    def master_dtype_for(self, dtype: torch.dtype, requires_grad: bool) -> torch.dtype:
-        """The sharded master dtype of a parameter stored in ``dtype`` (see ``master_dtype``)."""
-        low = self.param_dtype is not None and self.param_dtype.itemsize < 4
-        if not (low and requires_grad and self.master_dtype is not None and dtype.is_floating_point):
+    @property
+    def low_precision(self) -> bool:
+        """Compute is a 16-bit float (the only case in which masters and fp32 modules differ from compute)."""
+        return self.param_dtype is not None and self.param_dtype.itemsize < 4
+
+    def master_dtype_for(self, dtype: torch.dtype, requires_grad: bool, fp32: bool = False) -> torch.dtype:
+        """The sharded master dtype of a parameter stored in ``dtype`` (see ``master_dtype``); ``fp32``: the
+        parameter belongs to an fp32 module, whose trainable parameters always get at least fp32 masters."""
+        master = torch.float32 if fp32 and (self.master_dtype is None or self.master_dtype.itemsize < 4) \
+            else self.master_dtype
+        if not (self.low_precision and requires_grad and master is not None and dtype.is_floating_point):
             return dtype
-        return self.master_dtype if dtype.itemsize < self.master_dtype.itemsize else dtype
+        return master if dtype.itemsize < master.itemsize else dtype
 
     def effective_reduce_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
         if self.reduce_dtype is not None:
             return self.reduce_dtype
         return torch.float32 if (self.param_dtype or param_dtype).itemsize < 4 else (self.param_dtype or param_dtype)
+
+
+def _fp32_entries(value) -> tuple:
+    """``MixedPrecision.fp32_modules`` in its one normal form: a tuple of nn.Module classes and patterns."""
+    entries = (value,) if isinstance(value, (str, type)) else value
+    if not isinstance(entries, (tuple, list, set, frozenset)) or not all(map(_valid_fp32_entry, entries)):
+        bad = [e for e in entries if not _valid_fp32_entry(e)] if isinstance(entries, (tuple, list, set, frozenset)) \
+            else value
+        raise ConfigError(f"MixedPrecision(fp32_modules={value!r}): {bad!r} is not a module class or a name "
+                          "pattern; use a tuple of nn.Module classes and/or strings (a class name such as "
+                          "'LlamaRMSNorm', or a qualified-name pattern such as 'mlp.gate' or 'layers.*.norm'), "
+                          "or () for none")
+    if isinstance(entries, (set, frozenset)):    # one order, so that equal policies compare equal
+        return tuple(sorted(entries, key=lambda e: e if isinstance(e, str) else e.__qualname__))
+    return tuple(dict.fromkeys(entries))
+
+
+def _valid_fp32_entry(entry) -> bool:
+    if isinstance(entry, type):
+        return issubclass(entry, nn.Module)
+    if not isinstance(entry, str) or not entry.strip():
+        return False
+    try:
+        re.compile(entry.replace("*", ".*"))
+    except re.error:
+        return False
+    return True
 
 
 class _SizePolicy:
@@ -156,6 +209,16 @@ class ShardingConfig:
         ``fp.Checkpointing(modules, every=k, selective=True)`` for every k-th module and torch's selective
         checkpointing (keep matmul/attention outputs, recompute the pointwise rest).
     ignored_modules: modules whose parameters stay unsharded and unmanaged.
+    some_ranks_modules: modules whose forward may run on some ranks only in a step, or on none, or more than
+        once (a vision tower when only some ranks hold images, an audio encoder, a rarely routed expert): module
+        classes, class names (``"CLIPVisionModel"``), a callable(module) -> bool, or None (no such module: every
+        unit must run on every rank or on none, else the pairing check raises CollectiveError). Each outermost
+        match becomes one unit (units the wrap policy picks inside it merge into it) on a rank-independent
+        schedule: every rank all-gathers it in the root's pre-forward, keeps it unsharded to the end of
+        backward, and reduce-scatters its gradient there (zeros from ranks that did not run it; skipped, grads
+        left None, when no rank did). Exact single-process/DDP gradients; master and optimizer state stay
+        sharded. Cost: the unit's full parameters (and, where it ran, its full gradient) held all step, and its
+        reduction is not overlapped with backward compute.
     timeout_s: seconds a collective may wait for the other ranks before raising CollectiveError (naming
         the rank, unit and collective) instead of hanging; None reads FSDP_PLUGIN_TIMEOUT_S, default 600.
     device: where unsharded parameters live (default: the current CUDA device under NCCL -- call
@@ -173,6 +236,7 @@ class ShardingConfig:
     cpu_offload: bool = False
     activation_checkpointing: Union[WrapPolicy, bool, "Checkpointing"] = None
     ignored_modules: Iterable[nn.Module] = field(default_factory=tuple)
+    some_ranks_modules: Union[None, set, frozenset, tuple, list, Callable[[nn.Module], bool]] = None
     timeout_s: Optional[float] = None
     device: Optional[torch.device] = None
     reshard_after_forward: Union[None, bool, set, frozenset, tuple, list, Callable[[str, nn.Module], bool]] = None
@@ -195,6 +259,7 @@ class ShardingConfig:
         self.ignored_modules = tuple(self.ignored_modules or ())
         as_checkpointing(self.activation_checkpointing)   # validates; kept as given (integrations compare it)
         _check_reshard_rule(self.reshard_after_forward)
+        _check_some_ranks_rule(self.some_ranks_modules)
         self.device = torch.device(self.device) if self.device is not None else None
 
     @classmethod
@@ -209,6 +274,16 @@ class ShardingConfig:
         if not isinstance(config, ShardingConfig):
             raise ConfigError(f"fp.shard(model, config): config must be a ShardingConfig, not {type(config).__name__}")
         return dataclasses.replace(config, **kwargs)
+
+
+def _check_some_ranks_rule(rule) -> None:
+    if rule is None or callable(rule) and not isinstance(rule, type):
+        return
+    if isinstance(rule, (set, frozenset, tuple, list)) and rule and all(
+            isinstance(c, str) or isinstance(c, type) and issubclass(c, nn.Module) for c in rule):
+        return
+    raise ConfigError(f"some_ranks_modules={rule!r}: use a set of module classes or class names (e.g. "
+                      "{'CLIPVisionModel'}), a callable(module) -> bool, or None")
 
 
 def _check_reshard_rule(rule) -> None:

@@ -32,6 +32,22 @@ def wrap_policy_matches_nothing():
     fp.shard(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), auto_wrap_policy={Missing})
 
 
+def bad_fp32_modules_value():
+    fp.MixedPrecision(param_dtype=torch.bfloat16, fp32_modules=[nn.LayerNorm, 3])
+
+
+def fp32_modules_match_nothing():
+    fp.shard(GPT(), mixed_precision=fp.MixedPrecision(param_dtype=torch.bfloat16, fp32_modules=("RMSNorm",)))
+
+
+def fp32_modules_without_16_bit_compute():
+    fp.MixedPrecision(fp32_modules=(nn.LayerNorm,))
+
+
+def fp32_module_tied_to_a_16_bit_module():
+    fp.shard(GPT(), mixed_precision=fp.MixedPrecision(param_dtype=torch.bfloat16, fp32_modules=("head",)))
+
+
 def _mesh(rank, world):
     fp.shard(GPT(), sharding_strategy="hybrid_shard", device_mesh=(3, 1))
 
@@ -42,6 +58,43 @@ def mesh_not_dividing_world():
     except RankFailure as e:
         line = [ln for ln in str(e).splitlines() if ln.startswith("fsdp_plugin.errors.ConfigError: ")][0]
         raise fp.ConfigError(line.split("ConfigError: ", 1)[1]) from None
+
+
+class _Tower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class _WithTower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.tower, self.head = nn.Linear(4, 4), _Tower(), nn.Linear(4, 1)
+
+    def forward(self, x, image=None):
+        h = self.embed(x)
+        return self.head(h if image is None else h + self.tower(image)).sum()
+
+
+def _tower_on_rank0(rank, world):
+    model = fp.shard(_WithTower(), auto_wrap_policy={_Tower}, timeout_s=30)
+    try:
+        model(torch.ones(2, 4), torch.ones(2, 4) if rank == 0 else None).backward()
+    except fp.CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+def a_unit_runs_on_some_ranks_only():
+    """Rank 0 holds an image, rank 1 does not; the tower is a unit but not in some_ranks_modules."""
+    raise fp.CollectiveError(run_ranks(_tower_on_rank0, 2, timeout=60)[0])
+
+
+def some_ranks_modules_matches_nothing():
+    fp.shard(_WithTower(), some_ranks_modules={"VisionTower"})
 
 
 def shard_twice():
@@ -237,20 +290,28 @@ def _matrices():
     return fp.shard(nn.Sequential(nn.Linear(8, 7), nn.Linear(7, 5)))   # on 2 ranks the first weight is cut 6 | 1 rows
 
 
+class Muon(torch.optim.SGD):
+    """Stands for a third-party Muon (by name; torch.optim.Muon itself runs the owner step)."""
+
+
 def _stock_muon(rank, world):
     model = _matrices()
-    opt = torch.optim.Muon([p for p in model.parameters() if p.ndim == 2])
+    opt = Muon([p for p in model.parameters() if p.ndim == 2], lr=0.1)
     model(torch.ones(2, 8)).sum().backward()
     opt.step()
 
 
-def stock_muon_on_a_split_matrix():
+def third_party_muon_on_a_split_matrix():
     _ranks_error(_stock_muon)
+
+
+class LAMB(torch.optim.SGD):
+    """Stands for a third-party per-tensor optimizer (refused by name; Adafactor runs the owner step)."""
 
 
 def _adafactor(rank, world):
     model = _matrices()
-    opt = torch.optim.Adafactor(model.parameters())
+    opt = LAMB(model.parameters(), lr=0.1)
     model(torch.ones(2, 8)).sum().backward()
     opt.step()
 
@@ -261,6 +322,10 @@ def per_tensor_optimizer_on_shard_pieces():
 
 def muon_given_a_vector():
     fp.optim.Muon(_matrices().parameters())
+
+
+def muon_with_adamw_group_without_use_muon():
+    fp.optim.MuonWithAdamW([{"params": list(_matrices().parameters()), "lr": 0.02}])
 
 
 def _muon_unsharded(rank, world):
@@ -348,6 +413,8 @@ def load_an_interrupted_save(tmp_path):
 
 
 CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_policy_matches_nothing,
+         bad_fp32_modules_value, fp32_modules_match_nothing, fp32_modules_without_16_bit_compute,
+         fp32_module_tied_to_a_16_bit_module,
          mesh_not_dividing_world, shard_twice, optimizer_stepped_before_shard, dtype_backend_cannot_reduce,
          plain_state_dict_on_sharded_model, not_sharded, meta_module_without_init,
          transformers_init_leaves_module_unset, skip_cannot_fill_nonpersistent_buffer,
@@ -360,8 +427,9 @@ CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_polic
          load_a_directory_that_is_not_a_checkpoint, load_an_interrupted_save,
          activation_checkpointing_every_zero, activation_checkpointing_without_units,
          collective_deadline_names_the_late_rank, join_before_any_batch,
-         stock_muon_on_a_split_matrix, per_tensor_optimizer_on_shard_pieces, muon_given_a_vector,
-         muon_on_a_model_never_sharded]
+         third_party_muon_on_a_split_matrix, per_tensor_optimizer_on_shard_pieces, muon_given_a_vector,
+         muon_with_adamw_group_without_use_muon,
+         muon_on_a_model_never_sharded, a_unit_runs_on_some_ranks_only, some_ranks_modules_matches_nothing]
 
 
 def _capture(case, tmp_path):

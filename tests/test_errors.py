@@ -81,7 +81,7 @@ def test_dtype_backend_cannot_reduce():
 
 
 def test_per_tensor_optimizer_on_one_rank_is_exact_and_silent():
-    """One rank: every piece is the whole tensor, so Adafactor runs as unsharded (2 ranks: tests/test_muon.py)."""
+    """One rank: every piece is the whole tensor, so Adafactor runs as unsharded (2+ ranks, the owner step: tests/test_owner_step.py)."""
     import warnings
 
     torch.manual_seed(0)

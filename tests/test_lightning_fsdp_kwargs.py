@@ -73,8 +73,10 @@ def test_cpu_offload_prefetch_and_flags():
 def test_torch_mixed_precision_becomes_ours():
     mp = sharding_config({"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                                             buffer_dtype=torch.bfloat16)}).mixed_precision
+    # FSDP1 keeps its `_module_classes_to_ignore` (default: BatchNorm) out of mixed precision: our fp32 modules
     assert mp == fp.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                   buffer_dtype=torch.bfloat16, cast_forward_inputs=True)
+                                   buffer_dtype=torch.bfloat16, cast_forward_inputs=True,
+                                   fp32_modules=(torch.nn.modules.batchnorm._BatchNorm,))
     ours = fp.MixedPrecision(param_dtype=torch.float16)
     assert sharding_config({"mixed_precision": ours}).mixed_precision is ours
     with pytest.raises(fp.ConfigError, match="keep_low_precision_grads"):

@@ -1,33 +1,29 @@
 """Guards against silent misuse of a sharded model: plain state_dict()/load_state_dict() (they would
 see shard pieces), optimizers whose state does not match the sharded parameters, and per-tensor optimizers
 (Muon, Adafactor, LAMB...) on pieces of tensors, which would compute per-piece statistics: they raise at
-their first step, on every rank alike (the decision uses the layout, which every rank knows), never warn."""
+their first step, on every rank alike (the decision uses the layout, which every rank knows), never warn —
+except torch's Muon and Adafactor and classes marked with ``fp.optim.register_per_tensor``, which get the
+exact owner step (``optim/owner_step.py``: the stock step on full tensors)."""
 from __future__ import annotations
 
 import weakref
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch import nn
 
 from .._flat.layout import param_info
 from ..errors import OptimizerError, StateDictError
+from ..optim import owner_step
 
 _STATE_DICT_HELP = ("on a sharded model outside `with fp.full_params(model):` it would hold shard pieces (whole rows); "
                     "use fp.full_state_dict(model) (full tensors on rank 0), fp.save_checkpoint/fp.load_checkpoint "
                     "(sharded, any world size), or call it inside `with fp.full_params(model):`")
 # Optimizers whose update of a parameter depends on more than its own elements (norms, factored
 # moments, orthogonalization, line searches): on shard pieces they compute per-piece statistics instead.
-# By class name (and classes registered with fp.optim.register_per_tensor): the libraries need not be imported.
+# By class name: the libraries need not be imported (registered classes and torch's own run the owner step).
 PER_TENSOR = {"LAMB", "Lamb", "FusedLAMB", "Adafactor", "LARS", "LBFGS", "Shampoo", "DistributedShampoo", "SOAP",
               "Muon", "SophiaG", "Dion"}
-_REGISTERED: set = set()
-
-
-def register_per_tensor(cls: type) -> type:
-    """Mark optimizer class ``cls`` (and its subclasses) as per-tensor: the guard refuses it on shard pieces."""
-    _REGISTERED.add(cls)
-    return cls
 _checked_optimizers: "weakref.WeakSet" = weakref.WeakSet()
 _hook_handle = None
 
@@ -53,14 +49,25 @@ def install_guards(model: nn.Module, root) -> None:
 def _install_optimizer_check() -> None:
     global _hook_handle
     if _hook_handle is None:
-        _hook_handle = register_optimizer_step_pre_hook(_check_optimizer)
+        _hook_handle = (register_optimizer_step_pre_hook(_check_optimizer),
+                        register_optimizer_step_post_hook(_after_step))
+
+
+def _owner_stepped(optimizer) -> bool:
+    return owner_step.applies(type(optimizer))
 
 
 def _check_optimizer(optimizer, args, kwargs) -> None:
     if optimizer in _checked_optimizers:
+        if _owner_stepped(optimizer):
+            _owner_before(optimizer)
         return
     sharded = [p for g in optimizer.param_groups for p in g["params"] if getattr(p, "_fp_handle", None) is not None]
     if not sharded:
+        return
+    if _owner_stepped(optimizer):      # its state lives whole on the rank that steps each parameter
+        _checked_optimizers.add(optimizer)
+        _owner_before(optimizer)
         return
     for p in sharded:
         for key, value in optimizer.state.get(p, {}).items():
@@ -73,13 +80,23 @@ def _check_optimizer(optimizer, args, kwargs) -> None:
     _checked_optimizers.add(optimizer)
 
 
+def _owner_before(optimizer) -> None:
+    owner_step.before(optimizer)
+
+
+def _after_step(optimizer, args, kwargs) -> None:
+    if optimizer in _checked_optimizers and _owner_stepped(optimizer):
+        owner_step.after(optimizer)
+
+
 def _check_per_tensor(optimizer, sharded: list) -> None:
-    """Stock Muon is exact on matrices no rank splits (whole on one rank, empty elsewhere); any other
-    per-tensor optimizer needs every tensor whole on every rank (it fails on empty pieces, too)."""
+    """A Muon by name (not torch's: that one runs the owner step) is exact on matrices no rank splits (whole
+    on one rank, empty elsewhere); any other per-tensor optimizer not marked with register_per_tensor (LAMB,
+    LBFGS, Shampoo...: their steps may couple parameters or communicate) needs every tensor whole everywhere."""
     cls = type(optimizer)
     if getattr(cls, "_fp_sharding_aware", False):
         return
-    if cls.__name__ not in PER_TENSOR and not any(issubclass(cls, r) for r in _REGISTERED):
+    if cls.__name__ not in PER_TENSOR:
         return
     if cls.__name__ == "Muon":
         split = [param_info(p) for p in sharded if param_info(p).split]
@@ -87,8 +104,8 @@ def _check_per_tensor(optimizer, sharded: list) -> None:
             raise OptimizerError(
                 f"{cls.__module__}.Muon on a sharded model: {split[0].fqn!r} (shape {tuple(split[0].shape)}) is cut "
                 f"between ranks ({len(split)} such matrices), and Newton–Schulz on a rank's rows is not Muon on the "
-                "matrix. Use fp.optim.Muon (same arguments and defaults): it is bit-identical to torch.optim.Muon "
-                "on the full tensors")
+                "matrix. Use fp.optim.Muon (torch.optim.Muon's arguments and defaults): it is bit-identical to "
+                "torch.optim.Muon on the full tensors (torch.optim.Muon itself also runs exactly, at 3x the bytes)")
         return
     pieces = [param_info(p) for p in sharded if p._fp_handle.mesh.shard_size > 1]
     if pieces:
@@ -96,4 +113,6 @@ def _check_per_tensor(optimizer, sharded: list) -> None:
             f"{cls.__name__} is a per-tensor optimizer (whole-tensor statistics) but {pieces[0].fqn!r} is sharded "
             f"into pieces ({len(pieces)} such parameters): it would train differently from unsharded training. Use "
             "fp.optim.Muon for the 2-D hidden matrices and an elementwise optimizer (AdamW, Adam, SGD, Lion) for the "
-            "rest, or give this optimizer only parameters of no_shard units")
+            "rest, give this optimizer only parameters of no_shard units, or, if its step updates each parameter "
+            "from that parameter alone without collectives, mark the class with fp.optim.register_per_tensor "
+            "(it then runs exactly, on full tensors)")

@@ -14,6 +14,7 @@ from .._flat.flat_param import FlatParamHandle, ParamSlot
 from .checkpointing import apply_activation_checkpointing
 from .guards import install_guards
 from .host_alloc import keep_freed_host_memory
+from .precision import fp32_buffers, fp32_param_ids, fp32_regions, install_casts
 from .._materialize.materialize import Materializer, decide_scatter, model_kind
 from .._materialize.hf_init import retie
 from .._groups.mesh import Mesh, build_mesh
@@ -22,7 +23,7 @@ from .._schedule.join import make_joinable
 from .._schedule.root import RootState
 from .strategy import STRATEGIES, unit_policy
 from .._schedule.unit import Unit
-from .wrap import owner_unit, params_by_unit, select_unit_modules
+from .wrap import owner_unit, params_by_unit, select_unit_modules, some_ranks_fqns
 from ..config import ShardingConfig
 from ..errors import ConfigError, ShardingError
 
@@ -48,13 +49,17 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
     device = _pick_device(model, cfg)
     _check_reducible(model, cfg)
     retie(model)
-    units = select_unit_modules(model, cfg.auto_wrap_policy, cfg.ignored_modules)
+    some_ranks = set(some_ranks_fqns(model, cfg.some_ranks_modules, cfg.ignored_modules))
+    regions = fp32_regions(model, cfg.mixed_precision)
+    units = select_unit_modules(model, cfg.auto_wrap_policy, cfg.ignored_modules, some_ranks)
     apply_activation_checkpointing(model, cfg.activation_checkpointing, [m for f, m in units if f])
     if device.type == "cpu" and mesh.world_size > 1:
         keep_freed_host_memory()    # per-step buffers are malloc blocks on the CPU (see _host_alloc)
     root = RootState(cfg, mesh, device)
-    _build_units(model, units, cfg, mesh, device, root)
-    _finish_buffers(model, cfg, mesh, device)
+    _build_units(model, units, cfg, mesh, device, root, some_ranks, regions)
+    _finish_buffers(model, cfg, mesh, device, fp32_buffers(model, cfg.mixed_precision, regions))
+    if regions:
+        install_casts(regions, cfg.mixed_precision.param_dtype, device.type)
     _release_recording(model)
     model._fp_root = root
     make_joinable(model, root)   # torch's Join([model]) for uneven inputs
@@ -90,9 +95,11 @@ def _check_reducible(model: nn.Module, cfg: ShardingConfig) -> None:
                               "reduce: set MixedPrecision(reduce_dtype=torch.float32), or freeze/cast that parameter")
 
 
-def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: RootState) -> None:
+def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: RootState, some_ranks: set,
+                 regions: list) -> None:
     unit_fqns = [f for f, _ in units]
     sites, names, owned = params_by_unit(model, unit_fqns, cfg.ignored_modules)
+    fp32_ids = fp32_param_ids(model, cfg.mixed_precision, regions, sites)
     model_kind(model)   # refuses a model partly changed after fp.deferred_init()
     scatter = decide_scatter(model, mesh.world_size, device)
     mat = Materializer(model, device, cfg.param_init_fn)
@@ -109,10 +116,13 @@ def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: Ro
             else:
                 _empty_meta_buffers(buffer_sites[fqn], device)
             policy = unit_policy(cfg, mesh, fqn, module)
-            handles = [_build_handle(group, dtype, sites, names, policy.mesh, cfg, device, mat, scatter,
+            handles = [_build_handle(group, dtype, fp32, sites, names, policy.mesh, cfg, device, mat, scatter,
                                      fqn or "<root>")
-                       for (dtype, _), group in group_params(owned[fqn], cfg.mixed_precision).items()]
-            built.append(Unit(fqn, module, handles, root, reshard_policy=policy.reshard_after_forward))
+                       for (dtype, _, fp32), group in group_params(owned[fqn], cfg.mixed_precision,
+                                                                   fp32_ids).items()]
+            some = fqn in some_ranks    # held from the root's pre-forward to the end of backward: never resharded
+            built.append(Unit(fqn, module, handles, root, reshard_policy=policy.reshard_after_forward and not some,
+                              some_ranks=some))
             if progress is not None:
                 progress(sum(h.total * h.dtype.itemsize for h in handles))
         if progress is not None:
@@ -157,27 +167,32 @@ def _empty_meta_buffers(sites: list, device) -> None:
             m._buffers[n] = torch.empty_like(m._buffers[n], device=device)
 
 
-def group_params(params: list, mp=None) -> "OrderedDict[tuple, list]":
-    """A unit's parameters by ``(master dtype, requires_grad)``, one flat handle each (shared with fp.plan).
+def group_params(params: list, mp=None, fp32_ids: frozenset = frozenset()) -> "OrderedDict[tuple, list]":
+    """A unit's parameters by ``(master dtype, requires_grad, fp32)``, one flat handle each (shared with
+    fp.plan); ``fp32``: the parameter's ``id`` is in ``fp32_ids`` (an fp32 module's, see ``precision.py``).
     The master dtype is the loaded dtype, or ``mp.master_dtype`` for trainable 16-bit parameters under a
     16-bit ``MixedPrecision`` (see ``MixedPrecision.master_dtype_for``)."""
     groups: OrderedDict = OrderedDict()
     for p in params:
-        dtype = mp.master_dtype_for(p.dtype, p.requires_grad) if mp is not None else p.dtype
-        groups.setdefault((dtype, p.requires_grad), []).append(p)
+        fp32 = id(p) in fp32_ids
+        dtype = mp.master_dtype_for(p.dtype, p.requires_grad, fp32) if mp is not None else p.dtype
+        groups.setdefault((dtype, p.requires_grad, fp32), []).append(p)
     return groups
 
 
-def _build_handle(params, dtype: torch.dtype, sites, names, mesh: Mesh, cfg: ShardingConfig, device,
+def _build_handle(params, dtype: torch.dtype, fp32: bool, sites, names, mesh: Mesh, cfg: ShardingConfig, device,
                   mat: Materializer, scatter: bool, label: str) -> FlatParamHandle:
     """One flat handle whose master shard is ``dtype`` (the loaded values are cast into it)."""
     requires_grad = params[0].requires_grad
-    if dtype != params[0].dtype:    # accelerate logs its upcast too: the memory is the user's to know about
+    if dtype != params[0].dtype and fp32:
+        _log.logger.info("unit %s: %d trainable %s parameters of fp32 modules get %s master shards", label,
+                         len(params), params[0].dtype, dtype)
+    elif dtype != params[0].dtype:    # accelerate logs its upcast too: the memory is the user's to know about
         _log.logger.info("unit %s: %d trainable %s parameters get %s master shards (MixedPrecision(master_dtype="
                          "None) keeps %s)", label, len(params), params[0].dtype, dtype, params[0].dtype)
     values = mat.param_values(params) if (not scatter or mesh.rank == 0) else None
     slots = [ParamSlot(p, names[id(p)], [(f, m, a) for f, m, a in sites[id(p)]], p.shape) for p in params]
-    compute, reduce = handle_dtypes(cfg.mixed_precision, dtype)
+    compute, reduce = handle_dtypes(cfg.mixed_precision, dtype, fp32)
     shard_device = torch.device("cpu") if cfg.cpu_offload else device
     handle = FlatParamHandle(slots, mesh, dtype, requires_grad, device, compute, reduce, shard_device,
                              label=label, timeout_s=comm.default_timeout_s(cfg.timeout_s))
@@ -189,11 +204,15 @@ def _build_handle(params, dtype: torch.dtype, sites, names, mesh: Mesh, cfg: Sha
     return handle
 
 
-def handle_dtypes(mp, dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+def handle_dtypes(mp, dtype: torch.dtype, fp32: bool = False) -> tuple[torch.dtype, torch.dtype]:
     """(compute, reduce) dtype of a flat handle whose master dtype is ``dtype`` under MixedPrecision ``mp``
-    (None: no mixed precision). Non-floating handles keep their dtype. Shared with ``fp.plan``."""
+    (None: no mixed precision); ``fp32``: an fp32 module's handle, gathered, computed and reduced in float32
+    (or wider). Non-floating handles keep their dtype. Shared with ``fp.plan``."""
     if mp is None or not dtype.is_floating_point:
         return dtype, dtype
+    if fp32:
+        wide = dtype if dtype.itemsize > 4 else torch.float32
+        return wide, wide
     return mp.param_dtype or dtype, mp.effective_reduce_dtype(dtype)
 
 
@@ -232,8 +251,9 @@ def _chunk_of(handle: FlatParamHandle, values, j: int) -> torch.Tensor:
     return out
 
 
-def _finish_buffers(model: nn.Module, cfg: ShardingConfig, mesh: Mesh, device) -> None:
-    """Move buffers to the device, cast to buffer_dtype, and make rank 0's values everyone's."""
+def _finish_buffers(model: nn.Module, cfg: ShardingConfig, mesh: Mesh, device, keep: set) -> None:
+    """Move buffers to the device, cast to buffer_dtype (except ``keep``: ``(id(module), name)`` of the fp32
+    modules' buffers), and make rank 0's values everyone's."""
     bdtype = cfg.mixed_precision.buffer_dtype if cfg.mixed_precision else None
     seen: set[int] = set()
     for m in model.modules():
@@ -242,7 +262,7 @@ def _finish_buffers(model: nn.Module, cfg: ShardingConfig, mesh: Mesh, device) -
                 continue
             if b.device != device:
                 m._buffers[n] = b = b.to(device)
-            if bdtype is not None and b.is_floating_point():
+            if bdtype is not None and b.is_floating_point() and (id(m), n) not in keep:
                 m._buffers[n] = b = b.to(bdtype)
             if mesh.world_size > 1 and id(b) not in seen:
                 comm.broadcast(b, src=0, group=None)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
-from typing import Callable, Iterable
+from typing import Callable, Collection, Iterable
 
 from torch import nn
 
@@ -11,8 +11,13 @@ from ..config import _SizePolicy
 from ..errors import ConfigError
 
 
-def select_unit_modules(model: nn.Module, policy, ignored: Iterable[nn.Module]) -> list[tuple[str, nn.Module]]:
-    """Return ``[(fqn, module)]`` for every unit, root first, in module order (parents before children)."""
+def select_unit_modules(model: nn.Module, policy, ignored: Iterable[nn.Module],
+                        some_ranks: Collection[str] = ()) -> list[tuple[str, nn.Module]]:
+    """Return ``[(fqn, module)]`` for every unit, root first, in module order (parents before children).
+
+    ``some_ranks``: fqns from `some_ranks_fqns`; each is a unit and no unit is chosen inside one (its
+    parameters are gathered as one piece on every rank, whatever runs inside it).
+    """
     ignored_ids = {id(m) for ig in ignored for m in ig.modules()}
     candidates = [(n, m) for n, m in model.named_modules() if n and id(m) not in ignored_ids]
     if policy is None:
@@ -26,7 +31,59 @@ def select_unit_modules(model: nn.Module, policy, ignored: Iterable[nn.Module]) 
     else:
         raise ConfigError(f"auto_wrap_policy={policy!r}: use a set of module classes, a callable(module) -> bool, "
                           "fp.size_policy(min_params) or None")
+    if some_ranks:
+        inside = lambda n: any(n.startswith(f + ".") for f in some_ranks)
+        return [("", model)] + [(n, m) for n, m in candidates if n in some_ranks or id(m) in chosen and not inside(n)]
     return [("", model)] + [(n, m) for n, m in candidates if id(m) in chosen]
+
+
+# Attribute names transformers 5.24 gives modality encoders that run only on batches holding that modality
+# (45 models `vision_tower`, 23 `audio_tower`, 22 `visual`, ...). `vision_model` is left out: CLIP/SigLIP-style
+# models run it on every batch.
+_ENCODER_NAMES = ("vision_tower", "visual", "audio_tower", "vision_encoder", "audio_encoder", "image_encoder",
+                  "audio_model")
+
+
+def some_ranks_hint(model: nn.Module, units) -> str:
+    """A sentence for a divergence error: the modality encoders (by transformers' attribute names) that hold
+    ordinary units, and the ``some_ranks_modules`` that would declare them; '' when there are none."""
+    found: dict[str, str] = {}
+    for u in units:
+        parts = u.fqn.split(".") if u.fqn and not u.some_ranks else []
+        at = next((i for i, p in enumerate(parts) if p in _ENCODER_NAMES), None)
+        if at is not None:
+            prefix = ".".join(parts[:at + 1])
+            found.setdefault(prefix, type(model.get_submodule(prefix)).__name__)
+    if not found:
+        return ""
+    where = ", ".join(f"{p!r} ({c})" for p, c in found.items())
+    classes = ", ".join(repr(c) for c in dict.fromkeys(found.values()))
+    return (f" Likely cause: {where} runs only on ranks whose batch holds that modality; declare "
+            f"ShardingConfig(some_ranks_modules={{{classes}}}).")
+
+
+def some_ranks_fqns(model: nn.Module, rule, ignored: Iterable[nn.Module] = ()) -> list[str]:
+    """The outermost modules ``ShardingConfig.some_ranks_modules`` (``rule``) selects, by fqn, in module order;
+    never the root (it runs on every rank). A rule that selects nothing is a ConfigError (a typo would
+    otherwise leave the divergence it was meant to handle)."""
+    if rule is None:
+        return []
+    if callable(rule):
+        match = rule
+    else:
+        classes = tuple(c for c in rule if isinstance(c, type))
+        names = {c for c in rule if isinstance(c, str)}
+        match = lambda m: isinstance(m, classes) or type(m).__name__ in names
+    ignored_ids = {id(m) for ig in ignored for m in ig.modules()}
+    found: list[str] = []
+    for n, m in model.named_modules():
+        if n and id(m) not in ignored_ids and not any(n.startswith(f + ".") for f in found) and match(m):
+            found.append(n)
+    if not found:
+        present = sorted({type(m).__name__ for m in model.modules()})
+        raise ConfigError(f"some_ranks_modules={rule!r} matches no submodule of {type(model).__name__}; its module "
+                          f"classes are: {', '.join(present)}")
+    return found
 
 
 def _class_policy(model, candidates, classes) -> set:

@@ -55,9 +55,10 @@ def describe(c: int, units: Sequence) -> str:
     return "end of forward" if entering is Entering.END_OF_FORWARD else "end of backward"
 
 
-def agree(c: int, units: Sequence, group, world_size: int, timeout_s: Optional[float]) -> None:
+def agree(c: int, units: Sequence, group, world_size: int, timeout_s: Optional[float], hint: str = "") -> None:
     """Blocking: every rank of ``group`` (``world_size`` ranks, CPU tensors) passes the same code ``c``, else a
-    CollectiveError on every rank naming each rank's next collective (``describe`` over ``units``)."""
+    CollectiveError on every rank naming each rank's next collective (``describe`` over ``units``) and ending
+    with ``hint`` (the model's likely cause, the same on every rank)."""
     mine = torch.tensor([c], dtype=torch.int64)
     everyone = torch.empty(world_size, dtype=torch.int64)
     work = comm.all_gather(everyone, mine, group, async_op=True, kind="control")
@@ -68,4 +69,6 @@ def agree(c: int, units: Sequence, group, world_size: int, timeout_s: Optional[f
         raise CollectiveError(
             f"ranks diverged: their next collectives belong to different units, so they would pair wrongly ({names}). Every rank must run the "
             "same units in the same order, and every unit's output must reach the loss on every rank or on none "
-            "(no rank-dependent branches around sharded modules; put such modules inside a unit that runs everywhere)")
+            "(no rank-dependent branches around sharded modules; declare a module that runs on some ranks only, e.g. a "
+            "vision tower, in ShardingConfig(some_ranks_modules={...}), or put it inside a unit that runs everywhere)"
+            + hint)

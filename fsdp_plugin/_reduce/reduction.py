@@ -54,8 +54,10 @@ class Reduction:
     # ---------------------------------------------------------------- backward
     def grad_ready(self, h, unit) -> None:
         """Handle ``h`` of ``unit`` has its unsharded gradient (post-accumulate hook): accumulate it in the no_sync
-        window, else issue its reduction (after the pairing check when it communicates)."""
-        if self.no_sync:
+        window, else issue its reduction (after the pairing check when it communicates). A ``some_ranks`` unit's
+        gradient is always kept: every rank reduces it at the end of backward (``UsageAgreement.finish``), since
+        only some ranks reach this hook."""
+        if self.no_sync or unit.some_ranks:
             h.accumulate_without_sync()
             h.usage.close_backward(reducing=False)
             return

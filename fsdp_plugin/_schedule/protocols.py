@@ -21,6 +21,7 @@ class ScheduledUnit(Protocol):
 
     name: str
     reshard_policy: bool     # the config's rule for this unit (``UnitPolicy``), input of ``reshard_table``
+    some_ranks: bool         # may run on some ranks only: gathered at the root's pre-forward, reduced at the end
 
     @property
     def in_backward(self) -> bool:

@@ -13,6 +13,7 @@ from .._comm import status as comm_status
 from ..config import ShardingConfig
 from .._groups.mesh import Mesh, control_group
 from .._build.strategy import prefetch_depth, reshard_after_forward_table
+from .._build.wrap import some_ranks_hint
 from .protocols import ScheduledUnit
 from .states import OrderState, RootPhase
 from .._reduce.reduction import Reduction
@@ -39,11 +40,17 @@ class RootState:
         self.unit_before_root = None        # the unit whose reduction the root's comes right after
         self._reshards = None               # reshard_table(), computed on first use and when the order freezes
         self._unit_index: dict = {}         # unit -> its index in ``units`` (the pairing code's unit number)
+        self._hint = None                   # some_ranks_hint for divergence errors, computed at the first check
         self.join = None                    # join.JoinState: uneven inputs under torch's Join (fp.shard sets it)
 
     @property
     def root_unit(self):
         return self.units[0]
+
+    @property
+    def some_ranks_units(self) -> list:
+        """Units whose forward may run on some ranks only (``ShardingConfig.some_ranks_modules``)."""
+        return [u for u in self.units if u.some_ranks]
 
     @property
     def in_backward(self) -> bool:
@@ -67,8 +74,8 @@ class RootState:
             if self.join is not None:
                 self.join.before_forward(args, kwargs)
             args, kwargs = self._cast_inputs(args, kwargs)
-        if self.order_state is OrderState.RECORDING and unit not in self.exec_order:
-            self.exec_order.append(unit)
+        if self.order_state is OrderState.RECORDING and unit not in self.exec_order and not unit.some_ranks:
+            self.exec_order.append(unit)   # some_ranks units: rank-dependent, so out of the order and prefetch
         return args, kwargs
 
     def agree_next(self, entering: Entering, unit=None) -> None:
@@ -78,19 +85,30 @@ class RootState:
         if mesh is None or mesh.world_size == 1:
             return
         c = pairing.code(entering, self.index_of(unit) if unit is not None else 0)
+        if self._hint is None:      # once: the units never change
+            self._hint = some_ranks_hint(self.root_unit.module, self.units)
         pairing.agree(c, self.units, control_group(), mesh.world_size,
-                      comm.default_timeout_s(self.config.timeout_s))
+                      comm.default_timeout_s(self.config.timeout_s), self._hint)
 
     def after_unshard_in_forward(self, unit) -> None:
         """Forward prefetch, in a real forward only: a recomputation in backward (activation checkpointing)
-        would gather units whose backward is already done and keep them to the end of backward."""
-        if torch.is_grad_enabled() and not self.in_backward:
+        would gather units whose backward is already done and keep them to the end of backward. The root's
+        pre-forward, which every rank reaches once per step, also starts every ``some_ranks`` unit's gather."""
+        if self.in_backward:
+            return
+        if unit is self.root_unit:
+            for u in self.some_ranks_units:
+                u.unshard()
+        if torch.is_grad_enabled():
             for nxt in self._forward_next.get(unit, ()):
                 nxt.unshard()
 
     def after_unit_forward(self, unit, raised: bool = False) -> None:
         if unit is not self.root_unit:
             return
+        if raised or not torch.is_grad_enabled():    # no backward will free them (local: no collective)
+            for u in self.some_ranks_units:
+                u.end_backward()
         if self.order_state is OrderState.RECORDING:
             self.freeze_order(self.exec_order)
         if not raised and self.mesh is not None and self.mesh.shard_size > 1:

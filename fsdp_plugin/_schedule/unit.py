@@ -21,11 +21,16 @@ class Unit:
 
     Invariant: outside a unit's forward/backward every handle is sharded and every site registers the
     original ``nn.Parameter``; while unsharded, sites register full-shape views of the handle's leaf.
+
+    ``some_ranks`` (``ShardingConfig.some_ranks_modules``): the unit's forward may run on some ranks only, so
+    it issues no collective of its own: the root gathers it on every rank in its pre-forward, it stays
+    unsharded to the end of backward, and its gradient is reduced there (``_reduce/usage.py``).
     """
 
     def __init__(self, fqn: str, module: nn.Module, handles: list[FlatParamHandle], root: "UnitRoot",
-                 reshard_policy: bool):
+                 reshard_policy: bool, some_ranks: bool = False):
         self.fqn, self.module, self.handles, self.root = fqn, module, handles, root
+        self.some_ranks = some_ranks
         # The config's rule for this unit (`UnitPolicy`); the decision after forward is the root's reshard_table.
         # Frozen handles follow the rule: freed once backward passed the unit's inputs (``_hook_inputs``).
         self.reshard_policy = reshard_policy
@@ -155,7 +160,7 @@ class Unit:
         grad_on = torch.is_grad_enabled()
         if grad_on:
             self._register_pre_backward(output)
-        if not grad_on or self.root.reshards_after_forward(self):
+        if not self.some_ranks and (not grad_on or self.root.reshards_after_forward(self)):
             self.reshard()
         self.root.after_unit_forward(self)
         return output
@@ -179,8 +184,9 @@ class Unit:
         def post_backward(_leaf):
             self.root.on_backward_hook()
             self.root.reduction.grad_ready(h, self)
-            self._reshard_handle(h)
-            self._maybe_free_frozen()
+            if not self.some_ranks:     # it may run again in this step (recomputation): the end of backward frees it
+                self._reshard_handle(h)
+                self._maybe_free_frozen()
         return post_backward
 
 

@@ -159,6 +159,8 @@ def _opt_read(opt, p, key, entry, file_key, sh, what):
 def _finish_optimizer(opt, pairs, saved, i) -> None:
     optim.apply_hyperparameters(opt, saved, i)
     optim.restore_scalars(opt, pairs, saved, i)
+    if optim.owner_stepped(opt):
+        optim.settle_loaded(opt, pairs, saved)
 
 
 def _plan_extra(plan, doc, path=""):

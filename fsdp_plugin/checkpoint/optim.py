@@ -4,12 +4,16 @@ A state value is *per-element* when it is a tensor shaped like the local paramet
 ``momentum_buffer``...): it is sharded exactly like the parameter and stored in the optim rank files.
 Every other tensor (``step``, ASGD's ``eta``...) and every non-tensor value is *scalar* state, stored in
 the manifest through the JSON codec (tensors inline, bit-exact). ``param_groups`` keep their
-hyper-parameters (codec-encoded) and list their parameters by FQN.
+hyper-parameters (codec-encoded) and list their parameters by FQN. Under the owner step (Adafactor, classes
+marked per-tensor: ``fsdp_plugin/optim/owner_step.py``) a split parameter's state is whole on its owner:
+a tensor of the full parameter's shape is written by the owner as the one piece ``[0, numel)``, anything
+else as scalar state; per-element pieces loaded onto a split parameter are then gathered to its owner.
 """
 from __future__ import annotations
 
 import torch
 
+from ..optim import owner_step
 from . import _format, codec, manifest
 from .errors import CheckpointError, CheckpointMismatchError, MismatchReport
 
@@ -51,7 +55,8 @@ def local_record(optimizers: list, shard_of: dict, opt_tensors: list) -> list[di
                     raise CheckpointError(f"optimizer {i} holds a tensor of shape {tuple(p.shape)} that is not a "
                                           "parameter of the model")
                 names.append(sh.fqn)
-                _record_state(i, sh, opt.state.get(p) or {}, tensors, scalars, opt_tensors)
+                inline = owner_step.state_is_whole(opt, p)
+                _record_state(i, sh, opt.state.get(p) or {}, tensors, scalars, opt_tensors, inline)
             hyper = {k: codec.encode(v, None, f"optimizer[{i}].param_groups.{k}") for k, v in g.items()
                      if k != "params"}
             groups.append({"params": names, **hyper})
@@ -60,11 +65,28 @@ def local_record(optimizers: list, shard_of: dict, opt_tensors: list) -> list[di
     return out
 
 
-def _record_state(i, sh, state: dict, tensors: dict, scalars: dict, opt_tensors: list) -> None:
+def owner_stepped(opt) -> bool:
+    """Whether ``opt`` runs the owner step on a sharded model (its split parameters' state is whole)."""
+    return owner_step.is_owner_stepped(opt)
+
+
+def settle_loaded(opt, pairs: list, saved: dict) -> None:
+    """Owner-stepped ``opt``: per-element pieces just loaded onto split parameters go whole to their owners."""
+    tensors = saved.get("tensors", {})
+    owner_step.settle_loaded(opt, {id(p): sorted(tensors.get(fqn, {})) for p, fqn in pairs})
+
+
+def _record_state(i, sh, state: dict, tensors: dict, scalars: dict, opt_tensors: list, inline: bool) -> None:
     for key, value in state.items():
         if not isinstance(key, str):
             raise CheckpointError(f"optimizer {i}: state key {key!r} of {sh.fqn} is not a string")
-        if is_per_element(key, value, sh.param):
+        whole = inline and isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) == tuple(sh.shape)
+        if whole:   # owner step: the owner's whole tensor is the one piece [0, numel) (not inline JSON)
+            if sh.writer:
+                tensors.setdefault(sh.fqn, {})[key] = {"dtype": _format.dtype_name(value.dtype), "start": 0,
+                                                       "end": value.numel(), "shape": list(sh.shape)}
+                opt_tensors.append((manifest.tensor_key("optim", sh.fqn, i, key), value))
+        elif not inline and is_per_element(key, value, sh.param):
             if sh.writer and sh.end > sh.start:
                 tensors.setdefault(sh.fqn, {})[key] = {"dtype": _format.dtype_name(value.dtype), "start": sh.start, "end": sh.end,
                                                        "shape": list(sh.shape)}

@@ -30,7 +30,7 @@ def orthogonalize_split(handle, entries: list, ns: Callable) -> list:
         if pc[me][1] > pc[me][0]:
             there[owner].append(upd.reshape(-1).to(dev, torch.bfloat16))
     got_splits = [sum(pc[j][1] - pc[j][0] for pc, o in zip(pieces, owners) if o == me) for j in range(n)]
-    got = _all_to_all(handle, there, got_splits, "there")
+    got = exchange(handle, there, got_splits, "there")
     back = [[] for _ in range(n)]
     pos = [sum(got_splits[:j]) for j in range(n)]
     for (i, _, args), owner, pc in zip(entries, owners, pieces):
@@ -45,21 +45,23 @@ def orthogonalize_split(handle, entries: list, ns: Callable) -> list:
         for j, (lo, hi) in enumerate(pc):
             if hi > lo:
                 back[j].append(result[lo:hi])
-    mine = _all_to_all(handle, back, [sum(t.numel() for t in there[j]) for j in range(n)], "back")
+    mine = exchange(handle, back, [sum(t.numel() for t in there[j]) for j in range(n)], "back")
     return _split_by_entry(mine, entries, owners, pieces, me, n)
 
 
-def _all_to_all(handle, parts: list, out_splits: list, leg: str) -> torch.Tensor:
-    """Concatenate ``parts[j]`` (destined to group rank j) and exchange; the received elements, by source."""
+def exchange(handle, parts: list, out_splits: list, leg: str, dtype: torch.dtype = torch.bfloat16,
+                who: str = "Muon") -> torch.Tensor:
+    """Concatenate ``parts[j]`` (destined to group rank j, 1-D tensors of ``dtype``) and exchange inside the
+    handle's shard group; the received elements, by source. Shared with the generic owner step."""
     dev = handle.device
     in_splits = [sum(t.numel() for t in ts) for ts in parts]
     flat = [t for ts in parts for t in ts]
-    inp = torch.cat(flat) if flat else torch.empty(0, dtype=torch.bfloat16, device=dev)
-    out = torch.empty(sum(out_splits), dtype=torch.bfloat16, device=dev)
+    inp = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=dev)
+    out = torch.empty(sum(out_splits), dtype=dtype, device=dev)
     if handle.mesh.shard_size == 1:
         return inp
     comm.all_to_all(out, inp, out_splits, in_splits, handle.mesh.shard_group,
-                    what=f"Muon exchange ({leg}) of unit {handle.label!r}", timeout_s=handle.timeout_s)
+                    what=f"{who} exchange ({leg}) of unit {handle.label!r}", timeout_s=handle.timeout_s)
     return out
 
 

@@ -22,6 +22,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
+from .._build.precision import install_casts
+
 _aten = torch.ops.aten
 # torch's formulas, plus the CPU flash-attention kernels (same arguments as the CUDA ones, absent from the
 # registry: without them CPU attention would be priced as memory traffic).
@@ -145,21 +147,25 @@ class RunSpec:
     buffer_dtype: Optional[torch.dtype]
     cast_inputs: bool
     checkpoint_policy: object                 # activation_checkpointing policy or None
+    fp32_regions: list = field(default_factory=list)   # MixedPrecision.fp32_modules (precision.fp32_regions)
+    fp32_buffers: set = field(default_factory=set)     # (id(module), name) of buffers kept in their dtype
 
 
 def run(model: nn.Module, units, handles, spec: RunSpec, inputs: Callable, loss_fn) -> Timeline:
     """Fake forward+backward of ``model`` (left as it was found) with the engine's unit boundaries marked."""
     tl = Timeline()
     restore_fwd = _checkpoint(model, spec.checkpoint_policy)
+    restore_casts = install_casts(spec.fp32_regions, spec.compute_dtype, spec.device.type)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     try:
         with fake_mode:
-            restore_params = _fake_parameters(model, spec)
+            restore_params = _fake_parameters(model, spec, {i for h in handles if h.fp32 for i in h.param_ids})
         try:
             _run_marked(model, units, handles, spec, inputs, loss_fn, fake_mode, tl)
         finally:
             restore_params()
     finally:
+        restore_casts()
         restore_fwd()
     return tl
 
@@ -182,8 +188,9 @@ def _checkpoint(model: nn.Module, policy) -> Callable[[], None]:
     return restore
 
 
-def _fake_parameters(model: nn.Module, spec: RunSpec) -> Callable[[], None]:
-    """Swap every parameter/buffer for a fake tensor (compute dtype, target device); ties are kept."""
+def _fake_parameters(model: nn.Module, spec: RunSpec, fp32_ids: set) -> Callable[[], None]:
+    """Swap every parameter/buffer for a fake tensor (compute dtype, target device); ties are kept. Parameters
+    in ``fp32_ids`` (fp32 modules') compute in float32 (or wider), as the engine's handles do."""
     fakes: dict[int, torch.Tensor] = {}
     undo = []
 
@@ -202,11 +209,12 @@ def _fake_parameters(model: nn.Module, spec: RunSpec) -> Callable[[], None]:
         for name, p in list(m._parameters.items()):
             if p is not None:
                 undo.append((m._parameters, name, p))
-                m._parameters[name] = fake_of(p, spec.compute_dtype)
+                wide = torch.float32 if p.element_size() <= 4 else None
+                m._parameters[name] = fake_of(p, wide if id(p) in fp32_ids else spec.compute_dtype)
         for name, b in list(m._buffers.items()):
             if b is not None:
                 undo.append((m._buffers, name, b))
-                m._buffers[name] = fake_of(b, spec.buffer_dtype)
+                m._buffers[name] = fake_of(b, None if (id(m), name) in spec.fp32_buffers else spec.buffer_dtype)
 
     def restore():
         for table, name, orig in undo:

@@ -46,10 +46,10 @@ class Layout:
         return self.config.cpu_offload
 
     def compute(self, h) -> torch.dtype:
-        return handle_dtypes(self.config.mixed_precision, h.dtype)[0]
+        return handle_dtypes(self.config.mixed_precision, h.dtype, h.fp32)[0]
 
     def reduce(self, h) -> torch.dtype:
-        return handle_dtypes(self.config.mixed_precision, h.dtype)[1]
+        return handle_dtypes(self.config.mixed_precision, h.dtype, h.fp32)[1]
 
     def aliases(self, h) -> bool:
         """The engine's FlatParamHandle._aliases_shard: the leaf is the shard itself (never gathered)."""
@@ -91,9 +91,10 @@ class _SimUnit(ScheduledUnit):
     """A `ScheduledUnit` (what ``RootState`` reads of a unit) backed by the replay, with its policy
     (``reshard_policy``) for ``RootState.reshard_table``."""
 
-    def __init__(self, sim: "_Sim", index: int, name: str, reshard_policy: bool):
+    def __init__(self, sim: "_Sim", index: int, name: str, reshard_policy: bool, some_ranks: bool = False):
         self.sim, self.index, self.name = sim, index, name
-        self.reshard_policy = reshard_policy
+        self.reshard_policy = reshard_policy and not some_ranks
+        self.some_ranks = some_ranks
 
     @property
     def in_backward(self) -> bool:
@@ -130,8 +131,8 @@ class _Sim:
         self.act = 0
         self.res = ReplayResult(Moment())
         cfg = lay.config
-        self.sim_units = [_SimUnit(self, i, u.name, unit_policy(cfg, None, u.fqn, u.module).reshard_after_forward)
-                          for i, u in enumerate(units)]
+        self.sim_units = [_SimUnit(self, i, u.name, unit_policy(cfg, None, u.fqn, u.module).reshard_after_forward,
+                                   u.some_ranks) for i, u in enumerate(units)]
         self.sim_handles = [_SimHandle(self, h) for h in range(len(handles))]
         self.root = RootState(cfg, None, torch.device("cpu"))
         self.root.units = list(self.sim_units)
@@ -240,7 +241,8 @@ class _Sim:
         self.root.reduction.enqueue(self.sim_handles[h], None, self.sim_units[spec.unit])
         if lay.reduce(spec) != lay.compute(spec):
             self.reducing -= spec.padded(lay.shard_size) * lay.compute(spec).itemsize
-        self.reshard_handle(h)
+        if not self.units[spec.unit].some_ranks:      # those stay unsharded to the end of backward
+            self.reshard_handle(h)
         self.check()
 
     def finish(self, h: int) -> None:
@@ -291,7 +293,8 @@ def replay(units, handles, timeline, lay: Layout, static: int, optimizer_step_ex
     sim = _Sim(units, handles, lay, static)
     order: list = []
     for ev in timeline.events:          # the execution order the engine freezes after the first forward
-        if ev.kind == "pre_forward" and not ev.in_backward and ev.index not in order:
+        if ev.kind == "pre_forward" and not ev.in_backward and ev.index not in order \
+                and not units[ev.index].some_ranks:     # the engine keeps them out of its order too
             order.append(ev.index)
     sim.freeze_order(order)
     for ev in timeline.events:

@@ -7,14 +7,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .._build.precision import fp32_param_ids, fp32_regions
 from .._build.shard import group_params
-from .._build.wrap import params_by_unit, select_unit_modules
+from .._build.wrap import params_by_unit, select_unit_modules, some_ranks_fqns
 from .._flat.rows import row_aligned_offsets
 
 
 @dataclass
 class HandleSpec:
-    """One flat buffer: the parameters of one unit sharing (dtype, requires_grad), in order."""
+    """One flat buffer: the parameters of one unit sharing (dtype, requires_grad, fp32), in order."""
 
     unit: int                 # index into the unit list
     dtype: torch.dtype        # master (shard) dtype
@@ -23,6 +24,7 @@ class HandleSpec:
     param_ids: list = field(default_factory=list)
     largest: int = 0          # elements of its largest parameter
     shapes: list = field(default_factory=list)   # every parameter's shape, in layout order
+    fp32: bool = False        # an fp32 module's parameters (MixedPrecision.fp32_modules): float32 compute
 
     def padded(self, shard_size: int) -> int:
         """Flat buffer length with the engine's row-aligned layout (gaps and tail padding included)."""
@@ -44,24 +46,28 @@ class UnitSpec:
     fqn: str
     module: nn.Module
     handles: list = field(default_factory=list)   # indices into the handle list
+    some_ranks: bool = False     # ShardingConfig.some_ranks_modules: held from the root's pre-forward to the end
 
     @property
     def name(self) -> str:
         return self.fqn or "<root>"
 
 
-def discover_units(model: nn.Module, policy, ignored=(), mp=None) -> tuple[list[UnitSpec], list[HandleSpec]]:
+def discover_units(model: nn.Module, policy, ignored=(), mp=None,
+                   some_ranks_rule=None) -> tuple[list[UnitSpec], list[HandleSpec]]:
     """Units root first (as fp.shard orders them) and their handles, grouped (and given their master dtype,
-    ``mp`` the MixedPrecision) exactly like fp.shard."""
-    chosen = select_unit_modules(model, policy, ignored)
-    _, _, owned = params_by_unit(model, [f for f, _ in chosen], ignored)
+    ``mp`` the MixedPrecision) exactly like fp.shard; ``some_ranks_rule``: ``ShardingConfig.some_ranks_modules``."""
+    some = set(some_ranks_fqns(model, some_ranks_rule, ignored))
+    chosen = select_unit_modules(model, policy, ignored, some)
+    sites, _, owned = params_by_unit(model, [f for f, _ in chosen], ignored)
+    fp32_ids = fp32_param_ids(model, mp, fp32_regions(model, mp), sites)
     units, handles = [], []
     for i, (fqn, module) in enumerate(chosen):
-        unit = UnitSpec(fqn, module)
-        for (dtype, rg), params in group_params(owned[fqn], mp).items():
+        unit = UnitSpec(fqn, module, some_ranks=fqn in some)
+        for (dtype, rg, fp32), params in group_params(owned[fqn], mp, fp32_ids).items():
             unit.handles.append(len(handles))
             handles.append(HandleSpec(i, dtype, rg, sum(p.numel() for p in params), [id(p) for p in params],
-                                      max(p.numel() for p in params), [tuple(p.shape) for p in params]))
+                                      max(p.numel() for p in params), [tuple(p.shape) for p in params], fp32))
         units.append(unit)
     return units, handles
 

@@ -7,6 +7,7 @@ from typing import Callable, Iterable, Optional, Union
 import torch
 from torch import nn
 
+from .._build.precision import fp32_buffers, fp32_regions
 from ..config import Checkpointing, MixedPrecision, ShardingConfig, as_checkpointing
 from ..errors import ConfigError
 from . import _optim as _optim
@@ -85,11 +86,13 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
     named_gpu = isinstance(opts["calibration"], str) and opts["calibration"] in HARDWARE
     device = torch.device(opts["device"] or ("cuda" if torch.cuda.is_available() or named_gpu else "cpu"))
     module = capture(model)
-    units, handles = discover_units(module, cfgs[0].auto_wrap_policy, cfgs[0].ignored_modules, mp)
+    units, handles = discover_units(module, cfgs[0].auto_wrap_policy, cfgs[0].ignored_modules, mp,
+                                    cfgs[0].some_ranks_modules)
+    regions = fp32_regions(module, mp)
     ac_policy = _ac_policy(ac, units)
     run_device = device if (device.type != "cuda" or torch.cuda.is_available()) else torch.device("cpu")
     spec = RunSpec(run_device, mp.param_dtype if mp else None, mp.buffer_dtype if mp else None,
-                   mp.cast_forward_inputs if mp else False, ac_policy)
+                   mp.cast_forward_inputs if mp else False, ac_policy, regions, fp32_buffers(module, mp, regions))
     make_inputs = opts["inputs"] or _default_inputs(module, opts["batch_size"], opts["seq_len"])
     tl = run(module, units, handles, spec, make_inputs, opts["loss_fn"])
     cal = _calibration(opts["calibration"], device, mp)

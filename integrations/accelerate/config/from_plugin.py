@@ -8,6 +8,7 @@ read here (``reshard_after_forward``, a bare transformer/size policy completed b
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import fsdp_plugin as fp
@@ -49,6 +50,8 @@ def settings_from_plugin(plugin: Any) -> FsdpSettings:
     policy = args["mixed_precision"]
     if policy is not None:  # explicit dtypes (they override the mixed_precision flag)
         s.param_dtype, s.reduce_dtype, s.buffer_dtype = policy.param_dtype, policy.reduce_dtype, policy.buffer_dtype
+        s.fp32_modules = policy.fp32_modules
+    s.some_ranks_modules = parse.some_ranks_from_env(os.environ)   # the plugin has no such field
     return s
 
 

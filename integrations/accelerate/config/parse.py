@@ -100,3 +100,14 @@ def split_names(value: Any) -> tuple[str, ...]:
     """``"A, B"`` or a list of names → ``("A", "B")``."""
     items = value.split(",") if isinstance(value, str) else list(value)
     return tuple(str(v).strip() for v in items if str(v).strip())
+
+
+SOME_RANKS_ENV = "FSDP_PLUGIN_SOME_RANKS_MODULES"
+
+
+def some_ranks_from_env(env) -> tuple[str, ...] | None:
+    """``FSDP_PLUGIN_SOME_RANKS_MODULES="CLIPVisionModel,Qwen2VisionTransformerPretrainedModel"`` → the class
+    names for ``ShardingConfig.some_ranks_modules`` (accelerate's config has no such key; the engine checks
+    that each matches the model)."""
+    names = split_names(env.get(SOME_RANKS_ENV) or "")
+    return names or None

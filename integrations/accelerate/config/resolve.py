@@ -27,7 +27,7 @@ def sharding_kwargs(s: FsdpSettings, model: nn.Module, device: torch.device | No
         "limit_all_gathers": s.limit_all_gathers, "cpu_offload": s.cpu_offload,
         "activation_checkpointing": checkpoint_policy(s, wrap, model),
         "ignored_modules": ignored_modules(s.ignored_modules, model, s.key("ignored_modules")),
-        "param_init_fn": s.param_init_fn,
+        "param_init_fn": s.param_init_fn, "some_ranks_modules": s.some_ranks_modules,
     }
     if device is not None:
         kwargs["device"] = device
@@ -127,7 +127,8 @@ def mixed_precision(s: FsdpSettings):
     import fsdp_plugin as fp
 
     if s.param_dtype is not None or s.reduce_dtype is not None or s.buffer_dtype is not None:
-        return fp.MixedPrecision(param_dtype=s.param_dtype, reduce_dtype=s.reduce_dtype, buffer_dtype=s.buffer_dtype)
+        return fp.MixedPrecision(param_dtype=s.param_dtype, reduce_dtype=s.reduce_dtype, buffer_dtype=s.buffer_dtype,
+                                 fp32_modules=s.fp32_modules)
     if s.mixed_precision == "no":
         return None
     return fp.MixedPrecision(param_dtype=_DTYPES[s.mixed_precision], reduce_dtype=torch.float32)

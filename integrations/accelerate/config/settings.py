@@ -52,11 +52,13 @@ class FsdpSettings:
     param_dtype: Any = None            # explicit policy from a plugin (overrides mixed_precision dtypes)
     reduce_dtype: Any = None
     buffer_dtype: Any = None
+    fp32_modules: tuple = ()           # fp.MixedPrecision.fp32_modules (FSDP1's _module_classes_to_ignore)
     mesh: tuple[int, int] | None = None  # hybrid (replicate, shard); None = derived at resolve time
     state_dict_type: str = "sharded"   # "sharded" | "full"
     cpu_ram_efficient_loading: bool = False
     sync_module_states: bool = True
     param_init_fn: Callable | None = None
+    some_ranks_modules: tuple[str, ...] | None = None   # class names (FSDP_PLUGIN_SOME_RANKS_MODULES)
     keys: dict[str, str] = field(default_factory=dict)
 
     def key(self, name: str) -> str:

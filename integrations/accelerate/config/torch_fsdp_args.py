@@ -12,7 +12,8 @@ here imports torch's FSDP package.
 |---------------------------------------------------|-----------------------------------------------|
 | ``sharding_strategy="FULL_SHARD"`` / enum         | ``"full_shard"`` (same for the other three)   |
 | ``cpu_offload=True`` / ``CPUOffload(True)``       | ``cpu_offload=True``                          |
-| ``mixed_precision=torch MixedPrecision(...)``     | ``fp.MixedPrecision(...)`` (same dtypes)      |
+| ``mixed_precision=torch MixedPrecision(...)``     | ``fp.MixedPrecision(...)`` (same dtypes;      |
+|                                                   | ``_module_classes_to_ignore`` → fp32_modules) |
 | ``auto_wrap_policy=ModuleWrapPolicy({B})``, a set | ``{B}``                                       |
 | ``partial(transformer_auto_wrap_policy, ...)``    | ``set(transformer_layer_cls)``                |
 | ``(partial of) size_based_auto_wrap_policy``      | ``fp.size_policy(min_num_params)``            |
@@ -115,8 +116,12 @@ def mixed_precision(value: Any, key: str = "mixed_precision", error: ErrorFactor
         raise error(key, value, "output_dtype: cast the outputs yourself; fp.MixedPrecision has param_dtype, "
                                 "reduce_dtype, buffer_dtype, cast_forward_inputs")
     cast = bool(getattr(value, "cast_root_forward_inputs", False) or getattr(value, "cast_forward_inputs", False))
+    # FSDP1 runs the modules of `_module_classes_to_ignore` (default: BatchNorm) outside mixed precision
+    low = value.param_dtype is not None and value.param_dtype.itemsize < 4
+    keep = tuple(getattr(value, "_module_classes_to_ignore", None) or ()) if low else ()
     return fp.MixedPrecision(param_dtype=value.param_dtype, reduce_dtype=value.reduce_dtype,
-                             buffer_dtype=getattr(value, "buffer_dtype", None), cast_forward_inputs=cast)
+                             buffer_dtype=getattr(value, "buffer_dtype", None), cast_forward_inputs=cast,
+                             fp32_modules=keep)
 
 
 def wrap_policy(value: Any, key: str = "auto_wrap_policy", error: ErrorFactory = config_error) -> Any:
