@@ -101,29 +101,39 @@ def _copy_file(plan: ReadPlan, fname: str, spans: list, writer: HFWriter, progre
     return done
 
 
-def read_full_state(ckpt) -> tuple[dict, object]:
-    """The whole model state dict (full CPU tensors; tied names share one tensor) and the decoded ``extra``.
+def state_entries(ckpt) -> list[tuple[str, str, tuple]]:
+    """``(name, dtype, shape)`` of the plain model's tensors in the order the Lightning export writes them
+    (parameters, buffers, then tied aliases)."""
+    doc = manifest.read(layouts.checkpoint_dir(ckpt))
+    tensors = _state_tensors(doc)
+    return [(n, e["dtype"], tuple(e["shape"])) for n, (_, e) in tensors.items()]
 
-    No process group: reads every rank's file (CRC32-checked). Memory: the full model, once. For exports
-    that must hold the weights in memory anyway (e.g. the Lightning format of ``fsdp-plugin consolidate``).
-    """
-    import torch
 
-    from .load import _plan_extra, add_reads
+def stream_state(ckpt, writer, progress=None) -> None:
+    """Copy every tensor of :func:`state_entries` into ``writer`` (``writer.place[name].dtype``,
+    ``writer.pwrite(name, elem_start, bytes)``), each rank file read once in CRC32-checked blocks: O(block) memory."""
+    ckpt = layouts.checkpoint_dir(ckpt)
+    doc = manifest.read(ckpt)
+    _copy_all(ckpt, doc, _state_tensors(doc), writer, progress)
+
+
+def read_extra(ckpt):
+    """The decoded ``extra`` of checkpoint ``ckpt`` (no weights read)."""
+    from .load import _plan_extra
 
     ckpt = layouts.checkpoint_dir(ckpt)
     doc = manifest.read(ckpt)
-    state: dict = {}
     with ReadPlan(ckpt, doc["files"]) as plan:
-        for section in ("params", "buffers"):
-            for name, e in doc[section].items():
-                if "alias_of" in e:
-                    continue
-                state[name] = torch.empty(e["shape"], dtype=_format.to_dtype(e["dtype"]))
-                add_reads(plan, e, "model", name, state[name].view(-1), 0, name)
         extra = _plan_extra(plan, doc, ckpt)
         plan.execute()
-    for name, e in doc["params"].items():
-        if "alias_of" in e:
-            state[name] = state[e["alias_of"]]
-    return state, extra
+    return extra
+
+
+def _state_tensors(doc: dict) -> dict:
+    """output name -> (stored name, manifest entry), parameters, buffers, then tied aliases."""
+    params = {n: e for n, e in doc["params"].items() if "alias_of" not in e}
+    tensors = {n: (n, e) for n, e in params.items()}
+    tensors.update({n: (n, e) for n, e in doc["buffers"].items()})
+    tensors.update({n: (e["alias_of"], doc["params"][e["alias_of"]]) for n, e in doc["params"].items()
+                    if "alias_of" in e})
+    return tensors

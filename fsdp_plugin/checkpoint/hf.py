@@ -283,6 +283,19 @@ class _SaveLayout:
             _write_tensor(writer, name, flat[lo:hi], src_start, self.dtype)
 
 
+def fused_runs(model) -> dict[str, list[tuple[int, str, int, int]]]:
+    """``{output name: [(out_start, fqn, start, n), ...]}`` for the tensors transformers writes out of a fused
+    parameter (per-expert tensors of ``experts.gate_up_proj``...), from the fused layouts of :class:`_SaveLayout`:
+    elements ``[out_start, out_start + n)`` of the output are elements ``[start, start + n)`` of ``fqn``."""
+    out = _SaveLayout(model, None)
+    numel = {sh.fqn: sh.shape.numel() for sh in out.shards}
+    runs: dict[str, list] = {}
+    for fqn, layout in out.layouts.items():
+        for name, out_start, lo, hi in hf_convert.overlaps(layout, 0, numel[fqn]):
+            runs.setdefault(name, []).append((out_start, fqn, lo, hi - lo))
+    return runs
+
+
 def _out(t_dtype, dtype) -> str:
     return _format.dtype_name(_out_dtype(t_dtype, dtype))
 

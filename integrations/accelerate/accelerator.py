@@ -206,17 +206,27 @@ class Accelerator(accelerate.Accelerator):
 
     def save_model(self, model: torch.nn.Module, save_directory, max_shard_size="10GB",
                    safe_serialization: bool = True):
-        """Collective: HF-style safetensors (+ index when split by ``max_shard_size``)."""
+        """Collective: stock accelerate's ``save_model`` files (safetensors + index when split by
+        ``max_shard_size``), byte for byte, with every rank writing its own byte ranges (no gather)."""
         if not self._fp_active:
             return super().save_model(model, save_directory, max_shard_size=max_shard_size,
                                       safe_serialization=safe_serialization)
         if not safe_serialization:
             warnings.warn("save_model: fsdp_plugin always writes safetensors (safe_serialization=False ignored)",
                           stacklevel=2)
-        save_pretrained = _checkpoint_function("save_pretrained")
-        if save_pretrained is None:  # accelerate's writer on top of our get_state_dict (rank 0 holds it all)
-            return super().save_model(model, save_directory, max_shard_size=max_shard_size, safe_serialization=True)
-        save_pretrained(self.unwrap_model(model), os.fspath(save_directory), max_shard_size=max_shard_size)
+        from fsdp_plugin.integrations._ranged_save import save_like_library
+
+        model = self.unwrap_model(model)
+
+        def stock(state_dict):  # accelerate's own writer, given the stand-ins as the model's state dict
+            self.get_state_dict = lambda *_a, **_k: state_dict
+            try:
+                return accelerate.Accelerator.save_model(self, model, save_directory, max_shard_size=max_shard_size,
+                                                         safe_serialization=True)
+            finally:
+                del self.get_state_dict
+
+        save_like_library(model, stock, "save_model")
 
     def end_training(self) -> None:
         """accelerate's ``end_training`` with fsdp_plugin's clean shutdown: every rank arrives (a barrier with
@@ -285,18 +295,6 @@ def _enable_ram_efficient_loading() -> None:
         _hf_loading.install()
     except ImportError:  # no transformers: nothing loads pretrained weights through it
         pass
-
-
-def _checkpoint_function(name: str):
-    """``fsdp_plugin.checkpoint.<name>`` or None while it is not available."""
-    try:
-        import fsdp_plugin.checkpoint as ckpt
-
-        return getattr(ckpt, name)
-    except (ImportError, AttributeError):
-        return None
-
-
 
 
 def _wrap_forward_in_autocast(model: torch.nn.Module, native_amp: bool, handler: Any) -> None:

@@ -1,9 +1,9 @@
 """``save_pretrained`` on a sharded model (transformers ``PreTrainedModel`` and PEFT ``PeftModel``).
 
-Collective on a sharded model: the full state dict is gathered to rank 0 (``fp.full_state_dict``), which
-writes with the library's own ``save_pretrained`` (so PEFT keeps only the adapter, transformers its config
-and naming rules); the other ranks write nothing. Unsharded models and calls that pass ``state_dict=``
-go straight to the stock method.
+Collective on a sharded model: rank 0 runs the library's own ``save_pretrained`` on meta stand-ins (so PEFT
+keeps only the adapter, transformers its config, naming, tie and split rules) with its safetensors writes
+captured, and every rank then writes its own byte ranges of those files (``_ranged_save``): no gather, the
+same bytes. Unsharded models and calls that pass ``state_dict=`` go straight to the stock method.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import functools
 from collections.abc import Callable
 
 import fsdp_plugin as fp
-from fsdp_plugin.integrations._rank0_save import write_on_rank0
+from fsdp_plugin.integrations._ranged_save import save_like_library
 
 _ORIGINALS: list[tuple[type, Callable]] = []
 
@@ -21,7 +21,7 @@ def _wrap(stock: Callable) -> Callable:
     def save_pretrained(self, save_directory, *args, **kwargs):
         if kwargs.get("state_dict") is not None or not fp.is_sharded(self):
             return stock(self, save_directory, *args, **kwargs)
-        return write_on_rank0(self, lambda state_dict: stock(self, save_directory, *args, **{
+        return save_like_library(self, lambda state_dict: stock(self, save_directory, *args, **{
             **kwargs, "state_dict": state_dict, "is_main_process": True}), "save_pretrained")
 
     save_pretrained.__fsdp_plugin__ = True

@@ -10,7 +10,7 @@ provide the sharding-aware behaviour instead:
   ``fsdp_state_dict_type: FULL_STATE_DICT`` (transformers' default) they also hold the full model as
   Hugging Face safetensors, as stock FSDP does;
 * ``save_model()`` called by the user always writes Hugging Face safetensors + config (adapter-only for
-  PEFT models), gathered to the main process;
+  PEFT models), every rank writing its own weight bytes;
 * resuming loads after ``accelerator.prepare`` (the model must be sharded first), at any process count.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from fsdp_plugin.integrations._rank0_save import write_on_rank0
+from fsdp_plugin.integrations._ranged_save import save_like_library
 
 from . import _checkpoint as ckpt
 
@@ -69,8 +69,8 @@ def save_model(stock, self, output_dir: str | None = None, _internal_call: bool 
     if _internal_call and not _full_state_dict_type(self):
         os.makedirs(output_dir, exist_ok=True)  # the Trainer looks for the folder (best checkpoint) right after
         return None
-    # rank 0 writes (the Trainer's main process): weights, config, tokenizer, training arguments
-    write_on_rank0(self.model, lambda state_dict: self._save(output_dir, state_dict=state_dict), "Trainer.save_model")
+    # rank 0 runs the Trainer's writer (config, tokenizer, training arguments); every rank writes its weight bytes
+    save_like_library(self.model, lambda state_dict: self._save(output_dir, state_dict=state_dict), "Trainer.save_model")
     if self.args.push_to_hub and not _internal_call:
         self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
     return None

@@ -22,12 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from fsdp_plugin.checkpoint import codec
+from fsdp_plugin.checkpoint import _comm, codec
 from fsdp_plugin.checkpoint.errors import CheckpointStateError
 from safetensors import safe_open
 
 import fsdp_plugin as fp
-from fsdp_plugin.integrations._rank0_save import write_on_rank0
 from fsdp_plugin.integrations.lightning.checkpoint import codec_v1 as _codec_v1
 from fsdp_plugin.integrations.lightning.checkpoint import torch_file as torch_file
 
@@ -97,15 +96,15 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizers: Sequence[Any]) 
 
 
 def save_full(path: Path, model: torch.nn.Module, meta: dict[str, Any], encoded: tuple) -> None:
-    """Gather the full weights to rank 0 and write one Lightning-format file (see :mod:`._torch_file`).
+    """Write one Lightning-format file (see :mod:`._torch_file`), every rank its own weight bytes (no gather).
 
     ``meta`` is Lightning's state as Lightning gave it (what ``load_from_checkpoint`` reads); ``encoded`` is
     the same state through the codec (what :func:`load_full` reads, without pickle).
     """
     header = inline_tensors(*encoded)
     json.dumps(header, allow_nan=False)  # fail on every rank, before the collective, if it is not strict JSON
-    write_on_rank0(model, lambda state: torch_file.write(path, state, meta, {FULL_META_KEY: header}),
-                   "Lightning save_checkpoint")  # the file exists on return, on every rank
+    with _comm.deadline_of(model, "Lightning save_checkpoint"):  # the file exists on return, on every rank
+        torch_file.write_sharded(path, model, meta, {FULL_META_KEY: header})
 
 
 def load_full(path: Path, model: torch.nn.Module) -> dict[str, Any]:

@@ -66,6 +66,143 @@ def write(path: Path, state: dict[str, torch.Tensor], lightning_state: dict[str,
             tmp.unlink()
 
 
+def write_sharded(path: Path, model: torch.nn.Module, lightning_state: dict[str, Any], index_extra: Any) -> None:
+    """Collective: :func:`write` of the sharded ``model``'s plain weights, with no rank holding more than its shard.
+
+    Rank 0 lays the archive out with ``torch.save`` of fake tensors under ``skip_data`` (every storage record at
+    its final offset, empty), every rank writes its byte ranges into the records (``ranged.fill_existing``),
+    rank 0 fills in the CRC32s (:func:`fsdp_plugin.checkpoint.torch_zip.fix_crcs`, streaming), appends the
+    index and publishes. Same records and bytes as :func:`write` of the gathered weights, but for the archive's
+    folder name and torch's per-save ``serialization_id`` (which differ between any two saves) and the pickle
+    memo of ``data.pkl`` (a location string repeated instead of referenced: the same unpickled value).
+    """
+    from fsdp_plugin.checkpoint import _comm, ranged
+
+    if "state_dict" in lightning_state:
+        raise ValueError("lightning_state must not hold 'state_dict': the weights are passed separately")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    layout = None
+
+    def lay_out() -> None:
+        nonlocal layout
+        layout = _lay_out(tmp, model, lightning_state)
+
+    try:
+        err = _attempt(lay_out) if _comm.rank() == 0 else None
+        _comm.raise_if_any_failed(err, "laying out the Lightning file")
+        ranged.fill_existing(model, str(tmp) if _comm.rank() == 0 else None, layout)
+        err = _attempt(lambda: _finish(tmp, path, layout, index_extra)) if _comm.rank() == 0 else None
+        _comm.raise_if_any_failed(err, "publishing the Lightning file")
+    finally:
+        if _comm.rank() == 0 and tmp.exists():
+            tmp.unlink()
+
+
+def _lay_out(tmp: Path, model: torch.nn.Module, lightning_state: dict[str, Any]) -> list:
+    """:func:`_lay_out_entries` for the plain ``model``'s state dict (stand-ins: no weights)."""
+    from fsdp_plugin.checkpoint import export_plan
+    from fsdp_plugin.checkpoint._format import dtype_name
+
+    stand_ins, _ = export_plan.placeholders(model)
+    entries = [(k, dtype_name(t.dtype), tuple(t.shape)) for k, t in stand_ins.items()]
+    return _lay_out_entries(tmp, entries, lightning_state)
+
+
+def _lay_out_entries(tmp: Path, entries: list, lightning_state: dict[str, Any]) -> list:
+    """``torch.save`` at ``tmp`` of fake weights ``(name, dtype, shape)`` (one storage each, as
+    :func:`_own_storages` makes them); returns ``[[name, dtype, shape, runs (all of tensor name), data offset of data/i], ...]``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fsdp_plugin.checkpoint import torch_zip
+
+    with FakeTensorMode():
+        fakes = {n: torch.empty(shape, dtype=_torch_dtype(dt)) for n, dt, shape in entries}
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        torch.save({"state_dict": fakes, **lightning_state}, tmp)
+    recs = torch_zip.records(str(tmp))
+    plan = []
+    for i, (name, dt, shape) in enumerate(entries):
+        offset, size = recs[f"data/{i}"]
+        if size != fakes[name].numel() * fakes[name].element_size():
+            raise RuntimeError(f"torch.save stored weight {name!r} somewhere other than record data/{i}: "
+                               "fsdp_plugin's index would be wrong (please report this with your torch version)")
+        plan.append([name, dt, list(shape), [[0, name, 0, fakes[name].numel()]], offset])
+    return plan
+
+
+def write_streamed(path: Path, entries: list, lightning_state: dict[str, Any], index_extra: Any, fill) -> None:
+    """:func:`write` with the weights ``(name, dtype, shape)`` supplied piece by piece: ``fill(target)`` calls
+    ``target.pwrite(name, elem_start, bytes)`` (``target.place[name].dtype`` names the stored dtype), so the
+    weights are never held (``fsdp-plugin consolidate --format lightning``). No process group."""
+    if "state_dict" in lightning_state:
+        raise ValueError("lightning_state must not hold 'state_dict': the weights are passed separately")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        layout = _lay_out_entries(tmp, entries, lightning_state)
+        target = _ZipTarget(tmp, layout)
+        try:
+            fill(target)
+        finally:
+            target.close()
+        _finish(tmp, path, layout, index_extra)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+class _ZipTarget:
+    """``pwrite`` into the storage records of a laid-out archive (the interface consolidate's copy writes to)."""
+
+    def __init__(self, tmp: Path, layout: list):
+        from types import SimpleNamespace
+
+        self.place = {n: SimpleNamespace(dtype=dt, offset=off) for n, dt, _shape, _runs, off in layout}
+        self._fd = os.open(tmp, os.O_WRONLY)
+
+    def pwrite(self, name: str, elem_start: int, data: memoryview) -> None:
+        from fsdp_plugin.checkpoint._format import itemsize
+
+        p = self.place[name]
+        pos = p.offset + elem_start * itemsize(p.dtype)
+        while len(data):
+            n = os.pwrite(self._fd, data, pos)
+            data, pos = data[n:], pos + n
+
+    def close(self) -> None:
+        os.fsync(self._fd)
+        os.close(self._fd)
+
+
+def _finish(tmp: Path, path: Path, layout: list, index_extra: Any) -> None:
+    from fsdp_plugin.checkpoint import torch_zip
+
+    torch_zip.fix_crcs(str(tmp), [f"data/{i}" for i in range(len(layout))])
+    tensors = {name: {"record": f"data/{i}", "dtype": str(_torch_dtype(dt)).removeprefix("torch."),
+                      "shape": list(shape)} for i, (name, dt, shape, *_rest) in enumerate(layout)}
+    with zipfile.ZipFile(tmp, "a") as zf:
+        index = {"format": FORMAT, "version": VERSION, "tensors": tensors, "extra": index_extra}
+        zf.writestr(_prefix(zf) + INDEX_RECORD, json.dumps(index, allow_nan=False))
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    from fsdp_plugin.checkpoint._format import to_dtype
+
+    return to_dtype(name)
+
+
+def _attempt(fn) -> BaseException | None:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - every rank raises together
+        return e
+    return None
+
+
 def read(path: Path) -> tuple[dict[str, torch.Tensor], Any]:
     """The weights and ``index_extra`` of a file :func:`write` wrote; no pickle is executed."""
     try:
