@@ -118,9 +118,9 @@ def _wire_worker(rank, world, mp):
     handles = [h for u in model._fp_root.units for h in u.handles]
     gathers = {id(h): 0 for h in handles}
     for h in handles:
-        def counted(async_op=True, _h=h, _inner=h.unshard):
+        def counted(*args, _h=h, _inner=h.unshard, **kwargs):
             gathers[id(_h)] += _h.unshard_communicates
-            return _inner(async_op)
+            return _inner(*args, **kwargs)
         h.unshard = counted
     opt = torch.optim.AdamW(model.parameters())
     for step in range(2):          # the second step: the execution order is known (as fp.plan assumes)

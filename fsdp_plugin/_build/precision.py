@@ -118,9 +118,15 @@ def install_casts(regions: list[tuple[str, nn.Module]], low: torch.dtype, device
     module's matmuls in 16 bits again), float32 outputs to ``low``. The ``forward`` is wrapped, not
     ``__call__``: a unit's hooks still gather before the casts. Returns a function that unwraps them
     (fp.plan's fake run)."""
-    saved = [(m, m.__dict__.get("forward")) for _, m in regions]
+    restore = forward_restorer([m for _, m in regions])
     for _, m in regions:
         m.forward = _fp32_forward(m.forward, low, device_type)
+    return restore
+
+
+def forward_restorer(modules: list[nn.Module]) -> Callable[[], None]:
+    """A function that puts back each module's instance ``forward`` as it is now (none: the class's)."""
+    saved = [(m, m.__dict__.get("forward")) for m in modules]
 
     def restore() -> None:
         for m, fwd in saved:

@@ -36,10 +36,10 @@ def write_planned(model, plan: list | None, uid: str) -> None:
     plan = json.loads(_comm.broadcast_bytes(json.dumps(plan).encode() if rank == 0 else None,
                                             step="broadcasting the export plan"))
     files = [_File(path, metadata, entries, uid) for path, metadata, entries in plan]
-    err = _attempt(lambda: [f.create() for f in files]) if rank == 0 else None
+    err = attempt(lambda: [f.create() for f in files]) if rank == 0 else None
     _comm.raise_if_any_failed(err, "creating the export files")
     shared = _comm.all_true(_sees(files), "checking the files are shared")
-    err = _attempt(lambda: _Sources(model).write(files, shared))
+    err = attempt(lambda: _Sources(model).write(files, shared))
     for f in files:
         f.close()
     try:
@@ -49,7 +49,7 @@ def write_planned(model, plan: list | None, uid: str) -> None:
             for f in files:
                 f.remove()
         raise
-    err = _attempt(lambda: [f.publish() for f in files]) if rank == 0 else None
+    err = attempt(lambda: [f.publish() for f in files]) if rank == 0 else None
     _comm.raise_if_any_failed(err, "publishing the export files")
 
 
@@ -67,7 +67,7 @@ def fill_existing(model, path: str | None, entries: list | None) -> None:
                                                      step="broadcasting the export plan"))
     target = _Existing(path, entries)
     shared = _comm.all_true(_sees([target]), "checking the file is shared")
-    err = _attempt(lambda: _Sources(model).write([target], shared))
+    err = attempt(lambda: _Sources(model).write([target], shared))
     target.close()
     _comm.raise_if_any_failed(err, "writing the export file")
 
@@ -198,7 +198,8 @@ def _checked(t: torch.Tensor, dt: str, name: str) -> torch.Tensor:
     return t
 
 
-def _attempt(fn) -> BaseException | None:
+def attempt(fn) -> BaseException | None:
+    """``fn()``'s exception, returned (not raised): the caller shares it so that every rank raises together."""
     try:
         fn()
     except Exception as e:  # noqa: BLE001 - every rank raises together

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
-from .._build.precision import install_casts
+from .._build.precision import forward_restorer, install_casts
 
 _aten = torch.ops.aten
 # torch's formulas, plus the CPU flash-attention kernels (same arguments as the CUDA ones, absent from the
@@ -176,15 +176,8 @@ def _checkpoint(model: nn.Module, policy) -> Callable[[], None]:
         return lambda: None
     from .._build.checkpointing import apply_activation_checkpointing
 
-    saved = [(m, m.__dict__.get("forward")) for m in model.modules()]
+    restore = forward_restorer(list(model.modules()))
     apply_activation_checkpointing(model, policy)
-
-    def restore():
-        for m, fwd in saved:
-            if fwd is None:
-                m.__dict__.pop("forward", None)
-            else:
-                m.forward = fwd
     return restore
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from fsdp_plugin.checkpoint.codec import torch_dtype
+from fsdp_plugin.checkpoint.ranged import attempt
 from fsdp_plugin.checkpoint.errors import CheckpointError, CorruptCheckpointError
 
 INDEX_RECORD = "fsdp_plugin.json"
@@ -88,10 +89,10 @@ def write_sharded(path: Path, model: torch.nn.Module, lightning_state: dict[str,
         layout = _lay_out(tmp, model, lightning_state)
 
     try:
-        err = _attempt(lay_out) if _comm.rank() == 0 else None
+        err = attempt(lay_out) if _comm.rank() == 0 else None
         _comm.raise_if_any_failed(err, "laying out the Lightning file")
         ranged.fill_existing(model, str(tmp) if _comm.rank() == 0 else None, layout)
-        err = _attempt(lambda: _finish(tmp, path, layout, index_extra)) if _comm.rank() == 0 else None
+        err = attempt(lambda: _finish(tmp, path, layout, index_extra)) if _comm.rank() == 0 else None
         _comm.raise_if_any_failed(err, "publishing the Lightning file")
     finally:
         if _comm.rank() == 0 and tmp.exists():
@@ -194,13 +195,6 @@ def _torch_dtype(name: str) -> torch.dtype:
 
     return to_dtype(name)
 
-
-def _attempt(fn) -> BaseException | None:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - every rank raises together
-        return e
-    return None
 
 
 def read(path: Path) -> tuple[dict[str, torch.Tensor], Any]:
