@@ -25,9 +25,9 @@ def _schedule(rank, world, reshard_after_forward=True):
         events.append(("pre", unit.name))
         return pre_bwd(unit, grad)
 
-    def spy_enqueue(h, grad, unit=None):
+    def spy_enqueue(h, grad, *a, **k):
         events.append(("reduce", h.label, len(root.reduction._pending)))
-        return enqueue(h, grad, unit)
+        return enqueue(h, grad, *a, **k)
 
     FlatParamHandle.unshard, Unit._pre_backward, root.reduction.enqueue = spy_gather, spy_pre, spy_enqueue
     try:
