@@ -25,6 +25,8 @@ _STATE_DICT_HELP = ("on a sharded model outside `with fp.full_params(model):` it
 PER_TENSOR = {"LAMB", "Lamb", "FusedLAMB", "Adafactor", "LARS", "LBFGS", "Shampoo", "DistributedShampoo", "SOAP",
               "Muon", "SophiaG", "Dion"}
 _checked_optimizers: "weakref.WeakSet" = weakref.WeakSet()
+# the checked ones that run the owner step (decided once, at their first step): a set lookup per step after that
+_owner_optimizers: "weakref.WeakSet" = weakref.WeakSet()
 _hook_handle = None
 
 
@@ -53,21 +55,18 @@ def _install_optimizer_check() -> None:
                         register_optimizer_step_post_hook(_after_step))
 
 
-def _owner_stepped(optimizer) -> bool:
-    return owner_step.applies(type(optimizer))
-
-
 def _check_optimizer(optimizer, args, kwargs) -> None:
     if optimizer in _checked_optimizers:
-        if _owner_stepped(optimizer):
-            _owner_before(optimizer)
+        if optimizer in _owner_optimizers:
+            owner_step.before(optimizer)
         return
     sharded = [p for g in optimizer.param_groups for p in g["params"] if getattr(p, "_fp_handle", None) is not None]
     if not sharded:
         return
-    if _owner_stepped(optimizer):      # its state lives whole on the rank that steps each parameter
+    if owner_step.applies(type(optimizer)):      # its state lives whole on the rank that steps each parameter
         _checked_optimizers.add(optimizer)
-        _owner_before(optimizer)
+        _owner_optimizers.add(optimizer)
+        owner_step.before(optimizer)
         return
     for p in sharded:
         for key, value in optimizer.state.get(p, {}).items():
@@ -80,12 +79,8 @@ def _check_optimizer(optimizer, args, kwargs) -> None:
     _checked_optimizers.add(optimizer)
 
 
-def _owner_before(optimizer) -> None:
-    owner_step.before(optimizer)
-
-
 def _after_step(optimizer, args, kwargs) -> None:
-    if optimizer in _checked_optimizers and _owner_stepped(optimizer):
+    if optimizer in _owner_optimizers:
         owner_step.after(optimizer)
 
 
