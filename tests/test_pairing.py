@@ -103,11 +103,29 @@ def _steady(rank, world):
     return dict(fp.comm_stats.calls)
 
 
-def test_agreeing_ranks_pay_one_check_per_unit_collective():
+def test_agreeing_ranks_send_no_pairing_message_on_gloo():
     calls = run_ranks(_steady, 2)[0]
     # per step: root + 2 blocks + tower all-gathered in forward, blocks.0/blocks.1/tower again in backward
-    # (the last unit is kept), 4 reductions; plus end of forward, end of backward, the unused-parameter mask
-    assert calls["all_gather"] + calls["reduce_scatter"] + 3 == calls["control"], calls
+    # (the last unit is kept), 4 reductions; their tags carry the check: the only control collective is the
+    # unused-parameter mask
+    assert (calls["all_gather"], calls["reduce_scatter"], calls["control"]) == (6, 4, 1), calls
+
+
+def _steady_replicated(rank, world):
+    torch.manual_seed(0)
+    model = fp.shard(Net("tower", at=10), auto_wrap_policy={Block, Tower}, sharding_strategy="no_shard")
+    for step in range(3):
+        model.step = step
+        fp.comm_stats.reset()
+        model(torch.randn(4, D)).backward()
+    return dict(fp.comm_stats.calls)
+
+
+def test_native_collectives_are_announced_one_check_each():
+    calls = run_ranks(_steady_replicated, 2)[0]
+    # no_shard: gloo's own all-reduce per unit (4), each announced before it is issued; plus end of backward
+    # and the unused-parameter mask
+    assert calls["all_reduce"] + 2 == calls["control"], calls
 
 
 def _recover(rank, world, mode, strategy):

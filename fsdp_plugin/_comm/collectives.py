@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveError
-from . import late, status
+from . import late, status, tagged
 
 
 @dataclass
@@ -113,11 +113,25 @@ class _Bound:
     def of(gate, what: str) -> "Optional[_Bound]":
         return _Bound(gate, what) if gate is not None else None
 
+    @property
+    def tagged(self) -> bool:
+        return isinstance(self.gate, Tagged)
+
+
+class Tagged:
+    """The pairing of a collective on a mesh whose unit collectives are all point to point (``_comm/tagged.py``):
+    its ``code`` goes into its tag; no announcement."""
+
+    __slots__ = ("code",)
+
+    def __init__(self, code: int):
+        self.code = code
+
 
 def _ungated(gate, what: str) -> None:
     """A native collective cannot be posted conditionally: its gate's verdict is waited on the host before it
     is issued (on NCCL a gloo round trip, no device synchronization), so a mismatched one is never issued."""
-    if gate is not None:
+    if gate is not None and not isinstance(gate, Tagged):
         gate.wait(what)
 
 
@@ -168,6 +182,9 @@ class _P2PWork:
         self.works = []
         self.done = False
         self.fp_op = None        # set by status.issued: this collective's number, for deadline reports
+        if bound is not None and bound.tagged:
+            self._post_tagged(pg, bound.gate.code, sends, recvs)
+            return
         if bound is not None:
             tag = _GATED_TAG_BASE + bound.gate.tag
             bound.gate.then(lambda: self._post(pg, tag, sends, recvs))
@@ -181,7 +198,20 @@ class _P2PWork:
         self.works = [w for j in range(len(sends)) if j != self.me
                       for w in (pg.recv([recvs[j]], j, tag), pg.send([sends[j]], j, tag))]
 
+    def _post_tagged(self, pg, code: int, sends: list, recvs: list) -> None:
+        """Posted now, under a tag naming the collective (``tagged.issue``): the status thread finds a divergence."""
+        self.pg, self.group_name, self.fp_code = pg, pg.group_name, code
+        peers = [j for j in range(len(sends)) if j != self.me]
+        ranks = dist.get_process_group_ranks(pg)
+        tag = tagged.issue(code, self)
+        nbytes = sends[peers[0]].numel() * sends[peers[0]].element_size() if peers else 0
+        # (global peer, tag, bytes, True when *this rank* sends): what a peer must complement after a divergence
+        self.fp_ops = [(ranks[j], tag, nbytes, s) for j in peers for s in (False, True)]
+        self._post(pg, tag, sends, recvs)
+
     def wait(self, timeout=None) -> bool:
+        if self.bound is not None and self.bound.tagged:
+            return self._wait_tagged(timeout)
         if self.bound is not None and not self.done and not self.bound.gate.wait(self.bound.what):
             self.done, self.works = True, []   # fp.reset after a divergence: nothing was sent, nothing to wait
             return True
@@ -191,6 +221,21 @@ class _P2PWork:
         if not self.done:
             self.done, self.works = True, []
             self._finish()
+        return True
+
+    def _wait_tagged(self, timeout) -> bool:
+        if self.done:
+            return True
+        tagged.before_wait()
+        try:
+            for w in self.works:     # each gloo work waited once: a second wait of a finished one never returns
+                if (w.wait(timeout) if timeout is not None else w.wait()) is False:
+                    return False
+        finally:
+            self.done, self.works = True, []
+            tagged.finished(self)
+        tagged.after_wait()          # the scratch of a complement is never taken for data
+        self._finish()
         return True
 
     def _finish(self) -> None:

@@ -137,12 +137,16 @@ class Gate:
 
 
 def _divergence_message(seen: list, units: Sequence) -> str:
-    names = "; ".join(f"rank {r}: {describe(s, units)}" for r, s in enumerate(seen))
+    return divergence_message("; ".join(f"rank {r}: {describe(s, units)}" for r, s in enumerate(seen)))
+
+
+def divergence_message(names: str, hint: str = "") -> str:
+    """The CollectiveError text of a divergence; ``names``: what each rank was entering."""
     return (f"ranks diverged: their next collectives belong to different units, so they would pair wrongly "
             f"({names}). Every rank must run the same units in the same order, and every unit's output must reach "
             "the loss on every rank or on none (no rank-dependent branches around sharded modules; declare a module that "
             "runs on some ranks only, e.g. a vision tower, in ShardingConfig(some_ranks_modules={...}), or put it inside "
-            "a unit that runs everywhere). Call fp.reset(model) on every rank before the next step.")
+            "a unit that runs everywhere). Call fp.reset(model) on every rank before the next step." + hint)
 
 
 def agree(c: int, units: Sequence, group, world_size: int, timeout_s: Optional[float], hint: str = "") -> None:

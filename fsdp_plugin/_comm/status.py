@@ -35,6 +35,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from . import tagged
+
 RING = 256              # operations kept per rank (a step issues a few dozen)
 INTERVAL_S = 0.5        # publication period of the status thread; bounds how stale a live rank's status is
 READ_TIMEOUT_S = 2.0    # store reads at a deadline: a dead store host must not add minutes to the error
@@ -179,7 +181,7 @@ def _snapshot(tid: Optional[int]) -> dict:
             "step": _S.step, "seq": dict(_S.seq),
             "cur": [cur.seq, cur.group, cur.label(), cur.t_wait] if cur is not None else None,
             "last": [last.seq, last.group, last.label(), last.t_done] if last is not None else None,
-            "where": _where(tid) if cur is None else None}
+            "where": _where(tid) if cur is None else None, **tagged.status_extra()}
 
 
 def _key(rank: int) -> str:
@@ -210,6 +212,10 @@ class _Publisher(threading.Thread):
     def publish(self) -> None:
         self.store.set(_key(dist.get_rank()), json.dumps(_snapshot(self.tid)))
 
+    def _statuses(self) -> dict:
+        from .late import _read
+        return _read(self.store, list(range(dist.get_world_size())))
+
     def alive_group(self) -> bool:
         return dist.is_initialized() and self.pg() is dist.distributed_c10d._get_default_group()
 
@@ -218,6 +224,7 @@ class _Publisher(threading.Thread):
             while not self.stop_event.wait(INTERVAL_S) and self.alive_group():
                 self.publish()
                 self._maybe_dump()
+                tagged.on_tick(self.store, self._statuses, self.publish)
         except Exception:  # noqa: BLE001 - a closed store or group ends the thread, never the training
             pass
         if _S.publisher is self:

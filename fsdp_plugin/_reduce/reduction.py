@@ -65,7 +65,7 @@ class Reduction:
         if grad is None:
             return
         h.usage.close_backward(reducing=True)
-        gate = self.root.gate(Entering.REDUCTION, unit) if h.reduce_communicates else None
+        gate = self.root.gate(Entering.REDUCTION, unit, handle=unit.handles.index(h)) if h.reduce_communicates else None
         self.enqueue(h, grad, unit, gate)
 
     def enqueue(self, handle, grad: Optional[torch.Tensor], unit=None, gate=None) -> None:

@@ -6,7 +6,8 @@ import torch
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
-from .._comm import pairing
+from .._comm import pairing, tagged
+from .._comm.collectives import Tagged
 from .._comm.pairing import Entering
 from .._comm import status as comm_status
 from ..config import ShardingConfig
@@ -16,6 +17,14 @@ from .._build.wrap import some_ranks_hint
 from .protocols import ScheduledUnit
 from .states import OrderState, RootPhase
 from .._reduce.reduction import Reduction
+
+
+def tags_suffice(mesh: Mesh, device: torch.device) -> bool:
+    """Every per-unit collective of ``mesh`` is point to point (gloo, CPU tensors, no replica all-reduce), so
+    identity tags check their pairing (``_comm/tagged.py``); else they are announced (``_comm/pairing.py``)."""
+    import torch.distributed as dist
+    return (device.type == "cpu" and mesh.shard_size > 1 and mesh.replicate_size == 1
+            and dist.get_backend(mesh.shard_group) == "gloo")
 
 
 class RootState:
@@ -38,6 +47,10 @@ class RootState:
         self._unit_index: dict = {}         # unit -> its index in ``units`` (the pairing code's unit number)
         self._hint = None                   # some_ranks_hint for divergence errors, computed at the first check
         self.join = None                    # join.JoinState: uneven inputs under torch's Join (fp.shard sets it)
+        # Pairing check by identity tags (``_comm/tagged.py``) when every unit collective is point to point
+        # (gloo, CPU, shard groups only), else by announcements (``_comm/pairing.py``).
+        self.tagged = mesh is not None and tags_suffice(mesh, device)
+        self._root_number = tagged.new_root(self) if self.tagged else None
 
     @property
     def root_unit(self):
@@ -74,21 +87,31 @@ class RootState:
             self.exec_order.append(unit)   # some_ranks units: rank-dependent, so out of the order and prefetch
         return args, kwargs
 
-    def gate(self, entering: Entering, unit=None, prompt: bool = False):
-        """The pairing announcement of a per-unit collective about to be issued (``_comm.pairing.Gate``; the
-        collective is bound to it; ``prompt``: it is waited right away), or None in a world of one rank."""
+    def gate(self, entering: Entering, unit=None, prompt: bool = False, handle: int = 0):
+        """The pairing of a per-unit collective about to be issued: a `Tagged` code (``_comm/tagged.py``) or an
+        announcement (``_comm.pairing.Gate``; the collective is bound to it; ``prompt``: it is waited right
+        away); None in a world of one rank. ``handle``: the handle's index in ``unit``."""
         mesh = self.mesh
         if mesh is None or mesh.world_size == 1:
             return None
-        c = pairing.code(entering, self.index_of(unit) if unit is not None else 0)
-        if self._hint is None:      # once: the units never change
+        index = self.index_of(unit) if unit is not None else 0
+        if self.tagged:
+            return Tagged(tagged.code(int(entering), self._root_number, index, handle))
+        return pairing.Gate(pairing.code(entering, index), self.units, control_group(), mesh.world_size,
+                            self.config.timeout_s, prompt, self.divergence_hint())
+
+    def divergence_hint(self) -> str:
+        """The end of a divergence message (``_build/wrap.some_ranks_hint``), computed once: units never change."""
+        if self._hint is None:
             self._hint = some_ranks_hint(self.root_unit.module, self.units)
-        return pairing.Gate(c, self.units, control_group(), mesh.world_size, self.config.timeout_s, prompt,
-                            self._hint)
+        return self._hint
 
     def agree_next(self, entering: Entering, unit=None) -> None:
-        """Blocking pairing check where a rank's per-unit collectives may end early: every rank must be at
-        the same point, else CollectiveError on every rank (``_comm.pairing``)."""
+        """Where a rank's per-unit collectives may end early, every rank must be at the same point, else
+        CollectiveError on every rank: a position of the tags (no message), or a blocking announcement."""
+        if self.tagged:
+            tagged.mark(tagged.code(int(entering), self._root_number, 0, 0))
+            return
         gate = self.gate(entering, unit, prompt=True)
         if gate is not None:
             gate.wait(pairing.describe(gate.code, self.units))
@@ -208,6 +231,8 @@ class RootState:
         """Abandon the current step (fp.reset): any phase -> IDLE, every unit IDLE and sharded, in-flight
         collectives finished, unreduced gradients dropped. Raises the first CollectiveError after cleaning up.
         After a divergence the pairing checks are re-aligned first (every rank calls fp.reset then)."""
+        if tagged.diverged():
+            tagged.drain(control_group(), pairing.comm.default_timeout_s(self.config.timeout_s))
         if pairing.diverged():
             pairing.realign(self.units, control_group(), self.mesh.world_size, self.config.timeout_s)
         with pairing.abandoning():

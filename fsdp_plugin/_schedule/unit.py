@@ -59,8 +59,8 @@ class Unit:
     def unshard(self, async_op: bool = True, prompt: bool = False) -> None:
         """Start all-gathering every handle, each all-gather announced (pairing check) as it is issued;
         ``prompt``: the caller waits for them right away (``pairing.Gate``: no completion callback)."""
-        for h in self.handles:
-            gate = self.root.gate(Entering.ALL_GATHER, self, prompt) if h.unshard_communicates else None
+        for i, h in enumerate(self.handles):
+            gate = self.root.gate(Entering.ALL_GATHER, self, prompt, i) if h.unshard_communicates else None
             h.unshard(async_op, gate)
 
     def wait_and_use_views(self) -> None:

@@ -1,0 +1,295 @@
+"""Identity-tagged collectives: the pairing check of a mesh whose unit collectives are all point to point (issue 26).
+
+On gloo with CPU tensors every per-unit collective is sends and receives (``collectives._P2PWork``). Their tag
+names what the collective is: this process's **position** (the count of unit collectives it issued, the same
+on every rank while the ranks agree) and the collective's **code** (all-gather or reduction, of which root,
+unit and handle). Gloo moves a message only to a receive of the same tag, so two ranks that diverged never
+exchange a byte: no abort (a message longer than the receive buffer), no mixed data, and no message of its
+own either: agreeing ranks pay nothing but the bookkeeping below (a list store per collective).
+
+What a divergence leaves is ranks waiting for messages that never come. It is found lazily, where nothing
+else is waiting: this rank's status thread (``status._Publisher``, already publishing every INTERVAL_S) adds
+the recent codes and the pending operations to its status; once this rank has waited in a tagged collective
+for ``PROBE_AFTER_S``, it reads every rank's status. Two ranks with different codes at the same position
+diverged there (codes never change once issued, so a stale status is still a proof). The ends of the forward
+and of the backward are positions too (``mark``, no message), so "one rank has more collectives" is the same
+test. Then, through the store: every rank learns the verdict (``_DIVERGED``), sets it locally, acknowledges,
+and once every rank has acknowledged, each posts the *complement* of every peer's unmatched operation
+addressed to it (a receive into scratch bytes, a send of zeros). Every wait then returns, and every wait and
+issue raises the verdict's CollectiveError (the acknowledgement comes first, so no rank reads the scratch as
+data). ``fp.reset`` (every rank) waits for everything left, agrees on the next position and starts a new epoch.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+import weakref
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+PROBE_AFTER_S = 0.5      # a tagged wait longer than this makes the status thread compare every rank's codes
+_HISTORY = 4096          # codes kept per rank (positions modulo this); far more than are in flight
+_PUBLISHED = 64          # recent codes published in the status: a rank blocks within a few positions of a divergence
+_TAG_BASE = 1 << 30      # above the other point-to-point tags of collectives.py
+_POS_BITS = 10
+_KEY = "fsdp_plugin/pairing/"
+_ENTERING_SHIFT, _ROOT_SHIFT, _UNIT_SHIFT = 40, 32, 8
+
+
+class _Ledger:
+    def __init__(self):
+        self.pos = 0                                 # next position
+        self.codes: list = [None] * _HISTORY         # pos % _HISTORY -> (pos, code)
+        self.pending: dict = {}                      # pos -> _P2PWork not yet finished
+        self.waiting_since: Optional[float] = None   # the main thread is blocked in a tagged wait since
+        self.verdict: Optional[str] = None           # the divergence message, once known
+        self.acked = False
+        self.epoch = 0
+        self.complemented: set = set()               # (peer, group, tag, peer sends) posted by this rank
+        self.complements: list = []                  # their works, waited in fp.reset
+        self.settled = False                         # this rank posted its complements
+        self.io = None                               # (store, statuses reader) of the status thread
+        self.lock = threading.RLock()                # the status thread's actions against the main thread's
+
+
+_L = _Ledger()
+_roots: dict = {}            # root number -> weakref to its RootState (unit names, the divergence hint)
+_groups: dict = {}           # group name -> weakref to the process group (the status thread posts complements)
+
+
+def new_root(root) -> int:
+    """A number for a sharded model's root, in construction order (the same on every rank)."""
+    n = len(_roots)
+    _roots[n] = weakref.ref(root)
+    return n
+
+
+def code(entering: int, root: int, unit: int, handle: int) -> int:
+    return (entering << _ENTERING_SHIFT) | (root << _ROOT_SHIFT) | (unit << _UNIT_SHIFT) | handle
+
+
+def describe(c: int) -> str:
+    from .pairing import Entering, describe as words
+    entering, root = c >> _ENTERING_SHIFT, (c >> _ROOT_SHIFT) & 0xFF
+    ref = _roots.get(root)
+    state = ref() if ref is not None else None
+    units = state.units if state is not None else ()
+    unit = (c >> _UNIT_SHIFT) & ((1 << (_ROOT_SHIFT - _UNIT_SHIFT)) - 1)
+    return words((int(Entering(entering)) << 32) | unit, units)
+
+
+def _tag(pos: int, c: int) -> int:
+    # position and the code's parts, packed: at one position two different codes never share a tag
+    entering, root = c >> _ENTERING_SHIFT, (c >> _ROOT_SHIFT) & 0x7
+    unit, handle = (c >> _UNIT_SHIFT) & 0x1FFF, c & 0x7
+    return _TAG_BASE + (((((pos % (1 << _POS_BITS)) << 1 | entering & 1) << 3 | root) << 13 | unit) << 3 | handle)
+
+
+def _check() -> None:
+    from .pairing import _State
+    if _L.verdict is not None and not _State.abandoning:
+        with _L.lock:
+            _settle_before_raising()
+        from ..errors import CollectiveError
+        raise CollectiveError(_L.verdict)
+
+
+def issue(c: int, work) -> int:
+    """Record a tagged collective about to be posted; its tag. Raises the verdict after a divergence."""
+    with _L.lock:        # atomic with the verdict: a rank's final status lists every operation it posted
+        _check()
+        pos = _L.pos
+        _L.pos = pos + 1
+        _L.codes[pos % _HISTORY] = (pos, c)
+        _L.pending[pos] = work
+    work.fp_pos = pos
+    group = work.group_name
+    if group not in _groups:
+        _groups[group] = weakref.ref(work.pg)
+    return _tag(pos, c)
+
+
+def mark(c: int) -> None:
+    """A position without a message: the end of a forward or of a backward (every rank must be there too)."""
+    _check()
+    pos = _L.pos
+    _L.pos = pos + 1
+    _L.codes[pos % _HISTORY] = (pos, c)
+
+
+def finished(work) -> None:
+    _L.pending.pop(work.fp_pos, None)
+    _L.waiting_since = None
+
+
+def before_wait() -> None:
+    """A tagged wait starts: the status thread probes once it has lasted ``PROBE_AFTER_S``."""
+    _check()
+    _L.waiting_since = time.time()
+
+
+def after_wait() -> None:
+    _L.waiting_since = None
+    _check()
+
+
+def diverged() -> bool:
+    return _L.verdict is not None
+
+
+# ------------------------------------------------------------------ the status thread's part
+def snapshot() -> Optional[dict]:
+    """This rank's part of its status (None before its first tagged collective)."""
+    if _L.pos == 0:
+        return None
+    recent = [e for e in (_L.codes[p % _HISTORY] for p in range(max(_L.pos - _PUBLISHED, 0), _L.pos)) if e]
+    ops = []
+    for pos, work in list(_L.pending.items()):
+        ops.extend([pos, work.fp_code, work.group_name, peer, tag, nbytes, sends] for peer, tag, nbytes, sends in work.fp_ops)
+    return {"epoch": _L.epoch, "codes": recent, "ops": ops, "acked": _L.acked}
+
+
+def on_tick(store, statuses_of, publish) -> None:
+    """One status-thread tick: probe a long tagged wait, learn a verdict, post complements. ``statuses_of()``:
+    every rank's published status (rank -> dict or None); ``publish()``: publish this rank's status now."""
+    _L.io = (store, statuses_of)
+    with _L.lock:
+        key = f"{_KEY}{_L.epoch}/"
+        if _L.verdict is None:
+            since = _L.waiting_since
+            if since is not None and time.time() - since >= PROBE_AFTER_S:
+                verdict = _verdict(statuses_of(), _L.epoch)
+                if verdict is not None:
+                    store.set(key + "diverged", verdict)
+            if not store.check([key + "diverged"]):
+                return
+            # From here this rank posts nothing new (``issue`` raises): its status now is its final one.
+            _L.verdict = store.get(key + "diverged").decode()
+            _L.acked = True
+            publish()
+        if not _L.settled:
+            _settle(statuses_of)
+
+
+def _settle(statuses_of) -> bool:
+    """Complement every peer's operation addressed to this rank, once every rank published its final status."""
+    final = {r: p for r, p in _pairing(statuses_of(), _L.epoch).items() if p.get("acked")}
+    if len(final) < dist.get_world_size():
+        return False
+    _complement(final, dist.get_rank())
+    _L.settled = True
+    return True
+
+
+def _settle_before_raising(limit_s: float = 60.0) -> None:
+    """The main thread leaves with the verdict only once its complements are posted: a peer still waiting
+    for one must not see this process end first (a closed connection instead of the verdict)."""
+    deadline = time.time() + limit_s
+    while not _L.settled and _L.io is not None and time.time() < deadline:
+        if _settle(_L.io[1]):
+            return
+        time.sleep(0.05)
+
+
+def _pairing(statuses: dict, epoch: int) -> dict:
+    return {r: s["pairing"] for r, s in statuses.items()
+            if s is not None and s.get("pairing") and s["pairing"]["epoch"] == epoch}
+
+
+def _verdict(statuses: dict, epoch: int) -> Optional[str]:
+    """The divergence message if two ranks' published codes differ at a position, else None."""
+    codes = {r: dict((p, c) for p, c in s["codes"]) for r, s in _pairing(statuses, epoch).items()}
+    mine = {p: c for p, c in (e for e in _L.codes if e is not None)}
+    codes[dist.get_rank()] = mine
+    first = None
+    ranks = sorted(codes)
+    for i, r in enumerate(ranks):
+        for s in ranks[i + 1:]:
+            for p in sorted(set(codes[r]) & set(codes[s])):
+                if codes[r][p] != codes[s][p]:
+                    first = p if first is None else min(first, p)
+                    break
+    if first is None:
+        return None
+    names = "; ".join(f"rank {r}: " + (describe(codes[r][first]) if first in codes[r] else "not there yet")
+                      for r in ranks)
+    from .pairing import divergence_message
+    return divergence_message(names, _hint(codes, first))
+
+
+def _hint(codes: dict, pos: int) -> str:
+    for c in (cs[pos] for cs in codes.values() if pos in cs):
+        ref = _roots.get((c >> _ROOT_SHIFT) & 0xFF)
+        state = ref() if ref is not None else None
+        if state is not None:
+            return state.divergence_hint()
+    return ""
+
+
+def _mine_at(pos: int) -> Optional[int]:
+    e = _L.codes[pos % _HISTORY]
+    return e[1] if e is not None and e[0] == pos else None
+
+
+def _complement(final: dict, me: int) -> None:
+    """Post the other side of every peer's operation addressed to this rank that this rank never issued."""
+    for peer, s in final.items():
+        if peer == me:
+            continue
+        for pos, c, group, to, tag, nbytes, sends in s["ops"]:
+            key = (peer, group, tag, sends)
+            if to != me or _mine_at(pos) == c or key in _L.complemented:
+                continue
+            ref = _groups.get(group)
+            pg = ref() if ref is not None else None
+            if pg is None:
+                continue
+            _L.complemented.add(key)
+            src = dist.get_group_rank(pg, peer)
+            buf = torch.zeros(nbytes, dtype=torch.uint8)
+            _L.complements.append(pg.recv([buf], src, tag) if sends else pg.send([buf], src, tag))
+
+
+def drain(control_group, timeout_s: float) -> None:
+    """fp.reset after a divergence (every rank): wait for every tagged collective left (their complements come
+    from the peers' status threads), agree on the next position, start a new epoch."""
+    from datetime import timedelta
+    from .pairing import abandoning
+    with abandoning():
+        for pos in sorted(_L.pending):
+            work = _L.pending.get(pos)
+            if work is not None:
+                work.wait()
+        deadline = timedelta(seconds=timeout_s)
+        with _L.lock:
+            complements, _L.complements = _L.complements, []
+        for w in complements:
+            w.wait(deadline)
+    nxt = torch.tensor([_L.pos], dtype=torch.int64)
+    dist.all_reduce(nxt, op=dist.ReduceOp.MAX, group=control_group)
+    with _L.lock:
+        _L.pos = int(nxt.item()) + _PUBLISHED
+        _L.codes = [None] * _HISTORY
+        _L.pending.clear()
+        _L.verdict, _L.acked, _L.settled, _L.complemented = None, False, False, set()
+        _L.epoch += 1
+
+
+def status_extra() -> dict:
+    snap = snapshot()
+    return {"pairing": snap} if snap is not None else {}
+
+
+def _reset_after_fork() -> None:
+    global _L
+    _L = _Ledger()
+    _roots.clear()
+    _groups.clear()
+
+
+import os  # noqa: E402
+os.register_at_fork(after_in_child=_reset_after_fork)
+_ = json  # the status is JSON (status._snapshot); nothing here is pickled
