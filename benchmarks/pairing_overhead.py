@@ -1,17 +1,17 @@
-"""Cost of the collective pairing checks (fsdp_plugin/_comm/pairing.py) on the training step.
+"""Cost of the collective pairing check (fsdp_plugin/_comm/tagged.py on gloo, pairing.py elsewhere) on the step.
 
     torchrun --standalone --nproc-per-node 2 benchmarks/pairing_overhead.py --preset small [--steps 20]
 
 Two arms alternate every step so machine load hits both alike: ``checked`` (the engine as shipped) and
-``unchecked`` (``RootState.gate`` returning no announcement, ``RootState.agree_next`` a no-op). Rank 0 prints,
-per arm, the median step time
-(slowest rank: forward + backward + AdamW + zero_grad) and the median process CPU seconds per step (all
-threads, busiest rank: far less sensitive to other programs than wall time), their ratios, and the wall time
-spent in the pairing calls on the hot path in the checked arm (issuing announcements, the two blocking
-end-of-pass checks; a gated collective's verdict is read inside the data's own wait and is not counted). That
-last number is an upper bound that is only meaningful on a quiet machine: a blocking check's wait also absorbs
-the other rank's lateness, which the next collective would wait for anyway. Last, the intrinsic cost of one
-check: 300 back-to-back checks in lockstep (wall and process CPU per check).
+``unchecked`` (``RootState.gate`` returning no pairing, ``RootState.agree_next`` a no-op: collectives under
+plain per-group tags). Rank 0 prints, per arm, the median step time (slowest rank: forward + backward + AdamW +
+zero_grad) and the median process CPU seconds per step (all threads, busiest rank), their ratios with a 90%
+bootstrap interval over steps, and the wall time spent in the pairing calls on the hot path in the checked
+arm (gates, end-of-pass marks or checks, the tag bookkeeping of every tagged collective; a verdict read inside
+the data's own wait is not counted). On this shared 2-core machine two *identical* arms differ by a few percent
+either way, so the direct time is the number to read; the ratios bound the cost from above. Last, the
+intrinsic cost of one blocking announcement (the check native transports still use): 300 back-to-back checks
+in lockstep (wall and process CPU per check).
 """
 from __future__ import annotations
 
@@ -46,6 +46,27 @@ def _timed(check):
     return timed
 
 
+def _timed_fn(fn):
+    def timed(*args, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kw)
+        finally:
+            if not _SPENT["depth"]:
+                _SPENT["s"] += time.perf_counter() - t0
+    return timed
+
+
+def _paired(a: list, b: list, n: int = 2000) -> tuple:
+    """Median of the per-pair ratios a[i] / b[i] (adjacent steps: slow drift of the machine cancels) and its
+    90% bootstrap interval, resampling pairs."""
+    import random
+    ratios = [x / y for x, y in zip(a, b)]
+    rng = random.Random(0)
+    rs = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(n))
+    return statistics.median(ratios), rs[int(0.05 * n)], rs[int(0.95 * n)]
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="small")
@@ -53,10 +74,13 @@ def main():
     a = p.parse_args()
     torch.set_num_threads(1)
     import fsdp_plugin as fp
+    from fsdp_plugin._comm import tagged
     from fsdp_plugin._schedule.root import RootState
 
     checked = (_timed(RootState.gate), _timed(RootState.agree_next))
     unchecked = (lambda self, entering, *args, **kw: None,) * 2
+    for name in ("issue", "finished", "before_wait", "after_wait"):     # the bookkeeping of tagged collectives
+        setattr(tagged, name, _timed_fn(getattr(tagged, name)))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(**PRESETS[a.preset])
@@ -69,11 +93,13 @@ def main():
     times = {k: [] for k in arms}
     cpu = {k: [] for k in arms}
     spent, counts = [], []
+    control = 0
     for step in range(2 + a.steps * len(arms)):
         arm = arms[step % len(arms)]
         RootState.gate, RootState.agree_next = checked if arm == "checked" else unchecked
         _SPENT.update(s=0.0, n=0, depth=0)
         dist.barrier()
+        c_before = fp.comm_stats.calls["control"]
         t0, c0 = time.perf_counter(), time.process_time()
         model(x, x).backward()
         opt.step()
@@ -86,17 +112,21 @@ def main():
             if arm == "checked":
                 spent.append(dt[1].item())
                 counts.append(_SPENT["n"])
+                control = fp.comm_stats.calls["control"] - c_before
     if rank == 0:
         med = {k: statistics.median(v) for k, v in times.items()}
         mcpu = {k: statistics.median(v) for k, v in cpu.items()}
         share = statistics.median(spent) / med["checked"]
         print(f"preset {a.preset}, world {world}, {a.steps} steps per arm, load {os.getloadavg()}")
+        r, lo, hi = _paired(times["checked"], times["unchecked"])
+        cr, clo, chi = _paired(cpu["checked"], cpu["unchecked"])
         print("median step s: " + ", ".join(f"{k} {v:.4f}" for k, v in med.items())
-              + f"; checked/unchecked {med['checked'] / med['unchecked']:.4f}")
+              + f"; checked/unchecked {med['checked'] / med['unchecked']:.4f}; paired {r:.4f} (90% {lo:.3f}-{hi:.3f})")
         print("median CPU s per step: " + ", ".join(f"{k} {v:.4f}" for k, v in mcpu.items())
-              + f"; checked/unchecked {mcpu['checked'] / mcpu['unchecked']:.4f}")
-        print(f"announcements per step {statistics.median(counts):.0f}, time in pairing calls {statistics.median(spent) * 1e3:.2f} ms"
-              f" per step = {100 * share:.2f}% of the checked step")
+              + f"; checked/unchecked {mcpu['checked'] / mcpu['unchecked']:.4f}; paired {cr:.4f} (90% {clo:.3f}-{chi:.3f})")
+        print(f"pairing calls per step {statistics.median(counts):.0f}, time in pairing calls "
+              f"{statistics.median(spent) * 1e3:.2f} ms per step = {100 * share:.2f}% of the checked step; "
+              f"control collectives per step {control}")
     _lockstep(world, rank)
     dist.destroy_process_group()
 

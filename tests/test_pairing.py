@@ -160,3 +160,35 @@ def test_after_a_divergence_fp_reset_realigns_and_training_goes_on(mode):
         assert [step for step, _ in errors] == [1], (rank, errors)
         assert "ranks diverged" in errors[0][1], errors
         assert losses[0] == losses[1], losses      # the shards still pair: both ranks see the same model
+
+
+def test_a_divergence_among_three_ranks_is_named_on_every_rank_and_fp_reset_recovers():
+    results = run_ranks(_recover, 3, "tower", "full_shard", timeout=90)
+    for rank, (errors, losses) in enumerate(results):
+        assert [step for step, _ in errors] == [1], (rank, errors)
+        assert all(f"rank {r}: " in errors[0][1] for r in range(3)), errors
+        assert len(set(losses)) == 1, losses
+
+
+def _slow_rank(rank, world):
+    """Rank 1 is late by several probe periods before one step: a long wait, not a divergence."""
+    import time
+
+    from fsdp_plugin._comm import tagged
+    torch.manual_seed(0)
+    model = fp.shard(Net("tower", at=10), auto_wrap_policy={Block, Tower}, timeout_s=30)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        model.step = step
+        if step == 1 and rank == 1:
+            time.sleep(6 * tagged.PROBE_AFTER_S)
+        opt.zero_grad()
+        model(torch.randn(4, D, generator=torch.Generator().manual_seed(step + rank))).backward()
+        opt.step()
+    with torch.no_grad():
+        return model(torch.ones(4, D)).item()
+
+
+def test_a_late_rank_is_not_a_divergence():
+    losses = run_ranks(_slow_rank, 2, timeout=90)
+    assert losses[0] == losses[1], losses

@@ -27,25 +27,14 @@ they raise; ``fp.reset`` re-aligns them (`realign`) before it cleans up.
 """
 from __future__ import annotations
 
-import contextlib
 import threading
-from enum import IntEnum
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from ..errors import CollectiveError
-from . import collectives as comm
-
-
-class Entering(IntEnum):
-    """What a rank is about to do, in the pairing code."""
-
-    ALL_GATHER = 0
-    REDUCTION = 1
-    END_OF_FORWARD = 2
-    END_OF_BACKWARD = 3
-    REALIGN = 4         # fp.reset after a divergence: pairs with whatever the other ranks have left in flight
+from . import collectives as comm, divergence
+from .divergence import Entering, abandoning, describe, divergence_message  # noqa: F401 - this module's API
 
 
 _UNIT_BITS = 32
@@ -55,23 +44,10 @@ _TAG_SPAN = 1 << 20     # gated point-to-point tags: sequence numbers modulo thi
 class _State:
     seq = 0                      # pairing-group collectives issued by this process (the same on every rank)
     diverged = False             # a gate reported a mismatch: fp.reset must realign before cleaning up
-    abandoning = False           # inside fp.reset: a mismatched gate's data is dropped quietly
 
 
 def code(entering: Entering, unit_index: int = 0) -> int:
     return (int(entering) << _UNIT_BITS) | unit_index
-
-
-def describe(c: int, units: Sequence) -> str:
-    """``c`` in words; ``units``: every unit (``.name``), indexed by the code's unit number."""
-    entering, index = Entering(c >> _UNIT_BITS), c & ((1 << _UNIT_BITS) - 1)
-    name = repr(units[index].name) if index < len(units) else f"#{index}"
-    if entering is Entering.ALL_GATHER:
-        return f"all-gather of unit {name}"
-    if entering is Entering.REDUCTION:
-        return f"gradient reduction of unit {name}"
-    return {Entering.END_OF_FORWARD: "end of forward", Entering.END_OF_BACKWARD: "end of backward"}.get(
-        entering, "fp.reset")
 
 
 class Gate:
@@ -131,22 +107,13 @@ class Gate:
         if all(s == self.code for s in self._seen):
             return True
         _State.diverged = True
-        if _State.abandoning:
+        if divergence.is_abandoning():
             return False
         raise CollectiveError(_divergence_message(self._seen, self._units) + self._hint)
 
 
 def _divergence_message(seen: list, units: Sequence) -> str:
     return divergence_message("; ".join(f"rank {r}: {describe(s, units)}" for r, s in enumerate(seen)))
-
-
-def divergence_message(names: str, hint: str = "") -> str:
-    """The CollectiveError text of a divergence; ``names``: what each rank was entering."""
-    return (f"ranks diverged: their next collectives belong to different units, so they would pair wrongly "
-            f"({names}). Every rank must run the same units in the same order, and every unit's output must reach "
-            "the loss on every rank or on none (no rank-dependent branches around sharded modules; declare a module that "
-            "runs on some ranks only, e.g. a vision tower, in ShardingConfig(some_ranks_modules={...}), or put it inside "
-            "a unit that runs everywhere). Call fp.reset(model) on every rank before the next step." + hint)
 
 
 def agree(c: int, units: Sequence, group, world_size: int, timeout_s: Optional[float], hint: str = "") -> None:
@@ -158,17 +125,6 @@ def agree(c: int, units: Sequence, group, world_size: int, timeout_s: Optional[f
 
 def diverged() -> bool:
     return _State.diverged
-
-
-@contextlib.contextmanager
-def abandoning():
-    """fp.reset's cleanup: waits of mismatched gates return quietly (their data was never sent; the buffers
-    are dropped with the step) instead of raising the divergence again."""
-    _State.abandoning = True
-    try:
-        yield
-    finally:
-        _State.abandoning = False
 
 
 def realign(units: Sequence, group, world_size: int, timeout_s: Optional[float], limit: int = 1 << 16) -> None:

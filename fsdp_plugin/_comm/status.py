@@ -35,8 +35,6 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from . import tagged
-
 RING = 256              # operations kept per rank (a step issues a few dozen)
 INTERVAL_S = 0.5        # publication period of the status thread; bounds how stale a live rank's status is
 READ_TIMEOUT_S = 2.0    # store reads at a deadline: a dead store host must not add minutes to the error
@@ -44,6 +42,8 @@ ENABLED = True          # benchmarks/status_overhead.py measures the hot path by
 _PREFIX = "fsdp_plugin/status/"
 _DUMP_KEY = _PREFIX + "dump"
 _DETAILED = 4           # late ranks described in full; the others are listed by number
+EXTRAS: list = []       # () -> dict merged into this rank's status (``tagged``: the pairing ledger)
+TICKS: list = []        # (publisher) -> None, every publication period (``tagged``: finding divergences)
 
 
 class _Op:
@@ -133,6 +133,14 @@ def issued(work, kind: str, group, n: int, numel: int = 0):
     return _Tracked(work, op)
 
 
+def publishing() -> bool:
+    """Start the status thread now if it is not running; whether one runs (the tagged pairing check needs it)."""
+    if ENABLED and _S.publisher is None and not _S.unpublishable and dist.is_initialized():
+        _S.publisher = _Publisher.start()
+        _S.unpublishable = _S.publisher is None
+    return _S.publisher is not None
+
+
 def waiting(work, what: str):
     """``(op, work to wait on)``; marks ``op`` as the one this rank is waiting in."""
     op = getattr(work, "fp_op", None)
@@ -181,7 +189,7 @@ def _snapshot(tid: Optional[int]) -> dict:
             "step": _S.step, "seq": dict(_S.seq),
             "cur": [cur.seq, cur.group, cur.label(), cur.t_wait] if cur is not None else None,
             "last": [last.seq, last.group, last.label(), last.t_done] if last is not None else None,
-            "where": _where(tid) if cur is None else None, **tagged.status_extra()}
+            "where": _where(tid) if cur is None else None, **{k: v for f in EXTRAS for k, v in f().items()}}
 
 
 def _key(rank: int) -> str:
@@ -212,10 +220,6 @@ class _Publisher(threading.Thread):
     def publish(self) -> None:
         self.store.set(_key(dist.get_rank()), json.dumps(_snapshot(self.tid)))
 
-    def _statuses(self) -> dict:
-        from .late import _read
-        return _read(self.store, list(range(dist.get_world_size())))
-
     def alive_group(self) -> bool:
         return dist.is_initialized() and self.pg() is dist.distributed_c10d._get_default_group()
 
@@ -224,7 +228,8 @@ class _Publisher(threading.Thread):
             while not self.stop_event.wait(INTERVAL_S) and self.alive_group():
                 self.publish()
                 self._maybe_dump()
-                tagged.on_tick(self.store, self._statuses, self.publish)
+                for tick in TICKS:
+                    tick(self)
         except Exception:  # noqa: BLE001 - a closed store or group ends the thread, never the training
             pass
         if _S.publisher is self:

@@ -21,7 +21,7 @@ data). ``fp.reset`` (every rank) waits for everything left, agrees on the next p
 """
 from __future__ import annotations
 
-import json
+import os
 import threading
 import time
 import weakref
@@ -29,6 +29,11 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from ..errors import CollectiveError
+from . import late, status
+from .divergence import Entering, abandoning, divergence_message, is_abandoning
+from .divergence import describe as _words
 
 PROBE_AFTER_S = 0.5      # a tagged wait longer than this makes the status thread compare every rank's codes
 _HISTORY = 4096          # codes kept per rank (positions modulo this); far more than are in flight
@@ -72,13 +77,12 @@ def code(entering: int, root: int, unit: int, handle: int) -> int:
 
 
 def describe(c: int) -> str:
-    from .pairing import Entering, describe as words
     entering, root = c >> _ENTERING_SHIFT, (c >> _ROOT_SHIFT) & 0xFF
     ref = _roots.get(root)
     state = ref() if ref is not None else None
     units = state.units if state is not None else ()
     unit = (c >> _UNIT_SHIFT) & ((1 << (_ROOT_SHIFT - _UNIT_SHIFT)) - 1)
-    return words((int(Entering(entering)) << 32) | unit, units)
+    return _words((int(Entering(entering)) << 32) | unit, units)
 
 
 def _tag(pos: int, c: int) -> int:
@@ -89,11 +93,9 @@ def _tag(pos: int, c: int) -> int:
 
 
 def _check() -> None:
-    from .pairing import _State
-    if _L.verdict is not None and not _State.abandoning:
+    if _L.verdict is not None and not is_abandoning():
         with _L.lock:
             _settle_before_raising()
-        from ..errors import CollectiveError
         raise CollectiveError(_L.verdict)
 
 
@@ -201,9 +203,8 @@ def _pairing(statuses: dict, epoch: int) -> dict:
 
 def _verdict(statuses: dict, epoch: int) -> Optional[str]:
     """The divergence message if two ranks' published codes differ at a position, else None."""
-    codes = {r: dict((p, c) for p, c in s["codes"]) for r, s in _pairing(statuses, epoch).items()}
-    mine = {p: c for p, c in (e for e in _L.codes if e is not None)}
-    codes[dist.get_rank()] = mine
+    codes = {r: {p: c for p, c in s["codes"]} for r, s in _pairing(statuses, epoch).items()}
+    codes[dist.get_rank()] = {p: c for p, c in (e for e in _L.codes if e is not None)}
     first = None
     ranks = sorted(codes)
     for i, r in enumerate(ranks):
@@ -216,7 +217,6 @@ def _verdict(statuses: dict, epoch: int) -> Optional[str]:
         return None
     names = "; ".join(f"rank {r}: " + (describe(codes[r][first]) if first in codes[r] else "not there yet")
                       for r in ranks)
-    from .pairing import divergence_message
     return divergence_message(names, _hint(codes, first))
 
 
@@ -257,7 +257,6 @@ def drain(control_group, timeout_s: float) -> None:
     """fp.reset after a divergence (every rank): wait for every tagged collective left (their complements come
     from the peers' status threads), agree on the next position, start a new epoch."""
     from datetime import timedelta
-    from .pairing import abandoning
     with abandoning():
         for pos in sorted(_L.pending):
             work = _L.pending.get(pos)
@@ -278,9 +277,18 @@ def drain(control_group, timeout_s: float) -> None:
         _L.epoch += 1
 
 
-def status_extra() -> dict:
+def _status_extra() -> dict:
     snap = snapshot()
     return {"pairing": snap} if snap is not None else {}
+
+
+def _tick(publisher) -> None:
+    on_tick(publisher.store, lambda: late._read(publisher.store, list(range(dist.get_world_size()))),
+            publisher.publish)
+
+
+status.EXTRAS.append(_status_extra)
+status.TICKS.append(_tick)
 
 
 def _reset_after_fork() -> None:
@@ -290,6 +298,4 @@ def _reset_after_fork() -> None:
     _groups.clear()
 
 
-import os  # noqa: E402
 os.register_at_fork(after_in_child=_reset_after_fork)
-_ = json  # the status is JSON (status._snapshot); nothing here is pickled
