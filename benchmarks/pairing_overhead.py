@@ -71,6 +71,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="small")
     p.add_argument("--steps", type=int, default=20, help="timed steps per arm")
+    p.add_argument("--aa", action="store_true", help="both arms checked: the noise floor of the ratios")
     a = p.parse_args()
     torch.set_num_threads(1)
     import fsdp_plugin as fp
@@ -96,7 +97,7 @@ def main():
     control = 0
     for step in range(2 + a.steps * len(arms)):
         arm = arms[step % len(arms)]
-        RootState.gate, RootState.agree_next = checked if arm == "checked" else unchecked
+        RootState.gate, RootState.agree_next = checked if arm == "checked" or a.aa else unchecked
         _SPENT.update(s=0.0, n=0, depth=0)
         dist.barrier()
         c_before = fp.comm_stats.calls["control"]
@@ -117,7 +118,8 @@ def main():
         med = {k: statistics.median(v) for k, v in times.items()}
         mcpu = {k: statistics.median(v) for k, v in cpu.items()}
         share = statistics.median(spent) / med["checked"]
-        print(f"preset {a.preset}, world {world}, {a.steps} steps per arm, load {os.getloadavg()}")
+        print(f"preset {a.preset}, world {world}, {a.steps} steps per arm, load {os.getloadavg()}"
+              + (" -- A/A: both arms checked, the ratios show the machine's noise" if a.aa else ""))
         r, lo, hi = _paired(times["checked"], times["unchecked"])
         cr, clo, chi = _paired(cpu["checked"], cpu["unchecked"])
         print("median step s: " + ", ".join(f"{k} {v:.4f}" for k, v in med.items())

@@ -36,6 +36,7 @@ from .divergence import Entering, abandoning, divergence_message, is_abandoning
 from .divergence import describe as _words
 
 PROBE_AFTER_S = 0.5      # a tagged wait longer than this makes the status thread compare every rank's codes
+_PROBE_MAX_S = 8.0       # then at 2x, 4x... that length, up to this gap between probes
 _HISTORY = 4096          # codes kept per rank (positions modulo this); far more than are in flight
 _PUBLISHED = 64          # recent codes published in the status: a rank blocks within a few positions of a divergence
 _TAG_BASE = 1 << 30      # above the other point-to-point tags of collectives.py
@@ -50,6 +51,7 @@ class _Ledger:
         self.codes: list = [None] * _HISTORY         # pos % _HISTORY -> (pos, code)
         self.pending: dict = {}                      # pos -> _P2PWork not yet finished
         self.waiting_since: Optional[float] = None   # the main thread is blocked in a tagged wait since
+        self.probe_after = PROBE_AFTER_S             # wait length of the next probe (doubles within a wait)
         self.verdict: Optional[str] = None           # the divergence message, once known
         self.acked = False
         self.epoch = 0
@@ -130,6 +132,7 @@ def finished(work) -> None:
 def before_wait() -> None:
     """A tagged wait starts: the status thread probes once it has lasted ``PROBE_AFTER_S``."""
     _check()
+    _L.probe_after = PROBE_AFTER_S
     _L.waiting_since = time.time()
 
 
@@ -162,7 +165,10 @@ def on_tick(store, statuses_of, publish) -> None:
         key = f"{_KEY}{_L.epoch}/"
         if _L.verdict is None:
             since = _L.waiting_since
-            if since is not None and time.time() - since >= PROBE_AFTER_S:
+            if since is not None and time.time() - since >= _L.probe_after:
+                # backing off within one wait: a rank waiting minutes for a slow peer (a checkpoint) reads every
+                # status a few times, not twice a second
+                _L.probe_after = min(2 * _L.probe_after, _PROBE_MAX_S)
                 verdict = _verdict(statuses_of(), _L.epoch)
                 if verdict is not None:
                     store.set(key + "diverged", verdict)
