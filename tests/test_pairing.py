@@ -93,9 +93,9 @@ def test_divergence_after_the_first_step_is_a_collective_error_on_every_rank(mod
         assert "rank 0: " in message and "rank 1: " in message, message
 
 
-def _steady(rank, world):
+def _steady(rank, world, strategy="full_shard"):
     torch.manual_seed(0)
-    model = fp.shard(Net("tower", at=10), auto_wrap_policy={Block, Tower})
+    model = fp.shard(Net("tower", at=10), auto_wrap_policy={Block, Tower}, sharding_strategy=strategy)
     for step in range(3):
         model.step = step
         fp.comm_stats.reset()
@@ -111,18 +111,8 @@ def test_agreeing_ranks_send_no_pairing_message_on_gloo():
     assert (calls["all_gather"], calls["reduce_scatter"], calls["control"]) == (6, 4, 1), calls
 
 
-def _steady_replicated(rank, world):
-    torch.manual_seed(0)
-    model = fp.shard(Net("tower", at=10), auto_wrap_policy={Block, Tower}, sharding_strategy="no_shard")
-    for step in range(3):
-        model.step = step
-        fp.comm_stats.reset()
-        model(torch.randn(4, D)).backward()
-    return dict(fp.comm_stats.calls)
-
-
 def test_native_collectives_are_announced_one_check_each():
-    calls = run_ranks(_steady_replicated, 2)[0]
+    calls = run_ranks(_steady, 2, "no_shard")[0]
     # no_shard: gloo's own all-reduce per unit (4), each announced before it is issued; plus end of backward
     # and the unused-parameter mask
     assert calls["all_reduce"] + 2 == calls["control"], calls

@@ -202,7 +202,7 @@ class _P2PWork:
         """Posted now, under a tag naming the collective (``tagged.issue``): the status thread finds a divergence."""
         self.pg, self.group_name, self.fp_code = pg, pg.group_name, code
         peers = [j for j in range(len(sends)) if j != self.me]
-        ranks = dist.get_process_group_ranks(pg)
+        ranks = tagged.ranks_of(pg)
         tag = tagged.issue(code, self)
         nbytes = sends[peers[0]].numel() * sends[peers[0]].element_size() if peers else 0
         # (global peer, tag, bytes, True when *this rank* sends): what a peer must complement after a divergence

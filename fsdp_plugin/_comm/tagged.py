@@ -64,7 +64,7 @@ class _Ledger:
 
 _L = _Ledger()
 _roots: dict = {}            # root number -> weakref to its RootState (unit names, the divergence hint)
-_groups: dict = {}           # group name -> weakref to the process group (the status thread posts complements)
+_groups: dict = {}           # group name -> (weakref to the group, its global ranks): complements, tags
 
 
 def new_root(root) -> int:
@@ -110,10 +110,16 @@ def issue(c: int, work) -> int:
         _L.codes[pos % _HISTORY] = (pos, c)
         _L.pending[pos] = work
     work.fp_pos = pos
-    group = work.group_name
-    if group not in _groups:
-        _groups[group] = weakref.ref(work.pg)
     return _tag(pos, c)
+
+
+def ranks_of(pg) -> list:
+    """The global ranks of ``pg`` (cached: asked at every tagged collective); registers it for complements."""
+    name = pg.group_name
+    known = _groups.get(name)
+    if known is None or known[0]() is not pg:
+        known = _groups[name] = (weakref.ref(pg), dist.get_process_group_ranks(pg))
+    return known[1]
 
 
 def mark(c: int) -> None:
@@ -249,8 +255,8 @@ def _complement(final: dict, me: int) -> None:
             key = (peer, group, tag, sends)
             if to != me or _mine_at(pos) == c or key in _L.complemented:
                 continue
-            ref = _groups.get(group)
-            pg = ref() if ref is not None else None
+            known = _groups.get(group)
+            pg = known[0]() if known is not None else None
             if pg is None:
                 continue
             _L.complemented.add(key)
