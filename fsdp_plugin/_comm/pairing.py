@@ -1,4 +1,6 @@
-"""Collective pairing: every rank enters the same unit's collective, at every step (issue 26).
+"""Collective pairing by announcements: every rank enters the same unit's collective, at every step (issue 26).
+Used where some unit collective is native (NCCL, no_shard's and hybrid's all-reduces); a mesh whose unit
+collectives are all gloo point to point is checked by their tags instead (``tagged.py``: no message at all).
 
 Collectives pair by issue order alone. A unit that runs on some ranks only (a branch on the rank's data, a unit
 whose output misses the loss on one rank) would pair one unit's all-gather with another's: gloo aborts the
@@ -8,7 +10,7 @@ Every per-unit data collective is therefore **announced**: each rank all-gathers
 enters, for which unit) on the pairing group, asynchronously (`Gate`). The data collective is bound to its
 gate, and the transport decides when the verdict must be known:
 
-- **gated** (gloo, CPU: the point-to-point collectives of ``collectives.py``): the data's sends and receives
+- **gated** (gloo, CPU: the point-to-point collectives of ``collectives.py``, hybrid's reduce-scatter): the data's sends and receives
   are posted by the gate's completion callback, and only when every rank announced the same code, with a tag
   taken from the gate's sequence number. A mismatched data message is never sent, so gloo never sees one, and
   the check costs no new meeting point: it overlaps whatever the rank does until the data's wait, which reads
