@@ -201,12 +201,9 @@ class _P2PWork:
     def _post_tagged(self, pg, code: int, sends: list, recvs: list) -> None:
         """Posted now, under a tag naming the collective (``tagged.issue``): the status thread finds a divergence."""
         self.pg, self.group_name, self.fp_code = pg, pg.group_name, code
-        peers = [j for j in range(len(sends)) if j != self.me]
-        ranks = tagged.ranks_of(pg)
         tag = tagged.issue(code, self)
-        nbytes = sends[peers[0]].numel() * sends[peers[0]].element_size() if peers else 0
-        # (global peer, tag, bytes, True when *this rank* sends): what a peer must complement after a divergence
-        self.fp_ops = [(ranks[j], tag, nbytes, s) for j in peers for s in (False, True)]
+        # what a peer must complement after a divergence, expanded by the status thread (``tagged.snapshot``)
+        self.fp_tag, self.fp_nbytes = tag, sends[self.me].numel() * sends[self.me].element_size()
         self._post(pg, tag, sends, recvs)
 
     def wait(self, timeout=None) -> bool:

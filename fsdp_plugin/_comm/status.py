@@ -121,8 +121,7 @@ def issued(work, kind: str, group, n: int, numel: int = 0):
     op = _Op(seq, name, kind, _S.step, numel)
     _S.ring.append(op)
     if _S.publisher is None and not _S.unpublishable:
-        _S.publisher = _Publisher.start()
-        _S.unpublishable = _S.publisher is None      # no store or no clone: not retried at every collective
+        publishing()
     if work is None:
         op.t_wait = op.t_done = op.t_issue
         _S.last = op
@@ -137,7 +136,7 @@ def publishing() -> bool:
     """Start the status thread now if it is not running; whether one runs (the tagged pairing check needs it)."""
     if ENABLED and _S.publisher is None and not _S.unpublishable and dist.is_initialized():
         _S.publisher = _Publisher.start()
-        _S.unpublishable = _S.publisher is None
+        _S.unpublishable = _S.publisher is None      # no store or no clone: not retried at every collective
     return _S.publisher is not None
 
 

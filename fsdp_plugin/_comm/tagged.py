@@ -13,7 +13,7 @@ the recent codes and the pending operations to its status; once this rank has wa
 for ``PROBE_AFTER_S``, it reads every rank's status. Two ranks with different codes at the same position
 diverged there (codes never change once issued, so a stale status is still a proof). The ends of the forward
 and of the backward are positions too (``mark``, no message), so "one rank has more collectives" is the same
-test. Then, through the store: every rank learns the verdict (``_DIVERGED``), sets it locally, acknowledges,
+test. Then, through the store: every rank learns the verdict (a key of the epoch), sets it locally, acknowledges,
 and once every rank has acknowledged, each posts the *complement* of every peer's unmatched operation
 addressed to it (a receive into scratch bytes, a send of zeros). Every wait then returns, and every wait and
 issue raises the verdict's CollectiveError (the acknowledgement comes first, so no rank reads the scratch as
@@ -110,6 +110,8 @@ def issue(c: int, work) -> int:
         _L.codes[pos % _HISTORY] = (pos, c)
         _L.pending[pos] = work
     work.fp_pos = pos
+    if work.group_name not in _groups:
+        ranks_of(work.pg)            # registered for the complements this rank may have to post
     return _tag(pos, c)
 
 
@@ -159,7 +161,10 @@ def snapshot() -> Optional[dict]:
     recent = [e for e in (_L.codes[p % _HISTORY] for p in range(max(_L.pos - _PUBLISHED, 0), _L.pos)) if e]
     ops = []
     for pos, work in list(_L.pending.items()):
-        ops.extend([pos, work.fp_code, work.group_name, peer, tag, nbytes, sends] for peer, tag, nbytes, sends in work.fp_ops)
+        # [position, code, group, global peer, tag, bytes, True when *this rank* sends]: each peer both ways
+        peers = [r for j, r in enumerate(ranks_of(work.pg)) if j != work.me]
+        ops.extend([pos, work.fp_code, work.group_name, peer, work.fp_tag, work.fp_nbytes, sends]
+                   for peer in peers for sends in (False, True))
     return {"epoch": _L.epoch, "codes": recent, "ops": ops, "acked": _L.acked}
 
 
