@@ -17,7 +17,7 @@ from .grad_scaler import GradScaler
 # every error class users may catch (docs/errors.md is the catalogue)
 from .errors import (CodecError, CollectiveError, ConfigError, DeferredInitError, FSDPPluginError,
                      NonFiniteGradientError, NotDeferredError, OptimizerError, ShardingError, StateDictError,
-                     UnsupportedError, UsageError)
+                     TensorParallelError, UnsupportedError, UsageError)
 from .checkpoint.errors import (CheckpointError, CheckpointMismatchError, CorruptCheckpointError,
                                 IncompleteCheckpointError)
 from .planner import Plan, PlanError
@@ -33,6 +33,7 @@ __all__ = [
     "FSDPPluginError", "ConfigError", "ShardingError", "OptimizerError", "StateDictError", "CollectiveError",
     "plan", "Plan", "PlanError", "memory_report",
     "UsageError", "UnsupportedError", "DeferredInitError", "NotDeferredError", "NonFiniteGradientError", "CodecError",
+    "TensorParallelError",
 ]
 
 _configure_log()

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._comm import collectives as comm
+from ._flat.dtensor import full_tensor, tp_spec
 from ._flat.layout import is_persistent_buffer
 from ._schedule.join import note_clip
 from .errors import NonFiniteGradientError, ShardingError
@@ -82,9 +83,12 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict:
     for unit in root.units:
         for h in unit.handles:
             full = h.gather_master()
-            if keep:
-                for s in h.slots:
-                    values[id(s.param)] = full[s.offset:s.offset + s.numel].view(s.shape).to("cpu", copy=True)
+            for s, spec in zip(h.slots, h._tp):
+                v = full[s.offset:s.offset + s.numel].view(s.shape)
+                if spec is not None:       # a TP box: the global tensor (collective over TP, every rank)
+                    v = full_tensor(v, spec)
+                if keep:
+                    values[id(s.param)] = v.to("cpu", copy=True)
             del full
     if not keep:
         return {}
@@ -147,18 +151,30 @@ def clip_grad_norm_(parameters: Union[nn.Module, Iterable[torch.Tensor]], max_no
     grads = [p.grad for p in params if p.grad is not None]
     norm_type = float(norm_type)
     note_clip(clip_grad_norm_, max_norm, norm_type)       # a Join's joined ranks replay it
-    sharded = [p.grad for p in params if p.grad is not None and getattr(p, "_fp_handle", None) is not None]
+    managed = [p for p in params if p.grad is not None and getattr(p, "_fp_handle", None) is not None]
+    # TP-sharded boxes are also summed over the TP group; TP-replicated and plain parameters are not
+    tp_split = [p.grad for p in managed if tp_spec(p) is not None and tp_spec(p).sharded]
+    sharded = [p.grad for p in managed if not (tp_spec(p) is not None and tp_spec(p).sharded)]
     plain = [p.grad for p in params if p.grad is not None and getattr(p, "_fp_handle", None) is None]
-    handle = next((p._fp_handle for p in params if getattr(p, "_fp_handle", None) is not None), None)
+    handle = managed[0]._fp_handle if managed else \
+        next((p._fp_handle for p in params if getattr(p, "_fp_handle", None) is not None), None)
     group = handle.mesh.shard_group if handle is not None else None
     first_in_group = handle is None or handle.mesh.shard_rank == 0
     device = handle.device if handle is not None else (grads[0].device if grads else torch.device("cpu"))
     local = _local_norm_term(sharded, norm_type, device)
     if first_in_group:
         local = _combine(local, _local_norm_term(plain, norm_type, device), norm_type)
+    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+    tp_mesh = next((tp_spec(p).mesh for p in params if tp_spec(p) is not None), None)
+    if tp_mesh is not None:      # [dp term, TP-split term]: the second also summed over TP
+        local = torch.stack([local, _local_norm_term(tp_split, norm_type, device).to(local.dtype)])
     if handle is not None and handle.mesh.shard_size > 1:
-        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
         comm.all_reduce(local, group, op=op, kind="control")
+    if tp_mesh is not None:
+        tp_term = local[1:].clone()
+        if tp_mesh.size() > 1:
+            comm.all_reduce(tp_term, tp_mesh.get_group(0), op=op, kind="control")
+        local = _combine(local[0], tp_term[0], norm_type)
     total = local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise NonFiniteGradientError(

@@ -52,3 +52,7 @@ class NonFiniteGradientError(FSDPPluginError, FloatingPointError, RuntimeError):
 
 class CodecError(FSDPPluginError, TypeError):
     """A value the pickle-free JSON + tensor codec (checkpoint extra, Lightning/accelerate state) cannot store."""
+
+
+class TensorParallelError(ShardingError):
+    """A tensor-parallel (DTensor) model fp.shard cannot shard as given: placement, mesh or wrapping."""

@@ -22,6 +22,7 @@ from .._groups.shutdown import register_at_exit
 from .._schedule.join import make_joinable
 from .._schedule.root import RootState
 from .strategy import STRATEGIES, unit_policy
+from .tensor_parallel import strip_dtensors, tp_rank_and_size
 from .._schedule.unit import Unit
 from .wrap import owner_unit, params_by_unit, select_unit_modules, some_ranks_fqns
 from ..config import ShardingConfig
@@ -43,7 +44,8 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
         raise ShardingError(f"submodule {nested[0]!r} is already sharded: shard only the root, once, and choose "
                             "units with auto_wrap_policy")
     cfg = ShardingConfig.from_kwargs(config, **kwargs)
-    mesh = build_mesh(STRATEGIES[cfg.sharding_strategy].scope, cfg.device_mesh)
+    tp_mesh = strip_dtensors(model, cfg.device_mesh, cfg.param_init_fn)   # DTensor params -> local + spec
+    mesh = build_mesh(STRATEGIES[cfg.sharding_strategy].scope, cfg.device_mesh, tp_rank_and_size(tp_mesh)[1])
     if mesh.world_size > 1:
         register_at_exit()  # process groups are in use: destroy them before interpreter exit
     device = _pick_device(model, cfg)
@@ -56,6 +58,7 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
     if device.type == "cpu" and mesh.world_size > 1:
         keep_freed_host_memory()    # per-step buffers are malloc blocks on the CPU (see _host_alloc)
     root = RootState(cfg, mesh, device)
+    root.tp_mesh = tp_mesh
     _build_units(model, units, cfg, mesh, device, root, some_ranks, regions)
     _finish_buffers(model, cfg, mesh, device, fp32_buffers(model, cfg.mixed_precision, regions))
     if regions:
@@ -101,7 +104,8 @@ def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: Ro
     sites, names, owned = params_by_unit(model, unit_fqns, cfg.ignored_modules)
     fp32_ids = fp32_param_ids(model, cfg.mixed_precision, regions, sites)
     model_kind(model)   # refuses a model partly changed after fp.deferred_init()
-    scatter = decide_scatter(model, mesh.world_size, device)
+    # each rank of a tensor-parallel model holds its own box: nothing to take from rank 0
+    scatter = decide_scatter(model, mesh.world_size, device) if root.tp_mesh is None else False
     mat = Materializer(model, device, cfg.param_init_fn)
     buffer_sites = _buffer_sites_by_unit(model, unit_fqns)
     built: list = []

@@ -21,6 +21,7 @@ from .._groups.mesh import Mesh
 from .._schedule.states import ShardedState
 from .._reduce.usage import SlotUsage
 from .._comm.trace import _traced
+from .dtensor import as_dtensor, local_grad, tp_spec
 from .owners import choose_owners
 from .rows import local_shape, piece, row_aligned_offsets
 
@@ -118,6 +119,9 @@ class FlatParamHandle:
         self._full = self.leaf.data
         self._split_sizes, self._slot_segment = self._segments()
         self._shapes = [s.shape for s in self.slots]
+        # tensor-parallel slots: forward views are DTensors again (``dtensor.py``); None for plain slots
+        self._tp = [tp_spec(s.param) for s in self.slots]
+        self._has_tp = any(t is not None for t in self._tp)
 
     def _segments(self) -> tuple[list[int], list[int]]:
         """Sizes of the flat buffer's consecutive segments (slots, gaps, tail padding) and each slot's index."""
@@ -269,9 +273,15 @@ class FlatParamHandle:
         gradient (``SlotUsage``): autograd hands it None for a view that did not reach the loss.
         """
         if self.requires_grad and torch.is_grad_enabled() and self.slots:
-            return list(_LeafViews.apply(self, self.leaf))
-        pieces = self.leaf.split_with_sizes(self._split_sizes)
-        return [pieces[i].view(shape) for i, shape in zip(self._slot_segment, self._shapes)]
+            out = list(_LeafViews.apply(self, self.leaf))
+        else:
+            pieces = self.leaf.split_with_sizes(self._split_sizes)
+            out = [pieces[i].view(shape) for i, shape in zip(self._slot_segment, self._shapes)]
+        return self.as_parallel(out) if self._has_tp else out
+
+    def as_parallel(self, views: list) -> list:
+        """Per-slot views (local TP tensors) as the DTensors the model was parallelized with (plain slots as is)."""
+        return [v if t is None else as_dtensor(v, t) for v, t in zip(views, self._tp)]
 
     def flat_grad(self, grads) -> torch.Tensor:
         """The leaf's gradient from per-slot gradients (None: unused, zeros), marking used slots."""
@@ -280,7 +290,7 @@ class FlatParamHandle:
         for i, (g, seg) in enumerate(zip(grads, self._slot_segment)):
             if g is not None:
                 now[i] = 1
-                parts[seg] = g.reshape(-1)
+                parts[seg] = (local_grad(g) if self._has_tp else g).reshape(-1)
         return torch.cat([torch.zeros(n, dtype=self.compute_dtype, device=self.device) if p is None else p
                           for p, n in zip(parts, self._split_sizes)])
 

@@ -34,11 +34,12 @@ class Mesh:
         return self.shard_size * self.replicate_size
 
 
-def build_mesh(scope: ShardScope, device_mesh) -> Mesh:
-    """The mesh of a strategy's ``ShardScope`` (see ``_strategy.STRATEGIES``)."""
+def build_mesh(scope: ShardScope, device_mesh, tp_size: int = 1) -> Mesh:
+    """The mesh of a strategy's ``ShardScope`` (see ``_strategy.STRATEGIES``); ``tp_size``: the tensor-parallel
+    dimension a DeviceMesh ``device_mesh`` leaves out (its size times ``tp_size`` is the world)."""
     if not dist.is_initialized():
         return Mesh(1, 0, 1, 0, 1, 0)
-    mesh = _build(scope, device_mesh)
+    mesh = _build(scope, device_mesh, tp_size)
     _ensure_control_group()
     _LIVE_MESHES[id(mesh)] = mesh
     return mesh
@@ -75,8 +76,10 @@ def referenced_groups() -> list:
     return [g for g in groups if g is not None]
 
 
-def _build(scope: ShardScope, device_mesh) -> Mesh:
+def _build(scope: ShardScope, device_mesh, tp_size: int = 1) -> Mesh:
     world, rank = dist.get_world_size(), dist.get_rank()
+    if device_mesh is not None and not isinstance(device_mesh, tuple):
+        return _from_device_mesh(scope, world, rank, device_mesh, tp_size)
     if scope is ShardScope.WORLD:
         return Mesh(world, rank, world, rank, 1, 0, shard_group=dist.group.WORLD, shard_rank_of=tuple(range(world)))
     if scope is ShardScope.NONE:
@@ -102,8 +105,6 @@ def mesh_dims(scope: ShardScope, world: int, local_world: int, device_mesh=None)
 
 
 def _hybrid_mesh(world: int, rank: int, device_mesh) -> Mesh:
-    if device_mesh is not None and not isinstance(device_mesh, tuple):
-        return _from_device_mesh(world, rank, device_mesh)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     shard, replicate = mesh_dims(ShardScope.NODE, world, local, device_mesh)
     shard_group, replicate_group = _hybrid_groups(world, replicate, shard)
@@ -130,17 +131,40 @@ def _hybrid_groups(world: int, replicate: int, shard: int):
     return _GROUP_CACHE[key]
 
 
-def _from_device_mesh(world: int, rank: int, mesh) -> Mesh:
-    if getattr(mesh, "ndim", None) != 2:
-        raise ConfigError("hybrid_shard needs a 2-D DeviceMesh with dims (replicate, shard), "
-                          f"got {getattr(mesh, 'ndim', type(mesh).__name__)} dims")
+def _from_device_mesh(scope: ShardScope, world: int, rank: int, mesh, tp_size: int) -> Mesh:
+    """A torch DeviceMesh: 1-D = the shard group (full_shard, shard_grad_op) or the replicate group (no_shard);
+    2-D = (replicate, shard) of hybrid_shard. With tensor parallelism it is the data-parallel slice of a root
+    mesh whose other dimension is TP (``tp_size``)."""
+    ndim = getattr(mesh, "ndim", None)
+    if ndim not in (1, 2) or (ndim == 2) != (scope is ShardScope.NODE):
+        want = "a 2-D DeviceMesh with dims (replicate, shard)" if scope is ShardScope.NODE else \
+            "a 1-D DeviceMesh (a 2-D (replicate, shard) one means sharding_strategy='hybrid_shard')"
+        raise ConfigError(f"this sharding strategy needs {want}, got {ndim if ndim is not None else type(mesh).__name__}"
+                          " dims")
+    if mesh.size() * tp_size != world:
+        extra = "" if tp_size > 1 else (": a DeviceMesh smaller than the world is only for a tensor-parallel model "
+                                        "(parallelize_module on the other dimension of the same root mesh)")
+        raise ConfigError(f"DeviceMesh {tuple(mesh.shape)} does not cover the world of {world} ranks{extra}")
+    coord = _shard_coordinates(mesh, world)
+    if ndim == 1:
+        group, size, me = mesh.get_group(0), mesh.size(), mesh.get_local_rank()
+        if scope is ShardScope.NONE:
+            return Mesh(world, rank, 1, 0, size, me, replicate_group=group, shard_rank_of=(0,) * world)
+        return Mesh(world, rank, size, me, 1, 0, shard_group=group, shard_rank_of=coord)
     replicate, shard = mesh.shape
-    if replicate * shard != world:
-        raise ConfigError(f"DeviceMesh {tuple(mesh.shape)} does not cover the world of {world} ranks")
     rep_group, shard_group = mesh.get_group(0), mesh.get_group(1)
-    shard_rank_of = [0] * world
-    for row in mesh.mesh.tolist():
-        for j, r in enumerate(row):
-            shard_rank_of[r] = j
     return Mesh(world, rank, shard, dist.get_rank(shard_group), replicate, dist.get_rank(rep_group),
-                shard_group=shard_group, replicate_group=rep_group, shard_rank_of=tuple(shard_rank_of))
+                shard_group=shard_group, replicate_group=rep_group, shard_rank_of=coord)
+
+
+def _shard_coordinates(mesh, world: int) -> tuple:
+    """Shard rank of every global rank: its coordinate on the mesh's last dimension, read in the root mesh
+    (a slice's own tensor lists only the ranks of this rank's slice)."""
+    root = mesh._get_root_mesh()
+    names, last = root.mesh_dim_names or (), (mesh.mesh_dim_names or (None,))[-1]
+    grid = mesh.mesh if root is mesh or last not in names else root.mesh.movedim(names.index(last), -1)
+    out = [0] * world
+    for row in grid.reshape(-1, grid.shape[-1]).tolist():
+        for j, r in enumerate(row):
+            out[r] = j
+    return tuple(out)

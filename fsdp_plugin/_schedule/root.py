@@ -47,6 +47,7 @@ class RootState:
         self._unit_index: dict = {}         # unit -> its index in ``units`` (the pairing code's unit number)
         self._hint = None                   # some_ranks_hint for divergence errors, computed at the first check
         self.join = None                    # join.JoinState: uneven inputs under torch's Join (fp.shard sets it)
+        self.tp_mesh = None                 # the tensor-parallel DeviceMesh of a DTensor model (fp.shard sets it)
         # Pairing check by identity tags (``_comm/tagged.py``) when every unit collective is point to point
         # (gloo, CPU, shard groups only), else by announcements (``_comm/pairing.py``).
         self.tagged = mesh is not None and tags_suffice(mesh, device)

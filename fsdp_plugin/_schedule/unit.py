@@ -88,7 +88,7 @@ class Unit:
     def show_full(self, h: FlatParamHandle, full: torch.Tensor) -> None:
         """Sites of ``h`` register new full-shape parameters viewing ``full`` (fp.full_params)."""
         self._register(h, [nn.Parameter(v, requires_grad=s.param.requires_grad)
-                           for v, s in zip(h.split_full(full), h.slots)])
+                           for v, s in zip(h.as_parallel(h.split_full(full)), h.slots)])
 
     def show_originals(self, h: FlatParamHandle) -> None:
         """Sites of ``h`` register the original (sharded) parameters again."""

@@ -1,0 +1,61 @@
+"""Tensor-parallel parameters inside flat buffers: what is kept of a DTensor parameter, and its forward view.
+
+A parameter that arrives at ``fp.shard`` as a DTensor on a tensor-parallel (TP) mesh dimension is stored like
+any other: its *local* TP tensor is the "full" parameter of its slot (``ParamSlot.shape`` is the local shape;
+the flat buffer, the rows rule and the data-parallel collectives never see the global tensor). What makes it a
+DTensor again is kept here, on ``param._fp_tp``: in forward every unsharded view is wrapped by
+``DTensor.from_local`` with the original spec, so TP's own hooks and collectives run unchanged; its backward
+returns the local gradient in the original placement (``Partial`` gradients of ``Replicate`` parameters are
+all-reduced over TP there), so the flat gradient holds plain local gradients.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class TPSpec:
+    """How a parameter's local tensor sits in the global one.
+
+    ``mesh``: the 1-D TP DeviceMesh; ``placements``: ``(Shard(d),)`` or ``(Replicate(),)``; ``shape``/``stride``:
+    the global tensor's; ``offset``: the global index of the local tensor's first element on every dim (the
+    box of the global tensor this rank's local tensor is: ``offset``, local shape).
+    """
+
+    mesh: object
+    placements: tuple
+    shape: torch.Size
+    stride: tuple
+    offset: tuple
+
+    @property
+    def sharded(self) -> bool:
+        """The local tensor is a proper part of the global one (its gradient norm sums over TP)."""
+        return any(p.is_shard() for p in self.placements) and self.mesh.size() > 1
+
+
+def tp_spec(p) -> Optional[TPSpec]:
+    """The TP spec recorded on parameter ``p`` by ``fp.shard`` (None: a plain parameter)."""
+    return getattr(p, "_fp_tp", None)
+
+
+def as_dtensor(local: torch.Tensor, spec: TPSpec) -> torch.Tensor:
+    """``local`` (a view of the unsharded buffer) as the DTensor the model was parallelized with; autograd
+    connected (the gradient arrives as a plain local tensor in the forward placement)."""
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
+                              stride=spec.stride)
+
+
+def local_grad(g: torch.Tensor) -> torch.Tensor:
+    """A gradient handed back by ``from_local``'s backward may still be an in-flight functional collective."""
+    wait = getattr(g, "wait", None)
+    return wait() if callable(wait) and type(g).__name__ == "AsyncCollectiveTensor" else g
+
+
+def full_tensor(local: torch.Tensor, spec: TPSpec) -> torch.Tensor:
+    """The global tensor from every TP rank's local tensor (collective over the TP group)."""
+    return as_dtensor(local, spec).full_tensor()

@@ -1,0 +1,196 @@
+"""Tensor-parallel test pieces: a toy GPT with every TP case, its plan, the dp x tp worker and the reference.
+
+Every TP case of issue 31: a plain (replicated) embedding, colwise q/k/v (heads split over TP), rowwise o with
+a bias (Replicate), an MLP of odd width 17 (colwise 9/8, rowwise), a SequenceParallel final norm (Replicate
+weight whose gradient is Partial), a colwise head gathered back to full logits.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import fsdp_plugin as fp
+
+V, D, H, FF, T = 32, 16, 4, 17, 8
+
+
+class Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(D, D, bias=False) for _ in range(3))
+        self.o = nn.Linear(D, D)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (f(x).view(b, t, -1, D // H).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(D, FF), nn.Linear(FF, D)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+class TPBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.n1, self.attn, self.n2, self.mlp = nn.LayerNorm(D), Attn(), nn.LayerNorm(D), MLP()
+
+    def forward(self, x):
+        x = x + self.attn(self.n1(x))
+        return x + self.mlp(self.n2(x))
+
+
+class Final(nn.Module):
+    """The final norm, in a module of its own so the plan can seq-shard its input before SequenceParallel."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+
+    def forward(self, x):
+        return self.norm(x)
+
+
+class TPGPT(nn.Module):
+    def __init__(self, layers: int = 2):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList(TPBlock() for _ in range(layers))
+        self.final = Final()
+        self.head = nn.Linear(D, V, bias=False)
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        logits = self.head(self.final(x))
+        return F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
+
+
+def tp_plan(layers: int = 2) -> dict:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+    plan = {"final": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),)),
+            "final.norm": SequenceParallel(),
+            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+    for i in range(layers):
+        for name in ("q", "k", "v"):
+            plan[f"blocks.{i}.attn.{name}"] = ColwiseParallel()
+        plan[f"blocks.{i}.attn.o"] = RowwiseParallel()
+        # a DTensor output keeps the uneven global width (17) for the rowwise input (a local one would not)
+        plan[f"blocks.{i}.mlp.up"] = ColwiseParallel(use_local_output=False)
+        plan[f"blocks.{i}.mlp.down"] = RowwiseParallel()
+    return plan
+
+
+def batch(step: int, dp_rank: int, size: int = 2):
+    g = torch.Generator().manual_seed(1000 * step + dp_rank)
+    idx = torch.randint(0, V, (size, T), generator=g)
+    return idx, torch.roll(idx, -1, 1)
+
+
+def make_optimizer(name, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(params, lr=2e-3, eps=1e-6, weight_decay=0.1)
+
+
+def reference(dp: int, optim: str, steps: int, clip=None):
+    """One process on the global batch: per step (loss, {name: grad}, {name: param}, grad norm or None)."""
+    torch.manual_seed(0)
+    model = TPGPT()
+    opt = make_optimizer(optim, model.parameters())
+    out = []
+    for s in range(steps):
+        xs, ys = zip(*[batch(s, r) for r in range(dp)])
+        loss = model(torch.cat(xs), torch.cat(ys))
+        opt.zero_grad()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item() if clip is not None else None
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        out.append((loss.item(), grads, {n: p.detach().clone() for n, p in model.named_parameters()}, norm))
+    return out
+
+
+def build_2d(dp_shape: tuple, tp: int, **shard_kwargs):
+    """The toy GPT parallelized on mesh['tp'] and sharded over the dp dims; returns (model, mesh)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    names = ("dp_replicate", "dp_shard", "tp") if len(dp_shape) == 2 else ("dp", "tp")
+    mesh = init_device_mesh("cpu", (*dp_shape, tp), mesh_dim_names=names)
+    torch.manual_seed(0)
+    model = TPGPT()
+    parallelize_module(model, mesh["tp"], tp_plan())
+    dp_mesh = mesh[names[:-1]] if len(dp_shape) == 2 else mesh["dp"]
+    fp.shard(model, device_mesh=dp_mesh, auto_wrap_policy={TPBlock}, **shard_kwargs)
+    return model, mesh
+
+
+def full_grads(model) -> dict:
+    """Every parameter's full gradient (dp pieces all-gathered, TP boxes assembled); every rank."""
+    from fsdp_plugin._flat.dtensor import full_tensor
+    out = {}
+    for unit in model._fp_root.units:
+        for h in unit.handles:
+            piece = torch.zeros(h.chunk, dtype=h.dtype)
+            for s in h.slots:
+                if s.param.grad is not None:
+                    piece[h.local_slice(s)] = s.param.grad.reshape(-1)
+            if h.mesh.shard_size > 1:
+                parts = [torch.empty_like(piece) for _ in range(h.mesh.shard_size)]
+                dist.all_gather(parts, piece, group=h.mesh.shard_group)
+                flat = torch.cat(parts)
+            else:
+                flat = piece
+            for s, spec in zip(h.slots, h._tp):
+                v = flat[s.offset:s.offset + s.numel].view(s.shape)
+                out[s.fqn] = full_tensor(v, spec) if spec is not None else v.clone()
+    return out
+
+
+def worker(rank, world, dp_shape, tp, optim, steps, strategy="full_shard", clip=None):
+    """Per step: (global mean loss, full grads, full params) on every rank."""
+    kwargs = {"sharding_strategy": strategy}
+    model, mesh = build_2d(dp_shape, tp, **kwargs)
+    dp_rank = rank // tp
+    opt = make_optimizer(optim, model.parameters())
+    out = []
+    for s in range(steps):
+        loss = model(*batch(s, dp_rank))
+        opt.zero_grad()
+        loss.backward()
+        norm = fp.clip_grad_norm_(model, clip) if clip is not None else None
+        grads = full_grads(model)
+        opt.step()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        state = fp.full_state_dict(model, rank0_only=False)
+        out.append((t.item() / world, grads, state, None if norm is None else norm.item()))
+    return out
+
+
+def assert_matches(got: list, want: list, tol: float = 1e-5) -> None:
+    """Per step: loss, every full gradient, every full parameter (and the clipped norm) within ``tol``."""
+    assert len(got) == len(want)
+    for s, ((loss, grads, params, norm), (w_loss, w_grads, w_params, w_norm)) in enumerate(zip(got, want)):
+        assert abs(loss - w_loss) <= tol, f"step {s}: loss {loss} vs {w_loss}"
+        assert set(grads) == set(w_grads) and set(params) == set(w_params)
+        for k in w_grads:
+            d = (grads[k] - w_grads[k]).abs().max().item()
+            assert d <= tol, f"step {s}: grad of {k} off by {d:.3e}"
+        for k in w_params:
+            d = (params[k] - w_params[k]).abs().max().item()
+            assert d <= tol, f"step {s}: {k} off by {d:.3e}"
+        if w_norm is not None:
+            assert abs(norm - w_norm) <= tol * max(1.0, w_norm), f"step {s}: norm {norm} vs {w_norm}"
