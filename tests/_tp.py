@@ -194,3 +194,82 @@ def assert_matches(got: list, want: list, tol: float = 1e-5) -> None:
             assert d <= tol, f"step {s}: {k} off by {d:.3e}"
         if w_norm is not None:
             assert abs(norm - w_norm) <= tol * max(1.0, w_norm), f"step {s}: norm {norm} vs {w_norm}"
+
+
+# ------------------------------------------------------------------ refused layouts (world 2: dp 1 x tp 2)
+def _mesh_1x2():
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+
+
+def _colwise(mesh):
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    torch.manual_seed(0)
+    return parallelize_module(nn.Sequential(nn.Linear(4, 4)), mesh["tp"], {"0": ColwiseParallel()})
+
+
+def _with_param(mesh_for_param, placements):
+    from torch.distributed.tensor import distribute_tensor
+    m = nn.Sequential(nn.Linear(4, 4))
+    m[0].weight = nn.Parameter(distribute_tensor(torch.ones(4, 4), mesh_for_param, placements))
+    return m
+
+
+def refuse_partial(rank, world):
+    from torch.distributed.tensor import DTensor, Partial
+    mesh = _mesh_1x2()
+    m = nn.Sequential(nn.Linear(4, 4))
+    m[0].weight = nn.Parameter(DTensor.from_local(torch.ones(4, 4), mesh["tp"], [Partial()]))
+    fp.shard(m, device_mesh=mesh["dp"])
+
+
+def refuse_strided(rank, world):
+    from torch.distributed.tensor.placement_types import _StridedShard
+    mesh = _mesh_1x2()
+    fp.shard(_with_param(mesh["tp"], [_StridedShard(0, split_factor=2)]), device_mesh=mesh["dp"])
+
+
+def refuse_two_dims(rank, world):
+    from torch.distributed.tensor import Shard
+    mesh = _mesh_1x2()
+    fp.shard(_with_param(mesh, [Shard(0), Shard(1)]), device_mesh=mesh["dp"])
+
+
+def refuse_no_dp_mesh(rank, world):
+    fp.shard(_colwise(_mesh_1x2()))
+
+
+def refuse_foreign_root(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    other = init_device_mesh("cpu", (1, 2), mesh_dim_names=("a", "b"))
+    fp.shard(_colwise(_mesh_1x2()), device_mesh=other["a"])
+
+
+def refuse_fsdp2(rank, world):
+    from torch.distributed.fsdp import fully_shard      # the test may use torch's FSDP2; the engine never does
+    mesh = _mesh_1x2()
+    m = _colwise(mesh)
+    fully_shard(m, mesh=mesh["dp"])
+    fp.shard(m, device_mesh=mesh["dp"])
+
+
+def refuse_per_tensor_optimizer(rank, world):
+    mesh = _mesh_1x2()
+    m = fp.shard(_colwise(mesh), device_mesh=mesh["dp"])
+    opt = torch.optim.Adafactor(m.parameters())
+    m(torch.ones(2, 4)).sum().backward()
+    opt.step()
+
+
+def refuse_stale_optimizer(rank, world):
+    mesh = _mesh_1x2()
+    m = _colwise(mesh)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    fp.shard(m, device_mesh=mesh["dp"])
+    m(torch.ones(2, 4)).sum().backward()
+    opt.step()
+
+
+def refuse_small_mesh_without_tp(rank, world):
+    mesh = _mesh_1x2()
+    fp.shard(nn.Sequential(nn.Linear(4, 4)), device_mesh=mesh["dp"])

@@ -412,6 +412,45 @@ def load_an_interrupted_save(tmp_path):
     fp.load_checkpoint(str(tmp_path / "ckpt"), nn.Linear(2, 2))
 
 
+def _tp_error(case: str, cls):
+    """Run the tensor-parallel refusal ``case`` of tests/_tp.py on 2 ranks (dp 1 x tp 2); re-raise its error."""
+    import _tp
+    try:
+        run_ranks(getattr(_tp, case), 2)
+    except RankFailure as e:
+        prefix = f"fsdp_plugin.errors.{cls.__name__}: "
+        line = [ln for ln in str(e).splitlines() if ln.startswith(prefix)][0]
+        raise cls(line.split(": ", 1)[1]) from None
+
+
+def tensor_parallel_partial_parameter():
+    _tp_error("refuse_partial", fp.TensorParallelError)
+
+
+def tensor_parallel_over_two_mesh_dims():
+    _tp_error("refuse_two_dims", fp.TensorParallelError)
+
+
+def tensor_parallel_without_data_parallel_mesh():
+    _tp_error("refuse_no_dp_mesh", fp.TensorParallelError)
+
+
+def tensor_parallel_mesh_of_another_root():
+    _tp_error("refuse_foreign_root", fp.TensorParallelError)
+
+
+def tensor_parallel_model_wrapped_by_fsdp2():
+    _tp_error("refuse_fsdp2", fp.TensorParallelError)
+
+
+def per_tensor_optimizer_on_tensor_parallel_boxes():
+    _tp_error("refuse_per_tensor_optimizer", fp.OptimizerError)
+
+
+def device_mesh_smaller_than_world_without_tensor_parallelism():
+    _tp_error("refuse_small_mesh_without_tp", fp.ConfigError)
+
+
 CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_policy_matches_nothing,
          bad_fp32_modules_value, fp32_modules_match_nothing, fp32_modules_without_16_bit_compute,
          fp32_module_tied_to_a_16_bit_module,
@@ -429,7 +468,11 @@ CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_polic
          collective_deadline_names_the_late_rank, join_before_any_batch,
          third_party_muon_on_a_split_matrix, per_tensor_optimizer_on_shard_pieces, muon_given_a_vector,
          muon_with_adamw_group_without_use_muon,
-         muon_on_a_model_never_sharded, a_unit_runs_on_some_ranks_only, some_ranks_modules_matches_nothing]
+         muon_on_a_model_never_sharded, a_unit_runs_on_some_ranks_only, some_ranks_modules_matches_nothing,
+         tensor_parallel_partial_parameter, tensor_parallel_over_two_mesh_dims,
+         tensor_parallel_without_data_parallel_mesh, tensor_parallel_mesh_of_another_root,
+         tensor_parallel_model_wrapped_by_fsdp2, per_tensor_optimizer_on_tensor_parallel_boxes,
+         device_mesh_smaller_than_world_without_tensor_parallelism]
 
 
 def _capture(case, tmp_path):

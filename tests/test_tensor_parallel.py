@@ -3,7 +3,7 @@ data-parallel dims trains like one process on the global batch, per step within 
 full parameters), at world 4 = 2 dp x 2 tp on gloo."""
 import pytest
 
-from _dist import run_ranks
+from _dist import RankFailure, run_ranks
 import _tp
 
 STEPS = 3
@@ -40,3 +40,20 @@ def test_comparison_can_fail():
     got = run_ranks(_tp.worker, 4, (2,), 2, "sgd", 1, "full_shard", timeout=240)[0]
     with pytest.raises(AssertionError):
         _tp.assert_matches(got, _tp.reference(1, "sgd", 1))
+
+
+@pytest.mark.parametrize("case,error,words", [
+    ("refuse_partial", "TensorParallelError", "Partial"),
+    ("refuse_strided", "TensorParallelError", "strided"),
+    ("refuse_two_dims", "TensorParallelError", "more than one mesh dimension"),
+    ("refuse_no_dp_mesh", "TensorParallelError", "device_mesh=mesh['dp']"),
+    ("refuse_foreign_root", "TensorParallelError", "one root mesh"),
+    ("refuse_fsdp2", "TensorParallelError", "fully_shard"),
+    ("refuse_per_tensor_optimizer", "OptimizerError", "tensor parallelism"),
+    ("refuse_stale_optimizer", "OptimizerError", "after fp.shard"),
+    ("refuse_small_mesh_without_tp", "ConfigError", "tensor-parallel model"),
+])
+def test_refused_layouts_name_the_fix(case, error, words):
+    with pytest.raises(RankFailure) as e:
+        run_ranks(getattr(_tp, case), 2, timeout=120)
+    assert f"fsdp_plugin.errors.{error}" in str(e.value) and words in str(e.value), str(e.value)[-3000:]

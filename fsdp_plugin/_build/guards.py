@@ -12,6 +12,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch import nn
 
+from .._flat.dtensor import tp_spec
 from .._flat.layout import param_info
 from ..errors import OptimizerError, StateDictError
 from ..optim import owner_step
@@ -60,9 +61,17 @@ def _check_optimizer(optimizer, args, kwargs) -> None:
         if optimizer in _owner_optimizers:
             owner_step.before(optimizer)
         return
-    sharded = [p for g in optimizer.param_groups for p in g["params"] if getattr(p, "_fp_handle", None) is not None]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    stale = next((p for p in params if getattr(p, "_fp_replaced", False)), None)
+    if stale is not None:
+        raise OptimizerError(
+            f"{type(optimizer).__name__} holds a DTensor parameter that fp.shard replaced (tensor-parallel "
+            f"parameters become new parameters holding their local box): it would never train. Build the optimizer "
+            "after fp.shard(model) from model.parameters()")
+    sharded = [p for p in params if getattr(p, "_fp_handle", None) is not None]
     if not sharded:
         return
+    _check_tensor_parallel(optimizer, sharded)
     if owner_step.applies(type(optimizer)):      # its state lives whole on the rank that steps each parameter
         _checked_optimizers.add(optimizer)
         _owner_optimizers.add(optimizer)
@@ -111,3 +120,17 @@ def _check_per_tensor(optimizer, sharded: list) -> None:
             "rest, give this optimizer only parameters of no_shard units, or, if its step updates each parameter "
             "from that parameter alone without collectives, mark the class with fp.optim.register_per_tensor "
             "(it then runs exactly, on full tensors)")
+
+
+def _check_tensor_parallel(optimizer, sharded: list) -> None:
+    """A per-tensor optimizer (owner step, by name, fp.optim.Muon too) would see a TP box, not the tensor."""
+    cls = type(optimizer)
+    if not (owner_step.applies(cls) or cls.__name__ in PER_TENSOR):
+        return
+    boxes = [p for p in sharded if tp_spec(p) is not None and tp_spec(p).sharded]
+    if boxes:
+        raise OptimizerError(
+            f"{cls.__name__} is a per-tensor optimizer but {param_info(boxes[0]).fqn!r} is split by tensor "
+            f"parallelism ({len(boxes)} such parameters): its whole-tensor statistics would be per-box. Use an "
+            "elementwise optimizer (AdamW, Adam, SGD, Lion) for tensor-parallel parameters, or give this optimizer "
+            "only parameters that are Replicate() on the TP mesh or plain")
