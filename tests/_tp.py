@@ -139,14 +139,19 @@ def build_2d(dp_shape: tuple, tp: int, **shard_kwargs):
 
 def full_grads(model) -> dict:
     """Every parameter's full gradient (dp pieces all-gathered, TP boxes assembled); every rank."""
+    return full_of(model, lambda p: p.grad)
+
+
+def full_of(model, get) -> dict:
+    """``get(param)`` (a tensor shaped like the piece, or None: zeros) assembled to full tensors; every rank."""
     from fsdp_plugin._flat.dtensor import full_tensor
     out = {}
     for unit in model._fp_root.units:
         for h in unit.handles:
             piece = torch.zeros(h.chunk, dtype=h.dtype)
             for s in h.slots:
-                if s.param.grad is not None:
-                    piece[h.local_slice(s)] = s.param.grad.reshape(-1)
+                if get(s.param) is not None:
+                    piece[h.local_slice(s)] = get(s.param).reshape(-1)
             if h.mesh.shard_size > 1:
                 parts = [torch.empty_like(piece) for _ in range(h.mesh.shard_size)]
                 dist.all_gather(parts, piece, group=h.mesh.shard_group)
@@ -273,3 +278,64 @@ def refuse_stale_optimizer(rank, world):
 def refuse_small_mesh_without_tp(rank, world):
     mesh = _mesh_1x2()
     fp.shard(nn.Sequential(nn.Linear(4, 4)), device_mesh=mesh["dp"])
+
+
+# ------------------------------------------------------------------ checkpoints across (dp, tp) layouts
+LAYOUTS = {"2x2": (4, (2,), 2), "4x1": (4, (4,), 1), "1x4": (4, (1,), 4), "1x2": (2, (1,), 2), "1": (1, (1,), 1),
+           "h1x2x2": (4, (1, 2), 2)}
+
+
+def global_batch(step: int, rows: int = 4):
+    g = torch.Generator().manual_seed(500 + step)
+    idx = torch.randint(0, V, (rows, T), generator=g)
+    return idx, torch.roll(idx, -1, 1)
+
+
+def my_rows(step: int, dp_rank: int, dp: int):
+    idx, tgt = global_batch(step)
+    k = idx.shape[0] // dp
+    return idx[dp_rank * k:(dp_rank + 1) * k], tgt[dp_rank * k:(dp_rank + 1) * k]
+
+
+def build_layout(layout: str):
+    """(model, optimizer, dp_rank, dp): tp 1 means a plain model (no DTensor) sharded over the world."""
+    world, dp_shape, tp = LAYOUTS[layout]
+    if tp == 1:
+        torch.manual_seed(0)
+        model = fp.shard(TPGPT(), auto_wrap_policy={TPBlock})
+    else:
+        strategy = "hybrid_shard" if len(dp_shape) == 2 else "full_shard"
+        model, _ = build_2d(dp_shape, tp, sharding_strategy=strategy)
+    opt = make_optimizer("adamw", model.parameters())
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return model, opt, rank // tp, world // tp
+
+
+def _step(model, opt, s, dp_rank, dp) -> float:
+    loss = model(*my_rows(s, dp_rank, dp))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    t = loss.detach().clone()
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def _snapshot(model, opt) -> tuple:
+    state = fp.full_state_dict(model, rank0_only=False)
+    moments = {k: full_of(model, lambda p, k=k: opt.state[p].get(k)) for k in ("exp_avg", "exp_avg_sq")}
+    steps = sorted({float(st["step"]) for st in opt.state.values()})
+    return state, moments, steps
+
+
+def ckpt_worker(rank, world, layout, path, mode):
+    """``save``: two steps, save, snapshot, one more step; ``load``: load, snapshot, the same third step."""
+    model, opt, dp_rank, dp = build_layout(layout)
+    if mode == "save":
+        for s in range(2):
+            _step(model, opt, s, dp_rank, dp)
+        fp.save_checkpoint(path, model, opt, extra={"step": 2})
+    else:
+        assert fp.load_checkpoint(path, model, opt) == {"step": 2}
+    snap = _snapshot(model, opt)
+    return snap, _step(model, opt, 2, dp_rank, dp)

@@ -8,6 +8,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .dtensor import tp_spec
+from .rows import row_numel
+
 
 @dataclass(frozen=True)
 class ParamShard:
@@ -21,6 +24,9 @@ class ParamShard:
     start: int
     end: int
     writer: bool
+    # tensor-parallel parameter: ``shape`` is the global shape, [start, end) a range of the flattened LOCAL TP
+    # tensor, and this is the piece as a box of the global tensor, ``(offsets, sizes)`` (None: not TP)
+    box: Optional[tuple] = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,7 @@ class ShardingInfo:
     shard_size: int
     replicate_size: int
     timeout_s: Optional[float] = None   # ShardingConfig.timeout_s (None: FSDP_PLUGIN_TIMEOUT_S / 600 s)
+    tp_size: int = 1                    # tensor-parallel degree (the world is replicate x shard x tp)
 
 
 def is_persistent_buffer(module: nn.Module, name: str) -> bool:
@@ -87,6 +94,7 @@ def param_shards(model: nn.Module) -> list[ParamShard]:
     names = _aliases(model)
     root = getattr(model, "_fp_root", None)
     rank = dist.get_rank() if dist.is_initialized() else 0
+    tp_mesh = getattr(root, "tp_mesh", None)
     out = []
     for fqn, p in model.named_parameters():
         h = getattr(p, "_fp_handle", None)
@@ -95,9 +103,32 @@ def param_shards(model: nn.Module) -> list[ParamShard]:
             out.append(ParamShard(fqn, alias, p, p.shape, p.dtype, 0, p.numel(), rank == 0))
             continue
         slot = next(s for s in h.slots if s.param is p)
+        spec = tp_spec(p)
+        if spec is not None:
+            out.append(_tp_shard(fqn, alias, p, slot, spec, h.mesh))
+            continue
         writer = h.mesh.replicate_rank == 0 and (h.mesh.shard_size > 1 or h.mesh.rank == 0)
+        if tp_mesh is not None:   # a plain parameter of a TP model: the same on every TP coordinate
+            writer = h.mesh.replicate_rank == 0 and h.mesh.shard_rank == 0 if h.mesh.shard_size == 1 else writer
+            writer = writer and tp_mesh.get_local_rank() == 0
         out.append(ParamShard(fqn, alias, p, slot.shape, p.dtype, slot.local_start, slot.local_end, writer))
     return out
+
+
+def _tp_shard(fqn, alias, p, slot, spec, mesh) -> ParamShard:
+    """A TP parameter's piece: our rows ``[start, end)`` of the local box, as a box of the global tensor.
+    Writers: dp replica 0 (shard rank 0 when unsharded) of every TP coordinate holding a proper part of the
+    tensor; a TP-replicated tensor only from TP coordinate 0."""
+    local = tuple(slot.shape)
+    if (slot.local_start, slot.local_end) == (0, slot.numel) or not local:
+        box = (tuple(spec.offset), local)
+    else:
+        w = row_numel(local)
+        row0 = slot.local_start // w
+        box = ((spec.offset[0] + row0, *spec.offset[1:]), ((slot.local_end - slot.local_start) // w, *local[1:]))
+    dp_writer = mesh.replicate_rank == 0 and (mesh.shard_size > 1 or mesh.shard_rank == 0)
+    writer = dp_writer and (spec.sharded or spec.mesh.get_local_rank() == 0)
+    return ParamShard(fqn, alias, p, spec.shape, p.dtype, slot.local_start, slot.local_end, writer, box)
 
 
 def sharding_info(model: nn.Module) -> ShardingInfo:
@@ -107,5 +138,6 @@ def sharding_info(model: nn.Module) -> ShardingInfo:
         rank = dist.get_rank() if dist.is_initialized() else 0
         return ShardingInfo("none", world, rank, 1, world)
     m = root.mesh
+    tp = root.tp_mesh.size() if getattr(root, "tp_mesh", None) is not None else 1
     return ShardingInfo(root.config.sharding_strategy, m.world_size, m.rank, m.shard_size, m.replicate_size,
-                        root.config.timeout_s)
+                        root.config.timeout_s, tp)

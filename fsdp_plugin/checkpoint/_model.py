@@ -18,9 +18,20 @@ def _layout():
     return importlib.import_module("fsdp_plugin._flat.layout")
 
 
-def param_shards(model: nn.Module) -> list:
-    """``fsdp_plugin._flat.layout.param_shards(model)``: one ParamShard per distinct parameter."""
-    return list(_layout().param_shards(model))
+def param_shards(model: nn.Module, boxes: bool = False, what: str = "this operation") -> list:
+    """``fsdp_plugin._flat.layout.param_shards(model)``: one ParamShard per distinct parameter.
+
+    A tensor-parallel model's pieces are boxes of the global tensor (``ParamShard.box``): only callers that
+    read and write boxes (``boxes=True``: save_checkpoint, load_checkpoint) take them; the others refuse."""
+    shards = list(_layout().param_shards(model))
+    if not boxes:
+        tp = next((sh for sh in shards if getattr(sh, "box", None) is not None), None)
+        if tp is not None:
+            raise CheckpointError(
+                f"{what} does not support tensor-parallel models yet ({tp.fqn!r} is a DTensor box): save with "
+                "fp.save_checkpoint (boxes of the global tensors, loadable at any dp x tp) and export it with "
+                "`fsdp-plugin consolidate CKPT OUT` (HF safetensors)")
+    return shards
 
 
 def sharding_description(model: nn.Module) -> dict:

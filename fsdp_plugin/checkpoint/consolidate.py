@@ -11,7 +11,7 @@ import os
 import uuid
 import zlib
 
-from . import _format, layouts, manifest
+from . import _format, boxes, layouts, manifest
 from .errors import CorruptCheckpointError
 from .fsio import preadv_all
 from .hf_out import HFWriter
@@ -51,8 +51,8 @@ def consolidate(ckpt, out, max_shard_size="5GB", progress=None, keep_tied: bool 
 def _copy_all(ckpt: str, doc: dict, tensors: dict, writer: HFWriter, progress) -> None:
     by_file: dict[str, list] = {}
     for name, (stored, e) in tensors.items():
-        for r, a, b in e["pieces"]:
-            by_file.setdefault(manifest.file_name(r, "model"), []).append((name, stored, e, a, b))
+        for piece in e["pieces"]:
+            by_file.setdefault(manifest.file_name(piece[0], "model"), []).append((name, stored, e, piece))
     total = sum(doc["files"][f]["bytes"] for f in by_file)
     done = 0
     with ReadPlan(ckpt, doc["files"]) as plan:
@@ -63,13 +63,17 @@ def _copy_all(ckpt: str, doc: dict, tensors: dict, writer: HFWriter, progress) -
 
 
 def _spans(ckpt, fname, header, pieces):
-    """``(file_begin, file_end, output_name, elem_start)`` per piece, checked against the manifest."""
-    for name, stored, e, a, b in pieces:
-        h = header.entries.get(stored)
-        if h is None or h.dtype != e["dtype"] or h.shape != (b - a,):
+    """``(file_begin, file_end, output_name, elem_start)`` per run of each piece (a range is one run, a
+    tensor-parallel box one per row it does not span whole), checked against the manifest."""
+    for name, stored, e, piece in pieces:
+        h, n = header.entries.get(stored), boxes.piece_numel(piece)
+        if h is None or h.dtype != e["dtype"] or h.shape != (n,):
             raise CorruptCheckpointError(f"{os.path.join(ckpt, fname)}: tensor {stored!r} in the file header does not "
-                                         f"match manifest.json ({e['dtype']} [{b - a}])")
-        yield h.begin, h.end, name, a
+                                         f"match manifest.json ({e['dtype']} [{n}])")
+        isz, pos = _format.itemsize(e["dtype"]), h.begin
+        for a, k in boxes.piece_runs(piece, e["shape"]):
+            yield pos, pos + k * isz, name, a
+            pos += k * isz
 
 
 def _copy_file(plan: ReadPlan, fname: str, spans: list, writer: HFWriter, progress, done: int, total: int) -> int:

@@ -113,7 +113,7 @@ def _match(model, stored: dict, report: MismatchReport) -> tuple[list, list]:
     """Plan what to read. ``reads``: ``(tensor, start, [((file, entry), source_start, lo, hi)])``, ranged
     reads of stored elements into ``tensor``'s local piece ``[lo, hi)`` (one-to-one names, and converted
     tensors whose layout is known); ``converted``: ``(group, [(tensor, name, start)])``, read whole."""
-    targets = [((sh.fqn, *sh.aliases), sh.param, tuple(sh.shape), sh.start) for sh in _model.param_shards(model)]
+    targets = [((sh.fqn, *sh.aliases), sh.param, tuple(sh.shape), sh.start) for sh in _model.param_shards(model, what="fp.load_pretrained")]
     targets += [((n,), b, tuple(b.shape), 0) for n, b in _model.persistent_buffers(model)]
     known = {n for names, *_ in targets for n in names}
     shapes = {n: (tuple(e.shape), _format.to_dtype(e.dtype)) for n, (_, e) in stored.items()}
@@ -233,7 +233,7 @@ class _SaveLayout:
 
     def __init__(self, model, dtype):
         self.model, self.dtype = model, dtype
-        self.shards = _model.param_shards(model)
+        self.shards = _model.param_shards(model, what="fp.save_pretrained")
         self.buffers = _model.persistent_buffers(model)
         names = [sh.fqn for sh in self.shards] + [n for n, _ in self.buffers]
         self.renames, groups = hf_convert.plan_save(model, names)

@@ -2,7 +2,8 @@
 
 Any world size and strategy loads any checkpoint: a stored piece ``[r, a, b)`` and a local piece
 ``[start, end)`` are element ranges of the same flattened tensor, so their overlap is one contiguous
-byte range in rank ``r``'s file and one contiguous slice of the local tensor.
+byte range in rank ``r``'s file and one contiguous slice of the local tensor. Tensor-parallel pieces are
+boxes of the global tensor (:mod:`.boxes`): their overlap is a list of such ranges (one per run).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import os
 import torch
 
 from ._finish import finish_load
-from . import _async, _comm, _format, _model, codec, layouts, manifest, optim
+from . import _async, _comm, _format, _model, boxes, codec, layouts, manifest, optim
 from .errors import (
     CheckpointMismatchError,
     CorruptCheckpointError,
@@ -48,7 +49,7 @@ def _load_local(path, model, optimizers, strict, out_report):
     path = layouts.checkpoint_dir(path)  # also model_0/ of an accelerate state, fsdp_plugin_state/ of a Trainer's
     doc = manifest.read(path)
     report = MismatchReport()
-    shards = _model.param_shards(model)
+    shards = _model.param_shards(model, boxes=True)
     # Phase 1 only matches names (no side effects); phase 2 queues reads and creates optimizer state.
     actions = _match_model(doc, shards, _model.persistent_buffers(model), report)
     opt_actions, finishers = _match_optimizers(path, doc, shards, optimizers, report, strict)
@@ -65,33 +66,42 @@ def _load_local(path, model, optimizers, strict, out_report):
     return extra
 
 
-def _read_into(entry: dict, kind: str, key: str, target: torch.Tensor, start: int, what: str):
-    """An action queuing the reads of a stored tensor's elements ``[start, ...)`` into ``target``."""
+def _read_into(entry: dict, kind: str, key: str, target: torch.Tensor, start: int, what: str, box=None):
+    """An action queuing the reads of a stored tensor's elements ``[start, ...)`` (or of the global box
+    ``box``, a tensor-parallel piece) into ``target``."""
 
     def act(plan, copy_back):
         dest, tmp = _model.flat_dest(target)
         if tmp is not None:
             copy_back.append((target.detach(), tmp))
-        add_reads(plan, entry, kind, key, dest, start, what)
+        add_reads(plan, entry, kind, key, dest, start, what, box)
 
     return act
 
 
-def add_reads(plan: ReadPlan, entry: dict, kind: str, key: str, dest: torch.Tensor, start: int, what: str):
-    """Queue reads of elements ``[start, start + dest.numel())`` of a stored tensor into 1-D ``dest``."""
-    end = start + dest.numel()
+def add_reads(plan: ReadPlan, entry: dict, kind: str, key: str, dest: torch.Tensor, start: int, what: str,
+              box=None):
+    """Queue reads of elements ``[start, start + dest.numel())`` of a stored tensor into 1-D ``dest`` (or,
+    with ``box = (offsets, sizes)``, of that box of the global tensor, in its row-major order). Stored pieces
+    may be ranges or boxes (:mod:`.boxes`): their runs are intersected with the destination's."""
+    dst = boxes.box_runs(entry["shape"], *box) if box is not None else [(start, dest.numel())]
+    lo_all, hi_all = (dst[0][0], dst[-1][0] + dst[-1][1]) if dst else (0, 0)
     dtype = _format.to_dtype(entry["dtype"])
-    for r, a, b in entry["pieces"]:
-        lo, hi = max(a, start), min(b, end)
-        if lo >= hi:
+    for piece in entry["pieces"]:
+        if not boxes.is_box(piece) and (piece[2] <= lo_all or piece[1] >= hi_all):
             continue
-        fname = manifest.file_name(r, kind)
+        runs = boxes.piece_runs(piece, entry["shape"])
+        hits = list(boxes.overlaps(runs, dst))
+        if not hits:
+            continue
+        fname, n = manifest.file_name(piece[0], kind), boxes.piece_numel(piece)
         e = plan.header(fname).entries.get(key)
-        if e is None or e.dtype != entry["dtype"] or e.shape != (b - a,):
+        if e is None or e.dtype != entry["dtype"] or e.shape != (n,):
             found = "missing" if e is None else f"{e.dtype} {list(e.shape)}"
             raise CorruptCheckpointError(f"{os.path.join(plan.directory, fname)}: tensor {key!r} is {found} in the "
-                                         f"file header; manifest.json says {entry['dtype']} [{b - a}]")
-        plan.add(fname, e.begin + (lo - a) * dtype.itemsize, dtype, dest[lo - start:hi - start], what)
+                                         f"file header; manifest.json says {entry['dtype']} [{n}]")
+        for so, do, k in hits:
+            plan.add(fname, e.begin + so * dtype.itemsize, dtype, dest[do:do + k], what)
 
 
 def _match_model(doc, shards, buffers, report) -> list:
@@ -108,7 +118,7 @@ def _match_model(doc, shards, buffers, report) -> list:
         if list(entry["shape"]) != list(sh.shape):
             report.mismatched[sh.fqn] = f"checkpoint {entry['shape']} vs model {list(sh.shape)}"
             continue
-        actions.append(_read_into(entry, "model", stored, sh.param, sh.start, sh.fqn))
+        actions.append(_read_into(entry, "model", stored, sh.param, sh.start, sh.fqn, sh.box))
     report.unexpected += [n for n in params if n not in known]
     saved, seen = doc["buffers"], set()
     for name, buf in buffers:
@@ -151,7 +161,7 @@ def _match_optimizers(path, doc, shards, optimizers, report, strict) -> tuple[li
 def _opt_read(opt, p, key, entry, file_key, sh, what):
     def act(plan, copy_back):
         dest = optim.state_dest(opt, p, key, _format.to_dtype(entry["dtype"]))
-        _read_into(entry, "optim", file_key, dest, sh.start, what)(plan, copy_back)
+        _read_into(entry, "optim", file_key, dest, sh.start, what, sh.box)(plan, copy_back)
 
     return act
 

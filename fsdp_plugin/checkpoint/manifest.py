@@ -1,6 +1,6 @@
 """``manifest.json``: the commit marker and table of contents of a checkpoint directory.
 
-Schema (version 1; sizes in bytes, element ranges in elements of the row-major flattened tensor)::
+Schema (version 2; sizes in bytes, element ranges in elements of the row-major flattened tensor)::
 
     {"format": "fsdp_plugin.checkpoint", "version": 1, "uuid": str, "created_unix": float,
      "producer": {...}, "world_size": int, "sharding": {"strategy": ..., ...},
@@ -15,19 +15,25 @@ Schema (version 1; sizes in bytes, element ranges in elements of the row-major f
 
 A piece ``[r, a, b]`` is stored in rank ``r``'s file of the section's kind (``model``, ``optim``) under the
 key given by :func:`tensor_key`, as a 1-D tensor of ``b - a`` elements. Pieces are sorted, disjoint and
-cover ``[0, numel)``. :func:`validate` enforces all of this on read, before anything else is trusted.
+cover ``[0, numel)``. Version 2 adds box pieces ``[r, [offset, ...], [size, ...]]`` (a box of the global
+tensor, stored 1-D in the box's row-major order; :mod:`.boxes`): a tensor's pieces are all ranges or all
+boxes, boxes disjoint and tiling the tensor, sorted by their first element. ``sharding`` may carry ``tp_size``
+(information only: loads never need it). Version 1 manifests (ranges only) are read unchanged.
+:func:`validate` enforces all of this on read, before anything else is trusted.
 """
 from __future__ import annotations
 
 import os
 import re
 
-from . import _format
+from . import _format, boxes
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .fsio import open_in_dir
 
 FORMAT = "fsdp_plugin.checkpoint"
-VERSION = 1
+VERSION = 2
+#: Versions this code reads (1: element ranges only).
+READS = (1, 2)
 NAME = "manifest.json"
 #: Largest manifest we read (bytes).
 MAX_MANIFEST_BYTES = 256 << 20
@@ -94,9 +100,9 @@ def validate(doc, where: str) -> None:
         _fail(where, "not a JSON object")
     if doc.get("format") != FORMAT:
         raise CheckpointError(f"{where}: format {doc.get('format')!r} is not {FORMAT!r}")
-    if doc.get("version") != VERSION:
+    if doc.get("version") not in READS:
         raise CheckpointError(f"{where}: format version {doc.get('version')!r} is not supported (this fsdp_plugin "
-                              f"reads version {VERSION}); upgrade fsdp_plugin")
+                              f"reads versions {', '.join(map(str, READS))}); upgrade fsdp_plugin")
     world = doc.get("world_size")
     if not _is_int(world, 1):
         _fail(where, f"invalid world_size {world!r}")
@@ -156,6 +162,9 @@ def validate_entry(e, what: str, world: int, files: dict, kind: str) -> None:
     n = _format.numel(e["shape"])
     if n > _format.MAX_NUMEL:
         raise CorruptCheckpointError(f"{what}: shape {e['shape']} is too large")
+    if any(isinstance(p, list) and len(p) == 3 and isinstance(p[1], list) for p in e["pieces"]):
+        _validate_boxes(e, what, world, files, kind)
+        return
     pos = 0
     for p in e["pieces"]:
         if not (isinstance(p, list) and len(p) == 3 and all(_is_int(x) for x in p) and p[0] < world):
@@ -167,6 +176,20 @@ def validate_entry(e, what: str, world: int, files: dict, kind: str) -> None:
         pos = p[2]
     if pos != n:
         raise CorruptCheckpointError(f"{what}: pieces cover {pos} of {n} elements")
+
+
+def _validate_boxes(e: dict, what: str, world: int, files: dict, kind: str) -> None:
+    for p in e["pieces"]:
+        if not (isinstance(p, list) and len(p) == 3 and _is_int(p[0]) and p[0] < world and isinstance(p[1], list)):
+            raise CorruptCheckpointError(f"{what}: invalid piece {p!r} (a tensor's pieces are all ranges or all boxes)")
+        if file_name(p[0], kind) not in files:
+            raise CorruptCheckpointError(f"{what}: piece {p} is in {file_name(p[0], kind)}, which is not listed")
+    problem = boxes.check_boxes(e["pieces"], e["shape"])
+    if problem is not None:
+        raise CorruptCheckpointError(f"{what}: {problem}")
+    starts = [boxes.piece_start(p, e["shape"]) for p in e["pieces"]]
+    if starts != sorted(starts):
+        raise CorruptCheckpointError(f"{what}: box pieces are not sorted by their first element")
 
 
 def _validate_optimizer(o, i: int, world: int, files: dict, where: str) -> None:

@@ -90,6 +90,8 @@ def _record_state(i, sh, state: dict, tensors: dict, scalars: dict, opt_tensors:
             if sh.writer and sh.end > sh.start:
                 tensors.setdefault(sh.fqn, {})[key] = {"dtype": _format.dtype_name(value.dtype), "start": sh.start, "end": sh.end,
                                                        "shape": list(sh.shape)}
+                if sh.box is not None:      # a tensor-parallel piece: a box of the global tensor
+                    tensors[sh.fqn][key]["box"] = [list(sh.box[0]), list(sh.box[1])]
                 opt_tensors.append((manifest.tensor_key("optim", sh.fqn, i, key), value))
             elif sh.writer:
                 tensors.setdefault(sh.fqn, {})[key] = {"dtype": _format.dtype_name(value.dtype), "start": 0, "end": 0,

@@ -131,7 +131,7 @@ class _Sources:
     """Where a ``state_dict`` key's elements live on this rank: a parameter piece ``[start, end)`` or a buffer."""
 
     def __init__(self, model):
-        self.shards = _model.param_shards(model)
+        self.shards = _model.param_shards(model, what="a library-format export (ranged writes)")
         self.index = {n: i for i, sh in enumerate(self.shards) for n in (sh.fqn, *sh.aliases)}
         self.buffers = dict(_model.persistent_buffers(model))
         self.table = None

@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 
-from . import _async, _comm, _format, _model, _publish, codec, manifest, optim
+from . import _async, _comm, _format, _model, _publish, boxes, codec, manifest, optim
 from .errors import CheckpointError
 from .writer import write_safetensors
 
@@ -134,7 +134,7 @@ def _fail_and_clean(err, tmp: str, rank: int, group=None) -> None:
 def _snapshot(path: str, rank: int, world: int, uid: str, model, optimizers: list, extra, stage) -> _Job:
     """This rank's record and tensors; ``stage`` (async) copies every tensor to host memory now."""
     stage = stage or (lambda t, large=False: t)
-    shards = _model.param_shards(model)
+    shards = _model.param_shards(model, boxes=True)
     shard_of = {id(sh.param): sh for sh in shards}
     model_tensors, pieces = [], {}
     for sh in shards:
@@ -142,7 +142,7 @@ def _snapshot(path: str, rank: int, world: int, uid: str, model, optimizers: lis
             local = sh.param.detach().reshape(-1)
             assert local.numel() == sh.end - sh.start, f"{sh.fqn}: local piece has {local.numel()} elements"
             model_tensors.append((sh.fqn, stage(local, True), (local.numel(),)))
-            pieces[sh.fqn] = [sh.start, sh.end]
+            pieces[sh.fqn] = [sh.start, sh.end] if sh.box is None else [list(sh.box[0]), list(sh.box[1])]
     rec: dict = {"rank": rank, "pieces": pieces, "files": {}}
     if rank == 0:
         rec["params"] = {sh.fqn: _param_meta(sh) for sh in shards}
@@ -192,19 +192,24 @@ def _build_manifest(records: list[dict], uid: str, world: int, sharding: dict) -
     for fqn, meta in r0["params"].items():
         params[fqn] = {k: meta[k] for k in ("shape", "dtype", "requires_grad")}
         params[fqn]["pieces"] = sorted(([r["rank"], *r["pieces"][fqn]] for r in records if fqn in r["pieces"]),
-                                        key=lambda p: p[1])
+                                        key=lambda p: boxes.piece_start(p, meta["shape"]))
         for alias in meta["aliases"]:
             params[alias] = {"alias_of": fqn}
     params = {k: params[k] for k in sorted(params, key=lambda k: "alias_of" in params[k])}
     for name, meta in r0["buffers"].items():
         n = _format.numel(meta["shape"])
         buffers[name] = dict(meta, pieces=[[0, 0, n]] if n else [])
-    doc = {"format": manifest.FORMAT, "version": manifest.VERSION, "uuid": uid, "created_unix": time.time(),
+    optimizers = _merge_optimizers(records)
+    entries = [*params.values(), *(e for o in optimizers for st in o["tensors"].values() for e in st.values())]
+    # version 1 when every piece is a range: a checkpoint of a model without TP stays readable by older readers
+    has_boxes = any(boxes.is_box(p) for e in entries for p in e.get("pieces", ()))
+    doc = {"format": manifest.FORMAT, "version": manifest.VERSION if has_boxes else 1, "uuid": uid,
+           "created_unix": time.time(),
            "producer": {"fsdp_plugin": _version(), "torch": torch.__version__},
            "world_size": world, "sharding": sharding,
            "files": {n: f for r in records for n, f in r["files"].items()},
            "params": params, "buffers": buffers,
-           "optimizers": _merge_optimizers(records), "extra": _merge_extra(records)}
+           "optimizers": optimizers, "extra": _merge_extra(records)}
     manifest.validate(doc, "manifest being saved")
     return doc
 
@@ -219,14 +224,16 @@ def _merge_optimizers(records: list[dict]) -> list[dict]:
                 for key, t in states.items():
                     e = tensors.setdefault(fqn, {}).setdefault(key, {"shape": t["shape"], "dtype": t["dtype"],
                                                                      "pieces": []})
-                    if t["end"] > t["start"]:
+                    if "box" in t:
+                        e["pieces"].append([r["rank"], *t["box"]])
+                    elif t["end"] > t["start"]:
                         e["pieces"].append([r["rank"], t["start"], t["end"]])
             for fqn, states in o["scalars"].items():
                 for key, v in states.items():
                     scalars.setdefault(fqn, {}).setdefault(key, v)
         for states in tensors.values():
             for e in states.values():
-                e["pieces"].sort(key=lambda p: p[1])
+                e["pieces"].sort(key=lambda p, shape=e["shape"]: boxes.piece_start(p, shape))
         out.append({"class": o0["class"], "param_groups": o0["param_groups"], "tensors": tensors,
                     "scalars": scalars})
     return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import zlib
 
-from . import _format, layouts, manifest
+from . import _format, boxes, layouts, manifest
 from .errors import CheckpointError
 from .fsio import preadv_all
 from .reader import ReadPlan
@@ -68,8 +68,8 @@ def _expected_entries(doc: dict) -> dict[str, dict[str, tuple]]:
     out: dict[str, dict[str, tuple]] = {}
 
     def add(kind, key, e):
-        for r, a, b in e["pieces"]:
-            out.setdefault(manifest.file_name(r, kind), {})[key] = (e["dtype"], (b - a,))
+        for p in e["pieces"]:
+            out.setdefault(manifest.file_name(p[0], kind), {})[key] = (e["dtype"], (boxes.piece_numel(p),))
 
     for n, e in doc["params"].items():
         if "alias_of" not in e:

@@ -29,6 +29,7 @@ import zipfile
 
 import torch
 
+from ..boxes import is_box
 from .. import codec, manifest
 from ..errors import CheckpointError
 from ..fsio import fsync_path
@@ -174,11 +175,15 @@ class _Exporter:
 
         dtype, shape = _format.to_dtype(entry["dtype"]), tuple(entry["shape"])
         self._declare(keys, dtype, shape)
-        for r, a, b in entry["pieces"]:
-            fname = manifest.file_name(r, kind)
+        for piece in entry["pieces"]:
+            r, fname = piece[0], manifest.file_name(piece[0], kind)
+            if is_box(piece):    # a tensor-parallel piece is one DCP chunk as it is
+                parts = [(tuple(piece[1]), tuple(piece[2]), 0)]
+            else:
+                parts = [(off, sz, fs - piece[1]) for off, sz, fs in boxes(piece[1], piece[2], shape)]
             self.jobs.setdefault(r, []).extend(
                 _Job([k for k, _ in keys], dtype, off, sz, math.prod(sz) * dtype.itemsize,
-                     (fname, file_key, (fs - a) * dtype.itemsize)) for off, sz, fs in boxes(a, b, shape))
+                     (fname, file_key, at * dtype.itemsize)) for off, sz, at in parts)
 
     def memory(self, key: str, path: tuple, t: torch.Tensor) -> None:
         """A whole in-memory tensor (optimizer ``step``, an ``extra`` tensor), written once by rank 0's file."""

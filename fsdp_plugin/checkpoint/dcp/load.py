@@ -46,7 +46,7 @@ def load_dcp(path, model, optimizer=None, strict: bool = True, *, optimizer_path
 
 def _load_local(parts: tree.Parts, path: str, model, optimizers: list, strict: bool, out_report):
     report = MismatchReport()
-    shards = _model.param_shards(model)
+    shards = _model.param_shards(model, what="loading a torch DCP checkpoint")
     copy_back, finishers = [], []
     with DcpReader() as reader:
         # Phase 1 only matches names (no side effects); phase 2 queues reads and creates optimizer state.
