@@ -339,3 +339,60 @@ def ckpt_worker(rank, world, layout, path, mode):
         assert fp.load_checkpoint(path, model, opt) == {"step": 2}
     snap = _snapshot(model, opt)
     return snap, _step(model, opt, 2, dp_rank, dp)
+
+
+# ------------------------------------------------------------------ transformers Llama with its own tp_plan
+def llama_config():
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                       attn_implementation="eager")
+
+
+def llama():
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(llama_config()).float()
+
+
+def llama_batch(step: int, dp_rank: int):
+    g = torch.Generator().manual_seed(77 * step + dp_rank)
+    idx = torch.randint(0, 64, (2, T), generator=g)
+    return idx
+
+
+def llama_reference(dp: int, steps: int):
+    model = llama()
+    opt = make_optimizer("adamw", model.parameters())
+    out = []
+    for s in range(steps):
+        idx = torch.cat([llama_batch(s, r) for r in range(dp)])
+        loss = model(input_ids=idx, labels=idx).loss
+        opt.zero_grad()
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        out.append((loss.item(), grads, {n: p.detach().clone() for n, p in model.state_dict().items()}, None))
+    return out
+
+
+def llama_worker(rank, world, steps):
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    from fsdp_plugin.integrations.hf_tensor_parallel import parallelize_hf
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = parallelize_hf(llama(), mesh["tp"])
+    fp.shard(model, device_mesh=mesh["dp"], auto_wrap_policy={LlamaDecoderLayer})
+    opt = make_optimizer("adamw", model.parameters())
+    out = []
+    for s in range(steps):
+        idx = llama_batch(s, rank // 2)
+        loss = model(input_ids=idx, labels=idx).loss
+        opt.zero_grad()
+        loss.backward()
+        grads = full_grads(model)
+        opt.step()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        out.append((t.item() / world, grads, fp.full_state_dict(model, rank0_only=False), None))
+    return out

@@ -57,3 +57,12 @@ def test_refused_layouts_name_the_fix(case, error, words):
     with pytest.raises(RankFailure) as e:
         run_ranks(getattr(_tp, case), 2, timeout=120)
     assert f"fsdp_plugin.errors.{error}" in str(e.value) and words in str(e.value), str(e.value)[-3000:]
+
+
+def test_transformers_llama_with_its_own_tp_plan():
+    """LlamaForCausalLM (tiny config, nothing downloaded), model.tp_plan as transformers applies it
+    (embedding_rowwise, colwise q/k/v/gate/up, rowwise o/down, colwise_gather_output head), GQA 4/2 heads."""
+    results = run_ranks(_tp.llama_worker, 4, STEPS, timeout=300)
+    want = _tp.llama_reference(2, STEPS)
+    for got in results:
+        _tp.assert_matches(got, want)
