@@ -396,3 +396,32 @@ def llama_worker(rank, world, steps):
         dist.all_reduce(t)
         out.append((t.item() / world, grads, fp.full_state_dict(model, rank0_only=False), None))
     return out
+
+
+# ------------------------------------------------------------------ features on a TP model
+def features_worker(rank, world, feature):
+    """One step under ``feature`` on the 2 x 2 toy GPT; returns (global loss, full grads) to compare with the
+    plain fp32 step on the global batch."""
+    kwargs = {}
+    if feature == "bf16":
+        kwargs["mixed_precision"] = fp.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if feature == "checkpointing":
+        kwargs["activation_checkpointing"] = True
+    model, _ = build_2d((2,), 2, **kwargs)
+    dp_rank = rank // 2
+    idx, tgt = batch(0, dp_rank)
+    if feature == "no_sync":     # two half micro-batches, the first without communication
+        with fp.no_sync(model):
+            (model(idx[:1], tgt[:1]) / 2).backward()
+        loss = model(idx[1:], tgt[1:]) / 2
+        loss.backward()
+        loss = loss * 2   # report the second half's loss (unused by the comparison of gradients)
+    else:
+        loss = model(idx, tgt)
+        loss.backward()
+    with fp.full_params(model):    # full_params shows DTensors again: full_tensor() gives the global values
+        names = {n: p.full_tensor().clone() if hasattr(p, "full_tensor") else p.detach().clone()
+                 for n, p in model.named_parameters()}
+    t = loss.detach().clone()
+    dist.all_reduce(t)
+    return t.item() / world, full_grads(model), names

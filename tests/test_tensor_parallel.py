@@ -2,6 +2,7 @@
 data-parallel dims trains like one process on the global batch, per step within 1e-5 (loss, full gradients,
 full parameters), at world 4 = 2 dp x 2 tp on gloo."""
 import pytest
+import torch
 
 from _dist import RankFailure, run_ranks
 import _tp
@@ -66,3 +67,24 @@ def test_transformers_llama_with_its_own_tp_plan():
     want = _tp.llama_reference(2, STEPS)
     for got in results:
         _tp.assert_matches(got, want)
+
+
+def _initial() -> dict:
+    torch.manual_seed(0)
+    return {k: v.detach() for k, v in _tp.TPGPT().named_parameters()}
+
+
+@pytest.mark.parametrize("feature,tol", [("bf16", 3e-2), ("checkpointing", 1e-5), ("no_sync", 1e-5)])
+def test_features_on_a_tp_model(feature, tol):
+    """Mixed precision, activation checkpointing and no_sync accumulation on 2 dp x 2 tp give the gradients
+    of one fp32 process on the global batch; fp.full_params shows the full (DTensor) parameters."""
+    loss, grads, params, _ = ref(2, "sgd")[0]
+    for got_loss, got_grads, got_params in run_ranks(_tp.features_worker, 4, feature, timeout=240):
+        if feature != "no_sync":
+            assert abs(got_loss - loss) <= tol
+        for k in grads:
+            scale = max(1.0, grads[k].abs().max().item())
+            assert (got_grads[k] - grads[k]).abs().max().item() <= tol * scale, k
+        assert set(got_params) == set(grads)
+        for k, v in _initial().items():
+            assert torch.equal(got_params[k], v), k
