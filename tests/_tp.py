@@ -425,3 +425,24 @@ def features_worker(rank, world, feature):
     t = loss.detach().clone()
     dist.all_reduce(t)
     return t.item() / world, full_grads(model), names
+
+
+def llama_load_worker(rank, world, hf_dir, on_meta):
+    """A Llama parallelized by its tp_plan (on the meta device with ``on_meta``), sharded over dp, filled by
+    fp.load_pretrained from plain HF safetensors: its full state, every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    from fsdp_plugin.integrations.hf_tensor_parallel import parallelize_hf
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(1)      # other values than the file's
+    if on_meta:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(llama_config())
+    else:
+        model = LlamaForCausalLM(llama_config())
+    parallelize_hf(model, mesh["tp"])
+    fp.shard(model, device_mesh=mesh["dp"], auto_wrap_policy={LlamaDecoderLayer},
+             param_init_fn="skip" if on_meta else None)
+    fp.load_pretrained(model, hf_dir)
+    return fp.full_state_dict(model, rank0_only=False)

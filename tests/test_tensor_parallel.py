@@ -88,3 +88,16 @@ def test_features_on_a_tp_model(feature, tol):
         assert set(got_params) == set(grads)
         for k, v in _initial().items():
             assert torch.equal(got_params[k], v), k
+
+
+@pytest.mark.parametrize("on_meta", [False, True])
+def test_load_pretrained_reads_tp_boxes(tmp_path, on_meta):
+    """fp.load_pretrained fills each rank's dp rows of its TP box straight from HF safetensors (ranged reads),
+    also into a model parallelized on the meta device and sharded with param_init_fn='skip'."""
+    from safetensors.torch import save_file
+    want = {k: v.contiguous() for k, v in _tp.llama().state_dict().items()}
+    save_file(want, str(tmp_path / "model.safetensors"))
+    for got in run_ranks(_tp.llama_load_worker, 4, str(tmp_path), on_meta, timeout=300):
+        assert set(got) >= set(want)
+        for k in want:
+            assert torch.equal(got[k], want[k]), k

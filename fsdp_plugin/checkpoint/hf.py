@@ -113,15 +113,16 @@ def _match(model, stored: dict, report: MismatchReport) -> tuple[list, list]:
     """Plan what to read. ``reads``: ``(tensor, start, [((file, entry), source_start, lo, hi)])``, ranged
     reads of stored elements into ``tensor``'s local piece ``[lo, hi)`` (one-to-one names, and converted
     tensors whose layout is known); ``converted``: ``(group, [(tensor, name, start)])``, read whole."""
-    targets = [((sh.fqn, *sh.aliases), sh.param, tuple(sh.shape), sh.start) for sh in _model.param_shards(model, what="fp.load_pretrained")]
-    targets += [((n,), b, tuple(b.shape), 0) for n, b in _model.persistent_buffers(model)]
+    targets = [((sh.fqn, *sh.aliases), sh.param, tuple(sh.shape), sh.start, sh.box)
+               for sh in _model.param_shards(model, boxes=True)]
+    targets += [((n,), b, tuple(b.shape), 0, None) for n, b in _model.persistent_buffers(model)]
     known = {n for names, *_ in targets for n in names}
     shapes = {n: (tuple(e.shape), _format.to_dtype(e.dtype)) for n, (_, e) in stored.items()}
     renames, groups = hf_convert.plan_load(model, shapes, known)
     by_output = {o: g for g in groups for o in g.outputs}
     layouts = {id(g): hf_convert.fused_layout(g, {n: s for n, (s, _) in shapes.items()}) for g in groups}
     reads, converted = [], {}
-    for names, t, shape, start in targets:
+    for names, t, shape, start, box in targets:
         hit = next((n for n in names if n in renames or n in by_output), None)
         if hit is None:
             report.missing.append(names[0])
@@ -130,6 +131,13 @@ def _match(model, stored: dict, report: MismatchReport) -> tuple[list, list]:
         have = tuple(stored[renames[hit]][1].shape) if g is None else g.outputs[hit]
         if tuple(have) != shape:
             report.mismatched[names[0]] = f"file {list(have)} vs model {list(shape)}"
+        elif g is None and box is not None:    # a tensor-parallel box: one ranged read per run
+            reads.append((t, start, _box_parts(stored[renames[hit]], shape, box)))
+        elif box is not None:
+            raise CheckpointError(f"fp.load_pretrained: {names[0]!r} is tensor-parallel and converted from "
+                                  f"{[s for _, s in g.sources][:3]} (a fused or renamed-with-conversion layout): not "
+                                  "supported yet; load into the model before parallelize_module, or save it with "
+                                  "fp.save_checkpoint and load that")
         elif g is None:
             reads.append((t, start, [(stored[renames[hit]], start, 0, t.numel())]))
         elif layouts[id(g)] is not None:
@@ -142,6 +150,16 @@ def _match(model, stored: dict, report: MismatchReport) -> tuple[list, list]:
     report.missing[:], unexpected = hf_convert.drop_ignored(model, report.missing, unexpected)
     report.unexpected += unexpected
     return reads, list(converted.values())
+
+
+def _box_parts(source, shape: tuple, box: tuple) -> list:
+    """``(source, stored_start, lo, hi)`` per run of ``box`` (offsets, sizes) of a tensor of ``shape``."""
+    from .boxes import box_runs
+    parts, pos = [], 0
+    for a, n in box_runs(shape, *box):
+        parts.append((source, a, pos, pos + n))
+        pos += n
+    return parts
 
 
 def _resolve(path: str) -> tuple[str, list[str]]:
