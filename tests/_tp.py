@@ -446,3 +446,7 @@ def llama_load_worker(rank, world, hf_dir, on_meta):
              param_init_fn="skip" if on_meta else None)
     fp.load_pretrained(model, hf_dir)
     return fp.full_state_dict(model, rank0_only=False)
+
+
+def refuse_plan(rank, world):
+    fp.plan(_colwise(_mesh_1x2()), world_size=1)

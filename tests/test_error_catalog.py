@@ -418,7 +418,7 @@ def _tp_error(case: str, cls):
     try:
         run_ranks(getattr(_tp, case), 2)
     except RankFailure as e:
-        prefix = f"fsdp_plugin.errors.{cls.__name__}: "
+        prefix = f"{cls.__module__}.{cls.__name__}: "
         line = [ln for ln in str(e).splitlines() if ln.startswith(prefix)][0]
         raise cls(line.split(": ", 1)[1]) from None
 
@@ -451,6 +451,15 @@ def device_mesh_smaller_than_world_without_tensor_parallelism():
     _tp_error("refuse_small_mesh_without_tp", fp.ConfigError)
 
 
+def lightning_strategy_with_tensor_parallel_size():
+    from fsdp_plugin.integrations.lightning._plumbing import sharding_config
+    sharding_config({"data_parallel_size": 2, "tensor_parallel_size": 2})
+
+
+def plan_of_a_tensor_parallel_model():
+    _tp_error("refuse_plan", fp.PlanError)
+
+
 CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_policy_matches_nothing,
          bad_fp32_modules_value, fp32_modules_match_nothing, fp32_modules_without_16_bit_compute,
          fp32_module_tied_to_a_16_bit_module,
@@ -472,7 +481,8 @@ CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_polic
          tensor_parallel_partial_parameter, tensor_parallel_over_two_mesh_dims,
          tensor_parallel_without_data_parallel_mesh, tensor_parallel_mesh_of_another_root,
          tensor_parallel_model_wrapped_by_fsdp2, per_tensor_optimizer_on_tensor_parallel_boxes,
-         device_mesh_smaller_than_world_without_tensor_parallelism]
+         device_mesh_smaller_than_world_without_tensor_parallelism, lightning_strategy_with_tensor_parallel_size,
+         plan_of_a_tensor_parallel_model]
 
 
 def _capture(case, tmp_path):

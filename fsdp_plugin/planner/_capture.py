@@ -22,6 +22,7 @@ ModelSource = Union[nn.Module, Callable[[], nn.Module], str]
 def capture(source: ModelSource) -> nn.Module:
     """Return the module described by ``source`` with meta (or deferred) parameters; nothing is allocated."""
     if isinstance(source, nn.Module):
+        _refuse_tensor_parallel(source)
         return source
     if isinstance(source, str):
         if os.path.isdir(source) or source.endswith(".json"):
@@ -31,9 +32,20 @@ def capture(source: ModelSource) -> nn.Module:
         raise PlanError(f"model {source!r}: give a callable, an nn.Module, 'pkg.module:factory', or a Hugging Face "
                         "config.json / directory holding one")
     if callable(source):
-        return _build(source)
+        model = _build(source)
+        _refuse_tensor_parallel(model)
+        return model
     raise PlanError(f"model {type(source).__name__}: give a callable that builds the model, an nn.Module, "
                     "'pkg.module:factory', or a Hugging Face config path")
+
+
+def _refuse_tensor_parallel(model: nn.Module) -> None:
+    """The planner models data-parallel sharding of plain tensors; DTensor parameters would be mis-sized."""
+    name = next((n for n, p in model.named_parameters() if type(p).__name__ == "DTensor"), None)
+    if name is not None:
+        raise PlanError(f"fp.plan does not model tensor parallelism yet ({name!r} is a DTensor): plan the model "
+                        "before parallelize_module with world_size=<data-parallel size> for its data-parallel part "
+                        "(TP divides the sharded parameter, gradient and optimizer bytes of split layers by tp)")
 
 
 def _build(factory: Callable[[], nn.Module]) -> nn.Module:

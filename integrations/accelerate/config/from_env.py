@@ -137,7 +137,10 @@ def mesh_from_parallelism(env: Mapping[str, str], strategy: str, strategy_key: s
     for name in ("TP", "CP", "SP"):
         size = parse.parse_int(env.get(f"PARALLELISM_CONFIG_{name}_SIZE", "1"), f"{_PC}{name.lower()}_size")
         if size > 1:
-            raise config_error(f"{_PC}{name.lower()}_size", size, "only data parallelism (dp_replicate/dp_shard)")
+            raise config_error(f"{_PC}{name.lower()}_size", size, "only data parallelism (dp_replicate/dp_shard)"
+                               + ("; for tensor parallelism use the plain API: parallelize on mesh['tp'], then "
+                                  "fp.shard(model, device_mesh=mesh['dp']) (README \"Tensor parallel\")"
+                                  if name == "TP" else ""))
     rep = parse.parse_int(env.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1"), f"{_PC}dp_replicate_size")
     shard = parse.parse_int(env.get("PARALLELISM_CONFIG_DP_SHARD_SIZE", "1"), f"{_PC}dp_shard_size")
     return mesh_from_sizes(rep, shard, strategy, strategy_key)

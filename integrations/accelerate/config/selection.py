@@ -37,6 +37,15 @@ def select_settings(bound: dict, sharding_config: Any) -> FsdpSettings | None:
     return settings
 
 
+# tensor parallelism works on the plain API (README "Tensor parallel"); context/sequence parallelism needs CUDA
+# attention kernels (ring attention) that torch 2.13 has not on CPU: refused until a device test exists
+_WHY = {"tp_size": "only dp_replicate/dp_shard here; for tensor parallelism parallelize the model on mesh['tp'] "
+                   "(parallelize_module, or fsdp_plugin.integrations.hf_tensor_parallel.parallelize_hf) and shard it "
+                   "with fp.shard(model, device_mesh=mesh['dp']) (README \"Tensor parallel\")",
+        "cp_size": "context parallelism (ring attention) is not supported: only dp_replicate/dp_shard",
+        "sp_size": "sequence parallelism across ranks (cp/sp) is not supported: only dp_replicate/dp_shard"}
+
+
 def _apply_parallelism(settings: FsdpSettings, bound: dict) -> None:
     """A ``ParallelismConfig`` passed in code: dp_replicate/dp_shard → hybrid mesh; others unsupported."""
     pc = bound.pop("parallelism_config", None)
@@ -44,7 +53,7 @@ def _apply_parallelism(settings: FsdpSettings, bound: dict) -> None:
         return
     for name in ("tp_size", "cp_size", "sp_size"):
         if (getattr(pc, name, 1) or 1) > 1:
-            raise config_error(f"ParallelismConfig.{name}", getattr(pc, name), "only dp_replicate/dp_shard")
+            raise config_error(f"ParallelismConfig.{name}", getattr(pc, name), _WHY[name])
     settings.mesh, settings.strategy = mesh_from_sizes(pc.dp_replicate_size or 1, pc.dp_shard_size or 1,
                                                        settings.strategy, settings.key("strategy"))
 
