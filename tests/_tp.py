@@ -450,3 +450,17 @@ def llama_load_worker(rank, world, hf_dir, on_meta):
 
 def refuse_plan(rank, world):
     fp.plan(_colwise(_mesh_1x2()), world_size=1)
+
+
+def comm_worker(rank, world):
+    """One 2 x 2 step: (reduce-scatter calls, bytes), what the handles predict, and local vs global numel."""
+    from fsdp_plugin._comm.collectives import ring_bytes
+    model, _ = build_2d((2,), 2)
+    handles = [h for u in model._fp_root.units for h in u.handles]
+    fp.comm_stats.reset()
+    loss = model(*batch(0, rank // 2))
+    loss.backward()
+    calls, nbytes = fp.comm_stats.calls["reduce_scatter"], fp.comm_stats.bytes["reduce_scatter"]
+    want = sum(ring_bytes(h.padded, h.reduce_dtype.itemsize, h.mesh.shard_size) for h in handles if h.requires_grad)
+    local = sum(h.total for h in handles)
+    return calls, nbytes, len([h for h in handles if h.requires_grad]), want, local

@@ -102,3 +102,12 @@ def test_load_pretrained_reads_tp_boxes(tmp_path, on_meta):
         assert set(got) >= set(want)
         for k in want:
             assert torch.equal(got[k], want[k]), k
+
+
+def test_unit_collectives_run_on_dp_groups_over_local_boxes():
+    """fp.comm_stats counts the engine's own traffic only (TP's collectives are its own): one reduce-scatter per
+    handle over the 2 dp ranks of its flat buffer, which holds local TP boxes (TP-split layers halved)."""
+    total = sum(p.numel() for p in _tp.TPGPT().parameters())
+    for rank, (calls, nbytes, handles, want, local) in enumerate(run_ranks(_tp.comm_worker, 4, timeout=240)):
+        assert calls == handles and nbytes == want, (rank, calls, handles, nbytes, want)
+        assert local < total * 0.8     # most of the toy GPT is TP-split
