@@ -25,7 +25,7 @@ def expand_plan(model: nn.Module, plan: dict) -> dict:
     """``{pattern: style}`` to ``{module or parameter name: style}`` (``*`` matches a layer number)."""
     modules = dict(model.named_modules())
     names = [n for n in modules if n] + [n for n, _ in model.named_parameters()]
-    out = {}
+    out, derived = {}, {}
     for pattern, style in plan.items():
         rx = re.compile("^" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
         hits = [n for n in names if rx.match(n)]
@@ -34,11 +34,12 @@ def expand_plan(model: nn.Module, plan: dict) -> dict:
                                       f"{type(model).__name__}: fix the plan (names as in model.named_modules())")
         for n in hits:
             out[n] = style
-            # transformers shards parameters by their own names (its loader matches them one by one)
+            # transformers shards parameters by their own names (its loader matches them one by one); a
+            # parameter's own plan entry (packed_colwise under moe_tp_experts) wins over its module's
             for pn, p in (modules[n]._parameters.items() if n in modules else ()):
                 if p is not None:
-                    out[f"{n}.{pn}"] = style
-    return out
+                    derived.setdefault(f"{n}.{pn}", style)
+    return {**derived, **out}
 
 
 def parallelize_hf(model: nn.Module, tp_mesh, plan: Union[str, dict, None] = "auto") -> nn.Module:

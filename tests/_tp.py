@@ -464,3 +464,52 @@ def comm_worker(rank, world):
     want = sum(ring_bytes(h.padded, h.reduce_dtype.itemsize, h.mesh.shard_size) for h in handles if h.requires_grad)
     local = sum(h.total for h in handles)
     return calls, nbytes, len([h for h in handles if h.requires_grad]), want, local
+
+
+def mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+    torch.manual_seed(0)
+    cfg = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=12, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                        num_local_experts=4, num_experts_per_tok=2, attn_implementation="eager",
+                        router_aux_loss_coef=0.0)
+    return MixtralForCausalLM(cfg).float()
+
+
+def hf_reference(build, dp: int, steps: int):
+    model = build()
+    opt = make_optimizer("adamw", model.parameters())
+    out = []
+    for s in range(steps):
+        idx = torch.cat([llama_batch(s, r) for r in range(dp)])
+        loss = model(input_ids=idx, labels=idx).loss
+        opt.zero_grad()
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        out.append((loss.item(), grads, {n: p.detach().clone() for n, p in model.state_dict().items()}, None))
+    return out
+
+
+def hf_worker(rank, world, build_name, block_name, steps, drop=None):
+    from torch.distributed.device_mesh import init_device_mesh
+    from fsdp_plugin.integrations.hf_tensor_parallel import parallelize_hf
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = globals()[build_name]()
+    plan = {k: v for k, v in model.tp_plan.items() if drop is None or drop not in k}
+    model = parallelize_hf(model, mesh["tp"], plan)
+    block = next(type(m) for m in model.modules() if type(m).__name__ == block_name)
+    fp.shard(model, device_mesh=mesh["dp"], auto_wrap_policy={block})
+    opt = make_optimizer("adamw", model.parameters())
+    out = []
+    for s in range(steps):
+        idx = llama_batch(s, rank // 2)
+        loss = model(input_ids=idx, labels=idx).loss
+        opt.zero_grad()
+        loss.backward()
+        grads = full_grads(model)
+        opt.step()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        out.append((t.item() / world, grads, fp.full_state_dict(model, rank0_only=False), None))
+    return out

@@ -111,3 +111,15 @@ def test_unit_collectives_run_on_dp_groups_over_local_boxes():
     for rank, (calls, nbytes, handles, want, local) in enumerate(run_ranks(_tp.comm_worker, 4, timeout=240)):
         assert calls == handles and nbytes == want, (rank, calls, handles, nbytes, want)
         assert local < total * 0.8     # most of the toy GPT is TP-split
+
+
+def test_transformers_moe_attention_tp_and_packed_experts_refused():
+    """Mixtral (4 experts, top 2): its tp_plan without the expert entries (experts whole on every TP rank, dp
+    sharded) trains like one process; the full plan's packed_colwise experts (a _StridedShard) are refused by
+    name, not trained wrongly."""
+    want = _tp.hf_reference(_tp.mixtral, 2, 2)
+    for got in run_ranks(_tp.hf_worker, 4, "mixtral", "MixtralDecoderLayer", 2, "experts", timeout=300):
+        _tp.assert_matches(got, want)
+    with pytest.raises(RankFailure) as e:
+        run_ranks(_tp.hf_worker, 4, "mixtral", "MixtralDecoderLayer", 1, timeout=300)
+    assert "TensorParallelError" in str(e.value) and "packed_colwise" in str(e.value)

@@ -105,8 +105,10 @@ def _spec_of(name: str, p, tp_mesh) -> TPSpec:
         kind = type(pl).__name__
         if kind == "_StridedShard":
             raise TensorParallelError(
-                f"parameter {name!r} has placement {pl}: a strided shard (tp within another sharding) is not "
-                f"supported; {_FIX_ORDER}")
+                f"parameter {name!r} has placement {pl}: a strided shard (a packed layout such as transformers' "
+                "packed_colwise/packed_rowwise for fused gate_up or MoE expert tensors, or TP inside another "
+                "sharding) is not supported: leave those entries (and moe_tp_experts on their module) out of the "
+                f"TP plan, so the tensors stay whole on every TP rank; {_FIX_ORDER}")
         if pl.is_partial():
             raise TensorParallelError(
                 f"parameter {name!r} has placement {pl}: a Partial parameter (pending reduction) has no local value "
