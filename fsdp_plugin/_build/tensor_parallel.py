@@ -40,6 +40,7 @@ def strip_dtensors(model: nn.Module, dp_mesh, param_init_fn) -> Optional[object]
     """Replace every DTensor parameter by a plain one holding its local tensor; return the TP mesh (None: the
     model has no DTensor parameter). Validates placements and meshes first, on every rank alike."""
     refuse_fsdp2(model)
+    _refuse_dtensor_buffers(model)
     found = [(n, p) for n, p in model.named_parameters() if _is_dtensor(p)]
     if not found:
         return None
@@ -124,7 +125,7 @@ def _spec_of(name: str, p, tp_mesh) -> TPSpec:
     return TPSpec(tp_mesh, tuple(p.placements), p.shape, tuple(p.stride()), tuple(offset))
 
 
-def check_not_partial_state(model: nn.Module) -> None:
+def _refuse_dtensor_buffers(model: nn.Module) -> None:
     """Buffers as DTensors are not sharded by fp.shard and would be broadcast as plain tensors: refuse."""
     for name, b in model.named_buffers():
         if _is_dtensor(b):
