@@ -64,3 +64,17 @@ def flat_dest(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         return t.view(-1), None
     tmp = t.contiguous()
     return tmp.view(-1), tmp
+
+
+def stream_units(model: nn.Module) -> list[list]:
+    """The flat-parameter handles of each unit of a sharded model, in unit order (root first); [] if plain.
+
+    Each handle has ``slots`` (``param``, ``shape``), ``padded``/``dtype``, ``gather_master()`` (a new padded
+    full flat tensor, collective over its shard group) and ``split_full(full)`` (full-shape views per slot)."""
+    root = getattr(model, "_fp_root", None)
+    return [] if root is None else [list(unit.handles) for unit in root.units]
+
+
+def sharding_timeout(model: nn.Module):
+    """The model's ``ShardingConfig(timeout_s=...)`` (None: the default deadline)."""
+    return getattr(_layout().sharding_info(model), "timeout_s", None)
