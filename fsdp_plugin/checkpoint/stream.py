@@ -111,13 +111,15 @@ def _run(plan: StreamPlan, rounds, mine: bool, dtype, rank: int, world: int, tim
         failed = True
         try:
             avail = _gather(plan, stages, kept, later)
-            for stage in stages:
-                for o in by_stage.get(stage, []) if mine else ():
-                    tensors = o.make([avail[k] for k in o.sources])
-                    for name, t in zip(o.names, tensors):
-                        yield name, _cast(t, dtype)
-                    del tensors
+            items = _items(by_stage, stages, avail, dtype) if mine else iter(())
             del avail
+            item = next(items, None)
+            while item is not None:
+                after = next(items, None)
+                if after is None:   # a copy: the loop variable must not keep the round's buffer alive
+                    item = (item[0], item[1].clone() if item[1]._base is not None else item[1])
+                yield item
+                item = after
             failed = False
         finally:
             # GeneratorExit (consumer raised or stopped), a producer error, or success: every rank agrees here.
@@ -126,6 +128,15 @@ def _run(plan: StreamPlan, rounds, mine: bool, dtype, rank: int, world: int, tim
             raise CollectiveError(f"iter_full_params: rank {first} stopped while streaming {what} (its consumer "
                                   "raised or left the loop, or building a tensor failed; see that rank's "
                                   "error): every rank stops here")
+
+
+def _items(by_stage: dict, stages: list[int], avail: dict, dtype):
+    """The round's ``(name, tensor)`` pairs, built one output at a time."""
+    for stage in stages:
+        for o in by_stage.get(stage, []):
+            tensors = o.make([avail[k] for k in o.sources])
+            for name, t in zip(o.names, tensors):
+                yield name, _cast(t, dtype)
 
 
 def _kept_keys(plan: StreamPlan) -> set:

@@ -79,7 +79,35 @@ def build(model: nn.Module, dtype: torch.dtype | None, names: str, merge_lora: b
         o.stage = max((plan.key_stage.get(k, -1) for k in o.sources), default=-1)
         o.dtypes = [_cast(d, dtype) for d in o.dtypes]
     plan.outputs.sort(key=lambda o: o.stage)        # stable: state_dict order within a stage
+    plan.outputs = _smallest_last(plan.outputs)
     return plan
+
+
+def _smallest_last(outputs: list) -> list:
+    """Each stage's smallest output moved to its end: the stream yields a copy of a round's last tensor, so the
+    consumer's loop variable does not keep the round's buffer alive through the next gather."""
+    out: list = []
+    for o in outputs:
+        if out and out[-1].stage != o.stage:
+            _move_smallest(out)
+        out.append(o)
+    if out:
+        _move_smallest(out)
+    return out
+
+
+def _move_smallest(out: list) -> None:
+    stage = out[-1].stage
+    first = next(i for i in range(len(out)) if out[i].stage == stage)
+    size = [sum(_numel(s) for s in o.shapes) for o in out[first:]]
+    out.append(out.pop(first + size.index(min(size))))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _cast(d: torch.dtype, dtype) -> torch.dtype:
