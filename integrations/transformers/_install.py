@@ -9,7 +9,7 @@ import functools
 from collections.abc import Callable
 
 from .. import _hf_loading as _loading
-from . import _save_pretrained, _trainer
+from . import _save_pretrained, _trainer, _trl
 
 _ORIGINALS: dict[str, Callable] = {}
 _MODULE_ACCELERATOR: list = []
@@ -52,6 +52,7 @@ def install() -> None:
     trainer_module.Accelerator = Accelerator
     _save_pretrained.install()
     _loading.install()
+    _trl.patch_loaded()
 
 
 def uninstall() -> None:
@@ -65,6 +66,7 @@ def uninstall() -> None:
         trainer_module.Accelerator = _MODULE_ACCELERATOR.pop()
     _save_pretrained.uninstall()
     _loading.uninstall()
+    _trl.unpatch()
 
 
 def is_installed() -> bool:
