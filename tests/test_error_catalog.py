@@ -412,6 +412,55 @@ def load_an_interrupted_save(tmp_path):
     fp.load_checkpoint(str(tmp_path / "ckpt"), nn.Linear(2, 2))
 
 
+
+def _tiny_llama():
+    import transformers as tf
+    torch.manual_seed(0)
+    return tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                              num_attention_heads=2, num_key_value_heads=1))
+
+
+def stream_with_unknown_names():
+    fp.full_params_meta(_tiny_llama(), names="vllm")
+
+
+def _stream_consumer_raises(rank, world):
+    model = fp.shard(_tiny_llama())
+    try:
+        for _ in fp.iter_full_params(model):
+            raise ConnectionResetError("the inference engine closed its socket")
+    except ConnectionResetError:
+        return None
+    except fp.CollectiveError as e:
+        return str(e)
+
+
+def stream_consumer_fails_on_rank_0():
+    """Rank 0's consumer raises while streaming: the other ranks raise this (no hang)."""
+    raise fp.CollectiveError(run_ranks(_stream_consumer_raises, 2)[1])
+
+
+def stream_merge_of_a_dora_adapter():
+    import peft
+    model = peft.get_peft_model(_tiny_llama(), peft.LoraConfig(r=2, target_modules=["q_proj"], use_dora=True))
+    fp.full_params_meta(model, merge_lora=True)
+
+
+def trl_vllm_sync_on_an_unknown_trl_version():
+    from types import SimpleNamespace
+
+    import trl
+    from fsdp_plugin.integrations.transformers import _trl
+
+    saved, trl.__version__ = trl.__version__, "0.0.1"
+    fake = type("GRPOTrainer", (), {"__module__": "trl.trainer.grpo_trainer"})()
+    fake.args = SimpleNamespace(use_vllm=True)
+    try:
+        _trl.prepare(fake)
+    finally:
+        trl.__version__ = saved
+
+
 CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_policy_matches_nothing,
          bad_fp32_modules_value, fp32_modules_match_nothing, fp32_modules_without_16_bit_compute,
          fp32_module_tied_to_a_16_bit_module,
@@ -429,7 +478,9 @@ CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_polic
          collective_deadline_names_the_late_rank, join_before_any_batch,
          third_party_muon_on_a_split_matrix, per_tensor_optimizer_on_shard_pieces, muon_given_a_vector,
          muon_with_adamw_group_without_use_muon,
-         muon_on_a_model_never_sharded, a_unit_runs_on_some_ranks_only, some_ranks_modules_matches_nothing]
+         muon_on_a_model_never_sharded, a_unit_runs_on_some_ranks_only, some_ranks_modules_matches_nothing,
+         stream_with_unknown_names, stream_consumer_fails_on_rank_0, stream_merge_of_a_dora_adapter,
+         trl_vllm_sync_on_an_unknown_trl_version]
 
 
 def _capture(case, tmp_path):
