@@ -166,3 +166,11 @@ def test_meta_needs_no_process_group():
     assert ("lm_head.weight" not in [n for n, _, _ in meta]) and meta[0][2] == torch.bfloat16
     with pytest.raises(fp.UsageError, match="names='hf'"):
         fp.full_params_meta(_llama(), names="vllm")
+
+
+def test_lora_merged_in_the_master_dtype_then_cast(tmp_path):
+    _check(tmp_path, "llama_lora", 2, "hf", merge_lora=True, dtype=torch.bfloat16)
+
+
+def test_mixtral_cast_before_the_gather(tmp_path):
+    _check(tmp_path, "mixtral", 3, "hf", ranks="all", dtype=torch.bfloat16)

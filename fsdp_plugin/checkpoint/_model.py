@@ -78,3 +78,19 @@ def stream_units(model: nn.Module) -> list[list]:
 def sharding_timeout(model: nn.Module):
     """The model's ``ShardingConfig(timeout_s=...)`` (None: the default deadline)."""
     return getattr(_layout().sharding_info(model), "timeout_s", None)
+
+
+def gather_full(handle, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``handle.gather_master()``, cast to ``dtype`` first when given (a floating handle): the same values as
+    casting the gathered tensor (an element-wise cast), with the full buffer and the wire in ``dtype``."""
+    if dtype is None or dtype == handle.dtype or not handle.dtype.is_floating_point:
+        return handle.gather_master()
+    from .._comm import collectives as comm
+
+    full = torch.empty(handle.padded, dtype=dtype, device=handle.device)
+    src = handle.flat_shard.to(handle.device, dtype)
+    if handle.mesh.shard_size == 1:
+        full.copy_(src)
+    else:
+        comm.all_gather(full, src, handle.mesh.shard_group, kind="state_dict")
+    return full

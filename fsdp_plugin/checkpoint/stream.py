@@ -15,8 +15,10 @@ identical on every rank:
    and the unit. The agreement waits at most the model's ``timeout_s`` (a consumer slower than that is a
    stall).
 
-Memory: the round's full buffers (master dtype) plus one cast tensor; the buffer is dropped at the agreement
-(a tensor the consumer keeps holds its buffer). Outputs whose sources lie in several rounds (rare:
+Memory: the round's full buffers, gathered in ``dtype`` when one is given (the shard is cast before the
+all-gather: same values, half the bytes for bf16), else in the master dtype; merged LoRA outputs are computed in
+the master dtype and cast after (one cast tensor more). The buffer is dropped at the agreement (a tensor the
+consumer keeps holds its buffer). Outputs whose sources lie in several rounds (rare:
 transformers converters of sibling modules) keep copies of the earlier sources until their last round.
 """
 from __future__ import annotations
@@ -110,7 +112,7 @@ def _run(plan: StreamPlan, rounds, mine: bool, dtype, rank: int, world: int, tim
         what = _label(plan, stages)
         failed = True
         try:
-            avail = _gather(plan, stages, kept, later)
+            avail = _gather(plan, stages, kept, later, dtype if plan.cast_first else None)
             items = _items(by_stage, stages, avail, dtype) if mine else iter(())
             del avail
             item = next(items, None)
@@ -144,15 +146,16 @@ def _kept_keys(plan: StreamPlan) -> set:
     return {k for o in plan.outputs for k in o.sources if plan.key_stage.get(k, -1) < o.stage}
 
 
-def _gather(plan: StreamPlan, stages: list[int], kept: dict, later: set) -> dict:
-    """Source key -> full tensor for this round (gathered, waited for) plus the kept earlier ones."""
+def _gather(plan: StreamPlan, stages: list[int], kept: dict, later: set, dtype) -> dict:
+    """Source key -> full tensor for this round (gathered in ``dtype`` when given, waited for) plus the kept
+    earlier ones."""
     avail = dict(kept)
     for stage in stages:
         if stage < 0:
             avail.update(plan.plain)
             continue
         for h in plan.units[stage]:
-            full = h.gather_master()
+            full = _model.gather_full(h, dtype)
             for s, v in zip(h.slots, h.split_full(full)):
                 avail[id(s.param)] = v
     for k in later:

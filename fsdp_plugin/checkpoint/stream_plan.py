@@ -48,6 +48,7 @@ class StreamPlan:
     key_stage: dict = field(default_factory=dict)  # source key -> stage
     units: list = field(default_factory=list)      # stage -> the unit's handles
     plain: dict = field(default_factory=dict)      # stage -1: key -> tensor (unsharded parameters, buffers)
+    cast_first: bool = True                        # every make() commutes with a cast: gather in the target dtype
 
     def meta(self) -> list[tuple[str, tuple, torch.dtype]]:
         return [(n, tuple(s), d) for o in self.outputs for n, s, d in zip(o.names, o.shapes, o.dtypes)]
@@ -71,6 +72,7 @@ def build(model: nn.Module, dtype: torch.dtype | None, names: str, merge_lora: b
     peft = _peft_model(model)
     if peft is not None and merge_lora:
         _merged(plan, peft, entries, names)
+        plan.cast_first = False                     # W + s*B@A in the master dtype, rounded once
     elif peft is not None:
         _adapters(plan, peft, entries, names)
     else:
