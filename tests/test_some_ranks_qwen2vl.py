@@ -3,6 +3,7 @@ with images on some ranks only per step, and nothing declared: the config's ``vi
 some-ranks unit by default, and training matches one process on the global batch (per-step loss within 1e-5)."""
 from __future__ import annotations
 
+import pytest
 import torch
 from _dist import run_ranks
 from _parity import global_mean, make_optimizer
@@ -59,15 +60,39 @@ def _train(model, batches, world):
     return losses
 
 
+def rank_batches(rank: int) -> list:
+    first = lambda s: s * PER_RANK * WORLD + rank * PER_RANK
+    return [collate([sample(i) for i in range(first(s), first(s) + PER_RANK)]) for s in range(STEPS)]
+
+
+def reference_losses() -> list:
+    return _train(tiny_qwen2vl(), [collate([sample(i) for i in range(4 * s, 4 * s + 4)]) for s in range(STEPS)], 1)
+
+
 def _sharded(rank, world):
     model = fp.shard(tiny_qwen2vl(), timeout_s=60)
     assert [u.fqn for u in model._fp_root.some_ranks_units] == ["model.visual"]
-    first = lambda s: s * PER_RANK * WORLD + rank * PER_RANK
-    return _train(model, [collate([sample(i) for i in range(first(s), first(s) + PER_RANK)]) for s in range(STEPS)],
-                  world)
+    return _train(model, rank_batches(rank), world)
 
 
 def test_qwen2vl_images_on_some_ranks_with_nothing_declared():
     got = run_ranks(_sharded, WORLD, timeout=120)[0]
-    want = _train(tiny_qwen2vl(), [collate([sample(i) for i in range(4 * s, 4 * s + 4)]) for s in range(STEPS)], 1)
+    want = reference_losses()
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)
+
+
+@pytest.mark.integration
+def test_lightning_with_nothing_declared(tmp_path):
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    import lightning_launch as launch
+
+    launch.python("lightning_vlm.py", tmp_path, timeout=300)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert all(r["units"] == ["net.model.visual"] for r in reports), reports
+    got = [sum(r["losses"][s] for r in reports) / WORLD for s in range(STEPS)]
+    want = reference_losses()
     assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)

@@ -20,9 +20,13 @@ _MODALITY_CONFIGS = ("vision_config", "audio_config")
 
 
 def has_modality_encoder_config(model: nn.Module) -> bool:
-    """Whether ``model``'s transformers config (PEFT wrappers forward it) names a vision or audio sub-model."""
-    config = getattr(model, "config", None)
-    return config is not None and any(getattr(config, k, None) is not None for k in _MODALITY_CONFIGS)
+    """Whether ``model`` or a submodule (a LightningModule holding the VLM...) has a transformers config that
+    names a vision or audio sub-model."""
+    for m in model.modules():
+        config = getattr(m, "config", None)
+        if config is not None and any(getattr(config, k, None) is not None for k in _MODALITY_CONFIGS):
+            return True
+    return False
 
 
 def default_encoders(model: nn.Module, encoder_names, ignored_ids: set) -> list[str]:
