@@ -210,6 +210,9 @@ def test_accelerate_settings_carry_the_declared_classes(monkeypatch):
     assert cfg.some_ranks_modules == ("CLIPVisionModel",)
     env.pop("FSDP_PLUGIN_SOME_RANKS_MODULES")
     assert sharding_config(settings_from_env(env), tiny_llava()).some_ranks_modules is None
+    env["FSDP_PLUGIN_SOME_RANKS_MODULES"] = "none"        # opts out of the default
+    assert sharding_config(settings_from_env(env), tiny_llava()).some_ranks_modules == ()
+    env.pop("FSDP_PLUGIN_SOME_RANKS_MODULES")
 
     from accelerate.utils import FullyShardedDataParallelPlugin
     from fsdp_plugin.integrations.accelerate.config.from_plugin import settings_from_plugin
