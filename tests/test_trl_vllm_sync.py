@@ -168,7 +168,9 @@ def _trainer(rank, world, tmp, trainer_kind, mode, lora):
     import trl.experimental.online_dpo.online_dpo_trainer  # noqa: F401 - TRL imported first, as a script does
     import trl.generation.vllm_generation as vg
 
-    import fsdp_plugin.integrations.transformers  # noqa: F401 - the one-line import patches TRL's sync
+    import fsdp_plugin.integrations.transformers as integration
+
+    integration.install()   # what the one-line import does in a fresh process (here it may be imported already)
 
     assert getattr(vg.VLLMGeneration._iter_named_params, "__fsdp_plugin__", False)
     proc = None

@@ -41,6 +41,7 @@ def install() -> None:
 
     from fsdp_plugin.integrations.accelerate.accelerator import Accelerator
 
+    _trl.patch_loaded()   # TRL modules imported since: their vLLM sync too (idempotent)
     if _ORIGINALS:
         return
     cls = trainer_module.Trainer
@@ -52,7 +53,6 @@ def install() -> None:
     trainer_module.Accelerator = Accelerator
     _save_pretrained.install()
     _loading.install()
-    _trl.patch_loaded()
 
 
 def uninstall() -> None:
