@@ -9,6 +9,7 @@ from ._log import configure_from_env as _configure_log
 from .api import (clip_grad_norm_, comm_stats, compile, deferred_init, full_params, full_state_dict, is_sharded,
                   latest_checkpoint, load_checkpoint, load_pretrained, memory_report, no_sync, plan,
                   register_forward_method, reset, save_checkpoint, save_pretrained, shard, shutdown)
+from .api import full_params_meta, iter_full_params
 from .checkpoint import AsyncSave
 from ._flat.layout import param_info
 from . import optim
@@ -30,6 +31,7 @@ __all__ = [
     "save_checkpoint", "AsyncSave", "load_checkpoint", "latest_checkpoint", "load_pretrained", "save_pretrained", "CheckpointError",
     "CheckpointMismatchError", "CorruptCheckpointError", "IncompleteCheckpointError",
     "shutdown",
+    "iter_full_params", "full_params_meta",
     "FSDPPluginError", "ConfigError", "ShardingError", "OptimizerError", "StateDictError", "CollectiveError",
     "plan", "Plan", "PlanError", "memory_report",
     "UsageError", "UnsupportedError", "DeferredInitError", "NotDeferredError", "NonFiniteGradientError", "CodecError",

@@ -9,6 +9,7 @@ Each lives in the component that owns it; this module only names them:
     save_checkpoint, load_checkpoint,       checkpoints and HF files        (checkpoint)
     save_pretrained, load_pretrained,
     latest_checkpoint                       resume after a restart          (checkpoint)
+    iter_full_params, full_params_meta      stream full weights (RL sync)   (checkpoint)
     plan                                    predict memory, bytes, time     (planner)
     memory_report, comm_stats               observe it                      (_log, _comm)
     shutdown                                end the distributed run         (_groups)
@@ -22,8 +23,10 @@ from ._log import memory_report
 from ._ops import (clip_grad_norm_, full_params, full_state_dict, is_sharded, no_sync, register_forward_method,
                    reset)
 from .checkpoint import latest_checkpoint, load_checkpoint, load_pretrained, save_checkpoint, save_pretrained
+from .checkpoint import full_params_meta, iter_full_params
 from .planner import plan
 
 __all__ = ["shard", "deferred_init", "compile", "no_sync", "full_params", "full_state_dict", "clip_grad_norm_",
            "reset", "is_sharded", "register_forward_method", "save_checkpoint", "load_checkpoint",
-           "latest_checkpoint", "save_pretrained", "load_pretrained", "plan", "memory_report", "comm_stats", "shutdown"]
+           "latest_checkpoint", "save_pretrained", "load_pretrained", "plan", "memory_report", "comm_stats", "shutdown",
+           "iter_full_params", "full_params_meta"]

@@ -279,7 +279,7 @@ class ShardingConfig:
 def _check_some_ranks_rule(rule) -> None:
     if rule is None or callable(rule) and not isinstance(rule, type):
         return
-    if isinstance(rule, (set, frozenset, tuple, list)) and rule and all(
+    if isinstance(rule, (set, frozenset, tuple, list)) and all(
             isinstance(c, str) or isinstance(c, type) and issubclass(c, nn.Module) for c in rule):
         return
     raise ConfigError(f"some_ranks_modules={rule!r}: use a set of module classes or class names (e.g. "

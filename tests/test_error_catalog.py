@@ -459,6 +459,53 @@ def lightning_strategy_with_tensor_parallel_size():
 def plan_of_a_tensor_parallel_model():
     _tp_error("refuse_plan", fp.PlanError)
 
+def _tiny_llama():
+    import transformers as tf
+    torch.manual_seed(0)
+    return tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                              num_attention_heads=2, num_key_value_heads=1))
+
+
+def stream_with_unknown_names():
+    fp.full_params_meta(_tiny_llama(), names="vllm")
+
+
+def _stream_consumer_raises(rank, world):
+    model = fp.shard(_tiny_llama())
+    try:
+        for _ in fp.iter_full_params(model):
+            raise ConnectionResetError("the inference engine closed its socket")
+    except ConnectionResetError:
+        return None
+    except fp.CollectiveError as e:
+        return str(e)
+
+
+def stream_consumer_fails_on_rank_0():
+    """Rank 0's consumer raises while streaming: the other ranks raise this (no hang)."""
+    raise fp.CollectiveError(run_ranks(_stream_consumer_raises, 2)[1])
+
+
+def stream_merge_of_a_dora_adapter():
+    import peft
+    model = peft.get_peft_model(_tiny_llama(), peft.LoraConfig(r=2, target_modules=["q_proj"], use_dora=True))
+    fp.full_params_meta(model, merge_lora=True)
+
+
+def trl_vllm_sync_on_an_unknown_trl_version():
+    from types import SimpleNamespace
+
+    import trl
+    from fsdp_plugin.integrations.transformers import _trl
+
+    saved, trl.__version__ = trl.__version__, "0.0.1"
+    fake = type("GRPOTrainer", (), {"__module__": "trl.trainer.grpo_trainer"})()
+    fake.args = SimpleNamespace(use_vllm=True)
+    try:
+        _trl.prepare(fake)
+    finally:
+        trl.__version__ = saved
+
 
 CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_policy_matches_nothing,
          bad_fp32_modules_value, fp32_modules_match_nothing, fp32_modules_without_16_bit_compute,
@@ -482,7 +529,9 @@ CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_polic
          tensor_parallel_without_data_parallel_mesh, tensor_parallel_mesh_of_another_root,
          tensor_parallel_model_wrapped_by_fsdp2, per_tensor_optimizer_on_tensor_parallel_boxes,
          device_mesh_smaller_than_world_without_tensor_parallelism, lightning_strategy_with_tensor_parallel_size,
-         plan_of_a_tensor_parallel_model]
+         plan_of_a_tensor_parallel_model,
+         stream_with_unknown_names, stream_consumer_fails_on_rank_0, stream_merge_of_a_dora_adapter,
+         trl_vllm_sync_on_an_unknown_trl_version]
 
 
 def _capture(case, tmp_path):

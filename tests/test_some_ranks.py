@@ -294,6 +294,7 @@ def test_config_names_and_validation():
         some_ranks_fqns(model, {"VisionTower"})
     with pytest.raises(fp.ConfigError, match="some_ranks_modules"):
         fp.ShardingConfig(some_ranks_modules=Tower)
+    assert some_ranks_fqns(model, ()) == [] == some_ranks_fqns(model, None)   # opt-out; no modality config here
 
 
 def test_plan_holds_the_tower_all_step():

@@ -92,8 +92,54 @@ def test_plain_api_llava_images_on_some_ranks():
     assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)
 
 
+def _default(rank, world):
+    """Nothing declared: the LLaVA config's vision_config makes `model.vision_tower` a some-ranks unit."""
+    model = fp.shard(tiny_llava(), timeout_s=60)
+    assert [u.fqn for u in model._fp_root.some_ranks_units] == ["model.vision_tower"]
+    opt = make_optimizer("sgd", model.parameters())
+    losses = []
+    for s in range(STEPS):
+        loss = model(**rank_batch(s, rank)).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(global_mean(loss, world))
+    return losses
+
+
+def test_plain_api_default_needs_no_declaration():
+    got = run_ranks(_default, WORLD, timeout=120)[0]
+    want = reference_losses()
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)
+
+
+def test_the_default_logs_its_cost_once(caplog):
+    import logging
+
+    from fsdp_plugin._build import some_ranks_default
+
+    some_ranks_default._LOGGED.clear()
+    with caplog.at_level(logging.WARNING, logger="fsdp_plugin"):
+        fp.shard(tiny_llava())
+        fp.shard(tiny_llava())
+    lines = [r.getMessage() for r in caplog.records if "some ranks only" in r.getMessage()]
+    assert len(lines) == 1 and "'model.vision_tower' (CLIPVisionModel)" in lines[0], lines
+    assert "some_ranks_modules=()" in lines[0]
+
+
+def test_plan_sees_the_default_like_the_declaration():
+    """fp.plan discovers units with fp.shard's rule (LLaVA's forward itself cannot run on fake tensors)."""
+    from fsdp_plugin.planner._units import discover_units
+
+    def some(rule):
+        units, _ = discover_units(tiny_llava(), None, (), None, rule)
+        return [u.fqn for u in units if u.some_ranks]
+    assert some(None) == some({"CLIPVisionModel"}) == ["model.vision_tower"]
+    assert some(()) == []
+
+
 def _undeclared(rank, world):
-    model = fp.shard(tiny_llava(), timeout_s=60)     # the default policy makes CLIPEncoderLayer units
+    model = fp.shard(tiny_llava(), some_ranks_modules=(), timeout_s=60)     # opted out of the default
     try:
         model(**rank_batch(0, rank)).loss.backward()
     except fp.CollectiveError as e:
@@ -101,7 +147,7 @@ def _undeclared(rank, world):
     return "no error"
 
 
-def test_undeclared_tower_error_names_the_class_to_declare():
+def test_opted_out_tower_error_names_the_class_to_declare():
     msgs = run_ranks(_undeclared, WORLD, timeout=120)
     assert msgs[0] == msgs[1], msgs
     assert "'model.vision_tower' (CLIPVisionModel)" in msgs[0], msgs[0]
@@ -134,6 +180,16 @@ def _trainer(rank, world, out_dir):
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
+def test_trainer_default_needs_no_declaration(tmp_path):
+    env = {k: v for k, v in ENV.items() if k != "FSDP_PLUGIN_SOME_RANKS_MODULES"}
+    sharded = run_ranks(_trainer, WORLD, str(tmp_path / "fp"), timeout=180,
+                        env={"ACCELERATE_USE_FSDP": "true", **env})[0]
+    single = run_ranks(_trainer, 1, str(tmp_path / "one"), timeout=180,
+                       env={"MASTER_ADDR": "localhost", "MASTER_PORT": "0"})[0]
+    assert len(sharded) == len(single) == STEPS, (sharded, single)
+    assert max(abs(a - b) for a, b in zip(sharded, single)) <= 1e-5, (sharded, single)
+
+
 def test_trainer_llava_images_on_some_ranks(tmp_path):
     sharded = run_ranks(_trainer, WORLD, str(tmp_path / "fp"), timeout=180,
                         env={"ACCELERATE_USE_FSDP": "true", **ENV})[0]
@@ -154,6 +210,9 @@ def test_accelerate_settings_carry_the_declared_classes(monkeypatch):
     assert cfg.some_ranks_modules == ("CLIPVisionModel",)
     env.pop("FSDP_PLUGIN_SOME_RANKS_MODULES")
     assert sharding_config(settings_from_env(env), tiny_llava()).some_ranks_modules is None
+    env["FSDP_PLUGIN_SOME_RANKS_MODULES"] = "none"        # opts out of the default
+    assert sharding_config(settings_from_env(env), tiny_llava()).some_ranks_modules == ()
+    env.pop("FSDP_PLUGIN_SOME_RANKS_MODULES")
 
     from accelerate.utils import FullyShardedDataParallelPlugin
     from fsdp_plugin.integrations.accelerate.config.from_plugin import settings_from_plugin

@@ -24,6 +24,7 @@ from .._schedule.root import RootState
 from .strategy import STRATEGIES, unit_policy
 from .tensor_parallel import strip_dtensors, tp_rank_and_size
 from .._schedule.unit import Unit
+from .some_ranks_default import log_default_cost
 from .wrap import owner_unit, params_by_unit, select_unit_modules, some_ranks_fqns
 from ..config import ShardingConfig
 from ..errors import ConfigError, ShardingError
@@ -67,6 +68,8 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
     model._fp_root = root
     make_joinable(model, root)   # torch's Join([model]) for uneven inputs
     install_guards(model, root)
+    if cfg.some_ranks_modules is None:
+        log_default_cost(model, root.units)   # the default chose encoders: say what they cost, once
     _log.on_sharded(model)   # unit table at INFO, phase memory at DEBUG (FSDP_PLUGIN_LOG)
     return model
 

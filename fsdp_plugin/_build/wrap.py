@@ -9,6 +9,7 @@ from torch import nn
 
 from ..config import _SizePolicy
 from ..errors import ConfigError
+from .some_ranks_default import default_encoders
 
 
 def select_unit_modules(model: nn.Module, policy, ignored: Iterable[nn.Module],
@@ -65,16 +66,19 @@ def some_ranks_hint(model: nn.Module, units) -> str:
 def some_ranks_fqns(model: nn.Module, rule, ignored: Iterable[nn.Module] = ()) -> list[str]:
     """The outermost modules ``ShardingConfig.some_ranks_modules`` (``rule``) selects, by fqn, in module order;
     never the root (it runs on every rank). A rule that selects nothing is a ConfigError (a typo would
-    otherwise leave the divergence it was meant to handle)."""
-    if rule is None:
-        return []
+    otherwise leave the divergence it was meant to handle). None: the default (:mod:`.some_ranks_default`, a
+    transformers model's vision/audio encoders); an empty collection: none."""
+    ignored_ids = {id(m) for ig in ignored for m in ig.modules()}
+    if rule is None:   # default: a transformers model's modality encoders (some_ranks_default)
+        return default_encoders(model, _ENCODER_NAMES, ignored_ids)
+    if not callable(rule) and not rule:
+        return []      # some_ranks_modules=(): opted out
     if callable(rule):
         match = rule
     else:
         classes = tuple(c for c in rule if isinstance(c, type))
         names = {c for c in rule if isinstance(c, str)}
         match = lambda m: isinstance(m, classes) or type(m).__name__ in names
-    ignored_ids = {id(m) for ig in ignored for m in ig.modules()}
     found: list[str] = []
     for n, m in model.named_modules():
         if n and id(m) not in ignored_ids and not any(n.startswith(f + ".") for f in found) and match(m):

@@ -5,6 +5,7 @@
   ranges it needs; no pickle anywhere.
 * :func:`save_pretrained` / :func:`load_pretrained`: Hugging Face safetensors (+ index) in and out.
 * :func:`latest_checkpoint`: the newest complete checkpoint of a directory (resume after a restart).
+* :func:`iter_full_params` / :func:`full_params_meta`: full weights streamed unit by unit (RL weight sync).
 * :func:`consolidate`: offline export of a checkpoint to Hugging Face safetensors (CLI ``fsdp-plugin``).
 """
 from ._async import AsyncSave, release_staging_buffers
@@ -26,6 +27,7 @@ from .latest import latest_checkpoint
 from .errors import CheckpointMismatchWarning
 from .load import load_checkpoint
 from .save import save_checkpoint
+from .stream import full_params_meta, iter_full_params
 from .tools import inspect_checkpoint, verify_checkpoint
 
 __all__ = [
@@ -42,6 +44,8 @@ __all__ = [
     "MismatchReport",
     "UnsafeCheckpointError",
     "consolidate",
+    "full_params_meta",
+    "iter_full_params",
     "latest_checkpoint",
     "inspect_checkpoint",
     "load_checkpoint",

@@ -75,3 +75,33 @@ def flat_dest(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         return t.view(-1), None
     tmp = t.contiguous()
     return tmp.view(-1), tmp
+
+
+def stream_units(model: nn.Module) -> list[list]:
+    """The flat-parameter handles of each unit of a sharded model, in unit order (root first); [] if plain.
+
+    Each handle has ``slots`` (``param``, ``shape``), ``padded``/``dtype``, ``gather_master()`` (a new padded
+    full flat tensor, collective over its shard group) and ``split_full(full)`` (full-shape views per slot)."""
+    root = getattr(model, "_fp_root", None)
+    return [] if root is None else [list(unit.handles) for unit in root.units]
+
+
+def sharding_timeout(model: nn.Module):
+    """The model's ``ShardingConfig(timeout_s=...)`` (None: the default deadline)."""
+    return getattr(_layout().sharding_info(model), "timeout_s", None)
+
+
+def gather_full(handle, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``handle.gather_master()``, cast to ``dtype`` first when given (a floating handle): the same values as
+    casting the gathered tensor (an element-wise cast), with the full buffer and the wire in ``dtype``."""
+    if dtype is None or dtype == handle.dtype or not handle.dtype.is_floating_point:
+        return handle.gather_master()
+    from .._comm import collectives as comm
+
+    full = torch.empty(handle.padded, dtype=dtype, device=handle.device)
+    src = handle.flat_shard.to(handle.device, dtype)
+    if handle.mesh.shard_size == 1:
+        full.copy_(src)
+    else:
+        comm.all_gather(full, src, handle.mesh.shard_group, kind="state_dict")
+    return full

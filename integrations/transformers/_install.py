@@ -9,7 +9,7 @@ import functools
 from collections.abc import Callable
 
 from .. import _hf_loading as _loading
-from . import _save_pretrained, _trainer
+from . import _save_pretrained, _trainer, _trl
 
 _ORIGINALS: dict[str, Callable] = {}
 _MODULE_ACCELERATOR: list = []
@@ -41,6 +41,7 @@ def install() -> None:
 
     from fsdp_plugin.integrations.accelerate.accelerator import Accelerator
 
+    _trl.patch_loaded()   # TRL modules imported since: their vLLM sync too (idempotent)
     if _ORIGINALS:
         return
     cls = trainer_module.Trainer
@@ -65,6 +66,7 @@ def uninstall() -> None:
         trainer_module.Accelerator = _MODULE_ACCELERATOR.pop()
     _save_pretrained.uninstall()
     _loading.uninstall()
+    _trl.unpatch()
 
 
 def is_installed() -> bool:

@@ -21,6 +21,7 @@ from typing import Any
 from fsdp_plugin.integrations._ranged_save import save_like_library
 
 from . import _checkpoint as ckpt
+from . import _trl
 
 
 def active(trainer: Any) -> bool:
@@ -39,6 +40,7 @@ def create_accelerator_and_postprocess(stock, self) -> None:
     if not active(self):
         return
     self.is_fsdp_enabled = False  # keep the Trainer's torch-FSDP paths off: the methods below replace them
+    _trl.prepare(self)            # TRL's vLLM weight sync streams through fp.iter_full_params
     settings = self.accelerator.fsdp_settings
     if settings is not None and settings.activation_checkpointing and self.args.activation_checkpointing:
         from fsdp_plugin.integrations.accelerate.config.settings import config_error

@@ -108,6 +108,10 @@ SOME_RANKS_ENV = "FSDP_PLUGIN_SOME_RANKS_MODULES"
 def some_ranks_from_env(env) -> tuple[str, ...] | None:
     """``FSDP_PLUGIN_SOME_RANKS_MODULES="CLIPVisionModel,Qwen2VisionTransformerPretrainedModel"`` → the class
     names for ``ShardingConfig.some_ranks_modules`` (accelerate's config has no such key; the engine checks
-    that each matches the model)."""
-    names = split_names(env.get(SOME_RANKS_ENV) or "")
+    that each matches the model). ``none`` → ``()``: opt out of the default (a transformers VLM's encoders);
+    unset or empty → None (the default)."""
+    value = env.get(SOME_RANKS_ENV) or ""
+    if value.strip().lower() == "none":
+        return ()
+    names = split_names(value)
     return names or None
