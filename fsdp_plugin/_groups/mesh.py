@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from .._build.strategy import ShardScope
+from .._comm import nodes
 from ..errors import ConfigError
 
 _GROUP_CACHE: dict = {}
@@ -62,6 +63,7 @@ def release_groups() -> None:
     """After the process groups are destroyed (fp.shutdown): forget every reference this package holds to
     them, so that their C++ threads are joined now. Sharded models cannot communicate afterwards."""
     _GROUP_CACHE.clear()
+    nodes.forget()
     for mesh in list(_LIVE_MESHES.values()):
         object.__setattr__(mesh, "shard_group", None)
         object.__setattr__(mesh, "replicate_group", None)
