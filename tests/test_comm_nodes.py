@@ -41,3 +41,40 @@ def test_one_node_by_default_everything_stays_inside():
     stats, _ = run_ranks(_one_step, 2, "full_shard", None)[0]
     assert stats["inter_node_bytes"].get("all_gather", 0) == 0
     assert stats["intra_node_bytes"]["all_gather"] == stats["bytes"]["all_gather"] > 0
+
+
+def _hybrid_events(rank, world):
+    """The order of reduce-scatter waits, cross-replica all-reduce issues and their waits in one backward."""
+    from fsdp_plugin._comm import collectives as comm
+    torch.manual_seed(0)
+    model = fp.shard(GPT(), auto_wrap_policy={Block}, sharding_strategy="hybrid_shard", device_mesh=(2, 2))
+    events, real_wait, real_ar = [], comm.wait, comm.all_reduce
+    root = model._fp_root
+
+    def wait(work, what="collective", timeout_s=None):
+        if "cross-replica" in what or "gradient reduction" in what:
+            events.append(("wait " + what.split(" of ")[0], root.reduction.state.name, len(root.reduction._pending)))
+        return real_wait(work, what, timeout_s)
+
+    def all_reduce(t, group, *args, **kwargs):
+        if group is root.mesh.replicate_group:
+            events.append(("issue all-reduce",))
+        return real_ar(t, group, *args, **kwargs)
+    comm.wait, comm.all_reduce = wait, all_reduce
+    try:
+        model(*gpt_batch(0, rank)).backward()
+    finally:
+        comm.wait, comm.all_reduce = real_wait, real_ar
+    return events, sum(len(u.handles) for u in root.units)
+
+
+def test_hybrid_cross_node_all_reduces_overlap_backward_and_are_waited_at_its_end():
+    for events, handles in run_ranks(_hybrid_events, 4, env=TWO_NODES):
+        kinds = [e[0] for e in events]
+        assert kinds.count("issue all-reduce") == handles == kinds.count("wait cross-replica all-reduce")
+        first_ar_wait = kinds.index("wait cross-replica all-reduce")
+        # every all-reduce is issued (and every reduce-scatter waited) before the first all-reduce wait ...
+        assert kinds[:first_ar_wait].count("issue all-reduce") == handles
+        assert kinds[:first_ar_wait].count("wait gradient reduction") == handles
+        # ... and the all-reduce waits happen in the end-of-backward callback (the reduction is AGREEING then)
+        assert {e[1] for e in events if e[0] == "wait cross-replica all-reduce"} == {"AGREEING"}

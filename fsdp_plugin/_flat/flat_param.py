@@ -57,6 +57,7 @@ class _PendingReduce:
     work: object
     out: torch.Tensor            # this rank's reduced chunk (reduce dtype), valid after work.wait()
     keep: torch.Tensor           # input kept alive until the collective finishes
+    replica: bool = False        # hybrid's second stage: the cross-replica all-reduce of ``out``
 
 
 class _LeafViews(torch.autograd.Function):
@@ -303,8 +304,8 @@ class FlatParamHandle:
         """Issue the gradient reduction asynchronously; ``finish_reduce`` completes it.
 
         Shard groups of more than one rank reduce-scatter; a group of one (no_shard) all-reduces across
-        the replicas right away; hybrid all-reduces the reduced chunk across replicas in ``finish_reduce``
-        (after the reduce-scatter's wait: its pairing verdict covers both). ``gate``: as for ``unshard``.
+        the replicas right away; hybrid all-reduces the reduced chunk across replicas from ``finish_reduce``
+        (issued after the reduce-scatter's wait: its pairing verdict covers both). ``gate``: as for ``unshard``.
         """
         grad = grad.to(self.reduce_dtype)
         what = f"gradient reduction of unit {self.label!r}"
@@ -319,20 +320,31 @@ class FlatParamHandle:
             self.pending_reduce = _PendingReduce(None, grad, grad)
 
     @_traced("wait_reduce")
-    def finish_reduce(self) -> None:
-        """Wait for the reduction, average across every rank, accumulate into ``shard_grad``."""
+    def finish_reduce(self, final: bool = True) -> bool:
+        """Wait for the reduction, average across every rank, accumulate into ``shard_grad``.
+
+        Hybrid (shard and replicate groups of more than one rank): the reduce-scatter's wait issues the
+        cross-replica all-reduce of the reduced chunk; with ``final=False`` it is left in flight (the rest of
+        backward overlaps it: the reduction queue calls ``finish_reduce()`` again at the end of backward) and
+        True is returned; otherwise it is waited here. Returns whether a reduction is still pending."""
         pending, self.pending_reduce = self.pending_reduce, None
         if pending is None:
-            return
-        comm.wait(pending.work, f"gradient reduction of unit {self.label!r}", self.timeout_s)
+            return False
+        what = "cross-replica all-reduce" if pending.replica else "gradient reduction"
+        comm.wait(pending.work, f"{what} of unit {self.label!r}", self.timeout_s)
         out = pending.out
-        if self.mesh.shard_size > 1 and self.mesh.replicate_size > 1:
+        if not pending.replica and self.mesh.shard_size > 1 and self.mesh.replicate_size > 1:
+            # the reduce-scatter's input is released now; only the 1/S chunk stays until the all-reduce ends
             work = comm.all_reduce(out, self.mesh.replicate_group, async_op=True)
-            comm.wait(work, f"cross-replica all-reduce of unit {self.label!r}", self.timeout_s)
+            self.pending_reduce = _PendingReduce(work, out, out, replica=True)
+            if not final:
+                return True
+            return self.finish_reduce()
         divisor = self.grad_divisor or self.mesh.reduce_world
         if divisor > 1:
             out.div_(divisor)
         self._accumulate_shard_grad(out)
+        return False
 
     def _grad_base(self) -> Optional[torch.Tensor]:
         """The flat sharded gradient, found through the slots' ``p.grad`` views.

@@ -113,8 +113,8 @@ class _SimHandle(ReducingHandle):
     def start_reduce(self, _grad) -> None:
         self.sim.start_reduce(self.index)
 
-    def finish_reduce(self) -> None:
-        self.sim.finish(self.index)
+    def finish_reduce(self, final: bool = True) -> bool:
+        return self.sim.finish(self.index, final)
 
 
 class _Sim:
@@ -126,6 +126,7 @@ class _Sim:
         self.unsharded = self.reducing = self.grad_shards = 0
         self.inflight: dict[int, int] = {}     # handle -> bytes its all-gather holds until it is waited on
         self.reduce_bytes: dict[int, int] = {}
+        self.replicating: set = set()          # hybrid handles whose cross-replica all-reduce is in flight
         self.has_grad: set = set()
         self.started: set = set()
         self.act = 0
@@ -245,16 +246,26 @@ class _Sim:
             self.reshard_handle(h)
         self.check()
 
-    def finish(self, h: int) -> None:
+    def finish(self, h: int, final: bool = True) -> bool:
+        """FlatParamHandle.finish_reduce: hybrid's reduce-scatter wait issues the cross-replica all-reduce, left
+        in flight (holding the reduced chunk) to the end of backward unless ``final``; True while it is."""
         spec, lay = self.handles[h], self.lay
         chunk = spec.chunk(lay.shard_size)
-        if lay.shard_size > 1 and lay.replicate_size > 1:
+        if lay.shard_size > 1 and lay.replicate_size > 1 and h not in self.replicating:
             self.comm("all_reduce", chunk, lay.reduce(spec).itemsize, lay.replicate_size, factor=2)
+            kept = chunk * lay.reduce(spec).itemsize
+            self.reducing -= self.reduce_bytes[h] - kept
+            self.reduce_bytes[h] = kept
+            self.replicating.add(h)
+            if not final:
+                return True
+        self.replicating.discard(h)
         self.reducing -= self.reduce_bytes.pop(h)
         if h not in self.has_grad and not lay.cpu_offload:
             self.has_grad.add(h)
             self.grad_shards += chunk * spec.dtype.itemsize
             self.check()
+        return False
 
     # ------------------------------------------------------------ events (Unit's hooks)
     def pre_forward(self, u: int) -> None:
