@@ -23,6 +23,7 @@ from .._reduce.usage import SlotUsage
 from .._comm.trace import _traced
 from .owners import choose_owners
 from .rows import local_shape, piece, row_aligned_offsets
+from .secondary import SecondaryShard
 
 
 def set_param_data(param: nn.Parameter, tensor: torch.Tensor) -> None:
@@ -105,6 +106,7 @@ class FlatParamHandle:
         self.unsharded_grad_accum: Optional[torch.Tensor] = None   # no_sync accumulation
         self.usage = SlotUsage(len(slots))
         self.grad_divisor: Optional[int] = None   # Join, divide_by_initial_world_size=False: active ranks
+        self.secondary: Optional[SecondaryShard] = None   # hpZ (``secondary.py``), set by fp.shard
 
     # ----------------------------------------------------------------- layout
     def _init_leaf(self) -> None:
@@ -183,18 +185,24 @@ class FlatParamHandle:
         return self.mesh.shard_size > 1 or self.mesh.replicate_size > 1
 
     @_traced("unshard")
-    def unshard(self, async_op: bool = True, gate=None) -> None:
+    def unshard(self, async_op: bool = True, gate=None, use_secondary: bool = False) -> None:
         """SHARDED -> UNSHARDING (or UNSHARDED without communication); ``wait_unshard`` before use.
-        ``gate``: the all-gather's pairing announcement (``_comm.pairing``; given when it communicates)."""
+        ``gate``: the all-gather's pairing announcement (``_comm.pairing``; given when it communicates).
+        ``use_secondary`` (backward only): gather from hpZ's secondary slice over its group when one is held;
+        otherwise a held slice is dropped (the master may have changed since it was taken)."""
         if self.state is not ShardedState.SHARDED:
             return
+        held = self.secondary.take() if self.secondary is not None else None
         self._alloc_full()
-        src = self.flat_shard.to(self.device, self.compute_dtype, non_blocking=True)
         if self.mesh.shard_size == 1:
-            self._full.copy_(src)
+            self._full.copy_(self.flat_shard.to(self.device, self.compute_dtype, non_blocking=True))
             self.state = ShardedState.UNSHARDED
             return
-        work = comm.all_gather(self._full, src, self.mesh.shard_group, async_op=True, gate=gate,
+        if held is not None and use_secondary:
+            src, group = held, self.secondary.group
+        else:
+            src, group = self.flat_shard.to(self.device, self.compute_dtype, non_blocking=True), self.mesh.shard_group
+        work = comm.all_gather(self._full, src, group, async_op=True, gate=gate,
                                what=f"all-gather of unit {self.label!r}")
         self._gather = (work, src)
         self.state = ShardedState.UNSHARDING
@@ -212,16 +220,23 @@ class FlatParamHandle:
             self.unshard(async_op=False)
 
     @_traced("reshard")
-    def reshard(self) -> None:
+    def reshard(self, keep_secondary: bool = False) -> None:
         """UNSHARDED (or UNSHARDING: a prefetch whose unit did not run) -> SHARDED, freeing the full buffer; a
         handle aliasing its shard stays UNSHARDED. A prefetch is waited for, never left in flight: it would
-        otherwise be used by the next step with values from before the optimizer step."""
+        otherwise be used by the next step with values from before the optimizer step. ``keep_secondary``
+        (after a forward that backward follows): hpZ keeps its secondary slice first (``secondary.py``)."""
         if self.state is ShardedState.UNSHARDING:
             self.wait_unshard()
         if self._aliases_shard or self.state is not ShardedState.UNSHARDED:
             return
+        if keep_secondary and self.secondary is not None:
+            self.secondary.keep(self._full)
         self._full.untyped_storage().resize_(0)
         self.state = ShardedState.SHARDED
+
+    def drop_secondary(self) -> None:
+        if self.secondary is not None:
+            self.secondary.drop()
 
     def abandon_step(self) -> None:
         """Forget an abandoned step: finish in-flight collectives (every rank issued them), drop unreduced
@@ -235,6 +250,7 @@ class FlatParamHandle:
             except Exception as e:  # noqa: BLE001 - cleanup goes on; the first error is re-raised
                 error = error or e
         self.leaf.grad, self.unsharded_grad_accum = None, None
+        self.drop_secondary()
         self.usage = SlotUsage(len(self.slots))
         if error is not None:
             raise error

@@ -28,6 +28,7 @@ class Mesh:
     shard_group: object = None       # None means the default group (or no distribution at all)
     replicate_group: object = None
     shard_rank_of: tuple = (0,)      # shard rank of every global rank
+    shard_rows: tuple = ()           # global ranks of every shard group, in shard-rank order (all groups)
 
     @property
     def reduce_world(self) -> int:
@@ -80,7 +81,8 @@ def referenced_groups() -> list:
 def _build(scope: ShardScope, device_mesh) -> Mesh:
     world, rank = dist.get_world_size(), dist.get_rank()
     if scope is ShardScope.WORLD:
-        return Mesh(world, rank, world, rank, 1, 0, shard_group=dist.group.WORLD, shard_rank_of=tuple(range(world)))
+        return Mesh(world, rank, world, rank, 1, 0, shard_group=dist.group.WORLD, shard_rank_of=tuple(range(world)),
+                    shard_rows=(tuple(range(world)),))
     if scope is ShardScope.NONE:
         return Mesh(world, rank, 1, 0, world, rank, replicate_group=dist.group.WORLD, shard_rank_of=(0,) * world)
     return _hybrid_mesh(world, rank, device_mesh)
@@ -110,7 +112,8 @@ def _hybrid_mesh(world: int, rank: int, device_mesh) -> Mesh:
     shard, replicate = mesh_dims(ShardScope.NODE, world, local, device_mesh)
     shard_group, replicate_group = _hybrid_groups(world, replicate, shard)
     return Mesh(world, rank, shard, rank % shard, replicate, rank // shard, shard_group=shard_group,
-                replicate_group=replicate_group, shard_rank_of=tuple(r % shard for r in range(world)))
+                replicate_group=replicate_group, shard_rank_of=tuple(r % shard for r in range(world)),
+                shard_rows=tuple(tuple(range(i * shard, (i + 1) * shard)) for i in range(replicate)))
 
 
 def _hybrid_groups(world: int, replicate: int, shard: int):
@@ -145,4 +148,21 @@ def _from_device_mesh(world: int, rank: int, mesh) -> Mesh:
         for j, r in enumerate(row):
             shard_rank_of[r] = j
     return Mesh(world, rank, shard, dist.get_rank(shard_group), replicate, dist.get_rank(rep_group),
-                shard_group=shard_group, replicate_group=rep_group, shard_rank_of=tuple(shard_rank_of))
+                shard_group=shard_group, replicate_group=rep_group, shard_rank_of=tuple(shard_rank_of),
+                shard_rows=tuple(tuple(row) for row in mesh.mesh.tolist()))
+
+
+def secondary_group(mesh: Mesh, size: int):
+    """hpZ's secondary group of this rank: ``size`` consecutive ranks of its shard group (every rank creates
+    every such group of every shard group, in the same order, as new_group requires); cached."""
+    key = ("secondary", mesh.shard_rows, size)
+    if key not in _GROUP_CACHE:
+        mine = None
+        for row in mesh.shard_rows:
+            for i in range(0, len(row), size):
+                ranks = list(row[i:i + size])
+                g = dist.new_group(ranks)
+                if mesh.rank in ranks:
+                    mine = g
+        _GROUP_CACHE[key] = (mine, None)
+    return _GROUP_CACHE[key][0]
