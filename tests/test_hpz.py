@@ -55,3 +55,25 @@ def test_hpz_inside_hybrid_shard_groups():
 def test_hpz_size_must_divide_the_shard_group():
     with pytest.raises(RankFailure, match="ConfigError: reshard_after_forward=3 does not divide the shard group of 4"):
         run_ranks(_train, 4, 3, "sgd")
+
+
+def _report_and_checkpoint(rank, world, rule, path):
+    torch.manual_seed(0)
+    model = fp.shard(GPT(), auto_wrap_policy={Block}, reshard_after_forward=rule)
+    opt = torch.optim.AdamW(model.parameters())
+    model(*gpt_batch(0, rank)).backward()
+    opt.step()
+    fp.save_checkpoint(f"{path}/{rule}", model, opt)
+    return fp.memory_report(model)
+
+
+def test_memory_report_names_hpz_and_checkpoints_never_hold_the_secondary_shard(tmp_path):
+    import os
+    reports = run_ranks(_report_and_checkpoint, 4, 2, str(tmp_path), env=TWO_NODES)
+    run_ranks(_report_and_checkpoint, 4, True, str(tmp_path), env=TWO_NODES)
+    assert "hpZ: secondary shards over groups of 2 ranks" in reports[0]
+    files = {r: sorted((f, os.path.getsize(tmp_path / str(r) / f)) for f in os.listdir(tmp_path / str(r)))
+             for r in (2, True)}
+    assert [f for f, _ in files[2]] == [f for f, _ in files[True]]
+    assert [n for f, n in files[2] if f.endswith(".safetensors")] == \
+        [n for f, n in files[True] if f.endswith(".safetensors")]
