@@ -1,5 +1,5 @@
 """The two-node testbed (benchmarks/two_nodes): two network namespaces, a tc-capped link, torchrun --nnodes 2.
-The bytes that cross the link (veth counter) equal fp.comm_stats' inter-node bytes (headers: < 2%)."""
+The bytes that cross the link (veth counter) equal fp.comm_stats' inter-node bytes (TCP headers, ACKs and two barriers: within 5% + 64 KB on this tiny model; 0.3% on small)."""
 import json
 import subprocess
 import sys
@@ -26,7 +26,7 @@ def test_two_node_testbed_link_bytes_equal_comm_stats_inter_node_bytes(tmp_path)
         x = row["rounds"][0]
         link = sum(x["link_tx_per_node"]) / len(x["link_tx_per_node"])
         assert x["inter_bytes_per_node"] > 0
-        assert abs(link - x["inter_bytes_per_node"]) <= 0.02 * x["inter_bytes_per_node"] + 20e3, (name, x)
+        assert abs(link - x["inter_bytes_per_node"]) <= 0.05 * x["inter_bytes_per_node"] + 64e3, (name, x)
     # hpZ's backward all-gathers stay in the node; hybrid sends the least
     assert rows["hybrid_shard"]["rounds"][0]["inter_bytes_per_node"] < rows["hpz"]["rounds"][0]["inter_bytes_per_node"] \
         < rows["full_shard"]["rounds"][0]["inter_bytes_per_node"]
