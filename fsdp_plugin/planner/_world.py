@@ -64,7 +64,8 @@ def world_plan(world: int, cfg: ShardingConfig, units, handles, tl, module, opt:
     across = {}
     if links is not None:      # nodes and a link: each collective at the link its group uses
         across = price(links, world, lay, res, t.get("compute_s") or 0.0,
-                       cal_w.bus_bytes_per_s if cal_w else float("inf"), cal_w.latency_s if cal_w else 0.0)
+                       cal_w.bus_bytes_per_s if cal_w else float("inf"), cal_w.latency_s if cal_w else 0.0,
+                       cal_w.overlap if cal_w else 1.0)
         t = {**t, **{k: across[k] for k in ("step_s", "comm_s") if k in across}}
     return WorldPlan(world_size=world, param_shards=param_shards, grad_shards=trainable, optimizer_state=opt_state,
                      buffers=buffers, unsharded_params=res.max_unsharded, unsharded_units=res.max_unsharded_units,
