@@ -11,14 +11,16 @@ from tests.models import GPT, Block, gpt_batch
 TWO_NODES = {"LOCAL_WORLD_SIZE": "2"}
 
 
-def _train(rank, world, rule, optim, strategy="full_shard", mesh=None):
+def _train(rank, world, rule, optim, strategy="full_shard", mesh=None, ac=None):
     torch.manual_seed(0)
     kwargs = {"device_mesh": mesh} if mesh else {}
+    if ac:
+        kwargs["activation_checkpointing"] = ac
     model = fp.shard(GPT(), auto_wrap_policy={Block}, sharding_strategy=strategy, reshard_after_forward=rule, **kwargs)
     opt = make_optimizer(optim, model.parameters())
     held = []
     fp.comm_stats.reset()
-    losses = train(model, opt, rank, world, 3, each=lambda s, loss: None)
+    losses = train(model, opt, rank, world, 3)
     stats = fp.comm_stats.snapshot()
     model(*gpt_batch(9, rank))      # a forward with grad: what it keeps for backward
     for u in model._fp_root.units:
@@ -50,6 +52,14 @@ def test_hpz_inside_hybrid_shard_groups():
     got = run_ranks(_train, 4, 2, "adamw", "hybrid_shard", (1, 4), env=TWO_NODES)
     for (wl, ws, *_), (gl, gs, *_) in zip(want, got):
         assert wl == gl and all(torch.equal(ws[k], gs[k]) for k in ws)
+
+
+def test_hpz_with_activation_checkpointing_recomputes_from_the_secondary_gather():
+    want = run_ranks(_train, 4, True, "sgd", "full_shard", None, True, env=TWO_NODES)
+    got = run_ranks(_train, 4, 2, "sgd", "full_shard", None, True, env=TWO_NODES)
+    for (wl, ws, wstats, *_), (gl, gs, gstats, *_) in zip(want, got):
+        assert wl == gl and all(torch.equal(ws[k], gs[k]) for k in ws)
+        assert gstats["inter_node_bytes"]["all_gather"] < wstats["inter_node_bytes"]["all_gather"]
 
 
 def test_hpz_size_must_divide_the_shard_group():
