@@ -57,6 +57,11 @@ def memory_report(model: nn.Module) -> str:
         dtypes = ", ".join(sorted({f"{_d(h.dtype)} ({_d(h.compute_dtype)})" for h in hs})) or "-"
         lines.append(f"{u.name[:31]:<32}{row[0]:>14,}{row[1]:>14,}{row[2]:>14,}{reshards[i]:>9}  {dtypes}")
     lines.append(f"{'total':<32}{tot[0]:>14,}{tot[1]:>14,}{tot[2]:>14,}")
+    hpz = [h for u in units for h in u.handles if h.secondary is not None]
+    if hpz:      # ShardingConfig(reshard_after_forward=<int>): what each resharded unit keeps for its backward
+        lines.append(f"hpZ: secondary shards over groups of {hpz[0].secondary.size} ranks, "
+                     f"+{sum(h.padded * h.compute_dtype.itemsize // h.secondary.size for h in hpz):,} bytes "
+                     "held between each unit's forward and its backward")
     return "\n".join(lines)
 
 

@@ -200,6 +200,11 @@ class ShardingConfig:
         unit in forward order, whose backward comes first and would be all-gathered again at once;
         shard_grad_op, no_shard: False), a bool for every unit, a set of module classes whose units reshard
         (others keep them), or ``callable(fqn, module) -> bool`` (e.g. ``lambda fqn, m: fqn != "layers.11"``).
+        An int ``r`` is hpZ (ZeRO++; FSDP2's meaning): every unit but the root keeps, after its forward, a
+        secondary shard over groups of ``r`` consecutive ranks of its shard group, so its backward all-gather
+        stays inside them (pick the ranks per node: it never crosses nodes); ``r`` must divide the shard group
+        size, costs ``M/r`` bytes per rank between forward and backward (M: the units' full parameters in the
+        compute dtype), and moves no extra bytes; 1 is False, the shard group size is True.
         The root unit never reshards after forward.
     backward_prefetch / forward_prefetch: issue the next unit's all-gather early.
     limit_all_gathers: bound the number of unsharded units alive at once (memory).
@@ -239,7 +244,7 @@ class ShardingConfig:
     some_ranks_modules: Union[None, set, frozenset, tuple, list, Callable[[nn.Module], bool]] = None
     timeout_s: Optional[float] = None
     device: Optional[torch.device] = None
-    reshard_after_forward: Union[None, bool, set, frozenset, tuple, list, Callable[[str, nn.Module], bool]] = None
+    reshard_after_forward: Union[None, bool, int, set, frozenset, tuple, list, Callable[[str, nn.Module], bool]] = None
 
     def __post_init__(self):
         strategy = str(self.sharding_strategy).lower()
@@ -289,7 +294,12 @@ def _check_some_ranks_rule(rule) -> None:
 def _check_reshard_rule(rule) -> None:
     if rule is None or isinstance(rule, bool) or callable(rule) and not isinstance(rule, type):
         return
+    if isinstance(rule, int):
+        if rule < 1:
+            raise ConfigError(f"reshard_after_forward={rule}: an int is hpZ's secondary group size (ranks per node, "
+                              "e.g. 8); it must be >= 1 and divide the shard group size")
+        return
     if isinstance(rule, (set, frozenset, tuple, list)) and all(isinstance(c, type) for c in rule):
         return
     raise ConfigError(f"reshard_after_forward={rule!r}: use None (the strategy's default), True/False, a set of "
-                      "module classes whose units reshard, or a callable(fqn, module) -> bool")
+                      "module classes whose units reshard, an int (hpZ: the secondary group size), or a callable(fqn, module) -> bool")

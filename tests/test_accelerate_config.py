@@ -220,3 +220,22 @@ def test_plugin_takes_a_checkpointing_policy_object():
             fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Block"],
             cpu_ram_efficient_loading=False, activation_checkpointing=given)
         assert sharding_kwargs(settings_from_plugin(plugin), Net())["activation_checkpointing"] == want
+
+
+def test_plugin_and_lightning_pass_hpz_int_through():
+    """FSDP2's ``reshard_after_forward=<int>`` (hpZ) reaches ShardingConfig as the same int."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from fsdp_plugin.integrations.accelerate import settings_from_plugin
+    from fsdp_plugin.integrations.lightning._plumbing import sharding_config
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, cpu_ram_efficient_loading=False)
+    plugin.reshard_after_forward = 8      # accelerate's __post_init__ refuses an int: set after it
+    s = settings_from_plugin(plugin)
+    kwargs = sharding_kwargs(s, Net())
+    assert (kwargs["sharding_strategy"], kwargs["reshard_after_forward"]) == ("full_shard", 8)
+    assert sharding_config({"reshard_after_forward": 4}).reshard_after_forward == 4
+    from fsdp_plugin.integrations.accelerate.config.from_env import settings_from_env
+    s = settings_from_env({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_PLUGIN_HPZ_SIZE": "2"})
+    assert sharding_kwargs(s, Net())["reshard_after_forward"] == 2
+    with pytest.raises(AccelerateConfigError, match="FSDP_PLUGIN_HPZ_SIZE"):
+        settings_from_env({"ACCELERATE_USE_FSDP": "true", "FSDP_PLUGIN_HPZ_SIZE": "node"})

@@ -26,6 +26,26 @@ def bad_reshard_after_forward():
     fp.ShardingConfig(reshard_after_forward="last")
 
 
+def _hpz_not_dividing(rank, world):
+    fp.shard(GPT(), auto_wrap_policy={Block}, reshard_after_forward=3)
+
+
+def hpz_size_not_dividing_the_shard_group():
+    try:
+        run_ranks(_hpz_not_dividing, 2)
+    except RankFailure as e:
+        line = [ln for ln in str(e).splitlines() if ln.startswith("fsdp_plugin.errors.ConfigError: ")][0]
+        raise fp.ConfigError(line.split("ConfigError: ", 1)[1]) from None
+
+
+def hpz_size_below_one():
+    fp.ShardingConfig(reshard_after_forward=0)
+
+
+def plan_nodes_not_dividing_the_world():
+    fp.plan(GPT, world_size=4, nodes=3, link_gbps=1)
+
+
 def wrap_policy_matches_nothing():
     class Missing(nn.Module):
         pass
@@ -507,7 +527,8 @@ def trl_vllm_sync_on_an_unknown_trl_version():
         trl.__version__ = saved
 
 
-CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_policy_matches_nothing,
+CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, hpz_size_not_dividing_the_shard_group,
+         hpz_size_below_one, plan_nodes_not_dividing_the_world, wrap_policy_matches_nothing,
          bad_fp32_modules_value, fp32_modules_match_nothing, fp32_modules_without_16_bit_compute,
          fp32_module_tied_to_a_16_bit_module,
          mesh_not_dividing_world, shard_twice, optimizer_stepped_before_shard, dtype_backend_cannot_reduce,

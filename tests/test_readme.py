@@ -28,6 +28,7 @@ CHECKED = {
     r"^python3 -m venv|^\. \.venv|^pip install": "set-up: the suite runs in the environment it makes",
     r"^bash \.ci/run$|^python -m pytest": "the test suite itself",
     r"^python benchmarks/": "benchmarks: not part of the suite (README, Tests and benchmarks)",
+    r"benchmarks/two_nodes/run\.py": "test_two_nodes.py::test_two_node_testbed_link_bytes_equal_comm_stats_inter_node_bytes",
     r"^torchrun --nnodes 2 .* train\.py$": "a template for two nodes and the user's own train.py",
     r"torchrun --rdzv-backend c10d .*--max-restarts 3 train\.py$":
         "the restart recipe's template: tests/test_restart.py runs it on tests/scripts/restart_train.py",

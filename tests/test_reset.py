@@ -114,7 +114,7 @@ def _failing_reduce_worker(rank, world):
         if s == BOOM:   # the root's reduction, finished at the end of backward, raises there
             h = root.root_unit.handles[0]
 
-            def boom():
+            def boom(final=True):
                 raise RuntimeError("boom in finish_reduce")
             h.finish_reduce = boom
             loss = model(*batch(s, rank))

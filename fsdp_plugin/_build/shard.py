@@ -17,11 +17,12 @@ from .host_alloc import keep_freed_host_memory
 from .precision import fp32_buffers, fp32_param_ids, fp32_regions, install_casts
 from .._materialize.materialize import Materializer, decide_scatter, model_kind
 from .._materialize.hf_init import retie
-from .._groups.mesh import Mesh, build_mesh
+from .._groups.mesh import Mesh, build_mesh, secondary_group
+from .._flat.secondary import SecondaryShard
 from .._groups.shutdown import register_at_exit
 from .._schedule.join import make_joinable
 from .._schedule.root import RootState
-from .strategy import STRATEGIES, unit_policy
+from .strategy import STRATEGIES, secondary_size, unit_policy
 from .tensor_parallel import strip_dtensors, tp_rank_and_size
 from .._schedule.unit import Unit
 from .some_ranks_default import log_default_cost
@@ -113,6 +114,8 @@ def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: Ro
     buffer_sites = _buffer_sites_by_unit(model, unit_fqns)
     built: list = []
     progress = _progress(model, mesh)
+    hpz = secondary_size(cfg, mesh.shard_size)
+    hpz_group = secondary_group(mesh, hpz) if hpz else None
     # Scattering an eagerly built model: last unit first, so that the big early units (embeddings in the
     # root) are scattered once most of the model is already sharded and freed (setup peak ~ model + one unit).
     order = list(reversed(units)) if scatter else units
@@ -128,6 +131,9 @@ def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: Ro
                        for (dtype, _, fp32), group in group_params(owned[fqn], cfg.mixed_precision,
                                                                    fp32_ids).items()]
             some = fqn in some_ranks    # held from the root's pre-forward to the end of backward: never resharded
+            if hpz_group is not None and fqn and not some:
+                for h in handles:
+                    h.secondary = SecondaryShard(hpz_group, hpz, dist.get_rank(hpz_group))
             built.append(Unit(fqn, module, handles, root, reshard_policy=policy.reshard_after_forward and not some,
                               some_ranks=some))
             if progress is not None:

@@ -71,11 +71,27 @@ def unit_policy(cfg: "ShardingConfig", mesh: "Mesh", fqn: str, module: nn.Module
         value = STRATEGIES[cfg.sharding_strategy].reshard_after_forward
     elif isinstance(rule, bool):
         value = rule
+    elif isinstance(rule, int):       # hpZ (``secondary_size``): 1 keeps the full parameters, as False does
+        value = rule != 1
     elif isinstance(rule, (set, frozenset, tuple, list)):
         value = isinstance(module, tuple(rule))
     else:
         value = bool(rule(fqn, module))
     return UnitPolicy(mesh, value)
+
+
+def secondary_size(cfg: "ShardingConfig", shard_size: int) -> int:
+    """hpZ's secondary group size for ``reshard_after_forward=<int r>``: r when 1 < r < shard_size, else 0 (1 is
+    False, the shard size is True: no secondary shard). Raises when r does not divide the shard group."""
+    from ..errors import ConfigError
+    rule = cfg.reshard_after_forward
+    if not isinstance(rule, int) or isinstance(rule, bool) or shard_size == 1:
+        return 0
+    if shard_size % rule:
+        raise ConfigError(f"reshard_after_forward={rule} does not divide the shard group of {shard_size} ranks "
+                          f"({cfg.sharding_strategy}): use a divisor of {shard_size}, typically the ranks per node "
+                          f"(LOCAL_WORLD_SIZE), or True/False")
+    return rule if 1 < rule < shard_size else 0
 
 
 @dataclass(frozen=True)

@@ -21,22 +21,27 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveError
-from . import late, status, tagged
+from . import late, nodes, status, tagged
 
 
 @dataclass
 class CommStats:
-    """Process-wide counters: ``calls[kind]`` and ``bytes[kind]`` (per-rank ring bytes)."""
+    """Process-wide counters: ``calls[kind]`` and ``bytes[kind]`` (per-rank ring bytes), and ``bytes[kind]`` split
+    by where the peers are (``_comm/nodes.py``): ``intra_node_bytes[kind]`` to ranks of this rank's node,
+    ``inter_node_bytes[kind]`` to ranks of other nodes (the two sum to ``bytes[kind]``)."""
 
     calls: Counter = field(default_factory=Counter)
     bytes: Counter = field(default_factory=Counter)
+    intra_node_bytes: Counter = field(default_factory=Counter)
+    inter_node_bytes: Counter = field(default_factory=Counter)
 
     def reset(self) -> None:
-        self.calls.clear()
-        self.bytes.clear()
+        for counter in (self.calls, self.bytes, self.intra_node_bytes, self.inter_node_bytes):
+            counter.clear()
 
     def snapshot(self) -> dict:
-        return {"calls": dict(self.calls), "bytes": dict(self.bytes)}
+        return {"calls": dict(self.calls), "bytes": dict(self.bytes),
+                "intra_node_bytes": dict(self.intra_node_bytes), "inter_node_bytes": dict(self.inter_node_bytes)}
 
 
 STATS = CommStats()
@@ -53,9 +58,18 @@ def ring_bytes(total_elems: int, elem_size: int, n: int, factor: int = 1) -> int
     return factor * total_elems * elem_size * (n - 1) // n
 
 
-def _count(kind: str, total_elems: int, elem_size: int, n: int, factor: int = 1) -> None:
+def _count(kind: str, total_elems: int, elem_size: int, n: int, factor: int = 1, group=None) -> None:
     STATS.calls[kind] += 1
-    STATS.bytes[kind] += ring_bytes(total_elems, elem_size, n, factor)
+    total = ring_bytes(total_elems, elem_size, n, factor)
+    STATS.bytes[kind] += total
+    if n > 1:
+        _split(kind, total, factor * total_elems * elem_size * nodes.peer_split(group)[1] // n)
+
+
+def _split(kind: str, total: int, inter: int) -> None:
+    """``total`` bytes of ``kind``, ``inter`` of them to other nodes (``_comm/nodes.py``)."""
+    STATS.inter_node_bytes[kind] += inter
+    STATS.intra_node_bytes[kind] += total - inter
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False, kind: str = "all_gather",
@@ -66,7 +80,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = Fal
     into a temporary flat buffer and copies it out, one extra full-size buffer and copy per call.
     ``gate``: the collective's pairing announcement (`pairing.Gate`, see there; ``what`` names it)."""
     n = group_size(group)
-    _count(kind, out.numel(), out.element_size(), n)
+    _count(kind, out.numel(), out.element_size(), n, group=group)
     if _p2p_ok(group, out, inp):
         work = _P2PAllGather(out, inp, group, n, _Bound.of(gate, what))
         return _issued(status.issued(work, kind, group, n, out.numel()), async_op)
@@ -82,7 +96,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool =
     On gloo with CPU tensors the chunks go point to point (`_P2PReduceScatter`): torch's gloo reduce-scatter
     copies the whole input and all-reduces it, moving twice the ring bytes. ``gate``: as for `all_gather`."""
     n = group_size(group)
-    _count("reduce_scatter", inp.numel(), inp.element_size(), n)
+    _count("reduce_scatter", inp.numel(), inp.element_size(), n, group=group)
     if _p2p_ok(group, out, inp):
         work = _P2PReduceScatter(out, inp, group, n, _Bound.of(gate, what))
         return _issued(status.issued(work, "reduce_scatter", group, n, inp.numel()), async_op)
@@ -96,7 +110,7 @@ def announce(everyone: torch.Tensor, mine: torch.Tensor, group):
     CPU) into ``everyone``, asynchronously; ``(work to wait on, its torch future)``. torch's own all-gather,
     not the point-to-point one: its future runs the callback that posts a gated collective."""
     n = group_size(group)
-    _count("control", everyone.numel(), everyone.element_size(), n)
+    _count("control", everyone.numel(), everyone.element_size(), n, group=group)
     work = dist.all_gather_single(everyone, mine, group=group, async_op=True)
     return status.issued(work, "control", group, n, everyone.numel()), work.get_future()
 
@@ -280,7 +294,7 @@ def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = Fa
     With ``what``, a blocking call waited with a deadline (see module docstring). ``gate``: its pairing
     announcement, waited before the (native, so ungated) all-reduce is issued."""
     n = group_size(group)
-    _count(kind, t.numel(), t.element_size(), n, factor=2)
+    _count(kind, t.numel(), t.element_size(), n, factor=2, group=group)
     _ungated(gate, what or "all-reduce")
     if what is None:
         return status.issued(dist.all_reduce(t, op=op, group=group, async_op=async_op), kind, group, n, t.numel())
@@ -292,7 +306,7 @@ def broadcast(t: torch.Tensor, src: int, group, what: str = "broadcast", timeout
               kind: str = "broadcast") -> None:
     """Rank ``src``'s ``t`` into ``t`` on every rank of ``group`` (global rank ``src``); blocking, with a deadline."""
     n = group_size(group)
-    _count(kind, t.numel(), t.element_size(), n)
+    _count(kind, t.numel(), t.element_size(), n, group=group)
     _blocking(status.issued(dist.broadcast(t, src=src, group=group, async_op=True), kind, group, n, t.numel()),
               what, timeout_s)
 
@@ -328,7 +342,7 @@ def all_gather_list(outs: list, t: torch.Tensor, group=None, what: str = "all_ga
                     timeout_s: Optional[float] = None, kind: str = "control") -> None:
     """Gather ``t`` from every rank into ``outs[r]`` (same shape on every rank); blocking, with a deadline."""
     n = group_size(group)
-    _count(kind, t.numel() * n, t.element_size(), n)
+    _count(kind, t.numel() * n, t.element_size(), n, group=group)
     _blocking(status.issued(dist.all_gather(outs, t, group=group, async_op=True), kind, group, n, t.numel() * n),
               what, timeout_s)
 
@@ -337,7 +351,7 @@ def gather(t: torch.Tensor, outs: Optional[list], dst: int, group=None, what: st
            timeout_s: Optional[float] = None, kind: str = "control") -> None:
     """Every rank's ``t`` into ``outs[r]`` on rank ``dst`` (``outs`` None elsewhere); blocking, with a deadline."""
     n = group_size(group)
-    _count(kind, t.numel() * n, t.element_size(), n)
+    _count(kind, t.numel() * n, t.element_size(), n, group=group)
     _blocking(status.issued(dist.gather(t, outs, dst=dst, group=group, async_op=True), kind, group, n, t.numel() * n),
               what, timeout_s)
 
@@ -350,7 +364,11 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list, in_splits
     n = group_size(group)
     me = dist.get_rank(group) if n > 1 else 0
     STATS.calls[kind] += 1
-    STATS.bytes[kind] += (sum(in_splits) - in_splits[me]) * inp.element_size()
+    sent = (sum(in_splits) - in_splits[me]) * inp.element_size()
+    STATS.bytes[kind] += sent
+    if n > 1:
+        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        _split(kind, sent, sum(k for r, k in zip(ranks, in_splits) if nodes.is_off_node(r)) * inp.element_size())
     _blocking(dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True), what, timeout_s)
 
 
@@ -358,6 +376,7 @@ def send(t: torch.Tensor, dst: int, what: str = "send", timeout_s: Optional[floa
     """Point-to-point: ``t`` to global rank ``dst``, which must :func:`recv` it; blocking, with a deadline."""
     STATS.calls["p2p"] += 1
     STATS.bytes["p2p"] += t.numel() * t.element_size()
+    _split("p2p", t.numel() * t.element_size(), t.numel() * t.element_size() * nodes.is_off_node(dst))
     _blocking(status.issued(dist.isend(t, dst=dst), f"send to {dst}", "p2p", 2, t.numel()), what, timeout_s)
 
 
@@ -365,6 +384,7 @@ def recv(t: torch.Tensor, src: int, what: str = "recv", timeout_s: Optional[floa
     """Point-to-point: fill ``t`` from global rank ``src``'s :func:`send`; blocking, with a deadline."""
     STATS.calls["p2p"] += 1
     STATS.bytes["p2p"] += t.numel() * t.element_size()
+    _split("p2p", t.numel() * t.element_size(), t.numel() * t.element_size() * nodes.is_off_node(src))
     _blocking(status.issued(dist.irecv(t, src=src), f"recv from {src}", "p2p", 2, t.numel()), what, timeout_s)
 
 
@@ -383,7 +403,7 @@ def _blocking(work, what: str, timeout_s: Optional[float]) -> None:
 def scatter(out: torch.Tensor, chunks: Optional[list], src: int, group) -> None:
     """Rank ``src`` sends ``chunks[r]`` to rank r (global rank ``src``)."""
     n = group_size(group)
-    _count("scatter", out.numel() * n, out.element_size(), n)
+    _count("scatter", out.numel() * n, out.element_size(), n, group=group)
     status.issued(dist.scatter(out, chunks, src=src, group=group), "scatter", group, n, out.numel())
 
 

@@ -24,6 +24,7 @@ from .._comm.trace import _traced
 from .dtensor import as_dtensor, local_grad, tp_spec
 from .owners import choose_owners
 from .rows import local_shape, piece, row_aligned_offsets
+from .secondary import SecondaryShard
 
 
 def set_param_data(param: nn.Parameter, tensor: torch.Tensor) -> None:
@@ -58,6 +59,7 @@ class _PendingReduce:
     work: object
     out: torch.Tensor            # this rank's reduced chunk (reduce dtype), valid after work.wait()
     keep: torch.Tensor           # input kept alive until the collective finishes
+    replica: bool = False        # hybrid's second stage: the cross-replica all-reduce of ``out``
 
 
 class _LeafViews(torch.autograd.Function):
@@ -105,6 +107,7 @@ class FlatParamHandle:
         self.unsharded_grad_accum: Optional[torch.Tensor] = None   # no_sync accumulation
         self.usage = SlotUsage(len(slots))
         self.grad_divisor: Optional[int] = None   # Join, divide_by_initial_world_size=False: active ranks
+        self.secondary: Optional[SecondaryShard] = None   # hpZ (``secondary.py``), set by fp.shard
 
     # ----------------------------------------------------------------- layout
     def _init_leaf(self) -> None:
@@ -186,18 +189,24 @@ class FlatParamHandle:
         return self.mesh.shard_size > 1 or self.mesh.replicate_size > 1
 
     @_traced("unshard")
-    def unshard(self, async_op: bool = True, gate=None) -> None:
+    def unshard(self, async_op: bool = True, gate=None, use_secondary: bool = False) -> None:
         """SHARDED -> UNSHARDING (or UNSHARDED without communication); ``wait_unshard`` before use.
-        ``gate``: the all-gather's pairing announcement (``_comm.pairing``; given when it communicates)."""
+        ``gate``: the all-gather's pairing announcement (``_comm.pairing``; given when it communicates).
+        ``use_secondary`` (backward only): gather from hpZ's secondary slice over its group when one is held;
+        otherwise a held slice is dropped (the master may have changed since it was taken)."""
         if self.state is not ShardedState.SHARDED:
             return
+        held = self.secondary.take() if self.secondary is not None else None
         self._alloc_full()
-        src = self.flat_shard.to(self.device, self.compute_dtype, non_blocking=True)
         if self.mesh.shard_size == 1:
-            self._full.copy_(src)
+            self._full.copy_(self.flat_shard.to(self.device, self.compute_dtype, non_blocking=True))
             self.state = ShardedState.UNSHARDED
             return
-        work = comm.all_gather(self._full, src, self.mesh.shard_group, async_op=True, gate=gate,
+        if held is not None and use_secondary:
+            src, group = held, self.secondary.group
+        else:
+            src, group = self.flat_shard.to(self.device, self.compute_dtype, non_blocking=True), self.mesh.shard_group
+        work = comm.all_gather(self._full, src, group, async_op=True, gate=gate,
                                what=f"all-gather of unit {self.label!r}")
         self._gather = (work, src)
         self.state = ShardedState.UNSHARDING
@@ -215,16 +224,23 @@ class FlatParamHandle:
             self.unshard(async_op=False)
 
     @_traced("reshard")
-    def reshard(self) -> None:
+    def reshard(self, keep_secondary: bool = False) -> None:
         """UNSHARDED (or UNSHARDING: a prefetch whose unit did not run) -> SHARDED, freeing the full buffer; a
         handle aliasing its shard stays UNSHARDED. A prefetch is waited for, never left in flight: it would
-        otherwise be used by the next step with values from before the optimizer step."""
+        otherwise be used by the next step with values from before the optimizer step. ``keep_secondary``
+        (after a forward that backward follows): hpZ keeps its secondary slice first (``secondary.py``)."""
         if self.state is ShardedState.UNSHARDING:
             self.wait_unshard()
         if self._aliases_shard or self.state is not ShardedState.UNSHARDED:
             return
+        if keep_secondary and self.secondary is not None:
+            self.secondary.keep(self._full)
         self._full.untyped_storage().resize_(0)
         self.state = ShardedState.SHARDED
+
+    def drop_secondary(self) -> None:
+        if self.secondary is not None:
+            self.secondary.drop()
 
     def abandon_step(self) -> None:
         """Forget an abandoned step: finish in-flight collectives (every rank issued them), drop unreduced
@@ -238,6 +254,7 @@ class FlatParamHandle:
             except Exception as e:  # noqa: BLE001 - cleanup goes on; the first error is re-raised
                 error = error or e
         self.leaf.grad, self.unsharded_grad_accum = None, None
+        self.drop_secondary()
         self.usage = SlotUsage(len(self.slots))
         if error is not None:
             raise error
@@ -313,8 +330,8 @@ class FlatParamHandle:
         """Issue the gradient reduction asynchronously; ``finish_reduce`` completes it.
 
         Shard groups of more than one rank reduce-scatter; a group of one (no_shard) all-reduces across
-        the replicas right away; hybrid all-reduces the reduced chunk across replicas in ``finish_reduce``
-        (after the reduce-scatter's wait: its pairing verdict covers both). ``gate``: as for ``unshard``.
+        the replicas right away; hybrid all-reduces the reduced chunk across replicas from ``finish_reduce``
+        (issued after the reduce-scatter's wait: its pairing verdict covers both). ``gate``: as for ``unshard``.
         """
         grad = grad.to(self.reduce_dtype)
         what = f"gradient reduction of unit {self.label!r}"
@@ -329,20 +346,31 @@ class FlatParamHandle:
             self.pending_reduce = _PendingReduce(None, grad, grad)
 
     @_traced("wait_reduce")
-    def finish_reduce(self) -> None:
-        """Wait for the reduction, average across every rank, accumulate into ``shard_grad``."""
+    def finish_reduce(self, final: bool = True) -> bool:
+        """Wait for the reduction, average across every rank, accumulate into ``shard_grad``.
+
+        Hybrid (shard and replicate groups of more than one rank): the reduce-scatter's wait issues the
+        cross-replica all-reduce of the reduced chunk; with ``final=False`` it is left in flight (the rest of
+        backward overlaps it: the reduction queue calls ``finish_reduce()`` again at the end of backward) and
+        True is returned; otherwise it is waited here. Returns whether a reduction is still pending."""
         pending, self.pending_reduce = self.pending_reduce, None
         if pending is None:
-            return
-        comm.wait(pending.work, f"gradient reduction of unit {self.label!r}", self.timeout_s)
+            return False
+        what = "cross-replica all-reduce" if pending.replica else "gradient reduction"
+        comm.wait(pending.work, f"{what} of unit {self.label!r}", self.timeout_s)
         out = pending.out
-        if self.mesh.shard_size > 1 and self.mesh.replicate_size > 1:
+        if not pending.replica and self.mesh.shard_size > 1 and self.mesh.replicate_size > 1:
+            # the reduce-scatter's input is released now; only the 1/S chunk stays until the all-reduce ends
             work = comm.all_reduce(out, self.mesh.replicate_group, async_op=True)
-            comm.wait(work, f"cross-replica all-reduce of unit {self.label!r}", self.timeout_s)
+            self.pending_reduce = _PendingReduce(work, out, out, replica=True)
+            if not final:
+                return True
+            return self.finish_reduce()
         divisor = self.grad_divisor or self.mesh.reduce_world
         if divisor > 1:
             out.div_(divisor)
         self._accumulate_shard_grad(out)
+        return False
 
     def _grad_base(self) -> Optional[torch.Tensor]:
         """The flat sharded gradient, found through the slots' ``p.grad`` views.

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from .._build.strategy import ShardScope
+from .._comm import nodes
 from ..errors import ConfigError
 
 _GROUP_CACHE: dict = {}
@@ -27,6 +28,7 @@ class Mesh:
     shard_group: object = None       # None means the default group (or no distribution at all)
     replicate_group: object = None
     shard_rank_of: tuple = (0,)      # shard rank of every global rank
+    shard_rows: tuple = ()           # global ranks of every shard group, in shard-rank order (all groups)
 
     @property
     def reduce_world(self) -> int:
@@ -63,6 +65,7 @@ def release_groups() -> None:
     """After the process groups are destroyed (fp.shutdown): forget every reference this package holds to
     them, so that their C++ threads are joined now. Sharded models cannot communicate afterwards."""
     _GROUP_CACHE.clear()
+    nodes.forget()
     for mesh in list(_LIVE_MESHES.values()):
         object.__setattr__(mesh, "shard_group", None)
         object.__setattr__(mesh, "replicate_group", None)
@@ -81,7 +84,8 @@ def _build(scope: ShardScope, device_mesh, tp_size: int = 1) -> Mesh:
     if device_mesh is not None and not isinstance(device_mesh, tuple):
         return _from_device_mesh(scope, world, rank, device_mesh, tp_size)
     if scope is ShardScope.WORLD:
-        return Mesh(world, rank, world, rank, 1, 0, shard_group=dist.group.WORLD, shard_rank_of=tuple(range(world)))
+        return Mesh(world, rank, world, rank, 1, 0, shard_group=dist.group.WORLD, shard_rank_of=tuple(range(world)),
+                    shard_rows=(tuple(range(world)),))
     if scope is ShardScope.NONE:
         return Mesh(world, rank, 1, 0, world, rank, replicate_group=dist.group.WORLD, shard_rank_of=(0,) * world)
     return _hybrid_mesh(world, rank, device_mesh)
@@ -109,7 +113,8 @@ def _hybrid_mesh(world: int, rank: int, device_mesh) -> Mesh:
     shard, replicate = mesh_dims(ShardScope.NODE, world, local, device_mesh)
     shard_group, replicate_group = _hybrid_groups(world, replicate, shard)
     return Mesh(world, rank, shard, rank % shard, replicate, rank // shard, shard_group=shard_group,
-                replicate_group=replicate_group, shard_rank_of=tuple(r % shard for r in range(world)))
+                replicate_group=replicate_group, shard_rank_of=tuple(r % shard for r in range(world)),
+                shard_rows=tuple(tuple(range(i * shard, (i + 1) * shard)) for i in range(replicate)))
 
 
 def _hybrid_groups(world: int, replicate: int, shard: int):
@@ -145,26 +150,42 @@ def _from_device_mesh(scope: ShardScope, world: int, rank: int, mesh, tp_size: i
         extra = "" if tp_size > 1 else (": a DeviceMesh smaller than the world is only for a tensor-parallel model "
                                         "(parallelize_module on the other dimension of the same root mesh)")
         raise ConfigError(f"DeviceMesh {tuple(mesh.shape)} does not cover the world of {world} ranks{extra}")
-    coord = _shard_coordinates(mesh, world)
+    coord, rows = _shard_coordinates(mesh, world)
     if ndim == 1:
         group, size, me = mesh.get_group(0), mesh.size(), mesh.get_local_rank()
         if scope is ShardScope.NONE:
             return Mesh(world, rank, 1, 0, size, me, replicate_group=group, shard_rank_of=(0,) * world)
-        return Mesh(world, rank, size, me, 1, 0, shard_group=group, shard_rank_of=coord)
+        return Mesh(world, rank, size, me, 1, 0, shard_group=group, shard_rank_of=coord, shard_rows=rows)
     replicate, shard = mesh.shape
     rep_group, shard_group = mesh.get_group(0), mesh.get_group(1)
     return Mesh(world, rank, shard, dist.get_rank(shard_group), replicate, dist.get_rank(rep_group),
-                shard_group=shard_group, replicate_group=rep_group, shard_rank_of=coord)
+                shard_group=shard_group, replicate_group=rep_group, shard_rank_of=coord, shard_rows=rows)
 
 
 def _shard_coordinates(mesh, world: int) -> tuple:
-    """Shard rank of every global rank: its coordinate on the mesh's last dimension, read in the root mesh
-    (a slice's own tensor lists only the ranks of this rank's slice)."""
+    """Shard rank of every global rank (its coordinate on the mesh's last dimension) and the global ranks of
+    every shard group, read in the root mesh (a slice's own tensor lists only the ranks of this rank's slice)."""
     root = mesh._get_root_mesh()
     names, last = root.mesh_dim_names or (), (mesh.mesh_dim_names or (None,))[-1]
     grid = mesh.mesh if root is mesh or last not in names else root.mesh.movedim(names.index(last), -1)
-    out = [0] * world
-    for row in grid.reshape(-1, grid.shape[-1]).tolist():
+    out, rows = [0] * world, grid.reshape(-1, grid.shape[-1]).tolist()
+    for row in rows:
         for j, r in enumerate(row):
             out[r] = j
-    return tuple(out)
+    return tuple(out), tuple(tuple(row) for row in rows)
+
+
+def secondary_group(mesh: Mesh, size: int):
+    """hpZ's secondary group of this rank: ``size`` consecutive ranks of its shard group (every rank creates
+    every such group of every shard group, in the same order, as new_group requires); cached."""
+    key = ("secondary", mesh.shard_rows, size)
+    if key not in _GROUP_CACHE:
+        mine = None
+        for row in mesh.shard_rows:
+            for i in range(0, len(row), size):
+                ranks = list(row[i:i + size])
+                g = dist.new_group(ranks)
+                if mesh.rank in ranks:
+                    mine = g
+        _GROUP_CACHE[key] = (mine, None)
+    return _GROUP_CACHE[key][0]

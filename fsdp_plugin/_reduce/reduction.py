@@ -37,6 +37,9 @@ class Reduction:
         self.window = ReduceWindow.SYNC
         self.state = ReduceState.IDLE
         self._pending: deque = deque()        # handles whose reduction was issued and not finished, oldest first
+        # hybrid handles whose reduce-scatter finished and whose cross-node all-reduce is still in flight: it
+        # overlaps the rest of backward and is waited at its end (``finish_pending``); each holds a 1/S chunk
+        self._replicating: deque = deque()
         self._agreement: Optional[UsageAgreement] = None   # the mask all-reduce issued and not yet finished
 
     @property
@@ -81,7 +84,11 @@ class Reduction:
         # step); a reduction still in flight then would hold its unit's full gradient and the reduction's buffers.
         limit = 0 if unit is not None and unit is self.root.unit_before_root else _MAX_PENDING_REDUCES
         while len(self._pending) > limit:
-            self._pending.popleft().finish_reduce()
+            self._advance(self._pending.popleft())
+
+    def _advance(self, handle) -> None:
+        if handle.finish_reduce(final=False):
+            self._replicating.append(handle)
 
     def start_agreement(self) -> None:
         """End of a backward: issue the unused-parameter mask all-reduce (reducing backwards only) before
@@ -91,8 +98,11 @@ class Reduction:
             self.state = ReduceState.AGREEING
 
     def finish_pending(self) -> None:
+        """End of backward: finish the reduce-scatters (issuing the last all-reduces), then every all-reduce."""
         while self._pending:
-            self._pending.popleft().finish_reduce()
+            self._advance(self._pending.popleft())
+        while self._replicating:
+            self._replicating.popleft().finish_reduce()
 
     def finish_agreement(self) -> None:
         """-> IDLE: apply the agreed masks (``p.grad = None`` for slots no rank used; late no_sync reductions).
@@ -106,6 +116,7 @@ class Reduction:
         """fp.reset: any state -> IDLE, unfinished reductions forgotten (the handles wait for their own work),
         the mask all-reduce waited for. Returns its error instead of raising (the caller cleans up first)."""
         self._pending.clear()
+        self._replicating.clear()
         agreement, self._agreement = self._agreement, None
         self.state = ReduceState.IDLE
         if agreement is not None:

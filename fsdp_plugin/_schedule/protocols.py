@@ -39,8 +39,10 @@ class ReducingHandle(Protocol):
         """Issue the handle's gradient reduction (asynchronous); engine handles also take the pairing gate
         (``FlatParamHandle.start_reduce(grad, gate)``), stand-ins never get one."""
 
-    def finish_reduce(self) -> None:
-        """Wait for it and accumulate the reduced shard into the parameters' ``.grad``."""
+    def finish_reduce(self, final: bool = True) -> bool:
+        """Wait for it and accumulate the reduced shard into the parameters' ``.grad``; with ``final=False`` a
+        second stage (hybrid's cross-node all-reduce) may be left in flight: True then, and the queue calls
+        ``finish_reduce()`` again at the end of backward."""
 
 
 @runtime_checkable

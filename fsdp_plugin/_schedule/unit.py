@@ -59,9 +59,10 @@ class Unit:
     def unshard(self, async_op: bool = True, prompt: bool = False) -> None:
         """Start all-gathering every handle, each all-gather announced (pairing check) as it is issued;
         ``prompt``: the caller waits for them right away (``pairing.Gate``: no completion callback)."""
+        backward = self.root.in_backward     # only then may hpZ's secondary slices be used (``_flat/secondary``)
         for i, h in enumerate(self.handles):
             gate = self.root.gate(Entering.ALL_GATHER, self, prompt, i) if h.unshard_communicates else None
-            h.unshard(async_op, gate)
+            h.unshard(async_op, gate, use_secondary=backward)
 
     def wait_and_use_views(self) -> None:
         for h in self.handles:
@@ -69,12 +70,12 @@ class Unit:
             self._register(h, h.views())
             self._views_on.add(id(h))
 
-    def reshard(self) -> None:
+    def reshard(self, keep_secondary: bool = False) -> None:
         for h in self.handles:
-            self._reshard_handle(h)
+            self._reshard_handle(h, keep_secondary)
 
-    def _reshard_handle(self, h: FlatParamHandle) -> None:
-        h.reshard()
+    def _reshard_handle(self, h: FlatParamHandle, keep_secondary: bool = False) -> None:
+        h.reshard(keep_secondary)
         if id(h) in self._views_on:
             self._register(h, [s.param for s in h.slots])
             self._views_on.discard(id(h))
@@ -95,8 +96,10 @@ class Unit:
         self._register(h, [s.param for s in h.slots])
 
     def end_backward(self) -> None:
-        """Any state -> IDLE, every handle resharded (end of backward, or an abandoned step)."""
+        """Any state -> IDLE, every handle resharded, hpZ slices dropped (end of backward, or an abandoned step)."""
         self.reshard()
+        for h in self.handles:
+            h.drop_secondary()
         self.state = TrainingState.IDLE
         self.depth = 0
 
@@ -162,7 +165,7 @@ class Unit:
         if grad_on:
             self._register_pre_backward(output)
         if not self.some_ranks and (not grad_on or self.root.reshards_after_forward(self)):
-            self.reshard()
+            self.reshard(keep_secondary=grad_on)
         self.root.after_unit_forward(self)
         return output
 

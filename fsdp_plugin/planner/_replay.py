@@ -23,7 +23,7 @@ from .._comm.collectives import inflight_host_bytes, ring_bytes
 from .._schedule.protocols import ReducingHandle, ScheduledUnit
 from .._schedule.root import RootState
 from .._build.shard import handle_dtypes
-from .._build.strategy import unit_policy
+from .._build.strategy import secondary_size, unit_policy
 from ..config import ShardingConfig
 
 
@@ -50,6 +50,11 @@ class Layout:
 
     def reduce(self, h) -> torch.dtype:
         return handle_dtypes(self.config.mixed_precision, h.dtype, h.fp32)[1]
+
+    @property
+    def secondary(self) -> int:
+        """hpZ's secondary group size (0: none), as fp.shard decides it (``strategy.secondary_size``)."""
+        return secondary_size(self.config, self.shard_size)
 
     def aliases(self, h) -> bool:
         """The engine's FlatParamHandle._aliases_shard: the leaf is the shard itself (never gathered)."""
@@ -84,6 +89,11 @@ class ReplayResult:
     max_reducing: int = 0
     wire: Counter = field(default_factory=Counter)     # bytes per step per rank, by collective kind
     calls: Counter = field(default_factory=Counter)
+    # the same bytes and calls by (kind, group): group "shard", "replicate" or "secondary" (hpZ); the link
+    # pricing (``_links.py``) places each group on the node topology
+    wire_groups: Counter = field(default_factory=Counter)
+    calls_groups: Counter = field(default_factory=Counter)
+    max_secondary: int = 0   # hpZ: most bytes of secondary shards held at once (inside ``unsharded``)
     engine_bytes: int = 0   # bytes read+written by the engine's own kernels (casts, flat gradients), per step
 
 
@@ -113,8 +123,8 @@ class _SimHandle(ReducingHandle):
     def start_reduce(self, _grad) -> None:
         self.sim.start_reduce(self.index)
 
-    def finish_reduce(self) -> None:
-        self.sim.finish(self.index)
+    def finish_reduce(self, final: bool = True) -> bool:
+        return self.sim.finish(self.index, final)
 
 
 class _Sim:
@@ -126,6 +136,8 @@ class _Sim:
         self.unsharded = self.reducing = self.grad_shards = 0
         self.inflight: dict[int, int] = {}     # handle -> bytes its all-gather holds until it is waited on
         self.reduce_bytes: dict[int, int] = {}
+        self.replicating: set = set()          # hybrid handles whose cross-replica all-reduce is in flight
+        self.secondary: dict[int, int] = {}    # hpZ: handle -> bytes of its secondary slice, forward to backward
         self.has_grad: set = set()
         self.started: set = set()
         self.act = 0
@@ -155,10 +167,13 @@ class _Sim:
     def _unsharded_names(self) -> tuple:
         return tuple(u.name for u in self.units if any(self.unsh[h] and self.full[h] for h in u.handles))
 
-    def comm(self, kind: str, elems: int, itemsize: int, n: int, factor: int = 1) -> None:
+    def comm(self, kind: str, elems: int, itemsize: int, n: int, factor: int = 1, group: str = "shard") -> None:
         if n > 1:
+            nbytes = ring_bytes(elems, itemsize, n, factor)
             self.res.calls[kind] += 1
-            self.res.wire[kind] += ring_bytes(elems, itemsize, n, factor)
+            self.res.wire[kind] += nbytes
+            self.res.calls_groups[(kind, group)] += 1
+            self.res.wire_groups[(kind, group)] += nbytes
 
     # ------------------------------------------------------------ state moves (FlatParamHandle's bytes)
     def unshard(self, u: int) -> None:
@@ -174,7 +189,15 @@ class _Sim:
             if lay.shard_size == 1:
                 self.check(extra=src)          # the cast copy, gone once copied into the full buffer
                 continue
-            self.comm("all_gather", spec.padded(lay.shard_size), lay.compute(spec).itemsize, lay.shard_size)
+            held_secondary = self.secondary.pop(h, 0)
+            if held_secondary:
+                self.unsharded -= held_secondary
+            if held_secondary and self.root.in_backward:     # hpZ: gathered inside the secondary group
+                self.comm("all_gather", spec.padded(lay.shard_size), lay.compute(spec).itemsize, lay.secondary,
+                          group="secondary")
+                src = held_secondary                         # the slice is the gather's source until its wait
+            else:
+                self.comm("all_gather", spec.padded(lay.shard_size), lay.compute(spec).itemsize, lay.shard_size)
             # gloo/CPU point-to-point all-gather copies this rank's chunk into the full buffer (NCCL: in place);
             # bytes as the fake run's rule prices a copy_: source, destination read and written
             self.res.engine_bytes += 3 * spec.chunk(lay.shard_size) * lay.compute(spec).itemsize * lay.staging
@@ -217,7 +240,8 @@ class _Sim:
             held += inflight_host_bytes("reduce_scatter", g_reduce, lay.shard_size, lay.staging)
             self.comm("reduce_scatter", padded, lay.reduce(spec).itemsize, lay.shard_size)
         elif lay.replicate_size > 1:
-            self.comm("all_reduce", padded, lay.reduce(spec).itemsize, lay.replicate_size, factor=2)
+            self.comm("all_reduce", padded, lay.reduce(spec).itemsize, lay.replicate_size, factor=2,
+                      group="replicate")
         self.reducing += held
         self.reduce_bytes[h] = held + (0 if cast else g_compute)
         self.check()
@@ -245,16 +269,27 @@ class _Sim:
             self.reshard_handle(h)
         self.check()
 
-    def finish(self, h: int) -> None:
+    def finish(self, h: int, final: bool = True) -> bool:
+        """FlatParamHandle.finish_reduce: hybrid's reduce-scatter wait issues the cross-replica all-reduce, left
+        in flight (holding the reduced chunk) to the end of backward unless ``final``; True while it is."""
         spec, lay = self.handles[h], self.lay
         chunk = spec.chunk(lay.shard_size)
-        if lay.shard_size > 1 and lay.replicate_size > 1:
-            self.comm("all_reduce", chunk, lay.reduce(spec).itemsize, lay.replicate_size, factor=2)
+        if lay.shard_size > 1 and lay.replicate_size > 1 and h not in self.replicating:
+            self.comm("all_reduce", chunk, lay.reduce(spec).itemsize, lay.replicate_size, factor=2,
+                      group="replicate")
+            kept = chunk * lay.reduce(spec).itemsize
+            self.reducing -= self.reduce_bytes[h] - kept
+            self.reduce_bytes[h] = kept
+            self.replicating.add(h)
+            if not final:
+                return True
+        self.replicating.discard(h)
         self.reducing -= self.reduce_bytes.pop(h)
         if h not in self.has_grad and not lay.cpu_offload:
             self.has_grad.add(h)
             self.grad_shards += chunk * spec.dtype.itemsize
             self.check()
+        return False
 
     # ------------------------------------------------------------ events (Unit's hooks)
     def pre_forward(self, u: int) -> None:
@@ -265,7 +300,13 @@ class _Sim:
     def post_forward(self, u: int, in_bwd: bool) -> None:
         if not in_bwd and self.root.reshards_after_forward(self.sim_units[u]):
             for h in self.units[u].handles:
+                keep = self.lay.secondary and u != 0 and self.unsh[h] and self.full[h] \
+                    and not self.units[u].some_ranks
                 self.reshard_handle(h)
+                if keep:          # hpZ: the secondary slice (compute dtype) stays until the backward gather
+                    self.secondary[h] = self.full[h] // self.lay.secondary
+                    self.unsharded += self.secondary[h]
+                    self.res.max_secondary = max(self.res.max_secondary, sum(self.secondary.values()))
 
     def pre_backward(self, u: int) -> None:
         if u in self.started:
@@ -280,6 +321,8 @@ class _Sim:
         self.root.reduction.finish_pending()
         for h in range(len(self.handles)):
             self.reshard_handle(h)
+        self.unsharded -= sum(self.secondary.values())
+        self.secondary.clear()
         self.started.clear()
         self.root.exit_backward()
 

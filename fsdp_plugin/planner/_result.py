@@ -36,6 +36,12 @@ class WorldPlan:
     host_bytes: int = 0        # with cpu_offload: shards, gradients and optimizer state in host memory
     runtime: int = 0           # CPU targets: heap the runtime keeps after the first step (in the peak)
     optimizer_flops: int = 0   # optimizer="muon": the busiest rank's Newton–Schulz FLOPs per step
+    # issue 35: hpZ and links (``_links.py``)
+    secondary_shards: int = 0  # hpZ: most bytes of secondary shards held between forward and backward (in the peak)
+    wire_groups: dict = field(default_factory=dict)   # wire bytes by "kind/group" (shard, replicate, secondary)
+    inter_node_bytes: dict = field(default_factory=dict)   # with nodes=: per rank, to other nodes, by kind
+    link_bytes_per_node: int = 0   # with nodes=: bytes each node sends on its link per step
+    link_s: Optional[float] = None  # with link_gbps=: seconds of link traffic per step
 
     @property
     def wire_total(self) -> int:

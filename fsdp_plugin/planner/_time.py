@@ -181,7 +181,8 @@ def _measure_collectives(device, group, world: int, seconds: float) -> tuple[flo
     inp = torch.ones(elems // world, device=device)
     out = torch.empty(elems, device=device)
     tiny = torch.zeros(1, device=device)
-    before = dict(comm.STATS.calls), dict(comm.STATS.bytes)
+    counters = (comm.STATS.calls, comm.STATS.bytes, comm.STATS.intra_node_bytes, comm.STATS.inter_node_bytes)
+    before = [dict(c) for c in counters]
 
     def gather():
         comm.wait(comm.all_gather(out, inp, group, async_op=True, kind="calibrate"))
@@ -199,7 +200,7 @@ def _measure_collectives(device, group, world: int, seconds: float) -> tuple[flo
         for _ in range(steps):
             fn()
         dt[i] = (time.perf_counter() - t0) / steps
-    for counter, old in zip((comm.STATS.calls, comm.STATS.bytes), before):   # not training traffic
+    for counter, old in zip(counters, before):   # not training traffic
         counter["calibrate"] = old.get("calibrate", 0)
         if not counter["calibrate"]:
             del counter["calibrate"]

@@ -9,6 +9,7 @@ from . import _optim as _optim
 from ._replay import Layout, replay
 from ._result import WorldPlan
 from ._time import predict
+from ._links import price
 from ._units import buffer_bytes
 
 
@@ -38,7 +39,7 @@ def runtime_bytes(device, lay: Layout, handles) -> int:
 
 
 def world_plan(world: int, cfg: ShardingConfig, units, handles, tl, module, opt: str, cal,
-               foreach: bool, gpus_per_node: int, device=None) -> WorldPlan:
+               foreach: bool, gpus_per_node: int, device=None, links=None) -> WorldPlan:
     lay = layout_for(world, cfg, gpus_per_node, device)
     s = lay.shard_size
     param_shards = sum(h.chunk(s) * h.dtype.itemsize for h in handles)
@@ -60,6 +61,12 @@ def world_plan(world: int, cfg: ShardingConfig, units, handles, tl, module, opt:
     t = predict(tl.flops + ns_flops, tl.other_bytes + res.engine_bytes, _optim.step_traffic(opt, trainable_elems),
                 sum(res.wire.values()), sum(res.calls.values()), cal_w, ops,
                 tl.attention_flops) if cal_w is not None else {}
+    across = {}
+    if links is not None:      # nodes and a link: each collective at the link its group uses
+        across = price(links, world, lay, res, t.get("compute_s") or 0.0,
+                       cal_w.bus_bytes_per_s if cal_w else float("inf"), cal_w.latency_s if cal_w else 0.0,
+                       cal_w.overlap if cal_w else 1.0)
+        t = {**t, **{k: across[k] for k in ("step_s", "comm_s") if k in across}}
     return WorldPlan(world_size=world, param_shards=param_shards, grad_shards=trainable, optimizer_state=opt_state,
                      buffers=buffers, unsharded_params=res.max_unsharded, unsharded_units=res.max_unsharded_units,
                      activations=tl.act_peak, comm_buffers=res.max_reducing, optimizer_step=step_temps,
@@ -69,7 +76,10 @@ def world_plan(world: int, cfg: ShardingConfig, units, handles, tl, module, opt:
                      wire_bytes=dict(res.wire), wire_calls=dict(res.calls), step_s=t.get("step_s"),
                      compute_s=t.get("compute_s"), comm_s=t.get("comm_s"),
                      host_bytes=(param_shards + opt_state + trainable) if cfg.cpu_offload else 0,
-                     runtime=runtime, optimizer_flops=ns_flops)
+                     runtime=runtime, optimizer_flops=ns_flops, secondary_shards=res.max_secondary,
+                     wire_groups={f"{k}/{g}": v for (k, g), v in res.wire_groups.items()},
+                     inter_node_bytes=across.get("inter_node_bytes", {}),
+                     link_bytes_per_node=across.get("link_bytes_per_node", 0), link_s=across.get("link_s"))
 
 
 def _muon_into(res, handles, shard_size: int) -> int:

@@ -13,6 +13,7 @@ from ..errors import ConfigError
 from . import _optim as _optim
 from ._capture import ModelSource, capture, hf_inputs
 from ._fake_run import RunSpec, Timeline, run
+from ._links import Links
 from ._result import Plan, WorldPlan
 from ._time import HARDWARE, Calibration, calibrate, default_for, for_hardware
 from ._units import discover_units
@@ -22,7 +23,8 @@ _MP = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16
 
 
 _RUN_DEFAULTS = dict(optimizer="adamw", inputs=None, loss_fn=None, batch_size=1, seq_len=128, device=None,
-                    calibration=None, gpus_per_node=8, foreach=None)
+                    calibration=None, gpus_per_node=8, foreach=None, nodes=None, link_gbps=None,
+                    link_latency_us=None)
 _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ShardingConfig))
 
 
@@ -42,7 +44,11 @@ def plan(model: ModelSource, world_size: Union[int, Iterable[int]] = 1, config: 
         ``(batch_size, seq_len)`` (with labels for HF models); ``loss_fn``: callable(output) -> scalar (None:
         ``output.loss`` if present, else the output summed); ``device``; ``calibration``: None (assumed
         throughputs for ``device``), "calibrate" (measure here, collectively under a process group), a name in
-        ``HARDWARE`` (e.g. "a100-80gb") or a ``Calibration``; ``gpus_per_node``; ``foreach``.
+        ``HARDWARE`` (e.g. "a100-80gb") or a ``Calibration``; ``gpus_per_node``; ``foreach``;
+        ``nodes`` / ``link_gbps`` / ``link_latency_us``: the job spans ``nodes`` nodes (``world / nodes`` ranks
+        each: this replaces ``gpus_per_node``) joined by links of ``link_gbps`` Gbit/s per node and direction;
+        every collective is priced at the link its group uses (``_links.py``): ``WorldPlan.inter_node_bytes``,
+        ``link_bytes_per_node``, ``link_s``, and ``step_s`` = intra-node + max(compute, link).
     """
     cfg, run = split_options(config, options)
     return plan_configs(model, world_size, [cfg], **run)[0]
@@ -100,9 +106,11 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
     notes = _notes(run_device, device, cfgs[0].cpu_offload) + _ac_notes(ac_policy) + (
         [f"target {device.type} has no device here: activations measured with CPU kernels"]
         if run_device != device else [])
+    links = Links.of(opts["nodes"], opts["link_gbps"], opts["link_latency_us"])
     out = []
     for cfg in cfgs:
-        per_world = {w: _world(w, cfg, units, handles, tl, module, opt, cal, foreach, opts["gpus_per_node"], device)
+        per_world = {w: _world(w, cfg, units, handles, tl, module, opt, cal, foreach,
+                               links.per_node(w) if links else opts["gpus_per_node"], device, links)
                      for w in worlds}
         out.append(Plan(model=_name(model, module), num_params=sum(h.numel for h in handles),
                         strategy=cfg.sharding_strategy, optimizer=opt,
@@ -149,9 +157,9 @@ def _default_inputs(module: nn.Module, batch_size: int, seq_len: int) -> Callabl
     return make
 
 
-def _world(w, cfg, units, handles, tl, module, opt, cal, foreach, gpus_per_node, device) -> WorldPlan:
+def _world(w, cfg, units, handles, tl, module, opt, cal, foreach, gpus_per_node, device, links=None) -> WorldPlan:
     from ._world import world_plan
-    return world_plan(w, cfg, units, handles, tl, module, opt, cal, foreach, gpus_per_node, device)
+    return world_plan(w, cfg, units, handles, tl, module, opt, cal, foreach, gpus_per_node, device, links)
 
 
 def _calibration(calibration, device: torch.device, mp):

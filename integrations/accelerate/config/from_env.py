@@ -51,6 +51,7 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> FsdpSettings:
     s.mixed_precision = parse.parse_mixed_precision(env.get("ACCELERATE_MIXED_PRECISION", "no"), "mixed_precision")
     s.mesh, s.strategy = mesh_from_parallelism(env, s.strategy, s.key("strategy"))
     s.some_ranks_modules = parse.some_ranks_from_env(env)
+    s.secondary_size = parse.hpz_from_env(env) or s.secondary_size
     s.keys["some_ranks_modules"] = parse.SOME_RANKS_ENV
     return s
 

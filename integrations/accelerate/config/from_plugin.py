@@ -29,6 +29,8 @@ def settings_from_plugin(plugin: Any) -> FsdpSettings:
     s.keys["strategy"] = _P + "reshard_after_forward"
     s.keys["wrap"] = _P + "auto_wrap_policy"
     s.strategy = _plugin_strategy(plugin)
+    if _is_int(plugin.reshard_after_forward):     # FSDP2's int: hpZ's secondary group size, passed through
+        s.secondary_size = int(plugin.reshard_after_forward)
     s.wrap = _plugin_wrap(plugin)
     args = torch_args.translate({
         "cpu_offload": plugin.cpu_offload, "mixed_precision": plugin.mixed_precision_policy,
@@ -52,6 +54,7 @@ def settings_from_plugin(plugin: Any) -> FsdpSettings:
         s.param_dtype, s.reduce_dtype, s.buffer_dtype = policy.param_dtype, policy.reduce_dtype, policy.buffer_dtype
         s.fp32_modules = policy.fp32_modules
     s.some_ranks_modules = parse.some_ranks_from_env(os.environ)   # the plugin has no such field
+    s.secondary_size = parse.hpz_from_env(os.environ) or s.secondary_size
     return s
 
 
@@ -66,11 +69,17 @@ def _error(key: str, value: Any, why: str) -> Exception:
 def _plugin_strategy(plugin: Any) -> str:
     """``reshard_after_forward`` (bool or ShardingStrategy) wins over the deprecated ``sharding_strategy``."""
     reshard = plugin.reshard_after_forward
+    if _is_int(reshard):          # hpZ keeps full_shard's sharding (the int is ShardingConfig's own meaning)
+        return "full_shard"
     if reshard is not None:
         return parse.reshard_to_strategy(torch_args.enum_name(reshard), _P + "reshard_after_forward")
     if plugin.sharding_strategy is not None:
         return parse.strategy_from_name(plugin.sharding_strategy, _P + "sharding_strategy")
     return "full_shard"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _plugin_wrap(plugin: Any) -> WrapSpec:

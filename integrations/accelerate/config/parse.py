@@ -115,3 +115,17 @@ def some_ranks_from_env(env) -> tuple[str, ...] | None:
         return ()
     names = split_names(value)
     return names or None
+
+
+HPZ_ENV = "FSDP_PLUGIN_HPZ_SIZE"
+
+
+def hpz_from_env(env) -> int | None:
+    """``FSDP_PLUGIN_HPZ_SIZE=8`` → ``ShardingConfig(reshard_after_forward=8)`` (hpZ; DeepSpeed's
+    ``zero_hpz_partition_size``): accelerate's FSDP2 plugin accepts only a bool ``reshard_after_forward``."""
+    text = (env.get(HPZ_ENV) or "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise config_error(HPZ_ENV, text, "expected the secondary group size (ranks per node), e.g. 8")
+    return int(text)
