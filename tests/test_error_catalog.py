@@ -26,6 +26,10 @@ def bad_reshard_after_forward():
     fp.ShardingConfig(reshard_after_forward="last")
 
 
+def unknown_pairing_check():
+    fp.ShardingConfig(pairing_check="fast")
+
+
 def wrap_policy_matches_nothing():
     class Missing(nn.Module):
         pass
@@ -412,7 +416,7 @@ def load_an_interrupted_save(tmp_path):
     fp.load_checkpoint(str(tmp_path / "ckpt"), nn.Linear(2, 2))
 
 
-CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_policy_matches_nothing,
+CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, unknown_pairing_check, wrap_policy_matches_nothing,
          bad_fp32_modules_value, fp32_modules_match_nothing, fp32_modules_without_16_bit_compute,
          fp32_module_tied_to_a_16_bit_module,
          mesh_not_dividing_world, shard_twice, optimizer_stepped_before_shard, dtype_backend_cannot_reduce,

@@ -57,6 +57,13 @@ class _PendingReduce:
     work: object
     out: torch.Tensor            # this rank's reduced chunk (reduce dtype), valid after work.wait()
     keep: torch.Tensor           # input kept alive until the collective finishes
+    gate: object = None          # its pairing (hybrid: the replica all-reduce in ``finish_reduce`` shares it)
+
+
+def _replica_gate(gate):
+    """The pairing of hybrid's replica all-reduce: the reduce-scatter's identity tag or ledger code (a new
+    position; issue 30), never its announcement again (the world already agreed on the unit: ``strict``)."""
+    return gate if isinstance(gate, comm.Tagged) else None
 
 
 class _LeafViews(torch.autograd.Function):
@@ -311,7 +318,7 @@ class FlatParamHandle:
         if self.mesh.shard_size > 1:
             out = torch.empty(self.chunk, dtype=self.reduce_dtype, device=self.device)
             work = comm.reduce_scatter(out, grad, self.mesh.shard_group, async_op=True, gate=gate, what=what)
-            self.pending_reduce = _PendingReduce(work, out, grad)
+            self.pending_reduce = _PendingReduce(work, out, grad, gate)
         elif self.mesh.replicate_size > 1:
             work = comm.all_reduce(grad, self.mesh.replicate_group, async_op=True, gate=gate, what=what)
             self.pending_reduce = _PendingReduce(work, grad, grad)
@@ -327,7 +334,7 @@ class FlatParamHandle:
         comm.wait(pending.work, f"gradient reduction of unit {self.label!r}", self.timeout_s)
         out = pending.out
         if self.mesh.shard_size > 1 and self.mesh.replicate_size > 1:
-            work = comm.all_reduce(out, self.mesh.replicate_group, async_op=True)
+            work = comm.all_reduce(out, self.mesh.replicate_group, async_op=True, gate=_replica_gate(pending.gate))
             comm.wait(work, f"cross-replica all-reduce of unit {self.label!r}", self.timeout_s)
         divisor = self.grad_divisor or self.mesh.reduce_world
         if divisor > 1:
