@@ -211,9 +211,10 @@ def snapshot() -> Optional[dict]:
     return {"epoch": _L.epoch, "codes": recent, "ops": ops, "acked": _L.acked}
 
 
-def on_tick(store, statuses_of, publish) -> None:
+def on_tick(store, statuses_of, publish, notice_changed: bool = True) -> None:
     """One status-thread tick: probe a long tagged wait, learn a verdict, post complements. ``statuses_of()``:
-    every rank's published status (rank -> dict or None); ``publish()``: publish this rank's status now."""
+    every rank's published status (rank -> dict or None); ``publish()``: publish this rank's status now;
+    ``notice_changed``: the notice counter moved since the last read (a verdict may be there)."""
     _L.io = (store, statuses_of)
     with _L.lock:
         key = f"{_KEY}{_L.epoch}/"
@@ -226,7 +227,14 @@ def on_tick(store, statuses_of, publish) -> None:
                 verdict = _verdict(statuses_of(), _L.epoch)
                 if verdict is not None:
                     store.set(key + "diverged", verdict)
-            if not store.check([key + "diverged"]):
+                    status.notify(store)
+                    publisher_saw_notice = True
+                else:
+                    publisher_saw_notice = False
+            else:
+                publisher_saw_notice = False
+            # the verdict key is read only when the notice counter moved (issue 30: the store budget)
+            if not (publisher_saw_notice or notice_changed) or not store.check([key + "diverged"]):
                 return
             # From here this rank posts nothing new (``issue`` raises): its status now is its final one.
             _L.verdict = store.get(key + "diverged").decode()
@@ -349,7 +357,7 @@ def _status_extra() -> dict:
 
 def _tick(publisher) -> None:
     on_tick(publisher.store, lambda: late._read(publisher.store, list(range(dist.get_world_size()))),
-            publisher.publish)
+            publisher.publish, publisher.notice_changed)
 
 
 status.EXTRAS.append(_status_extra)
