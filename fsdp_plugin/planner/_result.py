@@ -36,6 +36,7 @@ class WorldPlan:
     host_bytes: int = 0        # with cpu_offload: shards, gradients and optimizer state in host memory
     runtime: int = 0           # CPU targets: heap the runtime keeps after the first step (in the peak)
     optimizer_flops: int = 0   # optimizer="muon": the busiest rank's Newton–Schulz FLOPs per step
+    latency: dict = field(default_factory=dict)   # per-step latency terms at cluster scale (``_latency.py``)
 
     @property
     def wire_total(self) -> int:
@@ -100,6 +101,18 @@ class Plan:
         if all(self.worlds[w].step_s is not None for w in ws):
             lines.append(f"{'step time (predicted)':<26}" + "".join(f"{self.worlds[w].step_s * 1e3:>{width - 3}.1f} ms"
                                                                    for w in ws))
+        if all(self.worlds[w].latency for w in ws):
+            lines.append(f"{'collectives / step':<26}" + "".join(
+                f"{self.worlds[w].latency['unit_collectives'] + self.worlds[w].latency['control_collectives']:>{width}}"
+                for w in ws))
+            lines.append(f"{'blocking waits / step':<26}" + "".join(
+                f"{self.worlds[w].latency['host_blocking_waits']:>{width}}" for w in ws))
+            lines.append(f"{'latency floor':<26}" + "".join(
+                f"{self.worlds[w].latency['latency_floor_s'] * 1e3:>{width - 3}.1f} ms" for w in ws))
+            lines.append(f"{'store ops/s (all ranks)':<26}" + "".join(
+                f"{self.worlds[w].latency['store_ops_per_s_total']:>{width}.0f}" for w in ws))
+            lines.append(f"latency floor: ring steps x {self.worlds[ws[0]].latency['link_latency_us']:.0f} us per hop "
+                         "(fp.plan(..., link_latency_us=...)); a lower bound for NCCL's trees")
         lines.append(f"step time from {self.calibration.get('source', '?')} throughputs; "
                      f"{self.flops_per_step / 1e9:,.1f} GFLOP per rank per step")
         lines += [f"note: {n}" for n in self.notes]

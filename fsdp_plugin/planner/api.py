@@ -10,7 +10,7 @@ from torch import nn
 from .._build.precision import fp32_buffers, fp32_regions
 from ..config import Checkpointing, MixedPrecision, ShardingConfig, as_checkpointing
 from ..errors import ConfigError
-from . import _optim as _optim
+from . import _latency, _optim as _optim
 from ._capture import ModelSource, capture, hf_inputs
 from ._fake_run import RunSpec, Timeline, run
 from ._result import Plan, WorldPlan
@@ -22,7 +22,7 @@ _MP = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16
 
 
 _RUN_DEFAULTS = dict(optimizer="adamw", inputs=None, loss_fn=None, batch_size=1, seq_len=128, device=None,
-                    calibration=None, gpus_per_node=8, foreach=None)
+                    calibration=None, gpus_per_node=8, foreach=None, link_latency_us=None)
 _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ShardingConfig))
 
 
@@ -42,7 +42,9 @@ def plan(model: ModelSource, world_size: Union[int, Iterable[int]] = 1, config: 
         ``(batch_size, seq_len)`` (with labels for HF models); ``loss_fn``: callable(output) -> scalar (None:
         ``output.loss`` if present, else the output summed); ``device``; ``calibration``: None (assumed
         throughputs for ``device``), "calibrate" (measure here, collectively under a process group), a name in
-        ``HARDWARE`` (e.g. "a100-80gb") or a ``Calibration``; ``gpus_per_node``; ``foreach``.
+        ``HARDWARE`` (e.g. "a100-80gb") or a ``Calibration``; ``gpus_per_node``; ``foreach``;
+        ``link_latency_us``: one small-message hop (default 30 µs) for ``WorldPlan.latency``, the per-step
+        latency terms (collectives × ring steps × latency, control collectives, blocking waits, store traffic).
     """
     cfg, run = split_options(config, options)
     return plan_configs(model, world_size, [cfg], **run)[0]
@@ -104,6 +106,7 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
     for cfg in cfgs:
         per_world = {w: _world(w, cfg, units, handles, tl, module, opt, cal, foreach, opts["gpus_per_node"], device)
                      for w in worlds}
+        _latency.attach(per_world, cfg, opts["gpus_per_node"], device, opts["link_latency_us"])
         out.append(Plan(model=_name(model, module), num_params=sum(h.numel for h in handles),
                         strategy=cfg.sharding_strategy, optimizer=opt,
                         mixed_precision=str(mp.param_dtype).replace("torch.", "") if mp and mp.param_dtype else None,
