@@ -225,6 +225,7 @@ def on_tick(store, statuses_of, publish, notice_changed: bool = True) -> None:
                 # status a few times, not twice a second
                 _L.probe_after = min(2 * _L.probe_after, _PROBE_MAX_S)
                 verdict = _verdict(statuses_of(), _L.epoch)
+                status.STORE_OPS[0] += 2             # check + multi_get of every rank's status
                 if verdict is not None:
                     store.set(key + "diverged", verdict)
                     status.notify(store)
