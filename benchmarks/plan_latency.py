@@ -30,16 +30,19 @@ def _model(shape: dict):
 
 
 def rows(worlds, latency_us: float, strategies, checks, seq: int):
+    import dataclasses
+
+    from fsdp_plugin.planner.api import plan_configs, split_options
     for name, shape in SHAPES.items():
         model = _model(shape)
-        for strategy in strategies:
-            for check in checks:
-                plan = fp.plan(model, world_size=worlds, sharding_strategy=strategy, mixed_precision="bf16",
-                               device="cuda", seq_len=seq, batch_size=1, link_latency_us=latency_us,
-                               pairing_check=check)
-                for w in worlds:
-                    wp = plan.worlds[w]
-                    yield name, strategy, check, w, wp.wire_total, wp.latency
+        base, run = split_options(None, dict(mixed_precision="bf16", device="cuda", seq_len=seq, batch_size=1,
+                                             link_latency_us=latency_us))
+        combos = [(s, c) for s in strategies for c in checks]
+        cfgs = [dataclasses.replace(base, sharding_strategy=s, pairing_check=c) for s, c in combos]
+        for (strategy, check), plan in zip(combos, plan_configs(model, worlds, cfgs, **run)):   # one fake run
+            for w in worlds:
+                wp = plan.worlds[w]
+                yield name, strategy, check, w, wp.wire_total, wp.latency
 
 
 def main() -> None:

@@ -92,3 +92,23 @@ def test_ledger_hash_raises_at_the_end_of_backward_on_every_rank_and_fp_reset_re
 def test_check_off_trains_without_any_pairing_message():
     steps = run_ranks(_waits, 2, "full_shard", "off", timeout=120)[0]
     assert all(s == {"control": 1} for s in steps), steps
+
+
+def _tagged_all_reduce(rank, world, numel):
+    from fsdp_plugin._comm import collectives as comm, tagged
+    t = torch.arange(numel, dtype=torch.float32) * (rank + 1) + 0.1 * rank
+    work = comm.all_reduce(t, None, async_op=True, gate=comm.Tagged(tagged.code(1, 0, 0, 0)))
+    assert isinstance(work, comm._P2PAllReduce)
+    comm.wait(work, "test")
+    return t
+
+
+@pytest.mark.parametrize("world,numel", [(2, 7), (3, 10), (4, 3)])
+def test_tagged_all_reduce_sums_every_rank_in_rank_order(world, numel):
+    results = run_ranks(_tagged_all_reduce, world, numel, timeout=60)
+    want = torch.zeros(numel)
+    for r in range(world):
+        want = want + (torch.arange(numel, dtype=torch.float32) * (r + 1) + 0.1 * r)
+    for t in results:
+        assert torch.equal(t, results[0])          # the same bits on every rank
+        assert torch.allclose(t, want, atol=1e-6), (t, want)

@@ -317,32 +317,40 @@ class _P2PReduceScatter(_P2PWork):
 
 class _P2PAllReduce(_P2PWork):
     """A unit's reduction on gloo/CPU under identity tags (no_shard, hybrid's replicas): native gloo aborts the
-    process on a size mismatch, so it is two tagged point-to-point phases instead. Phase 1 (posted now): rank
-    ``j`` receives every peer's part ``j`` (near-equal parts, ``tensor_split``) and sums them in rank order;
-    phase 2 (posted by ``wait``, its own tagged position: every rank waits its reductions in the same order)
-    sends the summed part to every peer. Ring bytes, as the counters say: ``2·total·(N−1)/N``."""
+    process on a size mismatch, so it is tagged point to point instead, at the ring's bytes (``2·total·(N−1)/N``,
+    as the counters say). Two ranks: one exchange of the whole tensor, summed (one commutative addition: the
+    same bits on both), so it overlaps like any collective. More: phase 1 (posted now) sends part ``j``
+    (near-equal parts, ``tensor_split``) to rank ``j``, which sums every rank's part in rank order; phase 2
+    (posted by ``wait``, a tagged position of its own: every rank waits its reductions in the same order)
+    sends the summed part to every peer."""
 
     def __init__(self, t: torch.Tensor, group, n: int, bound: _Bound):
         me = dist.get_rank(group)
         self.t, self.n, self.group = t, n, group
-        self.parts = list(torch.tensor_split(t.view(-1), n))
-        recvs = [torch.empty_like(self.parts[me]) if j != me else None for j in range(n)]
-        self.recvs = recvs
-        super().__init__(group, me, self.parts, recvs, bound)
+        flat = t.view(-1)
+        self.parts = [flat, flat] if n == 2 else list(torch.tensor_split(flat, n))
+        mine = self.parts[me]
+        self.recvs = [torch.empty_like(mine) if j != me else None for j in range(n)]
+        super().__init__(group, me, self.parts, self.recvs, bound)
 
     def _finish(self) -> None:
         if tagged.diverged():    # fp.reset after a divergence: phase 1 may hold a complement's scratch; no phase 2
             self.recvs = self.parts = self.t = None
             return
-        me, parts = self.me, self.parts
-        contrib = [parts[me] if j == me else self.recvs[j] for j in range(self.n)]
-        total = contrib[0].clone()
-        for p in contrib[1:]:
-            total.add_(p)
-        parts[me].copy_(total)
+        me, parts, recvs, n = self.me, self.parts, self.recvs, self.n
+        if n == 2:
+            parts[me].add_(recvs[1 - me])
+            self.recvs = self.parts = self.t = None
+            return
+        # rank order, ((c0 + c1) + c2) + ...: accumulate into rank 0's part (ours, or the buffer it came in)
+        acc = parts[0] if me == 0 else recvs[0]
+        for j in range(1, n):
+            acc.add_(parts[me] if j == me else recvs[j])
+        if me != 0:
+            parts[me].copy_(acc)
         self.recvs = None
         # phase 2: this part to every peer, theirs into place
-        _P2PWork(self.group, me, [parts[me]] * self.n, list(parts), self.bound).wait()
+        _P2PWork(self.group, me, [parts[me]] * n, list(parts), self.bound).wait()
         self.parts = self.t = None
 
 

@@ -3,7 +3,8 @@
 Hot path (every collective issued through :mod:`fsdp_plugin._comm.collectives`): a sequence number per
 process group, one `_Op` appended to a ring of the last :data:`RING` operations, two timestamps. Nothing
 is sent. A daemon thread (started at the first collective of a process group with more than one rank)
-publishes this rank's status to the store every :data:`INTERVAL_S` seconds when it changed: the issued
+publishes this rank's status to the store every :func:`period` seconds (:data:`INTERVAL_S`, longer
+beyond 128 ranks: the store budget below): the issued
 count per group, the collective being waited for, the last one finished, and, while the rank is outside
 any collective, the innermost Python line of the thread that trains. The store is the process group's
 own (a TCPStore under torchrun, hosted by the agent), so reading it needs no collective.

@@ -219,7 +219,7 @@ def on_tick(store, statuses_of, publish, notice_changed: bool = True) -> None:
     with _L.lock:
         key = f"{_KEY}{_L.epoch}/"
         if _L.verdict is None:
-            since = _L.waiting_since
+            since, found = _L.waiting_since, False
             if since is not None and time.time() - since >= _L.probe_after:
                 # backing off within one wait: a rank waiting minutes for a slow peer (a checkpoint) reads every
                 # status a few times, not twice a second
@@ -229,13 +229,9 @@ def on_tick(store, statuses_of, publish, notice_changed: bool = True) -> None:
                 if verdict is not None:
                     store.set(key + "diverged", verdict)
                     status.notify(store)
-                    publisher_saw_notice = True
-                else:
-                    publisher_saw_notice = False
-            else:
-                publisher_saw_notice = False
+                    found = True
             # the verdict key is read only when the notice counter moved (issue 30: the store budget)
-            if not (publisher_saw_notice or notice_changed) or not store.check([key + "diverged"]):
+            if not (found or notice_changed) or not store.check([key + "diverged"]):
                 return
             # From here this rank posts nothing new (``issue`` raises): its status now is its final one.
             _L.verdict = store.get(key + "diverged").decode()
