@@ -41,3 +41,18 @@ def test_plan_reports_latency_terms_per_world():
     assert lat[1024]["latency_floor_s"] > lat[64]["latency_floor_s"] * 10      # ring steps grow with N
     assert lat[1024]["host_blocking_waits"] == 1 and lat[1024]["link_latency_us"] == 20
     assert "latency floor" in str(plan)
+
+
+def test_cli_prints_the_latency_rows_when_asked(capsys, tmp_path):
+    from fsdp_plugin.planner.cli import main
+    factory = tmp_path / "tiny_model_t30.py"
+    factory.write_text("from models import GPT\n\ndef build():\n    return GPT(vocab=64, d=32, n_layer=2, seq=16)\n")
+    import sys
+    sys.path.insert(0, str(tmp_path))
+    try:
+        assert main(["tiny_model_t30:build", "--world", "8", "1024", "--device", "cuda", "--seq", "16",
+                     "--link-latency-us", "25"]) == 0
+    finally:
+        sys.path.remove(str(tmp_path))
+    out = capsys.readouterr().out
+    assert "latency floor" in out and "25 us per hop" in out and "blocking waits / step" in out, out

@@ -43,8 +43,9 @@ def plan(model: ModelSource, world_size: Union[int, Iterable[int]] = 1, config: 
         ``output.loss`` if present, else the output summed); ``device``; ``calibration``: None (assumed
         throughputs for ``device``), "calibrate" (measure here, collectively under a process group), a name in
         ``HARDWARE`` (e.g. "a100-80gb") or a ``Calibration``; ``gpus_per_node``; ``foreach``;
-        ``link_latency_us``: one small-message hop (default 30 µs) for ``WorldPlan.latency``, the per-step
-        latency terms (collectives × ring steps × latency, control collectives, blocking waits, store traffic).
+        ``link_latency_us``: one small-message hop in µs (e.g. 30); given, ``WorldPlan.latency`` holds the per-step
+        latency terms (collectives × ring steps × latency, control collectives, blocking waits, store traffic)
+        and the printed plan shows them.
     """
     cfg, run = split_options(config, options)
     return plan_configs(model, world_size, [cfg], **run)[0]
@@ -106,7 +107,8 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
     for cfg in cfgs:
         per_world = {w: _world(w, cfg, units, handles, tl, module, opt, cal, foreach, opts["gpus_per_node"], device)
                      for w in worlds}
-        _latency.attach(per_world, cfg, opts["gpus_per_node"], device, opts["link_latency_us"])
+        if opts["link_latency_us"] is not None:
+            _latency.attach(per_world, cfg, opts["gpus_per_node"], device, opts["link_latency_us"])
         out.append(Plan(model=_name(model, module), num_params=sum(h.numel for h in handles),
                         strategy=cfg.sharding_strategy, optimizer=opt,
                         mixed_precision=str(mp.param_dtype).replace("torch.", "") if mp and mp.param_dtype else None,

@@ -47,8 +47,9 @@ def add_parser(sub) -> None:
     p.add_argument("--fit", metavar="MEMORY", help="recommend the smallest world size / strategy / activation "
                                                    "checkpointing whose peak fits, e.g. 80GB")
     p.add_argument("--max-world", type=int, default=1024, help="largest world size --fit tries (default 1024)")
-    p.add_argument("--link-latency-us", type=float, help="one small-message hop in microseconds for the latency "
-                                                         "floor (collectives x ring steps x latency; default 30)")
+    p.add_argument("--link-latency-us", type=float, help="one small-message hop in microseconds (e.g. 30): also "
+                                                         "print the latency floor (collectives x ring steps x latency), "
+                                                         "blocking waits and store traffic per step")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(fn=run)
 
