@@ -224,7 +224,7 @@ class ShardingConfig:
         the rank, unit and collective) instead of hanging; None reads FSDP_PLUGIN_TIMEOUT_S, default 600.
     device: where unsharded parameters live (default: the current CUDA device under NCCL -- call
         ``torch.cuda.set_device(local_rank)`` first, as NCCL requires -- else the model's device).
-    pairing_check: how a divergence between ranks (a unit run on some ranks only) is caught, always as a
+    pairing_check: how a divergence between ranks (a unit run on some ranks only) is caught, as a
         CollectiveError naming each rank's unit: "auto" (default; the host never waits for another rank before
         issuing a unit collective: identity tags on gloo/CPU, a ledger hash folded into the step's one control
         all-reduce elsewhere, checked before any optimizer step can use the gradients), "strict" (also a
