@@ -1,6 +1,9 @@
 """Cost of the collective pairing check (fsdp_plugin/_comm/tagged.py on gloo, pairing.py elsewhere) on the step.
 
     torchrun --standalone --nproc-per-node 2 benchmarks/pairing_overhead.py --preset small [--steps 20]
+    torchrun --standalone --nproc-per-node 2 benchmarks/pairing_overhead.py --strategy no_shard
+    torchrun --standalone --nproc-per-node 4 benchmarks/pairing_overhead.py --strategy hybrid_shard --mesh 2 2
+    ... --check strict   (the blocking announcements of before issue 30, for comparison)
 
 Two arms alternate every step so machine load hits both alike: ``checked`` (the engine as shipped) and
 ``unchecked`` (``RootState.gate`` returning no pairing, ``RootState.agree_next`` a no-op: collectives under
@@ -72,6 +75,9 @@ def main():
     p.add_argument("--preset", default="small")
     p.add_argument("--steps", type=int, default=20, help="timed steps per arm")
     p.add_argument("--aa", action="store_true", help="both arms checked: the noise floor of the ratios")
+    p.add_argument("--strategy", default="full_shard", help="issue 30: no_shard and hybrid_shard too")
+    p.add_argument("--mesh", type=int, nargs=2, metavar=("R", "S"), help="hybrid_shard's (replicate, shard)")
+    p.add_argument("--check", default="auto", help="pairing_check of the checked arm (auto, strict)")
     a = p.parse_args()
     torch.set_num_threads(1)
     import fsdp_plugin as fp
@@ -86,7 +92,8 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(**PRESETS[a.preset])
     torch.manual_seed(0)
-    model = fp.shard(GPT(cfg), auto_wrap_policy={Block})
+    model = fp.shard(GPT(cfg), auto_wrap_policy={Block}, sharding_strategy=a.strategy,
+                     device_mesh=tuple(a.mesh) if a.mesh else None, pairing_check=a.check)
     opt = torch.optim.AdamW(model.parameters())
     per = PRESET_BATCH[a.preset] // world
     x = torch.randint(0, cfg.vocab, (per, cfg.seq_len), generator=torch.Generator().manual_seed(rank))
@@ -94,13 +101,14 @@ def main():
     times = {k: [] for k in arms}
     cpu = {k: [] for k in arms}
     spent, counts = [], []
-    control = 0
+    control, waits = 0, {}
     for step in range(2 + a.steps * len(arms)):
         arm = arms[step % len(arms)]
         RootState.gate, RootState.agree_next = checked if arm == "checked" or a.aa else unchecked
         _SPENT.update(s=0.0, n=0, depth=0)
         dist.barrier()
         c_before = fp.comm_stats.calls["control"]
+        fp.sync_stats.reset()
         t0, c0 = time.perf_counter(), time.process_time()
         model(x, x).backward()
         opt.step()
@@ -114,11 +122,13 @@ def main():
                 spent.append(dt[1].item())
                 counts.append(_SPENT["n"])
                 control = fp.comm_stats.calls["control"] - c_before
+                waits = dict(fp.sync_stats.waits)
     if rank == 0:
         med = {k: statistics.median(v) for k, v in times.items()}
         mcpu = {k: statistics.median(v) for k, v in cpu.items()}
         share = statistics.median(spent) / med["checked"]
-        print(f"preset {a.preset}, world {world}, {a.steps} steps per arm, load {os.getloadavg()}"
+        print(f"preset {a.preset}, {a.strategy}{' ' + str(tuple(a.mesh)) if a.mesh else ''}, pairing_check="
+              f"{a.check} ({model._fp_root.pairing}), world {world}, {a.steps} steps per arm, load {os.getloadavg()}"
               + (" -- A/A: both arms checked, the ratios show the machine's noise" if a.aa else ""))
         r, lo, hi = _paired(times["checked"], times["unchecked"])
         cr, clo, chi = _paired(cpu["checked"], cpu["unchecked"])
@@ -128,7 +138,7 @@ def main():
               + f"; checked/unchecked {mcpu['checked'] / mcpu['unchecked']:.4f}; paired {cr:.4f} (90% {clo:.3f}-{chi:.3f})")
         print(f"pairing calls per step {statistics.median(counts):.0f}, time in pairing calls "
               f"{statistics.median(spent) * 1e3:.2f} ms per step = {100 * share:.2f}% of the checked step; "
-              f"control collectives per step {control}")
+              f"control collectives per step {control}; blocking waits per step {waits}")
     _lockstep(world, rank)
     dist.destroy_process_group()
 

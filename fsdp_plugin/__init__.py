@@ -8,7 +8,7 @@ from . import planner  # noqa: F401 - fp.planner: fit, calibrate, parse_bytes
 from ._log import configure_from_env as _configure_log
 from .api import (clip_grad_norm_, comm_stats, compile, deferred_init, full_params, full_state_dict, is_sharded,
                   latest_checkpoint, load_checkpoint, load_pretrained, memory_report, no_sync, plan,
-                  register_forward_method, reset, save_checkpoint, save_pretrained, shard, shutdown)
+                  register_forward_method, reset, save_checkpoint, save_pretrained, shard, shutdown, sync_stats)
 from .api import full_params_meta, iter_full_params
 from .checkpoint import AsyncSave
 from ._flat.layout import param_info
@@ -27,7 +27,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ShardingConfig", "MixedPrecision", "Checkpointing", "size_policy", "shard", "compile", "deferred_init", "no_sync", "full_params",
-    "clip_grad_norm_", "full_state_dict", "param_info", "optim", "GradScaler", "is_sharded", "register_forward_method", "reset", "comm_stats",
+    "clip_grad_norm_", "full_state_dict", "param_info", "optim", "GradScaler", "is_sharded", "register_forward_method", "reset", "comm_stats", "sync_stats",
     "save_checkpoint", "AsyncSave", "load_checkpoint", "latest_checkpoint", "load_pretrained", "save_pretrained", "CheckpointError",
     "CheckpointMismatchError", "CorruptCheckpointError", "IncompleteCheckpointError",
     "shutdown",

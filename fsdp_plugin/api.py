@@ -11,12 +11,13 @@ Each lives in the component that owns it; this module only names them:
     latest_checkpoint                       resume after a restart          (checkpoint)
     iter_full_params, full_params_meta      stream full weights (RL sync)   (checkpoint)
     plan                                    predict memory, bytes, time     (planner)
-    memory_report, comm_stats               observe it                      (_log, _comm)
+    memory_report, comm_stats, sync_stats   observe it                      (_log, _comm)
     shutdown                                end the distributed run         (_groups)
 """
 from ._build.compile import compile
 from ._build.shard import shard
 from ._comm.collectives import STATS as comm_stats
+from ._comm.collectives import SYNC as sync_stats
 from ._deferred import deferred_init
 from ._groups.shutdown import shutdown
 from ._log import memory_report
@@ -28,5 +29,5 @@ from .planner import plan
 
 __all__ = ["shard", "deferred_init", "compile", "no_sync", "full_params", "full_state_dict", "clip_grad_norm_",
            "reset", "is_sharded", "register_forward_method", "save_checkpoint", "load_checkpoint",
-           "latest_checkpoint", "save_pretrained", "load_pretrained", "plan", "memory_report", "comm_stats", "shutdown",
-           "iter_full_params", "full_params_meta"]
+           "latest_checkpoint", "save_pretrained", "load_pretrained", "plan", "memory_report", "comm_stats", "sync_stats",
+           "shutdown", "iter_full_params", "full_params_meta"]

@@ -19,6 +19,7 @@ from .errors import ConfigError
 
 STRATEGIES = tuple(_STRATEGY_TABLE)
 SKIP_INIT = "skip"
+PAIRING_CHECKS = ("auto", "strict", "off")
 
 WrapPolicy = Union[None, set, frozenset, tuple, list, Callable[[nn.Module], bool]]
 
@@ -228,6 +229,13 @@ class ShardingConfig:
         the rank, unit and collective) instead of hanging; None reads FSDP_PLUGIN_TIMEOUT_S, default 600.
     device: where unsharded parameters live (default: the current CUDA device under NCCL -- call
         ``torch.cuda.set_device(local_rank)`` first, as NCCL requires -- else the model's device).
+    pairing_check: how a divergence between ranks (a unit run on some ranks only) is caught, as a
+        CollectiveError naming each rank's unit: "auto" (default; the host never waits for another rank before
+        issuing a unit collective: identity tags on gloo/CPU, a ledger hash folded into the step's one control
+        all-reduce elsewhere, checked before any optimizer step can use the gradients), "strict" (also a
+        blocking announcement before every native collective: the error is raised at the collective itself,
+        at one host round trip each), or "off" (no check, torch FSDP2's behaviour: a divergence may abort gloo
+        or mix data silently).
     """
 
     sharding_strategy: str = "full_shard"
@@ -245,6 +253,8 @@ class ShardingConfig:
     timeout_s: Optional[float] = None
     device: Optional[torch.device] = None
     reshard_after_forward: Union[None, bool, int, set, frozenset, tuple, list, Callable[[str, nn.Module], bool]] = None
+    # issue 30: the pairing check off the host's critical path (one contiguous block, validated below)
+    pairing_check: str = "auto"
 
     def __post_init__(self):
         strategy = str(self.sharding_strategy).lower()
@@ -265,6 +275,9 @@ class ShardingConfig:
         as_checkpointing(self.activation_checkpointing)   # validates; kept as given (integrations compare it)
         _check_reshard_rule(self.reshard_after_forward)
         _check_some_ranks_rule(self.some_ranks_modules)
+        if self.pairing_check not in PAIRING_CHECKS:
+            raise ConfigError(f"pairing_check={self.pairing_check!r}: use one of {', '.join(map(repr, PAIRING_CHECKS))} "
+                              "('auto': cheap and safe, the default; 'strict': blocking announcements; 'off': none)")
         self.device = torch.device(self.device) if self.device is not None else None
 
     @classmethod

@@ -44,6 +44,8 @@ def hpz_size_below_one():
 
 def plan_nodes_not_dividing_the_world():
     fp.plan(GPT, world_size=4, nodes=3, link_gbps=1)
+def unknown_pairing_check():
+    fp.ShardingConfig(pairing_check="fast")
 
 
 def wrap_policy_matches_nothing():
@@ -528,7 +530,7 @@ def trl_vllm_sync_on_an_unknown_trl_version():
 
 
 CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, hpz_size_not_dividing_the_shard_group,
-         hpz_size_below_one, plan_nodes_not_dividing_the_world, wrap_policy_matches_nothing,
+         hpz_size_below_one, plan_nodes_not_dividing_the_world, unknown_pairing_check, wrap_policy_matches_nothing,
          bad_fp32_modules_value, fp32_modules_match_nothing, fp32_modules_without_16_bit_compute,
          fp32_module_tied_to_a_16_bit_module,
          mesh_not_dividing_world, shard_twice, optimizer_stepped_before_shard, dtype_backend_cannot_reduce,

@@ -93,9 +93,10 @@ def test_divergence_after_the_first_step_is_a_collective_error_on_every_rank(mod
         assert "rank 0: " in message and "rank 1: " in message, message
 
 
-def _steady(rank, world, strategy="full_shard"):
+def _steady(rank, world, strategy="full_shard", check="auto"):
     torch.manual_seed(0)
-    model = fp.shard(Net("tower", at=10), auto_wrap_policy={Block, Tower}, sharding_strategy=strategy)
+    model = fp.shard(Net("tower", at=10), auto_wrap_policy={Block, Tower}, sharding_strategy=strategy,
+                     pairing_check=check)
     for step in range(3):
         model.step = step
         fp.comm_stats.reset()
@@ -111,11 +112,17 @@ def test_agreeing_ranks_send_no_pairing_message_on_gloo():
     assert (calls["all_gather"], calls["reduce_scatter"], calls["control"]) == (6, 4, 1), calls
 
 
-def test_native_collectives_are_announced_one_check_each():
-    calls = run_ranks(_steady, 2, "no_shard")[0]
-    # no_shard: gloo's own all-reduce per unit (4), each announced before it is issued; plus end of backward
-    # and the unused-parameter mask
+def test_strict_announces_native_collectives_one_check_each():
+    calls = run_ranks(_steady, 2, "no_shard", "strict")[0]
+    # no_shard under "strict": gloo's own all-reduce per unit (4), each announced before it is issued; plus end
+    # of backward and the unused-parameter mask
     assert calls["all_reduce"] + 2 == calls["control"], calls
+
+
+def test_no_shard_reductions_are_tagged_too_by_default():
+    calls = run_ranks(_steady, 2, "no_shard")[0]
+    # issue 30: no_shard's all-reduces are tagged point to point on gloo: the only control collective is the mask
+    assert (calls["all_reduce"], calls["control"]) == (4, 1), calls
 
 
 def _recover(rank, world, mode, strategy):

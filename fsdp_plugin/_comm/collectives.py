@@ -45,6 +45,27 @@ class CommStats:
 
 
 STATS = CommStats()
+
+
+@dataclass
+class SyncStats:
+    """Process-wide count of host-blocking cross-rank waits that are not the step's data (issue 30), by the
+    kind of what was waited: ``control`` (the unused-parameter mask, Join, clip_grad_norm_...), ``pairing``
+    (an announcement waited before a collective may go: ``pairing_check="strict"``), ``barrier``. The host
+    waiting for a data collective it issued (a CPU reduce-scatter's wait) is not counted: that wait is the
+    transfer, not a meeting point added by the engine."""
+
+    waits: Counter = field(default_factory=Counter)
+
+    def reset(self) -> None:
+        self.waits.clear()
+
+    def snapshot(self) -> dict:
+        return {"waits": dict(self.waits)}
+
+
+SYNC = SyncStats()
+_SYNC_KINDS = frozenset({"control", "pairing", "barrier"})
 FAILED = False   # a collective of this process failed or timed out (fp.shutdown then leaves the groups alone)
 
 
@@ -112,7 +133,7 @@ def announce(everyone: torch.Tensor, mine: torch.Tensor, group):
     n = group_size(group)
     _count("control", everyone.numel(), everyone.element_size(), n, group=group)
     work = dist.all_gather_single(everyone, mine, group=group, async_op=True)
-    return status.issued(work, "control", group, n, everyone.numel()), work.get_future()
+    return status.issued(work, "pairing", group, n, everyone.numel()), work.get_future()
 
 
 class _Bound:
@@ -125,6 +146,9 @@ class _Bound:
 
     @staticmethod
     def of(gate, what: str) -> "Optional[_Bound]":
+        if isinstance(gate, Recorded):       # the ledger hash checks it at the end of the step: nothing bound
+            tagged.mark(gate.code)
+            return None
         return _Bound(gate, what) if gate is not None else None
 
     @property
@@ -142,10 +166,20 @@ class Tagged:
         self.code = code
 
 
+class Recorded(Tagged):
+    """The pairing of a collective checked by the ledger hash (``_comm/ledger.py``, ``pairing_check="auto"``
+    where tags do not apply, e.g. NCCL): its code goes into the ledger only; nothing is sent or waited here."""
+
+    __slots__ = ()
+
+
 def _ungated(gate, what: str) -> None:
-    """A native collective cannot be posted conditionally: its gate's verdict is waited on the host before it
-    is issued (on NCCL a gloo round trip, no device synchronization), so a mismatched one is never issued."""
-    if gate is not None and not isinstance(gate, Tagged):
+    """A native collective cannot be posted conditionally: under ``pairing_check="strict"`` its gate's verdict
+    is waited on the host before it is issued (on NCCL a gloo round trip, no device synchronization), so a
+    mismatched one is never issued; a `Recorded` one is only written to the ledger (checked at the step's end)."""
+    if isinstance(gate, Recorded):
+        tagged.mark(gate.code)
+    elif gate is not None and not isinstance(gate, Tagged):
         gate.wait(what)
 
 
@@ -216,8 +250,11 @@ class _P2PWork:
         """Posted now, under a tag naming the collective (``tagged.issue``): the status thread finds a divergence."""
         self.pg, self.group_name, self.fp_code = pg, pg.group_name, code
         tag = tagged.issue(code, self)
-        # what a peer must complement after a divergence, expanded by the status thread (``tagged.snapshot``)
-        self.fp_tag, self.fp_nbytes = tag, sends[self.me].numel() * sends[self.me].element_size()
+        # what a peer must complement after a divergence, expanded by the status thread (``tagged.snapshot``):
+        # per group rank, the bytes this rank sends to it and receives from it
+        self.fp_tag = tag
+        self.fp_nbytes = [(_nbytes(sends[j]), _nbytes(recvs[j])) if j != self.me else (0, 0)
+                          for j in range(len(sends))]
         self._post(pg, tag, sends, recvs)
 
     def wait(self, timeout=None) -> bool:
@@ -251,6 +288,10 @@ class _P2PWork:
 
     def _finish(self) -> None:
         pass
+
+
+def _nbytes(t: Optional[torch.Tensor]) -> int:
+    return t.numel() * t.element_size() if t is not None else 0
 
 
 class _P2PAllGather(_P2PWork):
@@ -288,6 +329,45 @@ class _P2PReduceScatter(_P2PWork):
         self.recvs = self.chunks = self.keep = None
 
 
+class _P2PAllReduce(_P2PWork):
+    """A unit's reduction on gloo/CPU under identity tags (no_shard, hybrid's replicas): native gloo aborts the
+    process on a size mismatch, so it is tagged point to point instead, at the ring's bytes (``2·total·(N−1)/N``,
+    as the counters say). Two ranks: one exchange of the whole tensor, summed (one commutative addition: the
+    same bits on both), so it overlaps like any collective. More: phase 1 (posted now) sends part ``j``
+    (near-equal parts, ``tensor_split``) to rank ``j``, which sums every rank's part in rank order; phase 2
+    (posted by ``wait``, a tagged position of its own: every rank waits its reductions in the same order)
+    sends the summed part to every peer."""
+
+    def __init__(self, t: torch.Tensor, group, n: int, bound: _Bound):
+        me = dist.get_rank(group)
+        self.t, self.n, self.group = t, n, group
+        flat = t.view(-1)
+        self.parts = [flat, flat] if n == 2 else list(torch.tensor_split(flat, n))
+        mine = self.parts[me]
+        self.recvs = [torch.empty_like(mine) if j != me else None for j in range(n)]
+        super().__init__(group, me, self.parts, self.recvs, bound)
+
+    def _finish(self) -> None:
+        if tagged.diverged():    # fp.reset after a divergence: phase 1 may hold a complement's scratch; no phase 2
+            self.recvs = self.parts = self.t = None
+            return
+        me, parts, recvs, n = self.me, self.parts, self.recvs, self.n
+        if n == 2:
+            parts[me].add_(recvs[1 - me])
+            self.recvs = self.parts = self.t = None
+            return
+        # rank order, ((c0 + c1) + c2) + ...: accumulate into rank 0's part (ours, or the buffer it came in)
+        acc = parts[0] if me == 0 else recvs[0]
+        for j in range(1, n):
+            acc.add_(parts[me] if j == me else recvs[j])
+        if me != 0:
+            parts[me].copy_(acc)
+        self.recvs = None
+        # phase 2: this part to every peer, theirs into place
+        _P2PWork(self.group, me, [parts[me]] * n, list(parts), self.bound).wait()
+        self.parts = self.t = None
+
+
 def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False, kind: str = "all_reduce",
                what: Optional[str] = None, timeout_s: Optional[float] = None, gate=None):
     """In-place all-reduce; ``kind="control"`` keeps small bookkeeping out of the training-bytes formula.
@@ -295,6 +375,9 @@ def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = Fa
     announcement, waited before the (native, so ungated) all-reduce is issued."""
     n = group_size(group)
     _count(kind, t.numel(), t.element_size(), n, factor=2, group=group)
+    if type(gate) is Tagged and _p2p_ok(group, t, t):    # a unit's reduction on gloo/CPU: tagged like the rest
+        work = _P2PAllReduce(t, group, n, _Bound(gate, what or "all-reduce"))
+        return _issued(status.issued(work, kind, group, n, t.numel()), async_op)
     _ungated(gate, what or "all-reduce")
     if what is None:
         return status.issued(dist.all_reduce(t, op=op, group=group, async_op=async_op), kind, group, n, t.numel())
@@ -412,6 +495,8 @@ def wait(work, what: str = "collective", timeout_s: Optional[float] = None) -> N
     if work is None:
         return
     op, work = status.waiting(work, what)
+    if op is not None and op.kind in _SYNC_KINDS:
+        SYNC.waits[op.kind] += 1
     try:
         ok = work.wait(timeout=timedelta(seconds=timeout_s)) if timeout_s else work.wait()
     except CollectiveError:

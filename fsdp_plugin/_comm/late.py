@@ -41,6 +41,7 @@ def report(op: Optional[_Op]) -> str:
         store.set(_key(me), json.dumps(_snapshot(None)))
         if not store.check([_DUMP_KEY]) or _stale(store.get(_DUMP_KEY).decode()):
             store.set(_DUMP_KEY, f"{time.time()}|rank {me} at {op.label()}")
+            status.notify(store)
         pub = status._S.publisher
         if pub is not None:            # this rank writes its own file below, with the stack of this moment
             pub.dumped = store.get(_DUMP_KEY).decode()
@@ -125,9 +126,9 @@ def _late_rank(s: dict, now: float) -> str:
     if s.get("where"):
         text += f", now at {s['where']}"
     age = now - s["t"]
-    if age > 2 * status.INTERVAL_S + 1.0:
+    if age > 2 * status.period() + 1.0:
         return text + f"; its status stopped updating {age:.0f}s ago: the process is dead or frozen (holding the GIL)"
-    return text + f" (its status of {age:.1f}s ago)"     # published every INTERVAL_S: a fast loop moves on meanwhile
+    return text + f" (its status of {age:.1f}s ago)"     # published every period(): a fast loop moves on meanwhile
 
 
 def _past_rank(s: dict, now: float) -> str:

@@ -3,7 +3,8 @@
 Hot path (every collective issued through :mod:`fsdp_plugin._comm.collectives`): a sequence number per
 process group, one `_Op` appended to a ring of the last :data:`RING` operations, two timestamps. Nothing
 is sent. A daemon thread (started at the first collective of a process group with more than one rank)
-publishes this rank's status to the store every :data:`INTERVAL_S` seconds when it changed: the issued
+publishes this rank's status to the store every :func:`period` seconds (:data:`INTERVAL_S`, longer
+beyond 128 ranks: the store budget below): the issued
 count per group, the collective being waited for, the last one finished, and, while the rank is outside
 any collective, the innermost Python line of the thread that trains. The store is the process group's
 own (a TCPStore under torchrun, hosted by the agent), so reading it needs no collective.
@@ -39,8 +40,18 @@ RING = 256              # operations kept per rank (a step issues a few dozen)
 INTERVAL_S = 0.5        # publication period of the status thread; bounds how stale a live rank's status is
 READ_TIMEOUT_S = 2.0    # store reads at a deadline: a dead store host must not add minutes to the error
 ENABLED = True          # benchmarks/status_overhead.py measures the hot path by switching it off
+# Store budget (issue 30): all ranks together do at most STORE_OPS_PER_S store operations per second while
+# training. Each rank does OPS_PER_PERIOD per publication period (its status set; one read of the notice
+# counter, which every dump request or divergence verdict bumps), so the period grows with the world:
+# period = max(INTERVAL_S, N * OPS_PER_PERIOD / STORE_OPS_PER_S): 0.5 s up to 128 ranks, 4 s at 1,024.
+# A rank whose main thread blocks in a collective publishes once at INTERVAL_S into the wait and reads the
+# notice at 0.5, 1, 2, 4... s into it (up to the period): a stuck rank's status is fresh within a second.
+STORE_OPS_PER_S = 512
+OPS_PER_PERIOD = 2
+STORE_OPS: list = [0]   # store operations issued by this process's status thread (the benchmark reads it)
 _PREFIX = "fsdp_plugin/status/"
 _DUMP_KEY = _PREFIX + "dump"
+_NOTICE_KEY = _PREFIX + "notice"    # a counter: bumped with every dump request and divergence verdict
 _DETAILED = 4           # late ranks described in full; the others are listed by number
 EXTRAS: list = []       # () -> dict merged into this rank's status (``tagged``: the pairing ledger)
 TICKS: list = []        # (publisher) -> None, every publication period (``tagged``: finding divergences)
@@ -195,6 +206,23 @@ def _key(rank: int) -> str:
     return f"{_PREFIX}{rank}"
 
 
+def period(world: Optional[int] = None) -> float:
+    """Seconds between two publications of a rank's status at ``world`` ranks (default: this world)."""
+    n = world if world is not None else (dist.get_world_size() if dist.is_initialized() else 1)
+    return max(INTERVAL_S, n * OPS_PER_PERIOD / STORE_OPS_PER_S)
+
+
+def notify(store) -> None:
+    """Tell every status thread to look at the dump and verdict keys at its next notice read."""
+    store.add(_NOTICE_KEY, 1)
+
+
+def blocked_since() -> Optional[float]:
+    """When the training thread started waiting in the collective it is still in (None: not waiting)."""
+    cur = _S.current
+    return cur.t_wait if cur is not None else None
+
+
 class _Publisher(threading.Thread):
     """Publishes this rank's status every INTERVAL_S while the process group it started in lives; writes
     the trace file when another rank asks (the dump key). Never raises: on any store error it stops."""
@@ -203,6 +231,10 @@ class _Publisher(threading.Thread):
         super().__init__(name="fsdp_plugin-status", daemon=True)
         self.store, self.pg, self.tid = store, weakref.ref(pg), tid
         self.stop_event, self.dumped = threading.Event(), None
+        self.period = period()
+        self.published = 0.0         # when this rank's status was last written
+        self.notice, self.noticed = 0, 0.0   # last notice count read, and when
+        self.notice_changed = False  # this tick saw a new notice: ticks look at their keys (``tagged``)
 
     @classmethod
     def start(cls) -> Optional["_Publisher"]:
@@ -218,6 +250,29 @@ class _Publisher(threading.Thread):
 
     def publish(self) -> None:
         self.store.set(_key(dist.get_rank()), json.dumps(_snapshot(self.tid)))
+        self.published = time.time()
+        STORE_OPS[0] += 1
+
+    def _read_notice(self) -> None:
+        count = self.store.add(_NOTICE_KEY, 0)
+        STORE_OPS[0] += 1
+        self.noticed, self.notice_changed = time.time(), count != self.notice
+        self.notice = count
+
+    def _tick(self) -> None:
+        """One wake-up (every INTERVAL_S, local): the store operations that are due under the budget."""
+        now, since = time.time(), blocked_since()
+        self.notice_changed = False
+        blocked = since is not None and now - since >= INTERVAL_S
+        if now - self.published >= self.period or blocked and self.published < since + INTERVAL_S:
+            self.publish()
+        # while blocked, the notice is read at 0.5, 1, 2, 4 ... s into the wait (a verdict or dump reaches a
+        # stuck rank quickly); otherwise once per period
+        gap = min(self.period, max(INTERVAL_S, now - since)) if blocked else self.period
+        if now - self.noticed >= gap - 1e-3:
+            self._read_notice()
+            if self.notice_changed:
+                self._maybe_dump()
 
     def alive_group(self) -> bool:
         return dist.is_initialized() and self.pg() is dist.distributed_c10d._get_default_group()
@@ -225,8 +280,7 @@ class _Publisher(threading.Thread):
     def run(self) -> None:
         try:
             while not self.stop_event.wait(INTERVAL_S) and self.alive_group():
-                self.publish()
-                self._maybe_dump()
+                self._tick()
                 for tick in TICKS:
                     tick(self)
         except Exception:  # noqa: BLE001 - a closed store or group ends the thread, never the training

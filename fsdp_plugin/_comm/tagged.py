@@ -59,6 +59,8 @@ class _Ledger:
         self.complements: list = []                  # their works, waited in fp.reset
         self.settled = False                         # this rank posted its complements
         self.io = None                               # (store, statuses reader) of the status thread
+        self.digest = 0                              # rolling hash of every (position, code) of this epoch
+        self.verified = 0                            # positions below this were checked by the ledger hash
         self.lock = threading.RLock()                # the status thread's actions against the main thread's
 
 
@@ -108,6 +110,7 @@ def issue(c: int, work) -> int:
         pos = _L.pos
         _L.pos = pos + 1
         _L.codes[pos % _HISTORY] = (pos, c)
+        _L.digest = _fold(_L.digest, pos, c)
         _L.pending[pos] = work
     work.fp_pos = pos
     if work.group_name not in _groups:
@@ -130,6 +133,46 @@ def mark(c: int) -> None:
     pos = _L.pos
     _L.pos = pos + 1
     _L.codes[pos % _HISTORY] = (pos, c)
+    _L.digest = _fold(_L.digest, pos, c)
+
+
+_MASK64 = (1 << 64) - 1
+_MUL = 0x9E3779B97F4A7C15    # odd 64-bit multiplier (Fibonacci hashing): every bit of a code reaches the digest
+
+
+def _fold(digest: int, pos: int, c: int) -> int:
+    """The rolling hash of the ledger: equal on two ranks iff (with 2^-64 odds) they issued the same codes at the
+    same positions since the epoch began. One multiply-add per collective."""
+    return ((digest ^ c ^ (pos << 48)) * _MUL + 1) & _MASK64
+
+
+def digest() -> int:
+    """This rank's ledger hash so far (``_comm/ledger.py`` folds it into the step's control all-reduce)."""
+    return _L.digest
+
+
+def codes_since_verified() -> list:
+    """``[[position, code], ...]`` issued since the last hash that every rank agreed on (those still kept)."""
+    return [list(e) for e in (_L.codes[p % _HISTORY] for p in range(max(_L.verified, _L.pos - _HISTORY), _L.pos))
+            if e is not None]
+
+
+def verified() -> None:
+    """Every rank's ledger hash agreed: the codes so far are checked."""
+    _L.verified = _L.pos
+
+
+def first_divergence(codes: dict) -> Optional[str]:
+    """rank -> {position: code}: the divergence message at the first position where two ranks differ (a rank
+    without that position is "not there yet"), else None."""
+    return _verdict_of(codes)
+
+
+def set_verdict(message: str) -> None:
+    """The ledger hash found a divergence: every later issue raises it until fp.reset (no complements: the
+    hash path has no point-to-point operation left waiting for one)."""
+    with _L.lock:
+        _L.verdict, _L.acked, _L.settled = message, True, True
 
 
 def finished(work) -> None:
@@ -162,28 +205,33 @@ def snapshot() -> Optional[dict]:
     ops = []
     for pos, work in list(_L.pending.items()):
         # [position, code, group, global peer, tag, bytes, True when *this rank* sends]: each peer both ways
-        peers = [r for j, r in enumerate(ranks_of(work.pg)) if j != work.me]
-        ops.extend([pos, work.fp_code, work.group_name, peer, work.fp_tag, work.fp_nbytes, sends]
-                   for peer in peers for sends in (False, True))
+        peers = [(j, r) for j, r in enumerate(ranks_of(work.pg)) if j != work.me]
+        ops.extend([pos, work.fp_code, work.group_name, peer, work.fp_tag, work.fp_nbytes[j][0 if sends else 1],
+                    sends] for j, peer in peers for sends in (False, True))
     return {"epoch": _L.epoch, "codes": recent, "ops": ops, "acked": _L.acked}
 
 
-def on_tick(store, statuses_of, publish) -> None:
+def on_tick(store, statuses_of, publish, notice_changed: bool = True) -> None:
     """One status-thread tick: probe a long tagged wait, learn a verdict, post complements. ``statuses_of()``:
-    every rank's published status (rank -> dict or None); ``publish()``: publish this rank's status now."""
+    every rank's published status (rank -> dict or None); ``publish()``: publish this rank's status now;
+    ``notice_changed``: the notice counter moved since the last read (a verdict may be there)."""
     _L.io = (store, statuses_of)
     with _L.lock:
         key = f"{_KEY}{_L.epoch}/"
         if _L.verdict is None:
-            since = _L.waiting_since
+            since, found = _L.waiting_since, False
             if since is not None and time.time() - since >= _L.probe_after:
                 # backing off within one wait: a rank waiting minutes for a slow peer (a checkpoint) reads every
                 # status a few times, not twice a second
                 _L.probe_after = min(2 * _L.probe_after, _PROBE_MAX_S)
                 verdict = _verdict(statuses_of(), _L.epoch)
+                status.STORE_OPS[0] += 2             # check + multi_get of every rank's status
                 if verdict is not None:
                     store.set(key + "diverged", verdict)
-            if not store.check([key + "diverged"]):
+                    status.notify(store)
+                    found = True
+            # the verdict key is read only when the notice counter moved (issue 30: the store budget)
+            if not (found or notice_changed) or not store.check([key + "diverged"]):
                 return
             # From here this rank posts nothing new (``issue`` raises): its status now is its final one.
             _L.verdict = store.get(key + "diverged").decode()
@@ -222,6 +270,10 @@ def _verdict(statuses: dict, epoch: int) -> Optional[str]:
     """The divergence message if two ranks' published codes differ at a position, else None."""
     codes = {r: {p: c for p, c in s["codes"]} for r, s in _pairing(statuses, epoch).items()}
     codes[dist.get_rank()] = {p: c for p, c in (e for e in _L.codes if e is not None)}
+    return _verdict_of(codes)
+
+
+def _verdict_of(codes: dict) -> Optional[str]:
     first = None
     ranks = sorted(codes)
     for i, r in enumerate(ranks):
@@ -288,6 +340,7 @@ def drain(control_group, timeout_s: float) -> None:
     dist.all_reduce(nxt, op=dist.ReduceOp.MAX, group=control_group)
     with _L.lock:
         _L.pos = int(nxt.item()) + _PUBLISHED
+        _L.verified, _L.digest = _L.pos, 0
         _L.codes = [None] * _HISTORY
         _L.pending.clear()
         _L.verdict, _L.acked, _L.settled, _L.complemented = None, False, False, set()
@@ -301,7 +354,7 @@ def _status_extra() -> dict:
 
 def _tick(publisher) -> None:
     on_tick(publisher.store, lambda: late._read(publisher.store, list(range(dist.get_world_size()))),
-            publisher.publish)
+            publisher.publish, publisher.notice_changed)
 
 
 status.EXTRAS.append(_status_extra)

@@ -60,6 +60,13 @@ class _PendingReduce:
     out: torch.Tensor            # this rank's reduced chunk (reduce dtype), valid after work.wait()
     keep: torch.Tensor           # input kept alive until the collective finishes
     replica: bool = False        # hybrid's second stage: the cross-replica all-reduce of ``out``
+    gate: object = None          # its pairing (hybrid: the replica all-reduce in ``finish_reduce`` takes its tag)
+
+
+def _replica_gate(gate):
+    """The pairing of hybrid's replica all-reduce: the reduce-scatter's identity tag or ledger code (a new
+    position; issue 30), never its announcement again (the world already agreed on the unit: ``strict``)."""
+    return gate if isinstance(gate, comm.Tagged) else None
 
 
 class _LeafViews(torch.autograd.Function):
@@ -338,7 +345,7 @@ class FlatParamHandle:
         if self.mesh.shard_size > 1:
             out = torch.empty(self.chunk, dtype=self.reduce_dtype, device=self.device)
             work = comm.reduce_scatter(out, grad, self.mesh.shard_group, async_op=True, gate=gate, what=what)
-            self.pending_reduce = _PendingReduce(work, out, grad)
+            self.pending_reduce = _PendingReduce(work, out, grad, gate=gate)
         elif self.mesh.replicate_size > 1:
             work = comm.all_reduce(grad, self.mesh.replicate_group, async_op=True, gate=gate, what=what)
             self.pending_reduce = _PendingReduce(work, grad, grad)
@@ -361,7 +368,7 @@ class FlatParamHandle:
         out = pending.out
         if not pending.replica and self.mesh.shard_size > 1 and self.mesh.replicate_size > 1:
             # the reduce-scatter's input is released now; only the 1/S chunk stays until the all-reduce ends
-            work = comm.all_reduce(out, self.mesh.replicate_group, async_op=True)
+            work = comm.all_reduce(out, self.mesh.replicate_group, async_op=True, gate=_replica_gate(pending.gate))
             self.pending_reduce = _PendingReduce(work, out, out, replica=True)
             if not final:
                 return True

@@ -97,6 +97,13 @@ class Reduction:
             self._agreement = UsageAgreement(self.root)
             self.state = ReduceState.AGREEING
 
+    def verify_pairing(self) -> None:
+        """Under the ledger hash (``RootState.pairing == "hash"``): wait for the mask all-reduce that carries
+        it and raise the divergence on every rank, before the last reductions are waited for (one may be
+        stuck) and before any gradient reaches an optimizer. Elsewhere nothing (the mask is waited later)."""
+        if self._agreement is not None:
+            self._agreement.verify()
+
     def finish_pending(self) -> None:
         """End of backward: finish the reduce-scatters (issuing the last all-reduces), then every all-reduce."""
         while self._pending:

@@ -28,7 +28,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .._comm import collectives as comm
+from .._comm import collectives as comm, ledger
+from .._groups.mesh import control_group
 
 
 class SlotUsage:
@@ -64,12 +65,17 @@ class UsageAgreement:
     (the masks are known once every post-accumulate hook ran), ``finish`` it after every reduction finished."""
 
     def __init__(self, root):
+        self.root = root
         self.handles = [h for u in root.units for h in u.handles if h.requires_grad]
         self.masks = [_local_mask(h) for h in self.handles]
         self.work = self.flat = None
+        # the ledger hash of the pairing check rides along (``_comm/ledger.py``), on the gloo control group
+        self.hashed = root.pairing == "hash"
         if self.handles and root.mesh.world_size > 1:
-            self.flat = torch.frombuffer(bytearray(b"".join(self.masks)), dtype=torch.uint8).to(root.device)
-            self.work = comm.all_reduce(self.flat, None, op=dist.ReduceOp.MAX, async_op=True, kind="control")
+            data = b"".join(self.masks) + (ledger.token() if self.hashed else b"")
+            group, dev = (control_group(), torch.device("cpu")) if self.hashed else (None, root.device)
+            self.flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+            self.work = comm.all_reduce(self.flat, group, op=dist.ReduceOp.MAX, async_op=True, kind="control")
 
     def drain(self) -> None:
         """Wait for the all-reduce without using its result (fp.reset of a backward that raised)."""
@@ -77,9 +83,22 @@ class UsageAgreement:
         if work is not None:
             comm.wait(work, "unused-parameter mask all-reduce", self.handles[0].timeout_s)
 
+    def _wait(self) -> None:
+        work, self.work = self.work, None
+        if work is not None:
+            comm.wait(work, "unused-parameter mask all-reduce", self.handles[0].timeout_s)
+
+    def verify(self) -> None:
+        """Wait for the all-reduce and check the ledger hash it carries (a no-op without one)."""
+        if self.flat is None or not self.hashed:
+            return
+        self._wait()
+        merged = bytes(self.flat[-ledger.TOKEN_BYTES:].tolist())
+        ledger.verify(merged, control_group(), self.handles[0].timeout_s, self.root.divergence_hint())
+
     def finish(self) -> None:
         if self.flat is not None:
-            comm.wait(self.work, "unused-parameter mask all-reduce", self.handles[0].timeout_s)
+            self._wait()
             merged, self.masks, at = bytes(self.flat.cpu().tolist()), [], 0
             for h in self.handles:
                 self.masks.append(merged[at:at + len(h.slots) + 1])

@@ -2,12 +2,14 @@
 the end-of-backward callback that waits for reductions and reshards whatever is still unsharded."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
 from .._comm import pairing, tagged
-from .._comm.collectives import Tagged
+from .._comm.collectives import Recorded, Tagged
 from .._comm.pairing import Entering
 from .._comm import status as comm_status
 from ..config import ShardingConfig
@@ -19,12 +21,32 @@ from .states import OrderState, RootPhase
 from .._reduce.reduction import Reduction
 
 
-def tags_suffice(mesh: Mesh, device: torch.device) -> bool:
-    """Every per-unit collective of ``mesh`` is point to point (gloo, CPU tensors, no replica all-reduce), so
-    identity tags check their pairing (``_comm/tagged.py``); else they are announced (``_comm/pairing.py``)."""
+def tags_suffice(mesh: Mesh, device: torch.device, every_strategy: bool = True) -> bool:
+    """Every per-unit collective of ``mesh`` can be point to point with identity tags (gloo, CPU tensors; the
+    status thread runs: it finds divergences), so tags check their pairing (``_comm/tagged.py``). Replica
+    all-reduces are tagged too (``collectives._P2PAllReduce``) unless ``every_strategy`` is False
+    (``pairing_check="strict"``: announcements for no_shard and hybrid, as before issue 30)."""
     import torch.distributed as dist
-    return (device.type == "cpu" and mesh.shard_size > 1 and mesh.replicate_size == 1
-            and dist.get_backend(mesh.shard_group) == "gloo" and comm_status.publishing())   # it finds divergences
+    if device.type != "cpu" or mesh.world_size == 1:
+        return False
+    groups = [g for g, n in ((mesh.shard_group, mesh.shard_size), (mesh.replicate_group, mesh.replicate_size)) if n > 1]
+    if not every_strategy and (mesh.shard_size == 1 or mesh.replicate_size > 1):
+        return False
+    return all(dist.get_backend(g) == "gloo" for g in groups) and comm_status.publishing()
+
+
+def pairing_mode(config: ShardingConfig, mesh: Optional[Mesh], device: torch.device) -> str:
+    """How this root checks collective pairing (``ShardingConfig.pairing_check``): "tags" (gloo/CPU: no
+    message), "hash" (the ledger hash in the step's control all-reduce: ``_comm/ledger.py``), "announce"
+    (blocking announcements, ``_comm/pairing.py``) or "off"."""
+    check = config.pairing_check
+    if mesh is None or check == "off":
+        return "off"
+    if tags_suffice(mesh, device, every_strategy=check == "auto"):
+        return "tags"
+    if check == "strict" or device.type == "cpu":    # gloo/CPU without the status thread: gloo would abort
+        return "announce"
+    return "hash"
 
 
 class RootState:
@@ -50,8 +72,9 @@ class RootState:
         self.tp_mesh = None                 # the tensor-parallel DeviceMesh of a DTensor model (fp.shard sets it)
         # Pairing check by identity tags (``_comm/tagged.py``) when every unit collective is point to point
         # (gloo, CPU, shard groups only), else by announcements (``_comm/pairing.py``).
-        self.tagged = mesh is not None and tags_suffice(mesh, device)
-        self._root_number = tagged.new_root(self) if self.tagged else None
+        self.pairing = pairing_mode(config, mesh, device)
+        self.tagged = self.pairing == "tags"
+        self._root_number = tagged.new_root(self) if self.pairing in ("tags", "hash") else None
 
     @property
     def root_unit(self):
@@ -93,11 +116,12 @@ class RootState:
         announcement (``_comm.pairing.Gate``; the collective is bound to it; ``prompt``: it is waited right
         away); None in a world of one rank. ``handle``: the handle's index in ``unit``."""
         mesh = self.mesh
-        if mesh is None or mesh.world_size == 1:
+        if mesh is None or mesh.world_size == 1 or self.pairing == "off":
             return None
         index = self.index_of(unit) if unit is not None else 0
-        if self.tagged:
-            return Tagged(tagged.code(int(entering), self._root_number, index, handle))
+        if self.pairing != "announce":
+            kind = Tagged if self.tagged else Recorded
+            return kind(tagged.code(int(entering), self._root_number, index, handle))
         return pairing.Gate(pairing.code(entering, index), self.units, control_group(), mesh.world_size,
                             self.config.timeout_s, prompt, self.divergence_hint())
 
@@ -110,7 +134,9 @@ class RootState:
     def agree_next(self, entering: Entering, unit=None) -> None:
         """Where a rank's per-unit collectives may end early, every rank must be at the same point, else
         CollectiveError on every rank: a position of the tags (no message), or a blocking announcement."""
-        if self.tagged:
+        if self.pairing == "off" or self.mesh is None or self.mesh.world_size == 1:
+            return
+        if self.pairing != "announce":
             tagged.mark(tagged.code(int(entering), self._root_number, 0, 0))
             return
         gate = self.gate(entering, unit, prompt=True)
@@ -220,6 +246,7 @@ class RootState:
         if self.mesh.shard_size > 1 or not reduction.no_sync:    # this backward's plan had collectives
             self.agree_next(Entering.END_OF_BACKWARD)
         reduction.start_agreement()
+        reduction.verify_pairing()       # the ledger hash: before a gradient can be waited for or used
         try:
             reduction.finish_pending()
         finally:

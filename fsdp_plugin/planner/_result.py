@@ -42,6 +42,7 @@ class WorldPlan:
     inter_node_bytes: dict = field(default_factory=dict)   # with nodes=: per rank, to other nodes, by kind
     link_bytes_per_node: int = 0   # with nodes=: bytes each node sends on its link per step
     link_s: Optional[float] = None  # with link_gbps=: seconds of link traffic per step
+    latency: dict = field(default_factory=dict)   # per-step latency terms at cluster scale (``_latency.py``)
 
     @property
     def wire_total(self) -> int:
@@ -106,6 +107,18 @@ class Plan:
         if all(self.worlds[w].step_s is not None for w in ws):
             lines.append(f"{'step time (predicted)':<26}" + "".join(f"{self.worlds[w].step_s * 1e3:>{width - 3}.1f} ms"
                                                                    for w in ws))
+        if all(self.worlds[w].latency for w in ws):
+            lines.append(f"{'collectives / step':<26}" + "".join(
+                f"{self.worlds[w].latency['unit_collectives'] + self.worlds[w].latency['control_collectives']:>{width}}"
+                for w in ws))
+            lines.append(f"{'blocking waits / step':<26}" + "".join(
+                f"{self.worlds[w].latency['host_blocking_waits']:>{width}}" for w in ws))
+            lines.append(f"{'latency floor':<26}" + "".join(
+                f"{self.worlds[w].latency['latency_floor_s'] * 1e3:>{width - 3}.1f} ms" for w in ws))
+            lines.append(f"{'store ops/s (all ranks)':<26}" + "".join(
+                f"{self.worlds[w].latency['store_ops_per_s_total']:>{width}.0f}" for w in ws))
+            lines.append(f"latency floor: ring steps x {self.worlds[ws[0]].latency['link_latency_us']:.0f} us per hop "
+                         "(fp.plan(..., link_latency_us=...)); a lower bound for NCCL's trees")
         lines.append(f"step time from {self.calibration.get('source', '?')} throughputs; "
                      f"{self.flops_per_step / 1e9:,.1f} GFLOP per rank per step")
         lines += [f"note: {n}" for n in self.notes]

@@ -10,7 +10,7 @@ from torch import nn
 from .._build.precision import fp32_buffers, fp32_regions
 from ..config import Checkpointing, MixedPrecision, ShardingConfig, as_checkpointing
 from ..errors import ConfigError
-from . import _optim as _optim
+from . import _latency, _optim as _optim
 from ._capture import ModelSource, capture, hf_inputs
 from ._fake_run import RunSpec, Timeline, run
 from ._links import Links
@@ -112,6 +112,8 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
         per_world = {w: _world(w, cfg, units, handles, tl, module, opt, cal, foreach,
                                links.per_node(w) if links else opts["gpus_per_node"], device, links)
                      for w in worlds}
+        if opts["link_latency_us"] is not None:
+            _latency.attach(per_world, cfg, opts["gpus_per_node"], device, opts["link_latency_us"])
         out.append(Plan(model=_name(model, module), num_params=sum(h.numel for h in handles),
                         strategy=cfg.sharding_strategy, optimizer=opt,
                         mixed_precision=str(mp.param_dtype).replace("torch.", "") if mp and mp.param_dtype else None,

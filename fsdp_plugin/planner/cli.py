@@ -47,6 +47,9 @@ def add_parser(sub) -> None:
     p.add_argument("--fit", metavar="MEMORY", help="recommend the smallest world size / strategy / activation "
                                                    "checkpointing whose peak fits, e.g. 80GB")
     p.add_argument("--max-world", type=int, default=1024, help="largest world size --fit tries (default 1024)")
+    p.add_argument("--link-latency-us", type=float, help="one small-message hop in microseconds (e.g. 30): also "
+                                                         "print the latency floor (collectives x ring steps x latency), "
+                                                         "blocking waits and store traffic per step")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(fn=run)
 
@@ -65,6 +68,8 @@ def run(args) -> int:
                       backward_prefetch=not args.no_backward_prefetch, forward_prefetch=args.forward_prefetch,
                       limit_all_gathers=not args.no_limit_all_gathers, device=args.device,
                       calibration="calibrate" if args.calibrate else args.hardware)
+        if args.link_latency_us is not None:
+            kwargs["link_latency_us"] = args.link_latency_us
         if args.fit:
             result = fit(module, args.fit, max_world=args.max_world, **kwargs)
         else:
