@@ -1,0 +1,212 @@
+"""Quantized collectives (``fp.Quantization``, ``_comm/quantized.py``): the error bounds the scheme predicts,
+asserted against the exact values, and the bytes they save, asserted from ``fp.comm_stats``."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import fsdp_plugin as fp
+from _dist import run_ranks
+from _parity import make_optimizer, train
+from fsdp_plugin._comm import collectives as comm
+from fsdp_plugin._comm import quantized as qz
+from models import GPT, Block
+
+BLOCK = 64
+# float32 arithmetic of code·scale: a relative term on top of scale/2
+SLACK = 1e-6
+
+
+def _bound_ok(err: torch.Tensor, bound: torch.Tensor, exact: torch.Tensor) -> bool:
+    return bool((err <= bound * (1 + SLACK) + exact.abs() * 2e-7 + 1e-12).all())
+
+
+def _block_scales(rows: torch.Tensor, block: int) -> torch.Tensor:
+    """The scale of the block each element of ``rows`` (R, L) falls in, elementwise (R, L)."""
+    r, length = rows.shape
+    nb = qz.blocks(length, block)
+    x = torch.nn.functional.pad(rows.float(), (0, nb * block - length)).view(r, nb, block)
+    s = x.abs().amax(-1, keepdim=True) / 127
+    return s.expand(r, nb, block).reshape(r, nb * block)[:, :length]
+
+
+def test_quantize_round_trip_within_half_a_step():
+    torch.manual_seed(0)
+    x = torch.randn(3, 1000) * torch.logspace(-4, 2, 1000)
+    x[1, :BLOCK] = 0                                  # an all-zero block: scale 0, exact zeros
+    payload = qz.quantize(x, BLOCK)
+    assert payload.dtype == torch.int8 and payload.shape == (3, qz.payload_elems(1000, BLOCK))
+    back = qz.dequantize(payload, 1000, BLOCK)
+    half = _block_scales(x, BLOCK) / 2
+    assert torch.equal(qz.scales(payload, 1000, BLOCK), _block_scales(x, BLOCK)[:, ::BLOCK])
+    assert _bound_ok((back - x).abs(), half, x)
+    assert torch.equal(back[1, :BLOCK], torch.zeros(BLOCK))
+    assert (back - x).abs().max() > 0                 # it does quantize
+    # the bound is tight where it should be: some element lands near half a step away
+    assert ((back - x).abs() / half.clamp_min(1e-30)).max() > 0.9
+
+
+def test_config_validation():
+    q = fp.Quantization(weights="int8", gradients="int8")
+    assert q.block_size == 256 and fp.ShardingConfig(quantization=q).quantization is q
+    for bad in ({"weights": "int4"}, {"gradients": True}, {"block_size": 100}, {"block_size": 0}):
+        with pytest.raises(fp.ConfigError):
+            fp.Quantization(**bad)
+    with pytest.raises(fp.ConfigError, match="no_shard never all-gathers"):
+        fp.ShardingConfig(sharding_strategy="no_shard", quantization=fp.Quantization(weights="int8"))
+    with pytest.raises(fp.ConfigError, match="fp.Quantization"):
+        fp.ShardingConfig(quantization="int8")
+    fp.ShardingConfig(sharding_strategy="no_shard", quantization=fp.Quantization(gradients="int8"))
+
+
+def _gathered(rank, world, strategy, mesh, dtype, block):
+    torch.manual_seed(0)
+    model = GPT()
+    mp = fp.MixedPrecision(param_dtype=dtype) if dtype is not None else None
+    q = fp.Quantization(weights="int8", block_size=block)
+    fp.shard(model, auto_wrap_policy={Block}, sharding_strategy=strategy, device_mesh=mesh, mixed_precision=mp,
+             quantization=q)
+    out = []
+    fp.comm_stats.reset()
+    for u in model._fp_root.units:
+        for h in u.handles:
+            master = h.gather_master()            # exact, kind state_dict
+            h.unshard(async_op=False)
+            h.wait_unshard()
+            out.append((master, h._full.detach().clone(), h.mesh.shard_size))
+            h.reshard()
+    return out, dict(fp.comm_stats.bytes)
+
+
+@pytest.mark.parametrize("strategy,mesh,world,dtype", [
+    ("full_shard", None, 2, None), ("shard_grad_op", None, 3, None), ("hybrid_shard", (2, 2), 4, None),
+    ("full_shard", None, 2, torch.bfloat16)])
+def test_gathered_weights_within_half_a_step(strategy, mesh, world, dtype):
+    """qwZ: every gathered weight within its block's scale/2 of the master, the same copy on every rank, and
+    the bytes from comm_stats: int8 + scales, ≥ 3.5× fewer than float32 (≥ 1.9× than bf16)."""
+    block = 256                                     # the default: the byte ratios below need it
+    results = run_ranks(_gathered, world, strategy, mesh, dtype, block)
+    first, stats = results[0]
+    for other, _ in results[1:]:
+        for (_, full0, _), (_, full, _) in zip(first, other):
+            assert torch.equal(full0, full), "ranks gathered different weights"
+    exact_bytes = 0
+    for master, full, n in first:
+        rows = master.view(n, -1)
+        half = _block_scales(rows, block).reshape(-1) / 2
+        err = (full.float() - master.float()).abs()
+        extra = master.float().abs() * 2 ** -8 if dtype is torch.bfloat16 else 0   # the cast to bf16 after
+        assert _bound_ok(err, half + extra, master)
+        assert err.max() > 0
+        exact_bytes += master.numel() * (dtype or torch.float32).itemsize * (n - 1) // n
+    assert "all_gather" not in stats
+    ratio = exact_bytes / stats[qz.WEIGHTS_KIND]
+    assert ratio >= (1.9 if dtype is torch.bfloat16 else 3.5), ratio
+
+
+def _reduced(rank, world, rows_per_rank, group_of):
+    """Every rank's gradient is ``torch.randn`` of seed (rank, 1); reduce it quantized and exactly."""
+    groups = [dist.new_group(g) for g in group_of]
+    mine = [g for g, ranks in zip(groups, group_of) if rank in ranks][0]
+    n = dist.get_world_size(mine)
+    grad = _grad_of(rank, n * rows_per_rank)
+    q = fp.Quantization(gradients="int8", block_size=BLOCK)
+    fp.comm_stats.reset()
+    out = torch.empty(rows_per_rank)
+    comm.wait(qz.reduce_scatter(q, out, grad.clone(), mine), "test")
+    exact = torch.empty(rows_per_rank)
+    dist.reduce_scatter_tensor(exact, grad.clone(), group=mine)
+    return out, exact, dict(fp.comm_stats.bytes)
+
+
+def _grad_of(rank, numel):
+    g = torch.Generator().manual_seed(1000 + rank)
+    return torch.randn(numel, generator=g) * torch.logspace(-3, 1, numel)
+
+
+@pytest.mark.parametrize("world,groups", [(2, [[0, 1]]), (4, [[0, 1, 2, 3]]), (4, [[0, 2], [1, 3]])])
+def test_quantized_reduce_scatter_within_predicted_bound(world, groups):
+    """qgZ, one hop: rank ``me``'s reduced chunk = its exact chunk + the peers' dequantized chunks, summed in
+    float32: within Σ over the other ranks of their block scale/2 of the exact sum."""
+    chunk = 1000                                    # not a multiple of BLOCK: the padded last block too
+    results = run_ranks(_reduced, world, chunk, groups)
+    for rank, (out, exact, stats) in enumerate(results):
+        members = [g for g in groups if rank in g][0]
+        me = members.index(rank)
+        n = len(members)
+        bound = sum(_block_scales(_grad_of(r, n * chunk).view(n, chunk), BLOCK)[me] / 2
+                    for r in members if r != rank)
+        err = (out - exact).abs()
+        assert _bound_ok(err, bound, exact), (err / bound).max()
+        assert err.max() > 0
+        exact_bytes = n * chunk * 4 * (n - 1) // n
+        assert exact_bytes / stats[qz.GRADIENTS_KIND] >= 3.5
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_quantized_all_reduce_within_predicted_bound(world):
+    """qgZ, an all-reduce (no_shard; hybrid's replica hop): the reduce-scatter hop's bound on each piece,
+    plus half a step of the re-quantized float32 sum; every replica holds the same result."""
+    total = 959                                     # 5 whole blocks per piece at world 3, one padded element
+    results = run_ranks(_all_reduced, world, total)
+    length = -(-total // world)
+    grads = [torch.nn.functional.pad(_grad_of(r, total), (0, length * world - total)).view(world, length)
+             for r in range(world)]
+    # the float32 partial sums the owners computed, simulated here from the known inputs
+    partial, hop1 = [], []
+    for o in range(world):
+        deq = [grads[o][o]] + [qz.dequantize(qz.quantize(grads[r][o:o + 1], BLOCK), length, BLOCK)[0]
+                               for r in range(world) if r != o]
+        partial.append(sum(deq))
+        hop1.append(sum(_block_scales(grads[r][o:o + 1], BLOCK)[0] / 2 for r in range(world) if r != o))
+    hop2 = [_block_scales(p.view(1, -1), BLOCK)[0] / 2 for p in partial]
+    bound = torch.cat([a + b for a, b in zip(hop1, hop2)])[:total]
+    out0, exact, stats = results[0]
+    for out, _, _ in results[1:]:
+        assert torch.equal(out, out0), "replicas reduced to different gradients"
+    err = (out0 - exact).abs()
+    assert _bound_ok(err, bound, exact), (err / bound).max()
+    assert err.max() > 0
+    assert stats[qz.GRADIENTS_KIND] == 2 * (world - 1) * qz.payload_elems(length, BLOCK)   # two hops
+    exact_bytes = 2 * total * 4 * (world - 1) // world
+    assert exact_bytes / stats[qz.GRADIENTS_KIND] >= 3.5
+
+
+def _all_reduced(rank, world, total):
+    grad = _grad_of(rank, total)
+    q = fp.Quantization(gradients="int8", block_size=BLOCK)
+    fp.comm_stats.reset()
+    out = grad.clone()
+    comm.wait(qz.all_reduce(q, out, None), "test")
+    exact = grad.clone()
+    dist.all_reduce(exact)
+    return out, exact, dict(fp.comm_stats.bytes)
+
+
+def _train(rank, world, strategy, mesh, quant, dtype, steps):
+    torch.manual_seed(0)
+    model = GPT()
+    mp = fp.MixedPrecision(param_dtype=dtype) if dtype is not None else None
+    fp.shard(model, auto_wrap_policy={Block}, sharding_strategy=strategy, device_mesh=mesh, mixed_precision=mp,
+             quantization=quant)
+    opt = make_optimizer("sgd", model.parameters())
+    fp.comm_stats.reset()
+    losses = train(model, opt, rank, world, steps)
+    return losses, dict(fp.comm_stats.bytes)
+
+
+@pytest.mark.parametrize("strategy,mesh,world,dtype", [
+    ("full_shard", None, 2, None), ("shard_grad_op", None, 2, torch.bfloat16), ("hybrid_shard", (2, 2), 4, None),
+    ("no_shard", None, 2, None)])
+def test_training_with_quantized_collectives(strategy, mesh, world, dtype):
+    """Training with both quantizations stays close to exact training (a regression guard: quantized training
+    is a different computation, the bounds above are the exact claims), moves no exact unit bytes and fewer
+    bytes in all."""
+    quant = fp.Quantization(weights=None if strategy == "no_shard" else "int8", gradients="int8")
+    got, q_bytes = run_ranks(_train, world, strategy, mesh, quant, dtype, 4)[0]
+    want, e_bytes = run_ranks(_train, world, strategy, mesh, None, dtype, 4)[0]
+    assert max(abs(a - b) / b for a, b in zip(got, want)) < 0.01, (got, want)
+    assert got != want
+    assert not {"all_gather", "reduce_scatter", "all_reduce"} & set(q_bytes), q_bytes
+    exact = sum(e_bytes.get(k, 0) for k in ("all_gather", "reduce_scatter", "all_reduce"))
+    quantized = q_bytes.get(qz.WEIGHTS_KIND, 0) + q_bytes[qz.GRADIENTS_KIND]
+    assert exact / quantized >= (1.9 if dtype is torch.bfloat16 else 3.5), (e_bytes, q_bytes)
