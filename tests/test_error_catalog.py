@@ -412,6 +412,18 @@ def load_an_interrupted_save(tmp_path):
     fp.load_checkpoint(str(tmp_path / "ckpt"), nn.Linear(2, 2))
 
 
+def unknown_quantization_format():
+    fp.Quantization(gradients="int4")
+
+
+def quantization_block_size_not_a_multiple_of_8():
+    fp.Quantization(weights="int8", block_size=100)
+
+
+def quantized_weights_under_no_shard():
+    fp.ShardingConfig(sharding_strategy="no_shard", quantization=fp.Quantization(weights="int8"))
+
+
 CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_policy_matches_nothing,
          bad_fp32_modules_value, fp32_modules_match_nothing, fp32_modules_without_16_bit_compute,
          fp32_module_tied_to_a_16_bit_module,
@@ -429,7 +441,8 @@ CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_polic
          collective_deadline_names_the_late_rank, join_before_any_batch,
          third_party_muon_on_a_split_matrix, per_tensor_optimizer_on_shard_pieces, muon_given_a_vector,
          muon_with_adamw_group_without_use_muon,
-         muon_on_a_model_never_sharded, a_unit_runs_on_some_ranks_only, some_ranks_modules_matches_nothing]
+         muon_on_a_model_never_sharded, a_unit_runs_on_some_ranks_only, some_ranks_modules_matches_nothing,
+         unknown_quantization_format, quantization_block_size_not_a_multiple_of_8, quantized_weights_under_no_shard]
 
 
 def _capture(case, tmp_path):

@@ -9,7 +9,7 @@ from _dist import run_ranks
 from _parity import make_optimizer, train
 from fsdp_plugin._comm import collectives as comm
 from fsdp_plugin._comm import quantized as qz
-from models import GPT, Block
+from models import GPT, Block, gpt_batch
 
 BLOCK = 64
 # float32 arithmetic of code·scale: a relative term on top of scale/2
@@ -210,3 +210,31 @@ def test_training_with_quantized_collectives(strategy, mesh, world, dtype):
     exact = sum(e_bytes.get(k, 0) for k in ("all_gather", "reduce_scatter", "all_reduce"))
     quantized = q_bytes.get(qz.WEIGHTS_KIND, 0) + q_bytes[qz.GRADIENTS_KIND]
     assert exact / quantized >= (1.9 if dtype is torch.bfloat16 else 3.5), (e_bytes, q_bytes)
+
+
+def _step_bytes(rank, world, strategy, mesh, quant):
+    torch.manual_seed(0)
+    model = fp.shard(GPT(), auto_wrap_policy={Block}, sharding_strategy=strategy, device_mesh=mesh,
+                     quantization=quant)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model(*gpt_batch(0, rank)).backward()             # warm-up step records the order
+    opt.step()
+    fp.comm_stats.reset()
+    model(*gpt_batch(1, rank)).backward()
+    return ({k: v for k, v in fp.comm_stats.bytes.items() if k != "control"},
+            {k: v for k, v in fp.comm_stats.calls.items() if k not in ("control", "barrier")})
+
+
+@pytest.mark.parametrize("strategy,mesh,world,quant", [
+    ("full_shard", None, 2, fp.Quantization(weights="int8", gradients="int8")),
+    ("shard_grad_op", None, 3, fp.Quantization(weights="int8")),
+    ("hybrid_shard", (2, 2), 4, fp.Quantization(weights="int8", gradients="int8", block_size=64)),
+    ("no_shard", None, 2, fp.Quantization(gradients="int8"))])
+def test_plan_wire_bytes_equal_comm_stats(strategy, mesh, world, quant):
+    """fp.plan prices the quantized kinds with the engine's payload: bytes and calls equal comm_stats."""
+    got, calls = run_ranks(_step_bytes, world, strategy, mesh, quant)[0]
+    plan = fp.plan(GPT, world_size=world, sharding_strategy=strategy, auto_wrap_policy={Block},
+                   device_mesh=mesh, quantization=quant, inputs=lambda: gpt_batch(0, 0))
+    assert plan.worlds[world].wire_bytes == got
+    assert plan.worlds[world].wire_calls == calls
+    assert qz.GRADIENTS_KIND in got or quant.gradients is None
