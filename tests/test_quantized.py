@@ -238,3 +238,35 @@ def test_plan_wire_bytes_equal_comm_stats(strategy, mesh, world, quant):
     assert plan.worlds[world].wire_bytes == got
     assert plan.worlds[world].wire_calls == calls
     assert qz.GRADIENTS_KIND in got or quant.gradients is None
+
+
+def _diverging(rank, world, mode, strategy, quant):
+    from test_pairing import Net, Tower
+    from test_pairing import Block as PBlock
+    torch.manual_seed(0)
+    model = fp.shard(Net(mode, 1), auto_wrap_policy={PBlock, Tower}, sharding_strategy=strategy, timeout_s=30,
+                     quantization=quant)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        model.step = step
+        opt.zero_grad()
+        try:
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))).backward()
+        except fp.CollectiveError as e:
+            fp.reset(model)
+            dist.barrier()
+            return step, str(e), sorted(fp.comm_stats.bytes)
+        opt.step()
+    return 3, "no error", sorted(fp.comm_stats.bytes)
+
+
+@pytest.mark.parametrize("mode,strategy", [("order", "full_shard"), ("swap", "full_shard"),
+                                           ("tower", "no_shard"), ("order", "shard_grad_op")])
+def test_the_pairing_check_covers_quantized_collectives(mode, strategy):
+    """Quantized collectives are unit collectives: a unit run on some ranks only is a CollectiveError on
+    every rank (tags on gloo point to point, announcements otherwise), never mismatched int8 rows."""
+    quant = fp.Quantization(weights=None if strategy == "no_shard" else "int8", gradients="int8")
+    for rank, (step, message, kinds) in enumerate(run_ranks(_diverging, 2, mode, strategy, quant, timeout=90)):
+        assert step == 1, (rank, step, message)
+        assert "ranks diverged" in message, message
+        assert qz.GRADIENTS_KIND in kinds and "reduce_scatter" not in kinds and "all_reduce" not in kinds
