@@ -270,3 +270,23 @@ def test_the_pairing_check_covers_quantized_collectives(mode, strategy):
         assert step == 1, (rank, step, message)
         assert "ranks diverged" in message, message
         assert qz.GRADIENTS_KIND in kinds and "reduce_scatter" not in kinds and "all_reduce" not in kinds
+
+
+def test_integrations_map_deepspeeds_keys():
+    """accelerate / Trainer (``FSDP_PLUGIN_QUANTIZATION``, no key in accelerate's FSDP config) and Lightning
+    (``FSDPPluginStrategy(zero_quantized_weights=True, ...)``, DeepSpeedStrategy's names) reach the config."""
+    from fsdp_plugin.integrations.accelerate.config.from_env import settings_from_env
+    from fsdp_plugin.integrations.accelerate.config.resolve import sharding_config
+    from fsdp_plugin.integrations.lightning._fsdp_kwargs import translate
+
+    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_PLUGIN_QUANTIZATION": "zero_quantized_weights, gradients, block_size=128"}
+    cfg = sharding_config(settings_from_env(env), GPT())
+    assert cfg.quantization == fp.Quantization(weights="int8", gradients="int8", block_size=128)
+    assert sharding_config(settings_from_env({"ACCELERATE_USE_FSDP": "true"}), GPT()).quantization is None
+    with pytest.raises(fp.ConfigError, match="FSDP_PLUGIN_QUANTIZATION"):
+        settings_from_env({"ACCELERATE_USE_FSDP": "true", "FSDP_PLUGIN_QUANTIZATION": "int4"})
+    out = translate({"zero_quantized_gradients": True, "sharding_strategy": "HYBRID_SHARD"})
+    assert out["quantization"] == fp.Quantization(gradients="int8") and "zero_quantized_gradients" not in out
+    assert translate({"zero_quantized_weights": False})["quantization"] is None
+    with pytest.raises(fp.ConfigError, match="not both"):
+        translate({"zero_quantized_weights": True, "quantization": fp.Quantization(weights="int8")})

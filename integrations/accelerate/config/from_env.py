@@ -52,6 +52,7 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> FsdpSettings:
     s.mesh, s.strategy = mesh_from_parallelism(env, s.strategy, s.key("strategy"))
     s.some_ranks_modules = parse.some_ranks_from_env(env)
     s.keys["some_ranks_modules"] = parse.SOME_RANKS_ENV
+    s.quantization = parse.quantization_from_env(env)
     return s
 
 

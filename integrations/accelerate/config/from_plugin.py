@@ -52,6 +52,7 @@ def settings_from_plugin(plugin: Any) -> FsdpSettings:
         s.param_dtype, s.reduce_dtype, s.buffer_dtype = policy.param_dtype, policy.reduce_dtype, policy.buffer_dtype
         s.fp32_modules = policy.fp32_modules
     s.some_ranks_modules = parse.some_ranks_from_env(os.environ)   # the plugin has no such field
+    s.quantization = parse.quantization_from_env(os.environ)       # nor this one
     return s
 
 

@@ -59,6 +59,7 @@ class FsdpSettings:
     sync_module_states: bool = True
     param_init_fn: Callable | None = None
     some_ranks_modules: tuple[str, ...] | None = None   # class names (FSDP_PLUGIN_SOME_RANKS_MODULES)
+    quantization: Any = None           # fp.Quantization | None (FSDP_PLUGIN_QUANTIZATION)
     keys: dict[str, str] = field(default_factory=dict)
 
     def key(self, name: str) -> str:
