@@ -191,8 +191,9 @@ class Quantization:
         quantization step (scale/2) of the exact value, and every rank holds the same dequantized copy. The
         master shards, the optimizer step and checkpoints stay exact. None: exact all-gathers.
     gradients: "int8" reduces gradients as an all-to-all of int8 blocks (+ scales) whose receivers dequantize
-        and sum in float32: each reduced element is within ``sum over the other ranks of scale/2`` of the
-        exact sum (one quantization per hop; hybrid's cross-replica hop adds its own terms). None: exact.
+        and sum in float32, rounded stochastically (unbiased): each reduced element is within ``sum over the
+        other ranks of their block scale`` of the exact sum (one quantization per hop; an all-reduce -- no_shard,
+        hybrid's cross-replica hop -- adds the re-quantized sum's scale). None: exact.
     block_size: elements per scale, a multiple of 8 in [8, 65536]. 256 costs 4/256 bytes of scales per element
         (int8 + scales = 3.94x fewer bytes than float32, 1.97x fewer than bfloat16).
     """

@@ -2,17 +2,20 @@
 
 Format (one row per destination or source rank): ``[int8 codes, nb·block | float32 scales, nb]`` as one int8
 tensor of ``payload_elems(L, block)`` elements per row of ``L`` values, ``nb = ceil(L / block)`` (the last block
-is zero-padded). Symmetric round-to-nearest: ``scale = absmax(block) / 127``, ``code = round(x / scale)``, so
-``|dequantized − x| ≤ scale / 2`` per element (up to float32 rounding of ``code·scale``). Codes and scales travel
+is zero-padded). Symmetric: ``scale = absmax(block) / 127``; weights round to nearest, ``code = round(x / scale)``,
+so ``|dequantized − x| ≤ scale / 2`` per element (up to float32 rounding of ``code·scale``); gradients round
+stochastically (``< scale``, unbiased). Codes and scales travel
 in ONE collective per call: a unit collective has one pairing check (gate), as the exact ones do.
 
 - weights (qwZ): every rank quantizes its exact master shard, the int8 rows are all-gathered (kind
   ``all_gather_q8``) and every rank dequantizes all rows, its own included, into the unsharded buffer: every
   rank's gathered copy is the same, each weight within its block's ``scale/2`` of the master.
 - gradients (qgZ): a reduce-scatter is an exchange (all-to-all) of quantized chunks (kind ``reduce_q8``); the
-  receiver sums its own exact chunk and the peers' dequantized ones in float32 (error ≤ Σ over the other
-  ranks of their block scale/2). An all-reduce (no_shard, hybrid's replica hop) is that exchange followed by an
-  all-gather of the re-quantized float32 sums (error adds the sum's own block scale/2), so replicas agree.
+  receiver sums its own exact chunk and the peers' dequantized ones in float32. Gradients round stochastically
+  (unbiased: round-to-nearest zeroes every gradient below half a step on every step, a bias Adam amplifies;
+  measured in RESULTS § 35q): error < Σ over the other ranks of their block scale. An all-reduce (no_shard,
+  hybrid's replica hop) is that exchange followed by an all-gather of the re-quantized float32 sums (error
+  adds the sum's own block scale), so replicas agree.
 
 The returned works dequantize inside ``wait`` (`_Then`): the handle waits on them exactly as on exact ones.
 Bytes are counted by ``collectives`` with the ring formula over the int8 payload, which is exactly what each
@@ -20,6 +23,7 @@ rank sends (scales included); ``fp.plan`` prices the same payload (``payload_ele
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Optional
 
 import torch
@@ -44,8 +48,10 @@ def payload_elems(length: int, block: int) -> int:
     return nb * block + 4 * nb
 
 
-def quantize(rows: torch.Tensor, block: int) -> torch.Tensor:
-    """``rows`` (R, L) of any float dtype -> (R, payload_elems(L, block)) int8 rows (see module docstring)."""
+def quantize(rows: torch.Tensor, block: int, stochastic: bool = False) -> torch.Tensor:
+    """``rows`` (R, L) of any float dtype -> (R, payload_elems(L, block)) int8 rows (see module docstring).
+    ``stochastic``: round up with probability frac(x / scale) (unbiased: E[code·scale] = x; error < scale),
+    from this process's own generator (`_generator`: the user's RNG streams are untouched); else to nearest."""
     r, length = rows.shape
     nb = blocks(length, block)
     x = rows.float()
@@ -53,12 +59,29 @@ def quantize(rows: torch.Tensor, block: int) -> torch.Tensor:
         x = F.pad(x, (0, nb * block - length))
     x = x.view(r, nb, block)
     scale = x.abs().amax(dim=-1) / _QMAX                           # (R, nb); 0 for an all-zero block
-    # |x / scale| <= 127 by construction (up to float rounding, far from 127.5): no clamp needed
-    codes = torch.div(x, scale.clamp_min(_TINY).unsqueeze(-1)).round_()
+    codes = torch.div(x, scale.clamp_min(_TINY).unsqueeze(-1))
+    if stochastic:
+        noise = torch.rand(codes.shape, generator=_generator(codes.device), device=codes.device)
+        codes = codes.add_(noise).floor_().clamp_(-_QMAX, _QMAX)   # x/scale may exceed 127 by a rounding
+    else:
+        codes = codes.round_()     # |x / scale| <= 127 by construction (up to float rounding, far from 127.5)
     out = torch.empty((r, payload_elems(length, block)), dtype=torch.int8, device=rows.device)
     out[:, :nb * block].copy_(codes.view(r, nb * block))
     _scales(out, length, block).copy_(scale)
     return out
+
+
+_GENERATORS: dict = {}
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    """The stochastic-rounding generator of ``device``: seeded by the global rank (ranks round independently,
+    runs repeat), apart from torch's default generators (dropout and the user's sampling do not shift)."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    key = (device, rank, os.getpid())         # a forked process starts its own stream
+    if key not in _GENERATORS:
+        _GENERATORS[key] = torch.Generator(device=device).manual_seed(0x5EED0000 + rank)
+    return _GENERATORS[key]
 
 
 def dequantize(payload: torch.Tensor, length: int, block: int) -> torch.Tensor:
@@ -135,7 +158,7 @@ def reduce_scatter(quant, out: torch.Tensor, grad: torch.Tensor, group, gate=Non
     me = comm.rank_in(group)
     rows = grad.view(n, -1)
     length, block = rows.shape[1], quant.block_size
-    sent = quantize(rows, block)
+    sent = quantize(rows, block, stochastic=True)
     got = torch.empty_like(sent)
     work = comm.exchange(got, sent, group, kind=GRADIENTS_KIND, gate=gate, what=what)
 
@@ -166,7 +189,7 @@ def all_reduce(quant, t: torch.Tensor, group, gate=None, what: str = "all-reduce
     first = reduce_scatter(quant, mine, padded, group, gate=gate, what=what)
 
     def then() -> None:
-        sums = quantize(mine.view(1, length), block)
+        sums = quantize(mine.view(1, length), block, stochastic=True)
         staging = torch.empty((n, sums.shape[1]), dtype=torch.int8, device=t.device)
         work = comm.all_gather(staging.view(-1), sums.view(-1), group, async_op=True, kind=GRADIENTS_KIND,
                                what=what)
