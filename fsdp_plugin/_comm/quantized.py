@@ -181,7 +181,10 @@ def all_reduce(quant, t: torch.Tensor, group, gate=None, what: str = "all-reduce
     ``t`` padded to the group (``reduce_scatter``, float32 sums) and, when waited, an all-gather of the
     re-quantized sums dequantized into ``t`` on every rank (the same values on every replica). Async."""
     if quant is None or quant.gradients is None:
-        return comm.all_reduce(t, group, async_op=True, gate=gate, what=what, timeout_s=timeout_s)  # blocking
+        # as before this module: the gated call (no_shard) names itself and blocks with a deadline, the ungated
+        # replica hop of hybrid stays asynchronous (waited by the caller)
+        named = {"what": what, "timeout_s": timeout_s} if gate is not None else {}
+        return comm.all_reduce(t, group, async_op=True, gate=gate, **named)
     n, total, block = comm.group_size(group), t.numel(), quant.block_size
     length = -(-total // n)
     padded = t.reshape(-1) if length * n == total else F.pad(t.reshape(-1), (0, length * n - total))
