@@ -13,7 +13,7 @@ from .api import full_params_meta, iter_full_params
 from .checkpoint import AsyncSave
 from ._flat.layout import param_info
 from . import optim
-from .config import Checkpointing, MixedPrecision, ShardingConfig, size_policy
+from .config import Checkpointing, MixedPrecision, Quantization, ShardingConfig, size_policy
 from .grad_scaler import GradScaler
 # every error class users may catch (docs/errors.md is the catalogue)
 from .errors import (CodecError, CollectiveError, ConfigError, DeferredInitError, FSDPPluginError,
@@ -26,7 +26,7 @@ from .planner import Plan, PlanError
 __version__ = "0.1.0"
 
 __all__ = [
-    "ShardingConfig", "MixedPrecision", "Checkpointing", "size_policy", "shard", "compile", "deferred_init", "no_sync", "full_params",
+    "ShardingConfig", "MixedPrecision", "Quantization", "Checkpointing", "size_policy", "shard", "compile", "deferred_init", "no_sync", "full_params",
     "clip_grad_norm_", "full_state_dict", "param_info", "optim", "GradScaler", "is_sharded", "register_forward_method", "reset", "comm_stats", "sync_stats",
     "save_checkpoint", "AsyncSave", "load_checkpoint", "latest_checkpoint", "load_pretrained", "save_pretrained", "CheckpointError",
     "CheckpointMismatchError", "CorruptCheckpointError", "IncompleteCheckpointError",

@@ -529,6 +529,18 @@ def trl_vllm_sync_on_an_unknown_trl_version():
         trl.__version__ = saved
 
 
+def unknown_quantization_format():
+    fp.Quantization(gradients="int4")
+
+
+def quantization_block_size_not_a_multiple_of_8():
+    fp.Quantization(weights="int8", block_size=100)
+
+
+def quantized_weights_under_no_shard():
+    fp.ShardingConfig(sharding_strategy="no_shard", quantization=fp.Quantization(weights="int8"))
+
+
 CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, hpz_size_not_dividing_the_shard_group,
          hpz_size_below_one, plan_nodes_not_dividing_the_world, unknown_pairing_check, wrap_policy_matches_nothing,
          bad_fp32_modules_value, fp32_modules_match_nothing, fp32_modules_without_16_bit_compute,
@@ -554,7 +566,8 @@ CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, hpz_size_n
          device_mesh_smaller_than_world_without_tensor_parallelism, lightning_strategy_with_tensor_parallel_size,
          plan_of_a_tensor_parallel_model,
          stream_with_unknown_names, stream_consumer_fails_on_rank_0, stream_merge_of_a_dora_adapter,
-         trl_vllm_sync_on_an_unknown_trl_version]
+         trl_vllm_sync_on_an_unknown_trl_version,
+         unknown_quantization_format, quantization_block_size_not_a_multiple_of_8, quantized_weights_under_no_shard]
 
 
 def _capture(case, tmp_path):

@@ -208,7 +208,8 @@ def _build_handle(params, dtype: torch.dtype, fp32: bool, sites, names, mesh: Me
     compute, reduce = handle_dtypes(cfg.mixed_precision, dtype, fp32)
     shard_device = torch.device("cpu") if cfg.cpu_offload else device
     handle = FlatParamHandle(slots, mesh, dtype, requires_grad, device, compute, reduce, shard_device,
-                             label=label, timeout_s=comm.default_timeout_s(cfg.timeout_s))
+                             label=label, timeout_s=comm.default_timeout_s(cfg.timeout_s),
+                             quantization=cfg.quantization)
     if scatter:
         _scatter_from_rank0(handle, values, mesh)
     else:

@@ -126,6 +126,25 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool =
                          "reduce_scatter", group, n, inp.numel())
 
 
+def exchange(out: torch.Tensor, inp: torch.Tensor, group, kind: str, gate=None, what: str = "exchange"):
+    """All-to-all of equal rows, asynchronously: row ``j`` of ``inp`` (``(n, m)``) goes to group rank ``j``,
+    whose row ``r`` of ``out`` receives it from rank ``r`` (this rank's own row is copied). Counted with the
+    ring formula over ``inp`` (``(n−1)·m`` elements sent per rank, as a reduce-scatter of ``inp``). On gloo with
+    CPU tensors point to point (`_P2PExchange`), else torch's all-to-all. ``gate``: as for `all_gather`."""
+    n = group_size(group)
+    _count(kind, inp.numel(), inp.element_size(), n)
+    if _p2p_ok(group, out, inp):
+        work = _P2PExchange(out, inp, group, n, _Bound.of(gate, what))
+        return status.issued(work, kind, group, n, inp.numel())
+    _ungated(gate, what)
+    return status.issued(dist.all_to_all_single(out, inp, group=group, async_op=True), kind, group, n, inp.numel())
+
+
+def rank_in(group) -> int:
+    """This process's rank in ``group`` (0 without a process group)."""
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
 def announce(everyone: torch.Tensor, mine: torch.Tensor, group):
     """Pairing announcement (``_comm.pairing.Gate``): ``mine`` (one int64) of every rank of ``group`` (gloo,
     CPU) into ``everyone``, asynchronously; ``(work to wait on, its torch future)``. torch's own all-gather,
@@ -366,6 +385,15 @@ class _P2PAllReduce(_P2PWork):
         # phase 2: this part to every peer, theirs into place
         _P2PWork(self.group, me, [parts[me]] * n, list(parts), self.bound).wait()
         self.parts = self.t = None
+class _P2PExchange(_P2PWork):
+    """Rank ``r`` copies its row ``r`` into ``out`` row ``r``, sends row ``j`` to rank ``j`` and receives
+    every peer's row in place (the all-to-all under a quantized reduce-scatter)."""
+
+    def __init__(self, out: torch.Tensor, inp: torch.Tensor, group, n: int, bound: Optional[_Bound] = None):
+        me = dist.get_rank(group)
+        out[me].copy_(inp[me])
+        super().__init__(group, me, list(inp), list(out), bound)
+        self.keep = inp
 
 
 def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False, kind: str = "all_reduce",

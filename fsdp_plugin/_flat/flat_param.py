@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .._comm import collectives as comm
+from .._comm import quantized
 from .._groups.mesh import Mesh
 from .._schedule.states import ShardedState
 from .._reduce.usage import SlotUsage
@@ -92,8 +93,11 @@ class FlatParamHandle:
 
     def __init__(self, slots: list[ParamSlot], mesh: Mesh, dtype: torch.dtype, requires_grad: bool,
                  device: torch.device, compute_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                 shard_device: torch.device, label: str = "", timeout_s: Optional[float] = None):
+                 shard_device: torch.device, label: str = "", timeout_s: Optional[float] = None,
+                 quantization=None):
         self.slots, self.mesh, self.dtype, self.requires_grad = slots, mesh, dtype, requires_grad
+        # ``fp.Quantization`` of this handle's unit collectives (``_comm/quantized.py``); floating handles only
+        self.quantization = quantization if dtype.is_floating_point and quantization is not None else None
         self.label, self.timeout_s = label, timeout_s
         self.device, self.compute_dtype, self.reduce_dtype = device, compute_dtype, reduce_dtype
         self.shard_device = shard_device
@@ -209,12 +213,17 @@ class FlatParamHandle:
             self._full.copy_(self.flat_shard.to(self.device, self.compute_dtype, non_blocking=True))
             self.state = ShardedState.UNSHARDED
             return
-        if held is not None and use_secondary:
-            src, group = held, self.secondary.group
+        if held is not None and use_secondary:     # hpZ: exact, inside the secondary group, from the held slice
+            src = held
+            work = comm.all_gather(self._full, src, self.secondary.group, async_op=True, gate=gate,
+                                   what=f"all-gather of unit {self.label!r}")
         else:
-            src, group = self.flat_shard.to(self.device, self.compute_dtype, non_blocking=True), self.mesh.shard_group
-        work = comm.all_gather(self._full, src, group, async_op=True, gate=gate,
-                               what=f"all-gather of unit {self.label!r}")
+            q = self.quantization
+            # int8 blocks are cut from the exact master (one rounding, not the compute cast's and then the codes')
+            dtype = self.dtype if q is not None and q.weights else self.compute_dtype
+            src = self.flat_shard.to(self.device, dtype, non_blocking=True)
+            work = quantized.all_gather(q, self._full, src, self.mesh.shard_group, gate=gate,
+                                        what=f"all-gather of unit {self.label!r}")
         self._gather = (work, src)
         self.state = ShardedState.UNSHARDING
         if not async_op:
@@ -344,10 +353,12 @@ class FlatParamHandle:
         what = f"gradient reduction of unit {self.label!r}"
         if self.mesh.shard_size > 1:
             out = torch.empty(self.chunk, dtype=self.reduce_dtype, device=self.device)
-            work = comm.reduce_scatter(out, grad, self.mesh.shard_group, async_op=True, gate=gate, what=what)
+            work = quantized.reduce_scatter(self.quantization, out, grad, self.mesh.shard_group, gate=gate,
+                                            what=what)
             self.pending_reduce = _PendingReduce(work, out, grad, gate=gate)
         elif self.mesh.replicate_size > 1:
-            work = comm.all_reduce(grad, self.mesh.replicate_group, async_op=True, gate=gate, what=what)
+            work = quantized.all_reduce(self.quantization, grad, self.mesh.replicate_group, gate=gate, what=what,
+                                        timeout_s=self.timeout_s)
             self.pending_reduce = _PendingReduce(work, grad, grad)
         else:
             self.pending_reduce = _PendingReduce(None, grad, grad)
@@ -368,7 +379,10 @@ class FlatParamHandle:
         out = pending.out
         if not pending.replica and self.mesh.shard_size > 1 and self.mesh.replicate_size > 1:
             # the reduce-scatter's input is released now; only the 1/S chunk stays until the all-reduce ends
-            work = comm.all_reduce(out, self.mesh.replicate_group, async_op=True, gate=_replica_gate(pending.gate))
+            work = quantized.all_reduce(self.quantization, out, self.mesh.replicate_group,
+                                        gate=_replica_gate(pending.gate),
+                                        what=f"cross-replica all-reduce of unit {self.label!r}",
+                                        timeout_s=self.timeout_s)
             self.pending_reduce = _PendingReduce(work, out, out, replica=True)
             if not final:
                 return True

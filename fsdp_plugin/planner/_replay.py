@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from .._comm import quantized
 from .._comm.collectives import inflight_host_bytes, ring_bytes
 from .._schedule.protocols import ReducingHandle, ScheduledUnit
 from .._schedule.root import RootState
@@ -59,6 +60,12 @@ class Layout:
     def aliases(self, h) -> bool:
         """The engine's FlatParamHandle._aliases_shard: the leaf is the shard itself (never gathered)."""
         return self.shard_size == 1 and self.compute(h) == h.dtype and not self.cpu_offload
+
+    def quantized(self, h, what: str) -> Optional[int]:
+        """The block size when ``ShardingConfig.quantization`` quantizes this handle's ``what`` ("weights" or
+        "gradients"; floating handles only, as the engine's ``FlatParamHandle.quantization``), else None."""
+        q = self.config.quantization
+        return q.block_size if q is not None and getattr(q, what) and h.dtype.is_floating_point else None
 
     def casts_source(self, h) -> bool:
         """``unshard`` copies the shard (to the compute dtype / device) before gathering it."""
@@ -175,6 +182,26 @@ class _Sim:
             self.res.calls_groups[(kind, group)] += 1
             self.res.wire_groups[(kind, group)] += nbytes
 
+    def gather_comm(self, spec) -> None:
+        """A unit all-gather: exact, or int8 rows + scales (``_comm/quantized.all_gather``)."""
+        lay, n = self.lay, self.lay.shard_size
+        block = lay.quantized(spec, "weights")
+        if block is None:
+            self.comm("all_gather", spec.padded(n), lay.compute(spec).itemsize, n)
+        else:
+            self.comm(quantized.WEIGHTS_KIND, n * quantized.payload_elems(spec.chunk(n), block), 1, n)
+
+    def reduce_comm(self, spec, op: str, elems: int, n: int, group: str = "shard") -> None:
+        """A gradient reduction of ``elems`` over ``n`` ranks: exact, or (``_comm/quantized``) one exchange of
+        int8 rows (reduce-scatter), followed by an all-gather of the re-quantized sums (all-reduce)."""
+        block = self.lay.quantized(spec, "gradients")
+        if block is None:
+            self.comm(op, elems, self.lay.reduce(spec).itemsize, n, factor=2 if op == "all_reduce" else 1, group=group)
+            return
+        row = quantized.payload_elems(-(-elems // n), block)
+        for _ in range(2 if op == "all_reduce" else 1):
+            self.comm(quantized.GRADIENTS_KIND, n * row, 1, n, group=group)
+
     # ------------------------------------------------------------ state moves (FlatParamHandle's bytes)
     def unshard(self, u: int) -> None:
         for h in self.units[u].handles:
@@ -197,7 +224,7 @@ class _Sim:
                           group="secondary")
                 src = held_secondary                         # the slice is the gather's source until its wait
             else:
-                self.comm("all_gather", spec.padded(lay.shard_size), lay.compute(spec).itemsize, lay.shard_size)
+                self.gather_comm(spec)
             # gloo/CPU point-to-point all-gather copies this rank's chunk into the full buffer (NCCL: in place);
             # bytes as the fake run's rule prices a copy_: source, destination read and written
             self.res.engine_bytes += 3 * spec.chunk(lay.shard_size) * lay.compute(spec).itemsize * lay.staging
@@ -238,10 +265,9 @@ class _Sim:
         if lay.shard_size > 1:
             held += spec.chunk(lay.shard_size) * lay.reduce(spec).itemsize
             held += inflight_host_bytes("reduce_scatter", g_reduce, lay.shard_size, lay.staging)
-            self.comm("reduce_scatter", padded, lay.reduce(spec).itemsize, lay.shard_size)
+            self.reduce_comm(spec, "reduce_scatter", padded, lay.shard_size)
         elif lay.replicate_size > 1:
-            self.comm("all_reduce", padded, lay.reduce(spec).itemsize, lay.replicate_size, factor=2,
-                      group="replicate")
+            self.reduce_comm(spec, "all_reduce", padded, lay.replicate_size, group="replicate")
         self.reducing += held
         self.reduce_bytes[h] = held + (0 if cast else g_compute)
         self.check()
@@ -275,8 +301,7 @@ class _Sim:
         spec, lay = self.handles[h], self.lay
         chunk = spec.chunk(lay.shard_size)
         if lay.shard_size > 1 and lay.replicate_size > 1 and h not in self.replicating:
-            self.comm("all_reduce", chunk, lay.reduce(spec).itemsize, lay.replicate_size, factor=2,
-                      group="replicate")
+            self.reduce_comm(spec, "all_reduce", chunk, lay.replicate_size, group="replicate")
             kept = chunk * lay.reduce(spec).itemsize
             self.reducing -= self.reduce_bytes[h] - kept
             self.reduce_bytes[h] = kept

@@ -102,6 +102,43 @@ def split_names(value: Any) -> tuple[str, ...]:
     return tuple(str(v).strip() for v in items if str(v).strip())
 
 
+QUANTIZATION_ENV = "FSDP_PLUGIN_QUANTIZATION"
+_Q_NAMES = {"weights": "weights", "zero_quantized_weights": "weights",
+            "gradients": "gradients", "zero_quantized_gradients": "gradients"}
+
+
+def quantization_from_env(env):
+    """``FSDP_PLUGIN_QUANTIZATION="weights,gradients"`` (either alone; DeepSpeed's ``zero_quantized_weights`` /
+    ``zero_quantized_gradients`` as names too; ``block_size=N`` optional) → ``fp.Quantization`` with int8 for
+    each named part, or None (unset or empty). accelerate's FSDP config has no such key."""
+    text = (env.get(QUANTIZATION_ENV) or "").strip()
+    if not text:
+        return None
+    parts, block = set(), None
+    for item in split_names(text):
+        name, _, value = item.partition("=")
+        name = name.strip().lower()
+        if name == "block_size" and value.strip().isdigit():
+            block = int(value)
+        elif name in _Q_NAMES and not value:
+            parts.add(_Q_NAMES[name])
+        else:
+            raise config_error(QUANTIZATION_ENV, text, f"{item!r} is not 'weights', 'gradients' or 'block_size=N' "
+                               "(e.g. FSDP_PLUGIN_QUANTIZATION=weights,gradients)")
+    return deepspeed_quantization("weights" in parts, "gradients" in parts, block)
+
+
+def deepspeed_quantization(weights: bool, gradients: bool, block_size=None):
+    """DeepSpeed's ``zero_quantized_weights`` / ``zero_quantized_gradients`` → ``fp.Quantization`` (int8 for
+    each; DeepSpeed's int4 gradients become int8, whose error bound is proven) or None when both are off."""
+    import fsdp_plugin as fp
+
+    if not (weights or gradients):
+        return None
+    extra = {"block_size": block_size} if block_size is not None else {}
+    return fp.Quantization(weights="int8" if weights else None, gradients="int8" if gradients else None, **extra)
+
+
 SOME_RANKS_ENV = "FSDP_PLUGIN_SOME_RANKS_MODULES"
 
 

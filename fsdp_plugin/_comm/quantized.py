@@ -1,0 +1,201 @@
+"""Quantized unit collectives (ZeRO++ qwZ / qgZ), opt-in through ``ShardingConfig(quantization=fp.Quantization())``.
+
+Format (one row per destination or source rank): ``[int8 codes, nb·block | float32 scales, nb]`` as one int8
+tensor of ``payload_elems(L, block)`` elements per row of ``L`` values, ``nb = ceil(L / block)`` (the last block
+is zero-padded). Symmetric: ``scale = absmax(block) / 127``; weights round to nearest, ``code = round(x / scale)``,
+so ``|dequantized − x| ≤ scale / 2`` per element (up to float32 rounding of ``code·scale``); gradients round
+stochastically (``< scale``, unbiased). Codes and scales travel
+in ONE collective per call: a unit collective has one pairing check (gate), as the exact ones do.
+
+- weights (qwZ): every rank quantizes its exact master shard, the int8 rows are all-gathered (kind
+  ``all_gather_q8``) and every rank dequantizes all rows, its own included, into the unsharded buffer: every
+  rank's gathered copy is the same, each weight within its block's ``scale/2`` of the master.
+- gradients (qgZ): a reduce-scatter is an exchange (all-to-all) of quantized chunks (kind ``reduce_q8``); the
+  receiver sums its own exact chunk and the peers' dequantized ones in float32. Gradients round stochastically
+  (unbiased: round-to-nearest zeroes every gradient below half a step on every step, a bias Adam amplifies;
+  measured in RESULTS § 35q): error < Σ over the other ranks of their block scale. An all-reduce (no_shard,
+  hybrid's replica hop) is that exchange followed by an all-gather of the re-quantized float32 sums (error
+  adds the sum's own block scale), so replicas agree.
+
+The returned works dequantize inside ``wait`` (`_Then`): the handle waits on them exactly as on exact ones.
+Bytes are counted by ``collectives`` with the ring formula over the int8 payload, which is exactly what each
+rank sends (scales included); ``fp.plan`` prices the same payload (``payload_elems``).
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import collectives as comm
+
+WEIGHTS_KIND = "all_gather_q8"
+GRADIENTS_KIND = "reduce_q8"
+_QMAX = 127.0
+_TINY = torch.finfo(torch.float32).tiny     # an all-zero block divides by this (codes 0), its stored scale is 0
+
+
+def blocks(length: int, block: int) -> int:
+    """Blocks (one scale each) of a row of ``length`` values."""
+    return -(-length // block)
+
+
+def payload_elems(length: int, block: int) -> int:
+    """int8 elements (= bytes) of one quantized row of ``length`` values: codes, then float32 scales."""
+    nb = blocks(length, block)
+    return nb * block + 4 * nb
+
+
+def quantize(rows: torch.Tensor, block: int, stochastic: bool = False) -> torch.Tensor:
+    """``rows`` (R, L) of any float dtype -> (R, payload_elems(L, block)) int8 rows (see module docstring).
+    ``stochastic``: round up with probability frac(x / scale) (unbiased: E[code·scale] = x; error < scale),
+    from this process's own generator (`_generator`: the user's RNG streams are untouched); else to nearest."""
+    r, length = rows.shape
+    nb = blocks(length, block)
+    x = rows.float()
+    if nb * block != length:
+        x = F.pad(x, (0, nb * block - length))
+    x = x.view(r, nb, block)
+    scale = x.abs().amax(dim=-1) / _QMAX                           # (R, nb); 0 for an all-zero block
+    codes = torch.div(x, scale.clamp_min(_TINY).unsqueeze(-1))
+    if stochastic:
+        noise = torch.rand(codes.shape, generator=_generator(codes.device), device=codes.device)
+        codes = codes.add_(noise).floor_().clamp_(-_QMAX, _QMAX)   # x/scale may exceed 127 by a rounding
+    else:
+        codes = codes.round_()     # |x / scale| <= 127 by construction (up to float rounding, far from 127.5)
+    out = torch.empty((r, payload_elems(length, block)), dtype=torch.int8, device=rows.device)
+    out[:, :nb * block].copy_(codes.view(r, nb * block))
+    _scales(out, length, block).copy_(scale)
+    return out
+
+
+_GENERATORS: dict = {}
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    """The stochastic-rounding generator of ``device``: seeded by the global rank (ranks round independently,
+    runs repeat), apart from torch's default generators (dropout and the user's sampling do not shift)."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    key = (device, rank, os.getpid())         # a forked process starts its own stream
+    if key not in _GENERATORS:
+        _GENERATORS[key] = torch.Generator(device=device).manual_seed(0x5EED0000 + rank)
+    return _GENERATORS[key]
+
+
+def dequantize(payload: torch.Tensor, length: int, block: int) -> torch.Tensor:
+    """(R, payload) int8 rows -> (R, L) float32 values."""
+    r, nb = payload.shape[0], blocks(length, block)
+    codes = payload[:, :nb * block].view(r, nb, block)
+    return (codes.float() * _scales(payload, length, block).unsqueeze(-1)).view(r, nb * block)[:, :length]
+
+
+def scales(payload: torch.Tensor, length: int, block: int) -> torch.Tensor:
+    """The (R, nb) float32 block scales of quantized rows (a view)."""
+    return _scales(payload, length, block)
+
+
+def _scales(payload: torch.Tensor, length: int, block: int) -> torch.Tensor:
+    # block % 8 == 0 keeps every row's scale bytes 4-aligned, so the int8 bytes can be viewed as float32
+    return payload[:, blocks(length, block) * block:].view(torch.float32)
+
+
+class _Then:
+    """A work whose ``wait`` waits ``work`` and then runs ``then`` once (dequantize, sum): waited like a torch
+    Work by ``collectives.wait`` (its ``fp_op`` is the inner collective's record, for deadline reports)."""
+
+    def __init__(self, work, then: Callable[[], None]):
+        self.work, self.then = work, then
+
+    @property
+    def fp_op(self):
+        return getattr(self.work, "fp_op", None)
+
+    @fp_op.setter
+    def fp_op(self, op) -> None:
+        self.work.fp_op = op
+
+    def wait(self, timeout=None) -> bool:
+        if self.then is None:
+            return True
+        ok = self.work.wait(timeout) if timeout is not None else self.work.wait()
+        if ok is False:
+            return False
+        then, self.then = self.then, None
+        then()
+        return True
+
+
+def _waited(work, what: str, timeout_s: Optional[float]) -> None:
+    comm.wait(work, what, comm.default_timeout_s(timeout_s))
+
+
+# ------------------------------------------------------------------ weights
+def all_gather(quant, out: torch.Tensor, src: torch.Tensor, group, gate=None, what: str = "all-gather"):
+    """Unit all-gather of ``src`` (this rank's shard) into ``out``: exact (``comm.all_gather``) unless
+    ``quant.weights``; then int8 rows all-gathered and dequantized into ``out`` when waited. Async."""
+    if quant is None or quant.weights is None:
+        return comm.all_gather(out, src, group, async_op=True, gate=gate, what=what)
+    n, length, block = comm.group_size(group), src.numel(), quant.block_size
+    mine = quantize(src.view(1, length), block)
+    staging = torch.empty((n, mine.shape[1]), dtype=torch.int8, device=src.device)
+    work = comm.all_gather(staging.view(-1), mine.view(-1), group, async_op=True, kind=WEIGHTS_KIND, gate=gate,
+                           what=what)
+
+    def then() -> None:
+        out.view(n, length).copy_(dequantize(staging, length, block))
+    return _Then(work, then)
+
+
+# ------------------------------------------------------------------ gradients
+def reduce_scatter(quant, out: torch.Tensor, grad: torch.Tensor, group, gate=None, what: str = "reduce-scatter"):
+    """Unit reduce-scatter of ``grad`` into ``out`` (this rank's chunk): exact unless ``quant.gradients``;
+    then an exchange of int8 chunks, summed in float32 with this rank's exact chunk when waited. Async."""
+    if quant is None or quant.gradients is None:
+        return comm.reduce_scatter(out, grad, group, async_op=True, gate=gate, what=what)
+    n = comm.group_size(group)
+    me = comm.rank_in(group)
+    rows = grad.view(n, -1)
+    length, block = rows.shape[1], quant.block_size
+    sent = quantize(rows, block, stochastic=True)
+    got = torch.empty_like(sent)
+    work = comm.exchange(got, sent, group, kind=GRADIENTS_KIND, gate=gate, what=what)
+
+    def then() -> None:
+        out.copy_(_sum_rows(got, rows[me], me, length, block))
+    return _Then(work, then)
+
+
+def _sum_rows(got: torch.Tensor, own: torch.Tensor, me: int, length: int, block: int) -> torch.Tensor:
+    """float32 sum, in rank order, of ``own`` (exact) and the other rows of ``got`` dequantized."""
+    total = torch.zeros(length, dtype=torch.float32, device=own.device)
+    for j in range(got.shape[0]):
+        total.add_(own.float() if j == me else dequantize(got[j:j + 1], length, block)[0])
+    return total
+
+
+def all_reduce(quant, t: torch.Tensor, group, gate=None, what: str = "all-reduce",
+               timeout_s: Optional[float] = None):
+    """Unit all-reduce of ``t`` in place: exact unless ``quant.gradients``; then a quantized reduce-scatter of
+    ``t`` padded to the group (``reduce_scatter``, float32 sums) and, when waited, an all-gather of the
+    re-quantized sums dequantized into ``t`` on every rank (the same values on every replica). Async."""
+    if quant is None or quant.gradients is None:
+        # as before this module: the gated call (no_shard) names itself and blocks with a deadline, the ungated
+        # replica hop of hybrid stays asynchronous (waited by the caller)
+        named = {"what": what, "timeout_s": timeout_s} if gate is not None else {}
+        return comm.all_reduce(t, group, async_op=True, gate=gate, **named)
+    n, total, block = comm.group_size(group), t.numel(), quant.block_size
+    length = -(-total // n)
+    padded = t.reshape(-1) if length * n == total else F.pad(t.reshape(-1), (0, length * n - total))
+    mine = torch.empty(length, dtype=torch.float32, device=t.device)
+    first = reduce_scatter(quant, mine, padded, group, gate=gate, what=what)
+
+    def then() -> None:
+        sums = quantize(mine.view(1, length), block, stochastic=True)
+        staging = torch.empty((n, sums.shape[1]), dtype=torch.int8, device=t.device)
+        work = comm.all_gather(staging.view(-1), sums.view(-1), group, async_op=True, kind=GRADIENTS_KIND,
+                               what=what)
+        _waited(work, what, timeout_s)
+        t.view(-1).copy_(dequantize(staging, length, block).reshape(-1)[:total])
+    return _Then(first, then)
