@@ -1,0 +1,66 @@
+"""Publication on an object store (no rename): the manifest object, created last, is the commit.
+
+``P/<uuid>/...`` holds one save's objects (written by every rank in parallel); ``P/manifest.json`` names the
+uuid it commits. See :mod:`.remote` for the promises and why they hold.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+
+from . import manifest
+from .errors import CheckpointError, CorruptCheckpointError
+from .remote import is_save_prefix
+from .storage import join, storage_for
+
+
+def published_uid(path: str) -> str | None:
+    """The uuid committed by ``path/manifest.json`` (None when there is none or it is unreadable)."""
+    raw = storage_for(path).read_small(join(path, manifest.NAME), manifest.MAX_MANIFEST_BYTES)
+    if raw is None:
+        return None
+    try:
+        uid = json.loads(raw).get("uuid")
+    except (ValueError, AttributeError):
+        return None
+    return uid if isinstance(uid, str) and is_save_prefix(uid) else None
+
+
+def prepare(path: str) -> None:
+    """Rank 0, before a save: refuse a prefix holding foreign objects; remove interrupted saves' prefixes."""
+    st = storage_for(path)
+    names = st.listdir(path)
+    foreign = [n for n in names if n != manifest.NAME and not is_save_prefix(n)]
+    if foreign:
+        raise CheckpointError(f"{path} holds objects that are not part of an fsdp_plugin checkpoint "
+                              f"({', '.join(foreign[:5])}); refusing to save over them")
+    keep = published_uid(path)
+    for n in names:
+        if is_save_prefix(n) and n != keep:
+            warnings.warn(f"removing {join(path, n)} left by an interrupted checkpoint save")
+            st.remove_tree(join(path, n))
+
+
+def publish(tmp: str, path: str, data: bytes) -> None:
+    """Commit the save whose objects are under ``tmp`` = ``path/<uuid>`` by writing ``path/manifest.json``.
+
+    A fresh path is created with a conditional write (two writers: one wins, the other raises here); an existing
+    checkpoint's manifest is overwritten in one PUT, then its objects are deleted (it stayed loadable until now).
+    """
+    st = storage_for(path)
+    old = published_uid(path)
+    try:
+        st.create_exclusive(join(path, manifest.NAME), data, exclusive=old is None)
+    except FileExistsError:
+        raise CheckpointError(f"{path}: another save published a checkpoint there first (its manifest.json was "
+                              "created while this save was uploading); this save's objects are removed. Save "
+                              "each step to its own path.") from None
+    if old is not None and join(path, old) != tmp:
+        st.remove_tree(join(path, old))
+
+
+def check_uid(uid, where: str) -> str:
+    if not (isinstance(uid, str) and is_save_prefix(uid)):
+        raise CorruptCheckpointError(f"{where}: invalid uuid {uid!r} (a checkpoint on an object store keeps its "
+                                     "objects under the prefix named by the manifest's uuid)")
+    return uid
