@@ -25,6 +25,7 @@ from .errors import CheckpointError, CheckpointMismatchError, MismatchReport
 from .fsio import byte_view, check_plain_name, open_in_dir
 from .hf_gather import gather_full, gather_write, piece_table
 from .hf_out import INDEX_NAME, HFWriter
+from .storage import require_local
 from .reader import ReadPlan
 from .writer import flat_cpu
 
@@ -44,7 +45,7 @@ def load_pretrained(model, path, strict: bool = True) -> MismatchReport:
     """
     err, report = None, MismatchReport()
     try:
-        _load_local(model, os.fspath(path), strict, report)
+        _load_local(model, require_local(path, "load_pretrained"), strict, report)
     except Exception as e:  # noqa: BLE001 - every rank raises together
         err = e
     _comm.raise_if_any_failed(err)
@@ -203,7 +204,7 @@ def save_pretrained(model, path, max_shard_size="5GB", dtype: torch.dtype | None
     tensors gathered whole on rank 0, one group at a time), and ``config.json`` (+ ``generation_config.json``)
     are written, so ``from_pretrained(path)`` reads it back.
     """
-    path = os.path.abspath(os.fspath(path))
+    path = require_local(path, "save_pretrained")
     rank = _comm.rank()
     out = _SaveLayout(model, dtype)
     uid = _comm.broadcast_bytes(uuid.uuid4().hex.encode() if rank == 0 else None).decode()

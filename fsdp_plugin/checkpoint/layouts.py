@@ -65,6 +65,17 @@ class Layout:
 def detect(path) -> Layout:
     """Describe ``path`` from its files (reads at most small JSON files: manifests, trainer/accelerate state)."""
     path = os.fspath(path)
+    if is_url(path):  # an object store: only our own layouts are described there
+        names = set(storage_for(path).listdir(path))
+        for probe in (_ours,):
+            found = probe(path, names)
+            if found is not None:
+                return found
+        sub = [join(path, n) for n in sorted(names) if storage_for(path).size(join(path, n, manifest.NAME))]
+        if sub:
+            return Layout("unknown", path, f"{path} holds {_plural(len(sub), 'checkpoint')}", _OUR_TOOLS, tuple(sub))
+        return Layout("missing" if not names else "unknown", path,
+                      f"{path}: nothing published there" if not names else f"{path} holds no manifest.json", "")
     if not os.path.exists(path):
         return Layout("missing", path, f"{path} does not exist", "")
     if not os.path.isdir(path):

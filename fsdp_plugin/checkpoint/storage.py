@@ -110,8 +110,8 @@ def require_local(path, what: str) -> str:
     s = scheme(p)
     if s is not None and s != "file":
         raise UnsupportedStorageError(
-            f"{what}: {p!r} is a {s}:// URL, and {what} reads and writes local directories only. Copy it to a local "
-            f"directory first (fsspec: fsspec.filesystem({s!r}).get(url, local_dir, recursive=True)), or use "
+            f"{what}: {p!r} is a {s}:// URL, and {what} works on local paths only. Copy it to a local "
+            f"path first (fsspec: fsspec.filesystem({s!r}).get(url, local_dir, recursive=True)), or use "
             "fp.save_checkpoint / fp.load_checkpoint / fp.latest_checkpoint, which take URLs.")
     return resolve(p, what)
 
