@@ -73,7 +73,9 @@ def test_replacing_keeps_one_prefix_and_the_manifest_names_it():
     assert sorted(n.rsplit("/", 1)[-1] for n in fs.ls(path, detail=False)) == sorted([doc["uuid"], "manifest.json"])
 
 
-def test_a_save_without_manifest_is_invisible_and_cleaned_by_the_next_save():
+def test_a_save_without_manifest_is_invisible_and_cleaned_by_the_next_save(monkeypatch):
+    from fsdp_plugin.checkpoint import _publish_remote
+
     root = _bucket() + "/run"
     m, _ = _trained()
     fp.save_checkpoint(f"{root}/step1", m, extra={"step": 1})
@@ -83,6 +85,9 @@ def test_a_save_without_manifest_is_invisible_and_cleaned_by_the_next_save():
     assert fp.latest_checkpoint(root) == f"{root}/step1"
     with pytest.raises(fp.CheckpointError, match="no checkpoint there"):
         fp.load_checkpoint(f"{root}/step2", _model())
+    fp.save_checkpoint(f"{root}/step2", m, extra={"step": 2})  # a young prefix may be a save under way: kept
+    assert fs.exists(orphan)
+    monkeypatch.setattr(_publish_remote, "STALE_S", 0.0)
     with pytest.warns(UserWarning, match="interrupted checkpoint save"):
         fp.save_checkpoint(f"{root}/step2", m, extra={"step": 2})
     assert not fs.exists(orphan)

@@ -6,12 +6,19 @@ uuid it commits. See :mod:`.remote` for the promises and why they hold.
 from __future__ import annotations
 
 import json
+import time
 import warnings
 
 from . import manifest
 from .errors import CheckpointError, CorruptCheckpointError
 from .remote import is_save_prefix
 from .storage import join, storage_for
+
+
+#: A prefix without a published manifest is removed by the next save to the same path only when its newest
+#: object is older than this (seconds): a younger one may belong to a save still uploading (another job, or a
+#: slow rank), whose objects must not vanish under it.
+STALE_S = 3600.0
 
 
 def published_uid(path: str) -> str | None:
@@ -36,9 +43,21 @@ def prepare(path: str) -> None:
                               f"({', '.join(foreign[:5])}); refusing to save over them")
     keep = published_uid(path)
     for n in names:
-        if is_save_prefix(n) and n != keep:
+        if is_save_prefix(n) and n != keep and _age_s(st, join(path, n)) > STALE_S:
             warnings.warn(f"removing {join(path, n)} left by an interrupted checkpoint save")
             st.remove_tree(join(path, n))
+
+
+def _age_s(st, prefix: str) -> float:
+    """Seconds since the newest object under ``prefix`` was written (0 when the store cannot say)."""
+    newest = None
+    for name in st.listdir(prefix):
+        try:
+            t = st.fs.modified(st._p(join(prefix, name))).timestamp()
+        except (NotImplementedError, OSError, AttributeError, ValueError):
+            return 0.0
+        newest = t if newest is None else max(newest, t)
+    return 0.0 if newest is None else time.time() - newest
 
 
 def publish(tmp: str, path: str, data: bytes) -> None:
@@ -49,6 +68,10 @@ def publish(tmp: str, path: str, data: bytes) -> None:
     """
     st = storage_for(path)
     old = published_uid(path)
+    for name in _names_in(data):  # our objects are all there (a concurrent save may have removed a prefix)
+        if st.size(join(tmp, name)) is None:
+            raise CheckpointError(f"{join(tmp, name)} vanished before the save was published (another save to "
+                                  f"{path} removed it?); nothing was published")
     try:
         st.create_exclusive(join(path, manifest.NAME), data, exclusive=old is None)
     except FileExistsError:
@@ -57,6 +80,10 @@ def publish(tmp: str, path: str, data: bytes) -> None:
                               "each step to its own path.") from None
     if old is not None and join(path, old) != tmp:
         st.remove_tree(join(path, old))
+
+
+def _names_in(data: bytes) -> list[str]:
+    return sorted(json.loads(data)["files"])
 
 
 def check_uid(uid, where: str) -> str:

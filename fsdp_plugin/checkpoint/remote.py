@@ -34,6 +34,8 @@ from .errors import CorruptCheckpointError, StorageError, UnsupportedStorageErro
 RETRIES = 4
 #: First backoff (seconds); doubled after every failed attempt.
 BACKOFF_S = 0.25
+#: Multipart upload part size (bytes): a multiple of the 8 MiB CRC32 block, above S3's 5 MiB minimum part.
+PART_BYTES = 16 << 20
 #: Bytes fetched by ranged reads in this process (all files); tests and benchmarks compare it with the need.
 bytes_read = 0
 _count_lock = threading.Lock()
@@ -143,13 +145,9 @@ class ObjectStorage:
         path = self._p(url)
 
         def attempt() -> int:
-            pos = [0]
-            with self.fs.open(path, "wb") as f:
-                def write(view: memoryview) -> None:
-                    f.write(view)
-                    pos[0] += len(view)
-                size = body(write, lambda off, n: None)
-            return size
+            # parts of PART_BYTES (>= S3's 5 MiB minimum): each upload request carries whole CRC32 blocks
+            with self.fs.open(path, "wb", block_size=PART_BYTES) as f:
+                return body(f.write, lambda off, n: None)
 
         return with_retries("upload", url, attempt)
 
