@@ -209,3 +209,10 @@ def test_integration_paths_refuse_or_keep_urls():
     assert lightning_io.checkpoint_kind(url + "/ck") == "sharded"
     with pytest.raises(UnsupportedStorageError, match="'full'"):
         lightning_io.checkpoint_kind(url + "/missing.ckpt")
+
+
+def test_lightning_export_output_must_be_local():
+    from fsdp_plugin.integrations.lightning.checkpoint.convert import consolidate_lightning
+
+    with pytest.raises(UnsupportedStorageError, match="consolidate --format lightning.*memory://"):
+        consolidate_lightning(_bucket() + "/ck", _bucket() + "/model.ckpt")
