@@ -46,3 +46,48 @@ def test_lightning_default_root_dir_on_a_bucket_saves_and_resumes(bucket, tmp_pa
     want, _ = reference_run(8)
     assert [e[0] for e in got] == [5, 6, 7, 8]
     assert max(abs(e[1] - w) for e, w in zip(got, want[4:])) <= 1e-5, (got, want[4:])
+
+
+@pytest.fixture
+def fresh_accelerate(monkeypatch):
+    from accelerate.state import AcceleratorState, GradientState
+
+    for name in ("ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING", "ACCELERATE_MIXED_PRECISION"):
+        monkeypatch.setenv(name, "false" if name != "ACCELERATE_MIXED_PRECISION" else "no")
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def test_accelerate_save_state_and_load_state_on_a_bucket(bucket, fresh_accelerate, tmp_path, monkeypatch):
+    import s3fs
+    import torch
+    from torch import nn
+
+    import fsdp_plugin as fp
+    from fsdp_plugin.integrations.accelerate import Accelerator
+
+    monkeypatch.chdir(tmp_path)
+    acc = Accelerator(sharding_config=fp.ShardingConfig())
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model, opt, sched = acc.prepare(model, opt, sched)
+    acc.backward(model(torch.randn(3, 4)).sum())
+    opt.step()
+    sched.step()
+    state = f"{bucket}/acc/step1"
+    acc.save_state(state)
+    names = sorted(k.rsplit("/", 1)[-1] for k in s3fs.S3FileSystem().ls(state))
+    assert names == ["accelerator_state.json", "model_0", "rng_0.json", "rng_0.safetensors"], names
+    expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    sched.step()
+    acc.load_state(state)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), expected[n]), n
+    assert sched.get_last_lr() == [0.05]
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(":")]

@@ -198,9 +198,10 @@ def test_integration_paths_refuse_or_keep_urls():
 
     url = _bucket() + "/state"
     acc = SimpleNamespace(project_configuration=SimpleNamespace(automatic_checkpoint_naming=False))
-    for what, call in {"Accelerator.save_state": lambda: dirs.output_dir(acc, url),
-                       "Accelerator.load_state": lambda: dirs.input_dir(acc, url),
-                       "Trainer checkpoint": lambda: _checkpoint.save(SimpleNamespace(), url),
+    assert dirs.output_dir(acc, url + "/") == url  # accelerate save_state on a bucket: test_checkpoint_s3_integrations
+    with pytest.raises(fp.ConfigError, match="nothing is stored under"):
+        dirs.input_dir(acc, url)
+    for what, call in {"Trainer checkpoint": lambda: _checkpoint.save(SimpleNamespace(), url),
                        "Trainer resume": lambda: _checkpoint.load(SimpleNamespace(), url)}.items():
         with pytest.raises(UnsupportedStorageError, match=rf"{what}.*memory://"):
             call()
