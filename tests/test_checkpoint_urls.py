@@ -157,7 +157,6 @@ def test_local_only_entry_points_refuse_urls(tmp_path):
     local = str(tmp_path / "ck")
     fp.save_checkpoint(local, m)
     calls = {"save_pretrained": lambda: fp.save_pretrained(m, url),
-             "load_pretrained": lambda: fp.load_pretrained(m, url),
              "consolidate": lambda: consolidate(local, url),
              "export_dcp": lambda: export_dcp(local, url),
              "load_dcp": lambda: load_dcp(url, m)}
@@ -217,3 +216,28 @@ def test_lightning_export_output_must_be_local():
 
     with pytest.raises(UnsupportedStorageError, match="consolidate --format lightning.*memory://"):
         consolidate_lightning(_bucket() + "/ck", _bucket() + "/model.ckpt")
+
+
+def test_load_pretrained_from_a_url(tmp_path):
+    import fsspec
+
+    m, _ = _trained()
+    fp.save_pretrained(m, str(tmp_path / "hf"), max_shard_size="200B")  # split: an index and several files
+    url = _bucket() + "/hf"
+    fsspec.filesystem("memory").put(str(tmp_path / "hf") + "/", url, recursive=True)
+    m2 = _model(1)
+    assert not fp.load_pretrained(m2, url)
+    with fp.full_params(m), fp.full_params(m2):
+        for a, b in zip(m.parameters(), m2.parameters()):
+            assert torch.equal(a, b)
+
+
+def test_transient_errors_are_classified():
+    import errno
+
+    assert remote.transient(OSError(errno.EREMOTEIO, "Internal Server Error"))
+    assert remote.transient(ConnectionError("Connection reset by peer"))
+    assert remote.transient(OSError("SlowDown: Please reduce your request rate"))
+    assert not remote.transient(FileNotFoundError("no such key"))
+    assert not remote.transient(FileExistsError("At least one of the pre-conditions you specified did not hold"))
+    assert not remote.transient(PermissionError("Access Denied"))

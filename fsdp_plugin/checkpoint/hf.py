@@ -22,10 +22,10 @@ import torch
 from .. import _progress
 from . import _comm, _format, _model, hf_convert
 from .errors import CheckpointError, CheckpointMismatchError, MismatchReport
-from .fsio import byte_view, check_plain_name, open_in_dir
+from .fsio import byte_view, check_plain_name, close_file, file_size, open_in_dir, preadv_all
 from .hf_gather import gather_full, gather_write, piece_table
 from .hf_out import INDEX_NAME, HFWriter
-from .storage import require_local
+from .storage import is_url, join, require_local, resolve, storage_for
 from .reader import ReadPlan
 from .writer import flat_cpu
 
@@ -45,7 +45,7 @@ def load_pretrained(model, path, strict: bool = True) -> MismatchReport:
     """
     err, report = None, MismatchReport()
     try:
-        _load_local(model, require_local(path, "load_pretrained"), strict, report)
+        _load_local(model, resolve(path, "load_pretrained"), strict, report)  # a local path or a URL
     except Exception as e:  # noqa: BLE001 - every rank raises together
         err = e
     _comm.raise_if_any_failed(err)
@@ -146,7 +146,9 @@ def _match(model, stored: dict, report: MismatchReport) -> tuple[list, list]:
 
 
 def _resolve(path: str) -> tuple[str, list[str]]:
-    """(directory, safetensors file names) of an HF checkpoint at ``path``."""
+    """(directory, safetensors file names) of an HF checkpoint at ``path`` (a local path or a URL)."""
+    if is_url(path):
+        return _resolve_remote(path)
     if os.path.isfile(path):
         return os.path.dirname(os.path.abspath(path)), [os.path.basename(path)]
     if not os.path.isdir(path):
@@ -158,16 +160,30 @@ def _resolve(path: str) -> tuple[str, list[str]]:
     raise CheckpointError(f"{path} has neither model.safetensors nor {INDEX_NAME}")
 
 
+def _resolve_remote(url: str) -> tuple[str, list[str]]:
+    st = storage_for(url)
+    if url.endswith(".safetensors") and st.size(url) is not None:
+        parent, name = url.rsplit("/", 1)
+        return parent, [name]
+    if st.size(join(url, INDEX_NAME)) is not None:
+        return url, _read_index(url)
+    if st.size(join(url, "model.safetensors")) is not None:
+        return url, ["model.safetensors"]
+    raise CheckpointError(f"{url} has neither model.safetensors nor {INDEX_NAME}")
+
+
 def _read_index(directory: str) -> list[str]:
-    index = os.path.join(directory, INDEX_NAME)
+    index = join(directory, INDEX_NAME)
     fd = open_in_dir(directory, INDEX_NAME, index, _allowed_roots(directory))
     try:
-        size = os.fstat(fd).st_size
+        size = file_size(fd)
         if size > MAX_INDEX_BYTES:
             raise CheckpointError(f"{index}: larger than {MAX_INDEX_BYTES} bytes; refusing to read it")
-        doc = _format.strict_json_loads(os.pread(fd, size, 0), index)
+        raw = bytearray(size)
+        preadv_all(fd, [memoryview(raw)], 0, index)
+        doc = _format.strict_json_loads(bytes(raw), index)
     finally:
-        os.close(fd)
+        close_file(fd)
     wm = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
         raise CheckpointError(f"{index}: no valid weight_map")

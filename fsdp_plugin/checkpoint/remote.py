@@ -23,6 +23,7 @@ Credentials and endpoints come from the filesystem's usual configuration (for s3
 """
 from __future__ import annotations
 
+import errno
 import re
 import threading
 import time
@@ -42,7 +43,8 @@ _count_lock = threading.Lock()
 _UID = re.compile(r"^[0-9a-f]{32}$")
 _TRANSIENT_WORDS = ("slowdown", "throttl", "serviceunavailable", "internalerror", "requesttimeout",
                     "503", "500", "502", "504", "connect", "timeout", "timed out", "endpoint", "reset by peer",
-                    "server disconnected", "broken pipe")
+                    "server disconnected", "broken pipe", "internal server error", "service unavailable",
+                    "slow down", "bad gateway", "gateway timeout")
 T = TypeVar("T")
 
 
@@ -72,6 +74,8 @@ def transient(e: BaseException) -> bool:
                       CorruptCheckpointError)):
         return False
     if isinstance(e, (ConnectionError, TimeoutError)):
+        return True
+    if isinstance(e, OSError) and e.errno == errno.EREMOTEIO:  # s3fs: a server-side error it could not map
         return True
     text = f"{type(e).__name__} {e}".lower()
     return any(w in text for w in _TRANSIENT_WORDS)
