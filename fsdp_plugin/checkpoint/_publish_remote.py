@@ -10,7 +10,7 @@ import time
 import warnings
 
 from . import manifest
-from .errors import CheckpointError, CorruptCheckpointError
+from .errors import CheckpointError
 from .remote import is_save_prefix
 from .storage import join, storage_for
 
@@ -84,10 +84,3 @@ def publish(tmp: str, path: str, data: bytes) -> None:
 
 def _names_in(data: bytes) -> list[str]:
     return sorted(json.loads(data)["files"])
-
-
-def check_uid(uid, where: str) -> str:
-    if not (isinstance(uid, str) and is_save_prefix(uid)):
-        raise CorruptCheckpointError(f"{where}: invalid uuid {uid!r} (a checkpoint on an object store keeps its "
-                                     "objects under the prefix named by the manifest's uuid)")
-    return uid

@@ -213,3 +213,10 @@ class ObjectStorage:
 def is_save_prefix(name: str) -> bool:
     """Whether ``name`` (an entry of a checkpoint prefix) is one save's object prefix (a uuid hex)."""
     return bool(_UID.match(name))
+
+
+def check_uid(uid, where: str) -> str:
+    if not (isinstance(uid, str) and is_save_prefix(uid)):
+        raise CorruptCheckpointError(f"{where}: invalid uuid {uid!r} (a checkpoint on an object store keeps its "
+                                     "objects under the prefix named by the manifest's uuid)")
+    return uid

@@ -17,9 +17,13 @@ import re
 import shutil
 from typing import Callable, Protocol, Union, runtime_checkable
 
+from . import fsio
 from .errors import UnsupportedStorageError
+from .urls import is_url, join, scheme
 
-_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+__all__ = ["LOCAL", "LocalStorage", "ReadHandle", "RemoteReadable", "Storage", "files_dir", "is_url", "join",
+           "require_local", "resolve", "scheme", "storage_for"]
+
 #: ``s3:/b/x``: what ``pathlib.Path("s3://b/x")`` makes of a URL (the double slash collapsed).
 _MANGLED = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+):/[^/]")
 
@@ -63,22 +67,6 @@ class Storage(Protocol):
 
     def remove_tree(self, path: str) -> None:
         """Remove ``path`` and everything under it; ignore absence."""
-
-
-def scheme(path) -> str | None:
-    """The URL scheme of ``path`` (``"s3"``), or None for a plain path."""
-    if not isinstance(path, str):
-        path = os.fspath(path)
-    if isinstance(path, bytes):
-        path = os.fsdecode(path)
-    m = _SCHEME.match(path)
-    return m.group(1).lower() if m else None
-
-
-def is_url(path) -> bool:
-    """Whether ``path`` is an object-store URL (``file://`` is not: it is a local path)."""
-    s = scheme(path)
-    return s is not None and s != "file"
 
 
 def resolve(path, what: str) -> str:
@@ -125,17 +113,12 @@ def storage_for(path: str) -> Storage:
     return LOCAL
 
 
-def join(path: str, *names: str) -> str:
-    """``path/name/...`` for local paths and URLs alike (URLs always use ``/``)."""
-    return "/".join([path.rstrip("/"), *names]) if is_url(path) else os.path.join(path, *names)
-
-
 def files_dir(path: str, doc: dict) -> str:
     """Where the rank files of the checkpoint at ``path`` (manifest ``doc``) are: ``path`` itself on local disk,
     the save's own prefix ``path/<uuid>`` on an object store (see :mod:`.remote`)."""
     if not is_url(path):
         return path
-    from ._publish_remote import check_uid
+    from .remote import check_uid
 
     return join(path, check_uid(doc.get("uuid"), join(path, "manifest.json")))
 
@@ -146,16 +129,12 @@ class LocalStorage:
     remote = False
 
     def open_read(self, path: str, where: str) -> ReadHandle:
-        from .fsio import open_in_dir
-
-        return open_in_dir(os.path.dirname(path), os.path.basename(path), where)
+        return fsio.open_in_dir(os.path.dirname(path), os.path.basename(path), where)
 
     def write_file(self, path: str, body: WriteBody) -> int:
-        from .fsio import start_writeback, write_all
-
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
-            size = body(lambda view: write_all(fd, view), lambda off, n: start_writeback(fd, off, n))
+            size = body(lambda view: fsio.write_all(fd, view), lambda off, n: fsio.start_writeback(fd, off, n))
             os.fsync(fd)
         finally:
             os.close(fd)
