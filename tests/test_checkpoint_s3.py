@@ -212,3 +212,22 @@ def test_async_save_and_latest(bucket):
     h.wait()
     assert fp.latest_checkpoint(f"{bucket}/run") == f"{bucket}/run/step5"
     assert fp.load_checkpoint(f"{bucket}/run/step5", _small()) == {"step": 5}
+
+
+def _export_hf(rank, world, url):
+    model = _big()
+    fp.save_pretrained(model, url, max_shard_size="20MB")
+    sd = fp.full_state_dict(model)  # collective
+    return sd if rank == 0 else None
+
+
+def test_save_pretrained_at_world_2_to_a_bucket(bucket):
+    url = f"{bucket}/hf"
+    want = run_ranks(_export_hf, 2, url, timeout=120)[0]
+    names = sorted(k.rsplit("/", 1)[-1] for k in _s3().ls(url))
+    assert "model.safetensors.index.json" in names and len(names) >= 3, names
+    m = _big()
+    assert not fp.load_pretrained(m, url)  # ranged reads from the bucket
+    with fp.full_params(m):
+        for k, v in m.state_dict().items():
+            assert torch.equal(v, want[k]), k

@@ -156,8 +156,7 @@ def test_local_only_entry_points_refuse_urls(tmp_path):
     m, _ = _trained()
     local = str(tmp_path / "ck")
     fp.save_checkpoint(local, m)
-    calls = {"save_pretrained": lambda: fp.save_pretrained(m, url),
-             "consolidate": lambda: consolidate(local, url),
+    calls = {             "consolidate": lambda: consolidate(local, url),
              "export_dcp": lambda: export_dcp(local, url),
              "load_dcp": lambda: load_dcp(url, m)}
     for what, call in calls.items():
@@ -241,3 +240,27 @@ def test_transient_errors_are_classified():
     assert not remote.transient(FileNotFoundError("no such key"))
     assert not remote.transient(FileExistsError("At least one of the pre-conditions you specified did not hold"))
     assert not remote.transient(PermissionError("Access Denied"))
+
+
+def test_save_pretrained_to_a_url_then_load_it(tmp_path):
+    import fsspec
+    from safetensors.torch import load_file
+
+    m, _ = _trained()
+    url = _bucket() + "/hf"
+    fp.save_pretrained(m, url, max_shard_size="200B")
+    fs = fsspec.filesystem("memory")
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(url, detail=False))
+    assert "model.safetensors.index.json" in names and len(names) > 2, names
+    fs.get(url + "/", str(tmp_path / "hf"), recursive=True)
+    with fp.full_params(m):
+        want = m.state_dict()
+    got = {}
+    for n in names:
+        if n.endswith(".safetensors"):
+            got.update(load_file(str(tmp_path / "hf" / n)))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    m2 = _model(1)
+    fp.load_pretrained(m2, url)
+    with fp.full_params(m2):
+        assert all(torch.equal(v, want[k]) for k, v in m2.state_dict().items())

@@ -229,8 +229,11 @@ def checkpoint_url_without_filesystem():
     fp.save_checkpoint("nosuchscheme://bucket/run/step1", fp.shard(nn.Linear(2, 2)))
 
 
-def save_pretrained_to_a_url():
-    fp.save_pretrained(fp.shard(nn.Linear(2, 2)), "memory://bucket/export")
+def export_dcp_to_a_url(tmp_path):
+    from fsdp_plugin.checkpoint.dcp import export_dcp
+
+    fp.save_checkpoint(str(tmp_path / "ckpt"), fp.shard(nn.Linear(2, 2)))
+    export_dcp(str(tmp_path / "ckpt"), "memory://bucket/export")
 
 
 def _late_rank(rank, world, trace_dir):
@@ -438,7 +441,7 @@ CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, wrap_polic
          third_party_muon_on_a_split_matrix, per_tensor_optimizer_on_shard_pieces, muon_given_a_vector,
          muon_with_adamw_group_without_use_muon,
          muon_on_a_model_never_sharded, a_unit_runs_on_some_ranks_only, some_ranks_modules_matches_nothing]
-CASES += [checkpoint_url_without_filesystem, save_pretrained_to_a_url]  # issue 33: URLs
+CASES += [checkpoint_url_without_filesystem, export_dcp_to_a_url]  # issue 33: URLs
 
 
 def _capture(case, tmp_path):

@@ -220,6 +220,11 @@ def save_pretrained(model, path, max_shard_size="5GB", dtype: torch.dtype | None
     tensors gathered whole on rank 0, one group at a time), and ``config.json`` (+ ``generation_config.json``)
     are written, so ``from_pretrained(path)`` reads it back.
     """
+    if is_url(os.fspath(path)):  # rank 0 gathers into a local temporary directory, then uploads (hf_remote.py)
+        from .hf_remote import save_pretrained_remote
+
+        return save_pretrained_remote(save_pretrained, model, resolve(path, "save_pretrained"),
+                                      max_shard_size=max_shard_size, dtype=dtype)
     path = require_local(path, "save_pretrained")
     rank = _comm.rank()
     out = _SaveLayout(model, dtype)
