@@ -98,9 +98,10 @@ def require_local(path, what: str) -> str:
     s = scheme(p)
     if s is not None and s != "file":
         raise UnsupportedStorageError(
-            f"{what}: {p!r} is a {s}:// URL, and {what} works on local paths only. Copy it to a local "
-            f"path first (fsspec: fsspec.filesystem({s!r}).get(url, local_dir, recursive=True)), or use "
-            "fp.save_checkpoint / fp.load_checkpoint / fp.latest_checkpoint, which take URLs.")
+            f"{what}: {p!r} is a {s}:// URL, and {what} works on local paths only: give a local path (to move files "
+            f"between the two: fsspec.filesystem({s!r}).get(url, local_dir, recursive=True) or .put(local_dir, url, "
+            "recursive=True)). fp.save_checkpoint, load_checkpoint, latest_checkpoint, save_pretrained and "
+            "load_pretrained take URLs.")
     return resolve(p, what)
 
 
