@@ -98,7 +98,7 @@ def _save_rank(rank, world, path, mb):
 def _load_rank(rank, world, path, mb):
     import fsdp_plugin as fp
     from fsdp_plugin._flat.layout import param_shards
-    from fsdp_plugin.checkpoint import remote
+    from fsdp_plugin.checkpoint.storage import remote
 
     m = fp.shard(_model(mb, 1))
     before = remote.bytes_read

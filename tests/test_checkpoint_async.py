@@ -13,7 +13,8 @@ from _dist import run_ranks
 from models import GPT, Block
 
 import fsdp_plugin as fp
-from fsdp_plugin.checkpoint import _async, load_checkpoint, save_checkpoint, verify_checkpoint
+from fsdp_plugin.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
+from fsdp_plugin.checkpoint.asyncsave import _async
 from fsdp_plugin.checkpoint import save as save_mod
 
 torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # import torch._dynamo once, before forking ranks

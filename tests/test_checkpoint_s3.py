@@ -16,7 +16,8 @@ from test_checkpoint_reshard import _assert_same_state, _load_run, _save_run
 from torch import nn
 
 import fsdp_plugin as fp
-from fsdp_plugin.checkpoint import _publish_remote, fsio, remote, verify_checkpoint
+from fsdp_plugin.checkpoint import verify_checkpoint
+from fsdp_plugin.checkpoint.storage import _publish_remote, fsio, remote
 from fsdp_plugin.checkpoint.errors import CheckpointError, StorageError
 
 

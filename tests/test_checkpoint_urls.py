@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 import fsdp_plugin as fp
-from fsdp_plugin.checkpoint import consolidate, inspect_checkpoint, remote, verify_checkpoint
+from fsdp_plugin.checkpoint import consolidate, inspect_checkpoint, verify_checkpoint
+from fsdp_plugin.checkpoint.storage import remote
 from fsdp_plugin.checkpoint.errors import UnsupportedStorageError
 
 
@@ -74,7 +75,7 @@ def test_replacing_keeps_one_prefix_and_the_manifest_names_it():
 
 
 def test_a_save_without_manifest_is_invisible_and_cleaned_by_the_next_save(monkeypatch):
-    from fsdp_plugin.checkpoint import _publish_remote
+    from fsdp_plugin.checkpoint.storage import _publish_remote
 
     root = _bucket() + "/run"
     m, _ = _trained()

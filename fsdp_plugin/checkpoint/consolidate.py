@@ -11,12 +11,12 @@ import os
 import uuid
 import zlib
 
-from . import _format, layouts, manifest
+from .format import _format, layouts, manifest
 from .errors import CorruptCheckpointError
 from .storage import files_dir, require_local, resolve
-from .fsio import preadv_all
-from .hf_out import HFWriter
-from .reader import ReadPlan
+from .storage.fsio import preadv_all
+from .hf.hf_out import HFWriter
+from .format.reader import ReadPlan
 
 
 def consolidate(ckpt, out, max_shard_size="5GB", progress=None, keep_tied: bool = True) -> list[str]:

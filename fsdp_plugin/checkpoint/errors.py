@@ -5,7 +5,7 @@ Every error names the file (and, where one is involved, the tensor and byte rang
     FSDPPluginError
     └── CheckpointError                      base class; also raised for unsafe paths
         ├── CorruptCheckpointError           bytes on disk are damaged: size, header, CRC32, manifest
-        │   └── IncompleteCheckpointError    evidence of an interrupted save (see checkpoint/layouts.py)
+        │   └── IncompleteCheckpointError    evidence of an interrupted save (see checkpoint/format/layouts.py)
         │   └── UnsafeCheckpointError        a foreign pickle names a global outside the allow-list
         ├── CheckpointMismatchError          a valid checkpoint that does not fit the model/optimizer
         │   ├── CheckpointKeyError (KeyError)            an entry the state to load needs is absent

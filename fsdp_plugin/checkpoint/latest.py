@@ -1,7 +1,7 @@
 """``latest_checkpoint(root)``: the checkpoint a restarted job resumes from (torchrun ``--max-restarts``).
 
 A checkpoint is complete once its ``manifest.json`` is published (the commit marker; written last, see
-:mod:`fsdp_plugin.checkpoint._publish`), so a directory without one, an interrupted save's ``*.tmp-*``
+:mod:`fsdp_plugin.checkpoint.storage._publish`), so a directory without one, an interrupted save's ``*.tmp-*``
 and a replaced one's ``*.old-*`` are skipped, as is a directory whose manifest is invalid or whose files
 are missing or of the wrong size. ``verify=True`` also checks every CRC32 block (reads everything).
 
@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from . import _comm, manifest
+from . import _comm
+from .format import manifest
 from .errors import CheckpointError
 from .storage import files_dir, join, resolve, storage_for
 

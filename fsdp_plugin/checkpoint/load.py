@@ -11,14 +11,16 @@ import os
 import torch
 
 from ._finish import finish_load
-from . import _async, _comm, _format, _model, codec, layouts, manifest, optim
+from .asyncsave import _async
+from . import _comm, _model, optim
+from .format import _format, codec, layouts, manifest
 from .errors import (
     CheckpointMismatchError,
     CorruptCheckpointError,
     MismatchReport,
 )
 from .dcp.load import load_dcp  # imported now: its unpicklers subclass pickle's at import
-from .reader import ReadPlan
+from .format.reader import ReadPlan
 from .storage import files_dir, join, resolve
 
 

@@ -21,10 +21,13 @@ from typing import Literal
 
 import torch
 
-from . import _async, _comm, _format, _model, _publish, _publish_remote, codec, manifest, optim
+from .asyncsave import _async
+from . import _comm, _model, optim
+from .format import _format, codec, manifest
+from .storage import _publish, _publish_remote
 from .errors import CheckpointError
 from .storage import is_url, join, resolve, storage_for
-from .writer import write_safetensors
+from .format.writer import write_safetensors
 
 
 @dataclass

@@ -4,10 +4,10 @@ from __future__ import annotations
 import os
 import zlib
 
-from . import _format, layouts, manifest
+from .format import _format, layouts, manifest
 from .errors import CheckpointError
-from .fsio import preadv_all
-from .reader import ReadPlan
+from .storage.fsio import preadv_all
+from .format.reader import ReadPlan
 from .storage import files_dir, resolve
 
 

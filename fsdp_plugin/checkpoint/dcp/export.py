@@ -30,11 +30,11 @@ import zipfile
 import torch
 
 from ..storage import files_dir, require_local, resolve
-from .. import codec, manifest
+from ..format import codec, manifest
 from ..errors import CheckpointError
-from ..fsio import fsync_path
-from ..layouts import checkpoint_dir
-from ..reader import ReadPlan
+from ..storage.fsio import fsync_path
+from ..format.layouts import checkpoint_dir
+from ..format.reader import ReadPlan
 
 #: Bytes copied per read/write step of one item (bounds the memory of an export).
 BUFFER_BYTES = 64 << 20
@@ -171,7 +171,7 @@ class _Exporter:
 
     def stored(self, keys: list[tuple[str, tuple]], entry: dict, kind: str, file_key: str) -> None:
         """A tensor of our checkpoint: every piece of it, as boxes, to the writing rank's output file."""
-        from .. import _format
+        from ..format import _format
 
         dtype, shape = _format.to_dtype(entry["dtype"]), tuple(entry["shape"])
         self._declare(keys, dtype, shape)

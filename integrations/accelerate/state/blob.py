@@ -1,7 +1,7 @@
 """Pickle-free storage of small nested states: ``NAME.json`` (strict JSON) + ``NAME.safetensors``.
 
 Used for schedulers, dataloader/sampler positions, the grad scaler, RNG states and registered custom
-objects. The codec is the package's one (:mod:`fsdp_plugin.checkpoint.codec`): tuples, non-finite floats,
+objects. The codec is the package's one (:mod:`fsdp_plugin.checkpoint.format.codec`): tuples, non-finite floats,
 int dict keys and tensors; loading only parses JSON and safetensors.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ import json
 import os
 from typing import Any
 
-from fsdp_plugin.checkpoint.codec import decode_state, encode_state
+from fsdp_plugin.checkpoint.format.codec import decode_state, encode_state
 from safetensors.torch import load, load_file, save, save_file
 
 from fsdp_plugin.checkpoint import storage

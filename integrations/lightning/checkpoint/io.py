@@ -2,7 +2,7 @@
 
 * ``sharded`` (default): ``path`` is the engine's checkpoint directory (``fp.save_checkpoint``: per-rank
   safetensors + ``manifest.json``). Lightning's other state (loops, callbacks, schedulers, hparams,
-  precision state, ...) goes through :mod:`fsdp_plugin.checkpoint.codec` into the manifest's ``extra``. Loadable at any world size.
+  precision state, ...) goes through :mod:`fsdp_plugin.checkpoint.format.codec` into the manifest's ``extra``. Loadable at any world size.
 * ``full``: ``path`` is one file in Lightning's own torch format (see :mod:`._torch_file`):
   ``{"state_dict": plain weights, **Lightning's state}``, so ``MyModule.load_from_checkpoint(path)`` and
   ``torch.load(path, weights_only=True)`` read it on a machine without a process group. We read it back
@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from fsdp_plugin.checkpoint import _comm, codec
+from fsdp_plugin.checkpoint import _comm
+from fsdp_plugin.checkpoint.format import codec
 from fsdp_plugin.checkpoint import storage
 from fsdp_plugin.checkpoint.errors import CheckpointStateError
 from safetensors import safe_open

@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any, Callable, TypeVar
 
-from .errors import CorruptCheckpointError, StorageError, UnsupportedStorageError
+from ..errors import CorruptCheckpointError, StorageError, UnsupportedStorageError
 
 #: Attempts after the first one for a request that failed with a transient error.
 RETRIES = 4

@@ -9,10 +9,10 @@ import json
 import time
 import warnings
 
-from . import manifest
-from .errors import CheckpointError
+from ..format import manifest
+from ..errors import CheckpointError
 from .remote import is_save_prefix
-from .storage import join, storage_for
+from . import join, storage_for
 
 
 #: A prefix without a published manifest is removed by the next save to the same path only when its newest

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from . import _format
-from .storage import join
-from .errors import CorruptCheckpointError
-from .fsio import BlockCrc, byte_view, close_file, file_size, open_in_dir, preadv_all
+from ..storage import join
+from ..errors import CorruptCheckpointError
+from ..storage.fsio import BlockCrc, byte_view, close_file, file_size, open_in_dir, preadv_all
 
 #: Largest bounce-buffer memory of one read run (bytes).
 BOUNCE_BYTES = 64 << 20

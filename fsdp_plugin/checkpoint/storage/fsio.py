@@ -11,7 +11,7 @@ import zlib
 
 import torch
 
-from .errors import CheckpointError, CorruptCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
 from .urls import is_url, join
 
 #: CRC32 block size of checkpoint files (bytes). Every file is checksummed in blocks of this size.

@@ -15,10 +15,10 @@ import shutil
 import uuid
 import warnings
 
-from . import manifest
-from .errors import CheckpointError
+from ..format import manifest
+from ..errors import CheckpointError
 from .fsio import fsync_path
-from .storage import is_url, join
+from . import is_url, join
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2

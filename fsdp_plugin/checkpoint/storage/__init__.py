@@ -18,7 +18,7 @@ import shutil
 from typing import Callable, Protocol, Union, runtime_checkable
 
 from . import fsio
-from .errors import UnsupportedStorageError
+from ..errors import UnsupportedStorageError
 from .urls import is_url, join, scheme
 
 __all__ = ["LOCAL", "LocalStorage", "ReadHandle", "RemoteReadable", "Storage", "files_dir", "is_url", "join",

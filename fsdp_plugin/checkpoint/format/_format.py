@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import CodecError
-from .errors import CorruptCheckpointError
+from ...errors import CodecError
+from ..errors import CorruptCheckpointError
 
 #: safetensors dtype name -> torch dtype (only those torch has).
 _NAME_TO_DTYPE: dict[str, torch.dtype] = {

@@ -19,15 +19,17 @@ import uuid
 
 import torch
 
-from .. import _progress
-from . import _comm, _format, _model, hf_convert
-from .errors import CheckpointError, CheckpointMismatchError, MismatchReport
-from .fsio import byte_view, check_plain_name, close_file, file_size, open_in_dir, preadv_all
+from ... import _progress
+from .. import _comm, _model
+from ..format import _format
+from . import hf_convert
+from ..errors import CheckpointError, CheckpointMismatchError, MismatchReport
+from ..storage.fsio import byte_view, check_plain_name, close_file, file_size, open_in_dir, preadv_all
 from .hf_gather import gather_full, gather_write, piece_table
 from .hf_out import INDEX_NAME, HFWriter
-from .storage import is_url, join, require_local, resolve, storage_for
-from .reader import ReadPlan
-from .writer import flat_cpu
+from ..storage import is_url, join, require_local, resolve, storage_for
+from ..format.reader import ReadPlan
+from ..format.writer import flat_cpu
 
 #: Largest index file we read (bytes).
 MAX_INDEX_BYTES = 64 << 20

@@ -23,9 +23,9 @@ import re
 import zipfile
 from dataclasses import dataclass
 
-from .storage import is_url, join, storage_for
+from ..storage import is_url, join, storage_for
 from . import manifest
-from .errors import CheckpointError, CheckpointStateError, IncompleteCheckpointError
+from ..errors import CheckpointError, CheckpointStateError, IncompleteCheckpointError
 
 _RANK_FILE = re.compile(r"^rank\d{5,}\.(model|optim|extra)\.safetensors$")
 _OUR_TOOLS = "fp.load_checkpoint and fsdp-plugin inspect/verify/consolidate read it"

@@ -8,9 +8,9 @@ import os
 import shutil
 import tempfile
 
-from . import _comm
+from .. import _comm
 from .hf_out import INDEX_NAME
-from .storage import join, storage_for
+from ..storage import join, storage_for
 
 #: Bytes per write of an upload stream.
 _CHUNK = 8 << 20

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _format, fsio
-from .fsio import BlockCrc, byte_view
-from .storage import storage_for
+from . import _format
+from ..storage import fsio
+from ..storage.fsio import BlockCrc, byte_view
+from ..storage import storage_for
 
 
 @dataclass(frozen=True)

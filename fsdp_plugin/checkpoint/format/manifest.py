@@ -23,9 +23,9 @@ import os
 import re
 
 from . import _format
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from .fsio import open_in_dir
-from .storage import is_url, join, storage_for
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..storage.fsio import open_in_dir
+from ..storage import is_url, join, storage_for
 
 FORMAT = "fsdp_plugin.checkpoint"
 VERSION = 1
