@@ -55,7 +55,7 @@ def _rank(rank, world, model_name, path, out, export):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import fsdp_plugin as fp
-    from fsdp_plugin.checkpoint import export_plan
+    from fsdp_plugin.checkpoint.hf import export_plan
     from fsdp_plugin.checkpoint._model import param_shards
 
     integration.install()

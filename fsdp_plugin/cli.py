@@ -1,7 +1,7 @@
 """``fsdp-plugin`` command line: ``inspect CKPT``, ``verify CKPT``, ``consolidate CKPT OUT [--format lightning]``,
 ``export CKPT OUT --format hf|dcp|lightning`` (``dcp``: a torch distributed-checkpoint directory).
 
-CKPT is any layout fsdp_plugin writes (see :mod:`fsdp_plugin.checkpoint.layouts`): an ``fp.save_checkpoint`` or
+CKPT is any layout fsdp_plugin writes (see :mod:`fsdp_plugin.checkpoint.format.layouts`): an ``fp.save_checkpoint`` or
 Lightning directory, an accelerate ``save_state`` directory, a Trainer ``checkpoint-<n>``; ``inspect`` also
 describes the ones it does not read (DCP, a Lightning file) and names what reads them.
 
@@ -51,7 +51,7 @@ def _inspect(args) -> int:
 
 def _foreign_layout(path: str) -> dict | None:
     """The layout of ``path`` when it is a checkpoint someone else reads (DCP, a Lightning file, Trainer weights)."""
-    from .checkpoint.layouts import detect
+    from .checkpoint.format.layouts import detect
 
     layout = detect(path)
     if layout.checkpoints or layout.kind not in ("dcp", "lightning-file", "trainer"):

@@ -3,10 +3,10 @@
 the way the library writes them, without gathering the model: every rank writes its own byte ranges.
 
 How: rank 0 runs the library's own save code on meta stand-ins of the plain model's ``state_dict``
-(:func:`fsdp_plugin.checkpoint.export_plan.placeholders`); the library does everything it always does (config,
+(:func:`fsdp_plugin.checkpoint.hf.export_plan.placeholders`); the library does everything it always does (config,
 generation config, tokenizer, adapter config, tied-weight removal, reverse conversion, shard split and index),
 except that its safetensors writes are captured instead of performed (:func:`_capture`). The captured files are
-then written collectively by :func:`fsdp_plugin.checkpoint.ranged.write_planned`, byte-identical to what the
+then written collectively by :func:`fsdp_plugin.checkpoint.hf.ranged.write_planned`, byte-identical to what the
 library would have written from the gathered weights. When the library computes an output tensor from data (a
 converted tensor that is not a slice of a model tensor, a cloned alias), the save falls back to gathering the
 model to rank 0 and running the library on it (``write_on_rank0``): same files, the old memory cost.
@@ -23,8 +23,9 @@ from typing import Any, TypeVar
 import torch
 from fsdp_plugin.integrations._rank0_save import write_on_rank0
 
-from fsdp_plugin.checkpoint import _comm, export_plan, ranged
-from fsdp_plugin.checkpoint.hf import fused_runs
+from fsdp_plugin.checkpoint import _comm
+from fsdp_plugin.checkpoint.hf import export_plan, ranged
+from fsdp_plugin.checkpoint.hf.hf import fused_runs
 
 T = TypeVar("T")
 _log = logging.getLogger("fsdp_plugin")

@@ -13,7 +13,8 @@ from _dist import run_ranks
 from models import GPT, Block
 
 import fsdp_plugin as fp
-from fsdp_plugin.checkpoint import _async, load_checkpoint, save_checkpoint, verify_checkpoint
+from fsdp_plugin.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
+from fsdp_plugin.checkpoint.asyncsave import _async
 from fsdp_plugin.checkpoint import save as save_mod
 
 torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # import torch._dynamo once, before forking ranks
@@ -140,11 +141,12 @@ def test_exit_finishes_pending_save(tmp_path):
     path = str(tmp_path / "ck")
     code = textwrap.dedent(f"""
         import torch
-        from fsdp_plugin.checkpoint import save_checkpoint, writer
-        real = writer.os.fsync
+        import os
+        from fsdp_plugin.checkpoint import save_checkpoint
+        real = os.fsync
         def slow_fsync(fd):
             import time; time.sleep(0.5); real(fd)
-        writer.os.fsync = slow_fsync
+        os.fsync = slow_fsync  # every file of the save is fsynced through os.fsync
         m = torch.nn.Linear(64, 64)
         torch.nn.init.constant_(m.weight, 2.0)
         h = save_checkpoint({path!r}, m, extra={{"v": 9}}, async_save=True)

@@ -13,7 +13,8 @@ import torch
 from _dist import RankFailure, run_ranks
 from torch import nn
 
-from fsdp_plugin.checkpoint import CheckpointError, _publish, load_checkpoint, save_checkpoint, verify_checkpoint
+from fsdp_plugin.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, verify_checkpoint
+from fsdp_plugin.checkpoint.storage import _publish
 from fsdp_plugin.checkpoint import save as save_mod
 
 

@@ -6,7 +6,9 @@ from _dist import run_ranks
 from models import GPT, Block
 
 import fsdp_plugin as fp
-from fsdp_plugin.checkpoint import fsio, load_checkpoint, reader, save_checkpoint
+from fsdp_plugin.checkpoint import load_checkpoint, save_checkpoint
+from fsdp_plugin.checkpoint.storage import fsio
+from fsdp_plugin.checkpoint.format import reader
 
 torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # import torch._dynamo once, before forking ranks
 

@@ -27,8 +27,8 @@ from fsdp_plugin.checkpoint import (
     save_pretrained,
     verify_checkpoint,
 )
-from fsdp_plugin.checkpoint import manifest as mf
-from fsdp_plugin.checkpoint.writer import write_safetensors
+from fsdp_plugin.checkpoint.format import manifest as mf
+from fsdp_plugin.checkpoint.format.writer import write_safetensors
 
 
 def _trained(seed=0):

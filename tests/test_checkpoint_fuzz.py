@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fsdp_plugin as fp
-import fsdp_plugin.checkpoint.fsio as fsio
+import fsdp_plugin.checkpoint.storage.fsio as fsio
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 SLOW = settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck))

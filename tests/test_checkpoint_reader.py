@@ -7,8 +7,9 @@ import random
 import pytest
 import torch
 
-from fsdp_plugin.checkpoint import CorruptCheckpointError, reader
-from fsdp_plugin.checkpoint.writer import write_safetensors
+from fsdp_plugin.checkpoint import CorruptCheckpointError
+from fsdp_plugin.checkpoint.format import reader
+from fsdp_plugin.checkpoint.format.writer import write_safetensors
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -90,7 +91,7 @@ def test_fast_crc32_matches_zlib():
     """fsio.crc32 (libdeflate when installed) is zlib's CRC-32, chained, on any buffer it may get."""
     import zlib
 
-    from fsdp_plugin.checkpoint import fsio
+    from fsdp_plugin.checkpoint.storage import fsio
 
     t = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
     view = fsio.byte_view(t)

@@ -12,7 +12,8 @@ from safetensors.torch import save_file
 
 import fsdp_plugin as fp
 from _dist import run_ranks
-from fsdp_plugin.checkpoint import _comm, hf, load, save
+from fsdp_plugin.checkpoint import _comm, load, save
+from fsdp_plugin.checkpoint.hf import hf
 
 TIMEOUT_S = 4
 

@@ -247,6 +247,17 @@ def checkpoint_extra_that_needs_pickle(tmp_path):
     fp.save_checkpoint(str(tmp_path / "ckpt"), fp.shard(nn.Linear(2, 2)), extra={"fn": print})
 
 
+def checkpoint_url_without_filesystem():
+    fp.save_checkpoint("nosuchscheme://bucket/run/step1", fp.shard(nn.Linear(2, 2)))
+
+
+def export_dcp_to_a_url(tmp_path):
+    from fsdp_plugin.checkpoint.dcp import export_dcp
+
+    fp.save_checkpoint(str(tmp_path / "ckpt"), fp.shard(nn.Linear(2, 2)))
+    export_dcp(str(tmp_path / "ckpt"), "memory://bucket/export")
+
+
 def _late_rank(rank, world, trace_dir):
     import re
     import time
@@ -568,6 +579,8 @@ CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, hpz_size_n
          stream_with_unknown_names, stream_consumer_fails_on_rank_0, stream_merge_of_a_dora_adapter,
          trl_vllm_sync_on_an_unknown_trl_version,
          unknown_quantization_format, quantization_block_size_not_a_multiple_of_8, quantized_weights_under_no_shard]
+         muon_on_a_model_never_sharded, a_unit_runs_on_some_ranks_only, some_ranks_modules_matches_nothing]
+CASES += [checkpoint_url_without_filesystem, export_dcp_to_a_url]  # issue 33: URLs
 
 
 def _capture(case, tmp_path):

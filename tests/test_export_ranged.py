@@ -12,8 +12,8 @@ import torch
 from _dist import run_ranks
 
 import fsdp_plugin as fp
-from fsdp_plugin.checkpoint import st_header
-from fsdp_plugin.checkpoint._format import dtype_name
+from fsdp_plugin.checkpoint.format import st_header
+from fsdp_plugin.checkpoint.format._format import dtype_name
 
 pytest.importorskip("transformers")
 
@@ -79,7 +79,7 @@ def _ranks(rank, world, out, tie, adapter, shared=True):
     import fsdp_plugin.integrations.transformers as integration
     from fsdp_plugin.integrations import _ranged_save
 
-    from fsdp_plugin.checkpoint import ranged
+    from fsdp_plugin.checkpoint.hf import ranged
 
     integration.install()
     if not shared and rank == world - 1:

@@ -153,7 +153,7 @@ def test_wire_bytes_are_bf16_except_the_fp32_modules_parameters():
 
 # ------------------------------------------------------------------------- checkpoints say which dtype they hold
 def _checkpoint_worker(rank, world, path):
-    from fsdp_plugin.checkpoint import _format
+    from fsdp_plugin.checkpoint.format import _format
 
     mp = fp.MixedPrecision(param_dtype=BF16, master_dtype=None, fp32_modules=(nn.LayerNorm,))
     torch.manual_seed(0)

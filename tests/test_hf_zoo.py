@@ -165,7 +165,7 @@ def test_moe_whole_tensor_conversion(tmp_path, monkeypatch, gather):
     """A conversion whose byte layout we do not know: every source of a group is read whole, converted by
     transformers, and sliced; saving gathers the parameter on rank 0 and converts it back. Forced here on
     Mixtral's fused experts (whose known layout is otherwise read and written by ranges)."""
-    from fsdp_plugin.checkpoint import hf_convert
+    from fsdp_plugin.checkpoint.hf import hf_convert
     monkeypatch.setattr(hf_convert, "fused_layout", lambda group, shapes: None)
     _check(tmp_path, "mixtral", 3, "adamw", "full_shard", None, "meta", gather)
 

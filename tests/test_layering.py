@@ -160,7 +160,7 @@ def test_the_checks_see_violations():
     assert "fsdp_plugin._comm.collectives" in GRAPH["fsdp_plugin._flat.flat_param"]
     bad = {m: set(d) for m, d in GRAPH.items()}
     bad["fsdp_plugin._comm.collectives"].add("fsdp_plugin.checkpoint.save")        # engine -> checkpoint
-    bad["fsdp_plugin.planner.api"].add("fsdp_plugin.checkpoint.hf_out")            # sibling -> sibling
+    bad["fsdp_plugin.planner.api"].add("fsdp_plugin.checkpoint.hf.hf_out")            # sibling -> sibling
     bad["fsdp_plugin._comm.collectives"].add("fsdp_plugin._flat.flat_param")       # closes a cycle
     assert len(_up_arrows(bad)) == 2
     assert any("fsdp_plugin._comm.collectives" in c for c in _real_cycles(bad))

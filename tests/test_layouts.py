@@ -1,4 +1,4 @@
-"""Every directory layout fsdp_plugin writes is recognised (fsdp_plugin.checkpoint.layouts) by
+"""Every directory layout fsdp_plugin writes is recognised (fsdp_plugin.checkpoint.format.layouts) by
 ``fp.load_checkpoint`` and ``fsdp-plugin inspect/verify/consolidate``, described as what it is; "interrupted"
 is said only with evidence. Layouts are written by the integrations' own writers, in this process (world 1).
 """
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import fsdp_plugin as fp
-from fsdp_plugin.checkpoint import layouts
+from fsdp_plugin.checkpoint.format import layouts
 from fsdp_plugin.cli import main as cli
 
 

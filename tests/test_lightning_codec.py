@@ -7,8 +7,8 @@ import pathlib
 import pytest
 import torch
 from fsdp_plugin import CodecError
-from fsdp_plugin.checkpoint.codec import decode_state as decode
-from fsdp_plugin.checkpoint.codec import encode_state as encode
+from fsdp_plugin.checkpoint.format.codec import decode_state as decode
+from fsdp_plugin.checkpoint.format.codec import encode_state as encode
 from safetensors.torch import load, save
 
 

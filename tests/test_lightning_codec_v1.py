@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("lightning")
 
-from fsdp_plugin.checkpoint import codec  # noqa: E402
+from fsdp_plugin.checkpoint.format import codec  # noqa: E402
 from fsdp_plugin.integrations.lightning.checkpoint import io as ckpt
 
 V1_TREE = {"epoch": 3, "betas": {"__tuple__": [0.9, 0.999]}, "best": {"__float__": "inf"},

@@ -91,7 +91,7 @@ def _checkpoint_worker(rank, world, path):
 
     from safetensors import safe_open
 
-    from fsdp_plugin.checkpoint import _format
+    from fsdp_plugin.checkpoint.format import _format
 
     torch.manual_seed(0)
     model = _bf16_gpt()

@@ -133,7 +133,7 @@ def test_checkpoint_tools_on_the_demo_checkpoint(demo, capsys):
     export = [str(tmp / "dcp_out") if w == str(tmp / "hf_out") else w for w in commands[4]]
     rc, out, _ = _cli(capsys, *export)
     from fsdp_plugin.checkpoint.dcp.metadata import read_metadata
-    from fsdp_plugin.checkpoint.layouts import detect
+    from fsdp_plugin.checkpoint.format.layouts import detect
     entries = read_metadata(str(tmp / "dcp_out")).entries
     assert rc == 0 and detect(tmp / "dcp_out").kind == "dcp" and "model.gpt.blocks.0.qkv.weight" in entries, out
 

@@ -8,7 +8,7 @@
 * :func:`iter_full_params` / :func:`full_params_meta`: full weights streamed unit by unit (RL weight sync).
 * :func:`consolidate`: offline export of a checkpoint to Hugging Face safetensors (CLI ``fsdp-plugin``).
 """
-from ._async import AsyncSave, release_staging_buffers
+from .asyncsave._async import AsyncSave, release_staging_buffers
 from .consolidate import consolidate
 from .errors import (
     CheckpointError,
@@ -22,7 +22,7 @@ from .errors import (
     MismatchReport,
     UnsafeCheckpointError,
 )
-from .hf import load_pretrained, save_pretrained
+from .hf.hf import load_pretrained, save_pretrained
 from .latest import latest_checkpoint
 from .errors import CheckpointMismatchWarning
 from .load import load_checkpoint

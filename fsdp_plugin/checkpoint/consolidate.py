@@ -11,11 +11,12 @@ import os
 import uuid
 import zlib
 
-from . import _format, boxes, layouts, manifest
+from .format import _format, boxes, layouts, manifest
 from .errors import CorruptCheckpointError
-from .fsio import preadv_all
-from .hf_out import HFWriter
-from .reader import ReadPlan
+from .storage import files_dir, require_local, resolve
+from .storage.fsio import preadv_all
+from .hf.hf_out import HFWriter
+from .format.reader import ReadPlan
 
 
 def consolidate(ckpt, out, max_shard_size="5GB", progress=None, keep_tied: bool = True) -> list[str]:
@@ -26,7 +27,8 @@ def consolidate(ckpt, out, max_shard_size="5GB", progress=None, keep_tied: bool 
     drops the aliases like ``save_pretrained`` and the hub do.
     ``progress(done_bytes, total_bytes)`` is called after every block when given.
     """
-    ckpt, out = layouts.checkpoint_dir(ckpt), os.fspath(out)
+    ckpt = layouts.checkpoint_dir(resolve(ckpt, "consolidate"))  # a local directory or a URL
+    out = require_local(out, "consolidate (its output)")
     doc = manifest.read(ckpt)
     tensors = {}  # output name -> (stored name, manifest entry)
     for n, e in doc["params"].items():
@@ -55,7 +57,7 @@ def _copy_all(ckpt: str, doc: dict, tensors: dict, writer: HFWriter, progress) -
             by_file.setdefault(manifest.file_name(piece[0], "model"), []).append((name, stored, e, piece))
     total = sum(doc["files"][f]["bytes"] for f in by_file)
     done = 0
-    with ReadPlan(ckpt, doc["files"]) as plan:
+    with ReadPlan(files_dir(ckpt, doc), doc["files"]) as plan:
         for fname in sorted(by_file):
             header = plan.header(fname)
             spans = sorted(_spans(ckpt, fname, header, by_file[fname]))
@@ -125,9 +127,9 @@ def read_extra(ckpt):
     """The decoded ``extra`` of checkpoint ``ckpt`` (no weights read)."""
     from .load import _plan_extra
 
-    ckpt = layouts.checkpoint_dir(ckpt)
+    ckpt = layouts.checkpoint_dir(resolve(ckpt, "read_extra"))
     doc = manifest.read(ckpt)
-    with ReadPlan(ckpt, doc["files"]) as plan:
+    with ReadPlan(files_dir(ckpt, doc), doc["files"]) as plan:
         extra = _plan_extra(plan, doc, ckpt)
         plan.execute()
     return extra

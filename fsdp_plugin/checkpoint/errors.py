@@ -5,19 +5,21 @@ Every error names the file (and, where one is involved, the tensor and byte rang
     FSDPPluginError
     └── CheckpointError                      base class; also raised for unsafe paths
         ├── CorruptCheckpointError           bytes on disk are damaged: size, header, CRC32, manifest
-        │   └── IncompleteCheckpointError    evidence of an interrupted save (see checkpoint/layouts.py)
+        │   └── IncompleteCheckpointError    evidence of an interrupted save (see checkpoint/format/layouts.py)
         │   └── UnsafeCheckpointError        a foreign pickle names a global outside the allow-list
         ├── CheckpointMismatchError          a valid checkpoint that does not fit the model/optimizer
         │   ├── CheckpointKeyError (KeyError)            an entry the state to load needs is absent
         │   └── StateMismatchError (RuntimeError)        saved and prepared objects differ in number
         ├── CheckpointStateError (ValueError)            not a checkpoint of this kind (e.g. no Lightning state)
-        └── CheckpointNotFoundError (FileNotFoundError)  a checkpoint file or directory is missing
+        ├── CheckpointNotFoundError (FileNotFoundError)  a checkpoint file or directory is missing
+        ├── UnsupportedStorageError (ConfigError)        a URL whose scheme has no filesystem here / no URL support
+        └── StorageError (OSError)                       an object store kept failing after bounded retries
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..errors import FSDPPluginError
+from ..errors import ConfigError, FSDPPluginError
 
 
 class CheckpointError(FSDPPluginError):
@@ -66,6 +68,17 @@ class CheckpointStateError(CheckpointError, ValueError):
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """A file or directory the checkpoint needs does not exist."""
+
+
+class UnsupportedStorageError(CheckpointError, ConfigError):
+    """A path is a URL (``s3://``, ``gs://``...) that cannot be used here: no fsspec filesystem is installed for its
+    scheme, or this entry point reads local directories only. The message names the scheme and the fix."""
+
+
+class StorageError(CheckpointError, OSError):
+    """An object-store request kept failing (throttling, 5xx, connection) after bounded retries with backoff.
+
+    The message names the URL, the operation, the number of attempts and the last error."""
 
 
 class CheckpointMismatchWarning(UserWarning):

@@ -12,14 +12,17 @@ import os
 import torch
 
 from ._finish import finish_load
-from . import _async, _comm, _format, _model, boxes, codec, layouts, manifest, optim
+from .asyncsave import _async
+from . import _comm, _model, optim
+from .format import _format, boxes, codec, layouts, manifest
 from .errors import (
     CheckpointMismatchError,
     CorruptCheckpointError,
     MismatchReport,
 )
 from .dcp.load import load_dcp  # imported now: its unpicklers subclass pickle's at import
-from .reader import ReadPlan
+from .format.reader import ReadPlan
+from .storage import files_dir, join, resolve
 
 
 @_comm.uses_model_deadline
@@ -33,7 +36,7 @@ def load_checkpoint(path, model, optimizer=None, strict: bool = True, *, report:
     A torch distributed checkpoint (DCP) directory is read too (:mod:`.dcp`): its other entries are returned.
     """
     _async.wait_pending()  # a pending asynchronous save may be writing this very path
-    path = os.fspath(path)
+    path = resolve(path, "load_checkpoint")
     if layouts.is_dcp_dir(path):  # torch's distributed checkpoint: its own reader
         return load_dcp(path, model, optimizer, strict, report=report)
     err, extra = None, None
@@ -57,7 +60,7 @@ def _load_local(path, model, optimizers, strict, out_report):
         raise CheckpointMismatchError(f"{path} does not match the model: {report.describe()} "
                                       "(pass strict=False to load the intersection)", report)
     copy_back = []
-    with ReadPlan(path, doc["files"]) as plan:
+    with ReadPlan(files_dir(path, doc), doc["files"]) as plan:
         for act in actions + opt_actions:
             act(plan, copy_back)
         extra = _plan_extra(plan, doc, path)
@@ -98,7 +101,7 @@ def add_reads(plan: ReadPlan, entry: dict, kind: str, key: str, dest: torch.Tens
         e = plan.header(fname).entries.get(key)
         if e is None or e.dtype != entry["dtype"] or e.shape != (n,):
             found = "missing" if e is None else f"{e.dtype} {list(e.shape)}"
-            raise CorruptCheckpointError(f"{os.path.join(plan.directory, fname)}: tensor {key!r} is {found} in the "
+            raise CorruptCheckpointError(f"{join(plan.directory, fname)}: tensor {key!r} is {found} in the "
                                          f"file header; manifest.json says {entry['dtype']} [{n}]")
         for so, do, k in hits:
             plan.add(fname, e.begin + so * dtype.itemsize, dtype, dest[do:do + k], what)

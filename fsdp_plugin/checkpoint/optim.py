@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..optim import owner_step
-from . import _format, codec, manifest
+from .format import _format, codec, manifest
 from .errors import CheckpointError, CheckpointMismatchError, MismatchReport
 
 #: 0-d state keys of torch optimizers that are scalars even for a 0-d parameter.

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 import uuid
 from dataclasses import dataclass
@@ -22,9 +21,13 @@ from typing import Literal
 
 import torch
 
-from . import _async, _comm, _format, _model, _publish, boxes, codec, manifest, optim
+from .asyncsave import _async
+from . import _comm, _model, optim
+from .format import _format, boxes, codec, manifest
+from .storage import _publish, _publish_remote
 from .errors import CheckpointError
-from .writer import write_safetensors
+from .storage import is_url, join, resolve, storage_for
+from .format.writer import write_safetensors
 
 
 @dataclass
@@ -61,7 +64,7 @@ def save_checkpoint(path, model, optimizer=None, extra=None, *,
     if async_save not in (False, True, "deferred"):
         raise CheckpointError(f"async_save must be False, True or 'deferred', not {async_save!r}")
     _async.wait_pending()
-    path = os.path.abspath(os.fspath(path))
+    path = resolve(path, "save_checkpoint")
     rank, world = _comm.rank(), _comm.world_size()
     uid = _begin(path, rank)
     tmp = _publish.tmp_name(path, uid)
@@ -107,14 +110,20 @@ def _write_and_publish(err, tmp: str, job, group=None) -> None:
     if rank == 0:
         try:
             doc = _build_manifest([json.loads(r) for r in records], job.uid, job.world, job.sharding)
-            _write_manifest(tmp, doc)
-            _publish.publish(tmp, job.path)
+            if is_url(job.path):
+                _publish_remote.publish(tmp, job.path, _manifest_bytes(doc))
+            else:
+                _write_manifest(tmp, doc)
+                _publish.publish(tmp, job.path)
         except Exception as e:  # noqa: BLE001
             err = e
     _fail_and_clean(err, tmp, rank, group)
 
 
 def _prepare(path: str, uid: str) -> None:
+    if is_url(path):  # an object store: nothing to create; the save's objects go under path/<uid>
+        _publish_remote.prepare(path)
+        return
     _publish.check_replaceable(path)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
@@ -127,7 +136,7 @@ def _fail_and_clean(err, tmp: str, rank: int, group=None) -> None:
         _comm.raise_if_any_failed(err, group=group)
     except BaseException:
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            storage_for(tmp).remove_tree(tmp)
         raise
 
 
@@ -168,7 +177,7 @@ def _write_files(tmp: str, job: _Job) -> None:
     for kind, tensors in job.files:
         if tensors:
             name = manifest.file_name(job.rank, kind)
-            job.record["files"][name] = write_safetensors(os.path.join(tmp, name), tensors,
+            job.record["files"][name] = write_safetensors(join(tmp, name), tensors,
                                                           dict(meta, kind=kind)).to_json()
 
 
@@ -252,14 +261,17 @@ def _write_manifest(tmp: str, doc: dict) -> None:
     part = os.path.join(tmp, manifest.NAME + ".tmp")
     fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        data = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
-        view = memoryview(data)
+        view = memoryview(_manifest_bytes(doc))
         while view:
             view = view[os.write(fd, view):]
         os.fsync(fd)
     finally:
         os.close(fd)
     os.rename(part, os.path.join(tmp, manifest.NAME))  # the directory is fsynced by _publish.publish
+
+
+def _manifest_bytes(doc: dict) -> bytes:
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
 def _version() -> str:

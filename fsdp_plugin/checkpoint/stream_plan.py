@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedError, UsageError
-from . import _model, hf_convert
+from . import _model
+from .hf import hf_convert
 
 NAMES = ("hf", "module")
 

@@ -4,16 +4,18 @@ from __future__ import annotations
 import os
 import zlib
 
-from . import _format, boxes, layouts, manifest
+from .format import _format, boxes, layouts, manifest
 from .errors import CheckpointError
-from .fsio import preadv_all
-from .reader import ReadPlan
+from .storage.fsio import preadv_all
+from .format.reader import ReadPlan
+from .storage import files_dir, resolve
 
 
 def inspect_checkpoint(path) -> dict:
     """Summary of a checkpoint: parameters (name, shape, dtype), world size and strategy at save, bytes on
     disk per file, optimizers, and ``extra`` (as stored: JSON with tagged values); ``layout``: what ``path``
     is (an accelerate state, a Trainer checkpoint...) and ``path``: the fsdp_plugin directory inside it shown."""
+    path = resolve(path, "inspect")
     layout = layouts.detect(path)
     path = layouts.checkpoint_dir(path)
     doc = manifest.read(path)
@@ -43,14 +45,14 @@ def verify_checkpoint(path, progress=None) -> list[str]:
     Returns a list of problems (empty: the checkpoint is intact). ``progress(done, total)`` per block.
     """
     try:
-        path = layouts.checkpoint_dir(path)
+        path = layouts.checkpoint_dir(resolve(path, "verify"))
         doc = manifest.read(path)
     except CheckpointError as e:
         return [str(e)]
     problems, done = [], 0
     total = sum(r["bytes"] for r in doc["files"].values())
     expected = _expected_entries(doc)
-    with ReadPlan(path, doc["files"]) as plan:
+    with ReadPlan(files_dir(path, doc), doc["files"]) as plan:
         for name, rec in sorted(doc["files"].items()):
             try:
                 header = plan.header(name)

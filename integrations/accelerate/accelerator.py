@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from accelerate.utils import DistributedType
 
+from fsdp_plugin.checkpoint.storage import is_url
 from fsdp_plugin.integrations import _pending_save as pending_save
 
 from .state import dirs as state_dirs
@@ -253,7 +254,8 @@ class Accelerator(accelerate.Accelerator):
             return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
         pending_save.of(self).wait()  # before old checkpoint directories are rotated away
         output_dir = state_dirs.output_dir(self, output_dir)
-        os.makedirs(output_dir, exist_ok=True)
+        if not is_url(output_dir):  # an object store has no directories to create
+            os.makedirs(output_dir, exist_ok=True)
         self.wait_for_everyone()
         for hook in self._save_model_state_pre_hook.values():
             hook(self._models, [], output_dir)

@@ -176,7 +176,8 @@ def broadcast(config: Any, obj: Any, src: int = 0) -> Any:
     import json
 
     import torch.distributed as dist
-    from fsdp_plugin.checkpoint import _comm, codec
+    from fsdp_plugin.checkpoint import _comm
+    from fsdp_plugin.checkpoint.format import codec
     from fsdp_plugin.errors import CodecError
 
     payload = None

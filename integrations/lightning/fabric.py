@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
-from pathlib import Path
+from fsdp_plugin.integrations.lightning.checkpoint import io as ckpt
 from typing import Any
 
 import torch
@@ -161,9 +161,9 @@ class FSDPPluginFabricStrategy(common.ProcessPerDevice, ParallelStrategy, _Shard
         """Collective: the engine's sharded directory at ``path`` (one module, its optimizer(s), other state)."""
         if storage_options is not None or filter:
             raise UsageError(f"{type(self).__name__}.save_checkpoint takes neither storage_options nor filter")
-        fstate.save(lambda: Path(self.broadcast(str(path))), state)
+        fstate.save(lambda: ckpt.as_path(self.broadcast(str(path))), state)
 
     def load_checkpoint(self, path: Any, state: Any | None = None, strict: bool = True,
                         weights_only: bool | None = None) -> dict[str, Any]:
         """Collective: restores modules/optimizers/stateful objects in ``state`` in place; returns the rest."""
-        return fstate.load(Path(self.broadcast(str(path))), state, strict)
+        return fstate.load(ckpt.as_path(self.broadcast(str(path))), state, strict)

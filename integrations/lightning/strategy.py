@@ -30,7 +30,6 @@ from __future__ import annotations
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -261,7 +260,7 @@ class FSDPPluginStrategy(common.ProcessPerDevice, ParallelStrategy):
         if self.state_dict_type == "full" and with_optimizers:
             meta[ckpt.PARAM_GROUPS_KEY] = ckpt.param_group_hypers(self.optimizers)
         encoded = ckpt.encode_meta(meta)  # every rank, before any collective: a bad value fails everywhere
-        path = Path(self.broadcast(str(filepath)))
+        path = ckpt.as_path(self.broadcast(str(filepath)))
         assert self.model is not None
         if self.state_dict_type == "full":
             ckpt.save_full(path, self.model, meta, encoded)
@@ -272,7 +271,7 @@ class FSDPPluginStrategy(common.ProcessPerDevice, ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Collective. Loads model (+ optimizers when fitting) in place; returns Lightning's other state."""
         pending_save.of(self).wait()  # the checkpoint being loaded may still be written
-        path = Path(self.broadcast(str(checkpoint_path)))
+        path = ckpt.as_path(self.broadcast(str(checkpoint_path)))
         kind = ckpt.checkpoint_kind(path)
         assert self.model is not None and self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING

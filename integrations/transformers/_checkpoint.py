@@ -13,6 +13,7 @@ import warnings
 from typing import Any
 
 import fsdp_plugin as fp
+from fsdp_plugin.checkpoint.storage import require_local
 from fsdp_plugin.integrations import _pending_save as pending_save
 
 CHECKPOINT_DIR = "fsdp_plugin_state"
@@ -68,6 +69,7 @@ def _optimizer(trainer: Any) -> Any:
 
 def save(trainer: Any, checkpoint: str, with_optimizer: bool = True) -> None:
     """Collective: model (+ optimizer + scheduler) of ``trainer`` into ``checkpoint/CHECKPOINT_DIR``."""
+    checkpoint = require_local(checkpoint, "Trainer checkpoint (TrainingArguments.output_dir)")
     sched = getattr(trainer, "lr_scheduler", None) if with_optimizer else None
     extra = {"format": FORMAT, "lr_scheduler": sched.state_dict() if sched is not None else None}
     optimizer = _optimizer(trainer) if with_optimizer else None
@@ -91,6 +93,7 @@ def load(trainer: Any, checkpoint: str, with_optimizer: bool = True) -> None:
     Falls back to Hugging Face weights (model only) when the folder has no sharded state.
     """
     _pending(trainer).wait()
+    checkpoint = require_local(checkpoint, "Trainer resume_from_checkpoint")
     if has_state(checkpoint):
         optimizer = _optimizer(trainer) if with_optimizer and _saved_optimizers(checkpoint) else None
         extra = fp.load_checkpoint(state_dir(checkpoint), trainer.model, optimizer) or {}

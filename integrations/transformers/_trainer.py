@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from fsdp_plugin.checkpoint.storage import require_local
 from fsdp_plugin.integrations._ranged_save import save_like_library
 
 from . import _checkpoint as ckpt
@@ -39,6 +40,8 @@ def create_accelerator_and_postprocess(stock, self) -> None:
     stock(self)
     if not active(self):
         return
+    # the Trainer writes output_dir with os.makedirs/open: a URL would become a local "s3:" directory
+    require_local(self.args.output_dir, "Trainer with fsdp_plugin: TrainingArguments.output_dir")
     self.is_fsdp_enabled = False  # keep the Trainer's torch-FSDP paths off: the methods below replace them
     _trl.prepare(self)            # TRL's vLLM weight sync streams through fp.iter_full_params
     settings = self.accelerator.fsdp_settings

@@ -224,6 +224,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--clip-val", type=float, default=None)
     p.add_argument("--clip-algo", default="norm")
     p.add_argument("--ckpt-dir", default=None)
+    p.add_argument("--root-dir", default=None, help="Trainer(default_root_dir=...): its default ModelCheckpoint")
     p.add_argument("--save", default=None)
     p.add_argument("--resume", default=None)
     p.add_argument("--state-dict-type", default="sharded")
@@ -258,7 +259,8 @@ def main() -> None:
         accelerator="cpu", devices=args.devices, strategy=build_strategy(args), precision=args.precision,
         max_steps=args.max_steps, accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip_val,
         gradient_clip_algorithm=args.clip_algo, callbacks=callbacks, logger=False,
-        enable_checkpointing=bool(args.ckpt_dir), enable_progress_bar=False,
+        enable_checkpointing=bool(args.ckpt_dir or args.root_dir), enable_progress_bar=False,
+        default_root_dir=args.root_dir,
         use_distributed_sampler=False, enable_model_summary=False, log_every_n_steps=2,  # comm stats: steps 2, 4
         plugins=[AsyncCheckpointIO()] if args.async_ckpt else None,
     )

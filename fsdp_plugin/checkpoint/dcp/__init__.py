@@ -10,7 +10,7 @@ The one place of fsdp_plugin that knows DCP's on-disk format (see ``shared/resea
 """
 from __future__ import annotations
 
-from ..layouts import is_dcp_dir
+from ..format.layouts import is_dcp_dir
 from .export import export_dcp
 from .load import load_dcp
 

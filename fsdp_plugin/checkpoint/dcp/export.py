@@ -29,12 +29,13 @@ import zipfile
 
 import torch
 
-from ..boxes import is_box
-from .. import codec, manifest
+from ..format.boxes import is_box
+from ..storage import files_dir, require_local, resolve
+from ..format import codec, manifest
 from ..errors import CheckpointError
-from ..fsio import fsync_path
-from ..layouts import checkpoint_dir
-from ..reader import ReadPlan
+from ..storage.fsio import fsync_path
+from ..format.layouts import checkpoint_dir
+from ..format.reader import ReadPlan
 
 #: Bytes copied per read/write step of one item (bounds the memory of an export).
 BUFFER_BYTES = 64 << 20
@@ -171,7 +172,7 @@ class _Exporter:
 
     def stored(self, keys: list[tuple[str, tuple]], entry: dict, kind: str, file_key: str) -> None:
         """A tensor of our checkpoint: every piece of it, as boxes, to the writing rank's output file."""
-        from .. import _format
+        from ..format import _format
 
         dtype, shape = _format.to_dtype(entry["dtype"]), tuple(entry["shape"])
         self._declare(keys, dtype, shape)
@@ -206,7 +207,7 @@ class _Exporter:
 
     # -- writing --------------------------------------------------------------------------------------
     def write(self) -> None:
-        with ReadPlan(self.ckpt, self.doc["files"]) as plan:
+        with ReadPlan(files_dir(self.ckpt, self.doc), self.doc["files"]) as plan:
             for r in sorted(set(self.jobs) | {0}):
                 name = f"__{r}_0.distcp"
                 with open(os.path.join(self.tmp, name), "w+b") as f:
@@ -291,7 +292,8 @@ class _Exporter:
 
 def export_dcp(ckpt, out) -> str:
     """Write checkpoint ``ckpt`` as DCP directory ``out`` (see module docstring); return ``out``."""
-    ckpt, out = checkpoint_dir(os.fspath(ckpt)), os.fspath(out)  # also an accelerate / Trainer / Lightning dir
+    ckpt = checkpoint_dir(resolve(ckpt, "export_dcp"))  # also an accelerate / Trainer / Lightning dir; or a URL
+    out = require_local(out, "export_dcp (its output)")
     doc = manifest.read(ckpt)
     if os.path.exists(out):
         raise CheckpointError(f"{out} already exists: give a new directory (an export never replaces anything)")
@@ -349,7 +351,7 @@ def _extra_section(ex: _Exporter, ckpt: str, doc: dict) -> None:
     """Rank 0's ``extra`` under ``extra.<path>`` (dicts nested; other values are leaves)."""
     from ..load import _plan_extra
 
-    with ReadPlan(ckpt, doc["files"]) as plan:
+    with ReadPlan(files_dir(ckpt, doc), doc["files"]) as plan:
         extra = _plan_extra(plan, doc, ckpt)
         plan.execute()
     if extra is None:

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
-from ..fsio import check_plain_name
-from ..layouts import METADATA_FILE
+from ..storage.fsio import check_plain_name
+from ..format.layouts import METADATA_FILE
 
 #: Largest ``.metadata`` we parse (bytes): ~350 B per key, so 1 GiB covers millions of keys.
 MAX_METADATA_BYTES = 1 << 30

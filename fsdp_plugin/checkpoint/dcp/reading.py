@@ -4,7 +4,7 @@ A chunk is an N-D box of the global tensor. Let ``k`` be the lowest dimension af
 is full: the box is then ``prod(sizes[:k])`` runs of ``sizes[k] * prod(size[k+1:])`` elements, each
 contiguous both in the chunk and in the row-major flattened global tensor (an FSDP ``Shard(0)`` chunk is
 one run). Intersecting the runs with ``[start, end)`` gives exact byte ranges of the data files, read by
-:class:`~fsdp_plugin.checkpoint.reader.ReadPlan` straight into the destination (cast through its bounce
+:class:`~fsdp_plugin.checkpoint.format.reader.ReadPlan` straight into the destination (cast through its bounce
 buffer when dtypes differ). DCP guarantees no coverage, so the covered elements are counted. A chunk read
 whole straight into CPU memory (a rank's piece covering a saved chunk: world 1, small tensors, a matching
 layout) is checked against its zip CRC-32; a partial read cannot be (the CRC covers the whole record).
@@ -18,10 +18,10 @@ import os
 
 import torch
 
-from .. import _format
+from ..format import _format
 from ..errors import CorruptCheckpointError
-from ..fsio import byte_view, crc32
-from ..reader import ReadPlan
+from ..storage.fsio import byte_view, crc32
+from ..format.reader import ReadPlan
 from . import items
 from .metadata import BytesEntry, Chunk, TensorEntry
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from fsdp_plugin.checkpoint.storage import is_url, require_local, resolve, storage_for
 from fsdp_plugin.errors import ConfigError
 
 
@@ -24,8 +25,9 @@ def output_dir(acc, path: str | None) -> str:
     if not cfg.automatic_checkpoint_naming:
         if path is None:
             raise ConfigError("save_state: give output_dir or enable automatic checkpoint naming")
-        return os.fspath(path)
-    root = os.path.join(acc.project_dir, "checkpoints")
+        path = os.fspath(path)
+        return resolve(path, "Accelerator.save_state") if is_url(path) else require_local(path, "save_state")
+    root = os.path.join(require_local(acc.project_dir, "Accelerator.save_state (project_dir)"), "checkpoints")
     os.makedirs(root, exist_ok=True)
     folders = _numbered(root)
     if cfg.total_limit is not None and len(folders) + 1 > cfg.total_limit and acc.is_main_process:
@@ -40,7 +42,13 @@ def output_dir(acc, path: str | None) -> str:
 def input_dir(acc, path: str | None) -> str:
     """``path``, or the newest automatic checkpoint folder."""
     if path is not None:
-        path = os.path.expanduser(os.fspath(path))
+        path = os.fspath(path)
+        if is_url(path):  # an object store: the state's objects under that prefix
+            path = resolve(path, "Accelerator.load_state")
+            if not storage_for(path).isdir(path):
+                raise ConfigError(f"load_state: nothing is stored under {path}")
+            return path
+        path = require_local(os.path.expanduser(path), "Accelerator.load_state")
         if not os.path.isdir(path):
             raise ConfigError(f"load_state: {path} does not exist")
         return path

@@ -20,6 +20,7 @@ import torch
 
 from .blob import blob_exists, read_blob, write_blob
 from .rng import capture_rng, restore_rng
+from fsdp_plugin.checkpoint import storage
 from fsdp_plugin.errors import ConfigError
 from fsdp_plugin.checkpoint.errors import CheckpointNotFoundError, CheckpointStateError, StateMismatchError
 
@@ -29,7 +30,7 @@ FORMAT = "fsdp_plugin.accelerate/1"
 
 def model_dir(directory: str, index: int) -> str:
     """Where model ``index`` (and its optimizer) live."""
-    return os.path.join(directory, f"model_{index}")
+    return storage.join(directory, f"model_{index}")
 
 
 def optimizer_for(model: torch.nn.Module, optimizers: list) -> Any:
@@ -74,7 +75,7 @@ def save_models(directory: str, models: list, optimizers: list, async_save=False
 
 def full_model_dir(directory: str, index: int) -> str:
     """Where ``fsdp_state_dict_type: FULL_STATE_DICT`` puts model ``index``'s full weights."""
-    return os.path.join(directory, f"full_model_{index}")
+    return storage.join(directory, f"full_model_{index}")
 
 
 def save_full_models(directory: str, models: list) -> None:
@@ -93,7 +94,7 @@ def load_models(directory: str, models: list, optimizers: list) -> None:
     check_optimizers(models, optimizers)
     for i, model in enumerate(models):
         path = model_dir(directory, i)
-        if not os.path.isdir(path):
+        if not storage.storage_for(path).isdir(path):
             raise CheckpointNotFoundError(f"load_state: {path} is missing (the state has fewer models than were "
                                           "prepared)")
         load_checkpoint(path, model, optimizer_for(model, optimizers))

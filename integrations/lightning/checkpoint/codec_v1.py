@@ -1,5 +1,5 @@
 """Read-only decoder for Lightning state written by fsdp_plugin's first release (tags ``__tuple__``,
-``__tensor__``...; full files with base64 inline tensors). Saves use :mod:`fsdp_plugin.checkpoint.codec`;
+``__tensor__``...; full files with base64 inline tensors). Saves use :mod:`fsdp_plugin.checkpoint.format.codec`;
 this module only keeps those older checkpoints loadable instead of decoding their tags as plain dicts."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from fsdp_plugin.checkpoint.codec import torch_dtype
+from fsdp_plugin.checkpoint.format.codec import torch_dtype
 from fsdp_plugin.checkpoint.errors import CheckpointStateError
 
 TAGS = frozenset({"__tensor__", "__float__", "__tuple__", "__dict__", "__dtype__", "__device__", "__size__",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from fsdp_plugin.checkpoint.storage import require_local
 from fsdp_plugin.checkpoint.consolidate import read_extra, state_entries, stream_state
 from fsdp_plugin.checkpoint.errors import CheckpointError
 from fsdp_plugin.integrations.lightning.checkpoint import io as ckpt
@@ -25,7 +26,7 @@ def consolidate_lightning(checkpoint_dir: str | os.PathLike, out: str | os.PathL
     Raises :class:`~fsdp_plugin.checkpoint.CheckpointError` when the directory was not saved by
     ``FSDPPluginStrategy`` (no Lightning state) or ``out`` is a directory.
     """
-    out = Path(out)
+    out = Path(require_local(out, "consolidate --format lightning (its output)"))  # the input may be a URL
     if out.is_dir():
         raise CheckpointError(f"{out} is a directory: --format lightning writes one file, e.g. {out / 'model.ckpt'}")
     extra = read_extra(checkpoint_dir)

@@ -2,7 +2,7 @@
 
 * ``sharded`` (default): ``path`` is the engine's checkpoint directory (``fp.save_checkpoint``: per-rank
   safetensors + ``manifest.json``). Lightning's other state (loops, callbacks, schedulers, hparams,
-  precision state, ...) goes through :mod:`fsdp_plugin.checkpoint.codec` into the manifest's ``extra``. Loadable at any world size.
+  precision state, ...) goes through :mod:`fsdp_plugin.checkpoint.format.codec` into the manifest's ``extra``. Loadable at any world size.
 * ``full``: ``path`` is one file in Lightning's own torch format (see :mod:`._torch_file`):
   ``{"state_dict": plain weights, **Lightning's state}``, so ``MyModule.load_from_checkpoint(path)`` and
   ``torch.load(path, weights_only=True)`` read it on a machine without a process group. We read it back
@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from fsdp_plugin.checkpoint import _comm, codec
+from fsdp_plugin.checkpoint import _comm
+from fsdp_plugin.checkpoint.format import codec
+from fsdp_plugin.checkpoint import storage
 from fsdp_plugin.checkpoint.errors import CheckpointStateError
 from safetensors import safe_open
 
@@ -75,6 +77,13 @@ def encode_meta(meta: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
     return codec.encode_state(meta)
 
 
+def as_path(p: Any) -> Path | str:
+    """A checkpoint path as Lightning gave it: ``Path`` for a local one, the ``str`` for a URL (``Path`` would
+    collapse ``s3://b`` into a local ``s3:/b``); a ``file://`` URL becomes a local path."""
+    p = str(p)
+    return p if storage.is_url(p) else Path(storage.resolve(p, "Lightning checkpoint path"))
+
+
 def save_sharded(path: Path, model: torch.nn.Module, optimizers: Sequence[Any], encoded: tuple,
                  async_save: bool | str = False) -> Any:
     """Write the engine's sharded directory at ``path`` with Lightning's encoded state in ``extra``.
@@ -101,6 +110,7 @@ def save_full(path: Path, model: torch.nn.Module, meta: dict[str, Any], encoded:
     ``meta`` is Lightning's state as Lightning gave it (what ``load_from_checkpoint`` reads); ``encoded`` is
     the same state through the codec (what :func:`load_full` reads, without pickle).
     """
+    path = Path(storage.require_local(path, "FSDPPluginStrategy(state_dict_type='full') save_checkpoint"))
     header = inline_tensors(*encoded)
     json.dumps(header, allow_nan=False)  # fail on every rank, before the collective, if it is not strict JSON
     with _comm.deadline_of(model, "Lightning save_checkpoint"):  # the file exists on return, on every rank
@@ -135,7 +145,9 @@ def read_full(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 
 
 def is_sharded_checkpoint(path: Path) -> bool:
-    """An fsdp_plugin checkpoint directory (committed: its manifest exists)."""
+    """An fsdp_plugin checkpoint directory (committed: its manifest exists), local or at a URL."""
+    if isinstance(path, str) and storage.is_url(path):
+        return storage.storage_for(path).size(storage.join(path, "manifest.json")) is not None
     return path.is_dir() and (path / "manifest.json").is_file()
 
 
@@ -159,4 +171,6 @@ def checkpoint_kind(path: Path) -> str | None:
     """"sharded" (a checkpoint directory), "full" (a file), or None when ``path`` is neither."""
     if is_sharded_checkpoint(path):
         return "sharded"
+    if isinstance(path, str):  # a URL without a published manifest: a 'full' file is read from local disk only
+        storage.require_local(path, "FSDPPluginStrategy load_checkpoint of a 'full' file")
     return "full" if path.is_file() else None

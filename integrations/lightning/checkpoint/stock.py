@@ -21,7 +21,7 @@ META = "meta.pt"
 
 def is_stock_sharded(path: Path) -> bool:
     """A directory written by Lightning's FSDPStrategy/ModelParallelStrategy (DCP + ``meta.pt``)."""
-    return is_dcp_dir(path) and (path / META).is_file()
+    return not isinstance(path, str) and is_dcp_dir(path) and (path / META).is_file()  # a str: a URL
 
 
 def load_stock(path: Path, model: torch.nn.Module, optimizers: Sequence[Any]) -> dict[str, Any]:

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from fsdp_plugin.checkpoint.codec import torch_dtype
-from fsdp_plugin.checkpoint.ranged import attempt
+from fsdp_plugin.checkpoint.format.codec import torch_dtype
+from fsdp_plugin.checkpoint.hf.ranged import attempt
 from fsdp_plugin.checkpoint.errors import CheckpointError, CorruptCheckpointError
 
 INDEX_RECORD = "fsdp_plugin.json"
@@ -72,12 +72,13 @@ def write_sharded(path: Path, model: torch.nn.Module, lightning_state: dict[str,
 
     Rank 0 lays the archive out with ``torch.save`` of fake tensors under ``skip_data`` (every storage record at
     its final offset, empty), every rank writes its byte ranges into the records (``ranged.fill_existing``),
-    rank 0 fills in the CRC32s (:func:`fsdp_plugin.checkpoint.torch_zip.fix_crcs`, streaming), appends the
+    rank 0 fills in the CRC32s (:func:`fsdp_plugin.checkpoint.format.torch_zip.fix_crcs`, streaming), appends the
     index and publishes. Same records and bytes as :func:`write` of the gathered weights, but for the archive's
     folder name and torch's per-save ``serialization_id`` (which differ between any two saves) and the pickle
     memo of ``data.pkl`` (a location string repeated instead of referenced: the same unpickled value).
     """
-    from fsdp_plugin.checkpoint import _comm, ranged
+    from fsdp_plugin.checkpoint import _comm
+    from fsdp_plugin.checkpoint.hf import ranged
 
     if "state_dict" in lightning_state:
         raise ValueError("lightning_state must not hold 'state_dict': the weights are passed separately")
@@ -101,8 +102,8 @@ def write_sharded(path: Path, model: torch.nn.Module, lightning_state: dict[str,
 
 def _lay_out(tmp: Path, model: torch.nn.Module, lightning_state: dict[str, Any]) -> list:
     """:func:`_lay_out_entries` for the plain ``model``'s state dict (stand-ins: no weights)."""
-    from fsdp_plugin.checkpoint import export_plan
-    from fsdp_plugin.checkpoint._format import dtype_name
+    from fsdp_plugin.checkpoint.hf import export_plan
+    from fsdp_plugin.checkpoint.format._format import dtype_name
 
     stand_ins, _ = export_plan.placeholders(model)
     entries = [(k, dtype_name(t.dtype), tuple(t.shape)) for k, t in stand_ins.items()]
@@ -114,7 +115,7 @@ def _lay_out_entries(tmp: Path, entries: list, lightning_state: dict[str, Any]) 
     :func:`_own_storages` makes them); returns ``[[name, dtype, shape, runs (all of tensor name), data offset of data/i], ...]``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fsdp_plugin.checkpoint import torch_zip
+    from fsdp_plugin.checkpoint.format import torch_zip
 
     with FakeTensorMode():
         fakes = {n: torch.empty(shape, dtype=_torch_dtype(dt)) for n, dt, shape in entries}
@@ -162,7 +163,7 @@ class _ZipTarget:
         self._fd = os.open(tmp, os.O_WRONLY)
 
     def pwrite(self, name: str, elem_start: int, data: memoryview) -> None:
-        from fsdp_plugin.checkpoint._format import itemsize
+        from fsdp_plugin.checkpoint.format._format import itemsize
 
         p = self.place[name]
         pos = p.offset + elem_start * itemsize(p.dtype)
@@ -176,7 +177,7 @@ class _ZipTarget:
 
 
 def _finish(tmp: Path, path: Path, layout: list, index_extra: Any) -> None:
-    from fsdp_plugin.checkpoint import torch_zip
+    from fsdp_plugin.checkpoint.format import torch_zip
 
     torch_zip.fix_crcs(str(tmp), [f"data/{i}" for i in range(len(layout))])
     tensors = {name: {"record": f"data/{i}", "dtype": str(_torch_dtype(dt)).removeprefix("torch."),
@@ -191,7 +192,7 @@ def _finish(tmp: Path, path: Path, layout: list, index_extra: Any) -> None:
 
 
 def _torch_dtype(name: str) -> torch.dtype:
-    from fsdp_plugin.checkpoint._format import to_dtype
+    from fsdp_plugin.checkpoint.format._format import to_dtype
 
     return to_dtype(name)
 

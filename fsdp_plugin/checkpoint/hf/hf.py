@@ -19,14 +19,17 @@ import uuid
 
 import torch
 
-from .. import _progress
-from . import _comm, _format, _model, hf_convert
-from .errors import CheckpointError, CheckpointMismatchError, MismatchReport
-from .fsio import byte_view, check_plain_name, open_in_dir
+from ... import _progress
+from .. import _comm, _model
+from ..format import _format
+from . import hf_convert
+from ..errors import CheckpointError, CheckpointMismatchError, MismatchReport
+from ..storage.fsio import byte_view, check_plain_name, close_file, file_size, open_in_dir, preadv_all
 from .hf_gather import gather_full, gather_write, piece_table
 from .hf_out import INDEX_NAME, HFWriter
-from .reader import ReadPlan
-from .writer import flat_cpu
+from ..storage import is_url, join, require_local, resolve, storage_for
+from ..format.reader import ReadPlan
+from ..format.writer import flat_cpu
 
 #: Largest index file we read (bytes).
 MAX_INDEX_BYTES = 64 << 20
@@ -44,7 +47,7 @@ def load_pretrained(model, path, strict: bool = True) -> MismatchReport:
     """
     err, report = None, MismatchReport()
     try:
-        _load_local(model, os.fspath(path), strict, report)
+        _load_local(model, resolve(path, "load_pretrained"), strict, report)  # a local path or a URL
     except Exception as e:  # noqa: BLE001 - every rank raises together
         err = e
     _comm.raise_if_any_failed(err)
@@ -163,7 +166,9 @@ def _box_parts(source, shape: tuple, box: tuple) -> list:
 
 
 def _resolve(path: str) -> tuple[str, list[str]]:
-    """(directory, safetensors file names) of an HF checkpoint at ``path``."""
+    """(directory, safetensors file names) of an HF checkpoint at ``path`` (a local path or a URL)."""
+    if is_url(path):
+        return _resolve_remote(path)
     if os.path.isfile(path):
         return os.path.dirname(os.path.abspath(path)), [os.path.basename(path)]
     if not os.path.isdir(path):
@@ -175,16 +180,30 @@ def _resolve(path: str) -> tuple[str, list[str]]:
     raise CheckpointError(f"{path} has neither model.safetensors nor {INDEX_NAME}")
 
 
+def _resolve_remote(url: str) -> tuple[str, list[str]]:
+    st = storage_for(url)
+    if url.endswith(".safetensors") and st.size(url) is not None:
+        parent, name = url.rsplit("/", 1)
+        return parent, [name]
+    if st.size(join(url, INDEX_NAME)) is not None:
+        return url, _read_index(url)
+    if st.size(join(url, "model.safetensors")) is not None:
+        return url, ["model.safetensors"]
+    raise CheckpointError(f"{url} has neither model.safetensors nor {INDEX_NAME}")
+
+
 def _read_index(directory: str) -> list[str]:
-    index = os.path.join(directory, INDEX_NAME)
+    index = join(directory, INDEX_NAME)
     fd = open_in_dir(directory, INDEX_NAME, index, _allowed_roots(directory))
     try:
-        size = os.fstat(fd).st_size
+        size = file_size(fd)
         if size > MAX_INDEX_BYTES:
             raise CheckpointError(f"{index}: larger than {MAX_INDEX_BYTES} bytes; refusing to read it")
-        doc = _format.strict_json_loads(os.pread(fd, size, 0), index)
+        raw = bytearray(size)
+        preadv_all(fd, [memoryview(raw)], 0, index)
+        doc = _format.strict_json_loads(bytes(raw), index)
     finally:
-        os.close(fd)
+        close_file(fd)
     wm = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
         raise CheckpointError(f"{index}: no valid weight_map")
@@ -221,7 +240,12 @@ def save_pretrained(model, path, max_shard_size="5GB", dtype: torch.dtype | None
     tensors gathered whole on rank 0, one group at a time), and ``config.json`` (+ ``generation_config.json``)
     are written, so ``from_pretrained(path)`` reads it back.
     """
-    path = os.path.abspath(os.fspath(path))
+    if is_url(os.fspath(path)):  # rank 0 gathers into a local temporary directory, then uploads (hf_remote.py)
+        from .hf_remote import save_pretrained_remote
+
+        return save_pretrained_remote(save_pretrained, model, resolve(path, "save_pretrained"),
+                                      max_shard_size=max_shard_size, dtype=dtype)
+    path = require_local(path, "save_pretrained")
     rank = _comm.rank()
     out = _SaveLayout(model, dtype)
     uid = _comm.broadcast_bytes(uuid.uuid4().hex.encode() if rank == 0 else None).decode()

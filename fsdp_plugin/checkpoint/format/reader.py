@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from . import _format
-from .errors import CorruptCheckpointError
-from .fsio import BlockCrc, byte_view, open_in_dir, preadv_all
+from ..storage import join
+from ..errors import CorruptCheckpointError
+from ..storage.fsio import BlockCrc, byte_view, close_file, file_size, open_in_dir, preadv_all
 
 #: Largest bounce-buffer memory of one read run (bytes).
 BOUNCE_BYTES = 64 << 20
@@ -77,7 +78,7 @@ class ReadPlan:
         return f.header
 
     def _open(self, name: str) -> _File:
-        where = os.path.join(self.directory, name)
+        where = join(self.directory, name)
         record = None
         if self.records is not None:
             record = self.records.get(name)
@@ -85,7 +86,7 @@ class ReadPlan:
                 raise CorruptCheckpointError(f"{where}: not listed in manifest.json")
         fd = open_in_dir(self.directory, name, where, self.allowed_roots)
         try:
-            size = os.fstat(fd).st_size
+            size = file_size(fd)
             if record is not None and size != record["bytes"]:
                 raise CorruptCheckpointError(
                     f"{where} is {size:,} bytes; manifest.json says {record['bytes']:,}: the file is "
@@ -96,7 +97,7 @@ class ReadPlan:
                 raise CorruptCheckpointError(f"{where}: data starts at byte {header.data_start}, "
                                              f"manifest.json says {record['data_start']}")
         except BaseException:
-            os.close(fd)
+            close_file(fd)
             raise
         return _File(fd, size, header, record, where)
 
@@ -135,7 +136,7 @@ class ReadPlan:
 
     def close(self) -> None:
         for f in self._files.values():
-            os.close(f.fd)
+            close_file(f.fd)
         self._files.clear()
 
     def __enter__(self):
@@ -149,7 +150,7 @@ class ReadPlan:
         segs = sorted(f.segments, key=lambda s: s.offset)
         f.segments = []
         needed = sum(s.nbytes for s in segs)
-        if needed * 2 < f.size and hasattr(os, "posix_fadvise"):
+        if needed * 2 < f.size and hasattr(os, "posix_fadvise") and isinstance(f.fd, int):
             os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_RANDOM)
         for run in self._runs(f, segs):
             self._read_run(f, run)

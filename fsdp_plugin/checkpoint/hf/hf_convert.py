@@ -25,7 +25,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ._format import numel
+from ..format._format import numel
 
 
 @dataclass

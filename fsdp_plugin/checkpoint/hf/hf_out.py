@@ -13,9 +13,9 @@ import os
 import re
 from dataclasses import dataclass
 
-from .._sizes import parse_size
-from . import _format
-from .fsio import fsync_path, write_all
+from ..._sizes import parse_size
+from ..format import _format
+from ..storage.fsio import fsync_path, write_all
 
 INDEX_NAME = "model.safetensors.index.json"
 _SHARD_RE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")

@@ -11,7 +11,8 @@ import zlib
 
 import torch
 
-from .errors import CheckpointError, CorruptCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
+from .urls import is_url, join
 
 #: CRC32 block size of checkpoint files (bytes). Every file is checksummed in blocks of this size.
 BLOCK_BYTES = 8 << 20
@@ -30,7 +31,7 @@ def check_plain_name(name: str, where: str) -> str:
     return name
 
 
-def open_in_dir(directory: str, name: str, where: str, allowed_roots: tuple[str, ...] = ()) -> int:
+def open_in_dir(directory: str, name: str, where: str, allowed_roots: tuple[str, ...] = ()):
     """Open ``directory/name`` read-only and return the fd; never leaves the directory.
 
     With no ``allowed_roots`` a symlink is refused (``O_NOFOLLOW``). With ``allowed_roots`` a symlink is
@@ -38,6 +39,10 @@ def open_in_dir(directory: str, name: str, where: str, allowed_roots: tuple[str,
     files to ``../../blobs``).
     """
     check_plain_name(name, where)
+    if is_url(directory):  # an object store: a ranged-read handle instead of an fd (see .storage)
+        from .remote import ObjectStorage  # fsspec only when a URL is used
+
+        return ObjectStorage(directory).open_read(join(directory, name), where)
     path = os.path.join(directory, name)
     flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
     if allowed_roots and os.path.islink(path):
@@ -76,9 +81,26 @@ def write_all(fd: int, data: memoryview) -> None:
         pos += os.write(fd, data[pos:pos + _MAX_IO])
 
 
-def preadv_all(fd: int, bufs: list[memoryview], offset: int, where: str) -> None:
-    """Fill every buffer of ``bufs`` in order from ``fd`` starting at byte ``offset``; raise on EOF."""
+def file_size(fd) -> int:
+    """Size in bytes of an open file (fd) or object (remote handle)."""
+    return os.fstat(fd).st_size if isinstance(fd, int) else fd.size
+
+
+def close_file(fd) -> None:
+    if isinstance(fd, int):
+        os.close(fd)
+    else:
+        fd.close()
+
+
+def preadv_all(fd, bufs: list[memoryview], offset: int, where: str) -> None:
+    """Fill every buffer of ``bufs`` in order from ``fd`` starting at byte ``offset``; raise on EOF.
+
+    ``fd`` may be an object-store handle: then one ranged read covers all of ``bufs``."""
     bufs = [b for b in bufs if len(b)]
+    if not isinstance(fd, int):
+        fd.readinto(bufs, offset)
+        return
     i = 0
     while i < len(bufs):
         batch, total = [], 0

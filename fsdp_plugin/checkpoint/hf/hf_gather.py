@@ -11,7 +11,7 @@ import json
 
 import torch
 
-from . import _comm
+from .. import _comm
 
 
 def piece_table(shards) -> list | None:

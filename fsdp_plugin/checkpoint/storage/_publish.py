@@ -15,9 +15,10 @@ import shutil
 import uuid
 import warnings
 
-from . import manifest
-from .errors import CheckpointError
+from ..format import manifest
+from ..errors import CheckpointError
 from .fsio import fsync_path
+from . import is_url, join
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -25,7 +26,9 @@ _OUR_FILE = re.compile(r"^(rank\d{5,}\.(model|optim|extra)\.safetensors|manifest
 
 
 def tmp_name(path: str, uid: str) -> str:
-    return f"{path}.tmp-{uid}"
+    """Where a save writes before it is published: a sibling directory, or on an object store the save's own
+    prefix under ``path`` (nothing is renamed there: see :mod:`._publish_remote`)."""
+    return join(path, uid) if is_url(path) else f"{path}.tmp-{uid}"
 
 
 def check_replaceable(path: str) -> None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _format, _model
+from ..format import _format
+from .. import _model
 
 
 def placeholders(model) -> tuple[dict[str, torch.Tensor], dict[int, str]]:

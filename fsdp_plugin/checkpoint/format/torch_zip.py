@@ -14,8 +14,8 @@ import os
 import struct
 import zipfile
 
-from .errors import CheckpointError
-from .fsio import crc32
+from ..errors import CheckpointError
+from ..storage.fsio import crc32
 
 _READ = 1 << 20
 _LOCAL, _CENTRAL, _DESCRIPTOR = 0x04034B50, 0x02014B50, 0x08074B50

@@ -22,8 +22,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import _comm
-from .._groups.shutdown import run_before_shutdown
+from .. import _comm
+from ..._groups.shutdown import run_before_shutdown
 
 _lock = threading.Lock()
 _pending: "AsyncSave | None" = None

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from . import _format
-from ..errors import CodecError
-from .errors import CorruptCheckpointError
-from .fsio import byte_view
+from ...errors import CodecError
+from ..errors import CorruptCheckpointError
+from ..storage.fsio import byte_view
 
 TAG = "__type__"
 #: Largest tensor stored inline in JSON (elements); bigger ones need a tensor file.
@@ -145,7 +145,7 @@ def _decode_tag(tag: str, node: dict, tensor_source, path: str):
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype called ``name`` (``"bfloat16"``: the name the codec stores); ``TypeError`` if none.
 
-    Safetensors names (``"BF16"``) are :func:`fsdp_plugin.checkpoint._format.to_dtype`'s."""
+    Safetensors names (``"BF16"``) are :func:`fsdp_plugin.checkpoint.format._format.to_dtype`'s."""
     dt = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(dt, torch.dtype):
         raise TypeError(f"unknown dtype {name!r}")

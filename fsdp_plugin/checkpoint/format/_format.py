@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import CodecError
-from .errors import CorruptCheckpointError
+from ...errors import CodecError
+from ..errors import CorruptCheckpointError
 
 #: safetensors dtype name -> torch dtype (only those torch has).
 _NAME_TO_DTYPE: dict[str, torch.dtype] = {
@@ -189,7 +189,12 @@ def _validate_entry(name: str, info, data_start: int, where: str) -> Entry:
     return Entry(name, info["dtype"], tuple(info["shape"]), data_start + b, data_start + e)
 
 
-def _pread_exact(fd: int, n: int, offset: int, where: str) -> bytes:
+def _pread_exact(fd, n: int, offset: int, where: str) -> bytes:
+    if not isinstance(fd, int):  # an object-store handle (see .storage): one ranged read
+        out = bytearray(n)
+        if n:
+            fd.readinto([memoryview(out)], offset)
+        return bytes(out)
     buf = os.pread(fd, n, offset)
     if len(buf) != n:
         raise CorruptCheckpointError(f"{where}: expected {n} bytes at offset {offset}, got {len(buf)} (truncated)")

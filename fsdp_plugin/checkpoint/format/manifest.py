@@ -27,8 +27,9 @@ import os
 import re
 
 from . import _format, boxes
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from .fsio import open_in_dir
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..storage.fsio import open_in_dir
+from ..storage import is_url, join, storage_for
 
 FORMAT = "fsdp_plugin.checkpoint"
 VERSION = 2
@@ -54,6 +55,8 @@ def tensor_key(kind: str, name: str, opt_index: int | None = None, state_key: st
 
 def read(path: str) -> dict:
     """Read and validate ``path/manifest.json``; raise a precise error if absent or invalid."""
+    if is_url(path):
+        return _read_remote(path)
     if not os.path.isdir(path):
         raise CheckpointError(_missing_dir_message(path))
     where = os.path.join(path, NAME)
@@ -70,6 +73,18 @@ def read(path: str) -> dict:
         raw = os.pread(fd, size, 0)
     finally:
         os.close(fd)
+    doc = _format.strict_json_loads(raw, where)
+    validate(doc, where)
+    return doc
+
+
+def _read_remote(path: str) -> dict:
+    """The manifest of the checkpoint at object-store URL ``path`` (see :mod:`.remote`)."""
+    where = join(path, NAME)
+    raw = storage_for(path).read_small(where, MAX_MANIFEST_BYTES)
+    if raw is None:
+        raise CheckpointNotFoundError(f"{path}: no checkpoint there ({NAME} is absent: nothing was published at "
+                                      "this URL, or its save did not finish)")
     doc = _format.strict_json_loads(raw, where)
     validate(doc, where)
     return doc

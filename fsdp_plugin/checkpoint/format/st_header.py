@@ -15,7 +15,7 @@ import json
 import struct
 
 from . import _format
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 #: safetensors' ``Dtype`` enum order, ascending (tensors are written in the reverse of it).
 _DTYPE_ORDER = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16", "F16",

@@ -18,11 +18,12 @@ import os
 
 import torch
 
-from . import _comm, _format, _model, st_header
-from .errors import CheckpointError
-from .fsio import byte_view, fsync_path, write_all
+from .. import _comm, _model
+from ..format import _format, st_header
+from ..errors import CheckpointError
+from ..storage.fsio import byte_view, fsync_path, write_all
 from .hf_gather import piece_table
-from .writer import flat_cpu
+from ..format.writer import flat_cpu
 
 #: Elements copied to the host at a time from an accelerator shard (a view, no copy, on CPU).
 _CHUNK = 1 << 22

@@ -23,8 +23,9 @@ import re
 import zipfile
 from dataclasses import dataclass
 
+from ..storage import is_url, join, storage_for
 from . import manifest
-from .errors import CheckpointError, CheckpointStateError, IncompleteCheckpointError
+from ..errors import CheckpointError, CheckpointStateError, IncompleteCheckpointError
 
 _RANK_FILE = re.compile(r"^rank\d{5,}\.(model|optim|extra)\.safetensors$")
 _OUR_TOOLS = "fp.load_checkpoint and fsdp-plugin inspect/verify/consolidate read it"
@@ -40,7 +41,7 @@ def is_dcp_dir(path) -> bool:
     """Whether ``path`` is a directory written by ``torch.distributed.checkpoint``: it holds ``.metadata``,
     or ``.distcp`` data files and no ``manifest.json`` (an interrupted DCP save, reported as such on load)."""
     path = os.fspath(path)
-    if not os.path.isdir(path):
+    if is_url(path) or not os.path.isdir(path):  # DCP on an object store: torch's FsspecReader reads it
         return False
     if os.path.isfile(os.path.join(path, METADATA_FILE)):
         return True
@@ -64,6 +65,17 @@ class Layout:
 def detect(path) -> Layout:
     """Describe ``path`` from its files (reads at most small JSON files: manifests, trainer/accelerate state)."""
     path = os.fspath(path)
+    if is_url(path):  # an object store: only our own layouts are described there
+        names = set(storage_for(path).listdir(path))
+        for probe in (_ours,):
+            found = probe(path, names)
+            if found is not None:
+                return found
+        sub = [join(path, n) for n in sorted(names) if storage_for(path).size(join(path, n, manifest.NAME))]
+        if sub:
+            return Layout("unknown", path, f"{path} holds {_plural(len(sub), 'checkpoint')}", _OUR_TOOLS, tuple(sub))
+        return Layout("missing" if not names else "unknown", path,
+                      f"{path}: nothing published there" if not names else f"{path} holds no manifest.json", "")
     if not os.path.exists(path):
         return Layout("missing", path, f"{path} does not exist", "")
     if not os.path.isdir(path):
@@ -85,6 +97,12 @@ def checkpoint_dir(path) -> str:
     :class:`CheckpointStateError` saying what ``path`` is and what reads it (or, for a missing path, the
     manifest module's message, which points to a ``.old-`` sibling left by an interrupted replace).
     """
+    if is_url(path):  # an object store: ours, or accelerate's / a Trainer's folder around ours (no probing)
+        st = storage_for(path)
+        for sub in ((), ("model_0",), ("fsdp_plugin_state",)):
+            if st.size(join(path, *sub, manifest.NAME)) is not None:
+                return join(path, *sub)
+        manifest.read(path)  # raises: nothing published at this URL
     if os.path.isfile(os.path.join(path, manifest.NAME)):
         return os.fspath(path)  # ours (or Lightning's): the reader validates the manifest, once
     layout = detect(path)

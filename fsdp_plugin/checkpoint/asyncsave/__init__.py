@@ -1,0 +1,1 @@
+"""Asynchronous saves: host staging buffers and the checkpoint thread."""

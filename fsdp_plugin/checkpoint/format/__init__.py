@@ -1,0 +1,1 @@
+"""The checkpoint format: manifest, safetensors headers, codec, layouts, byte-exact writer and reader."""

@@ -1,0 +1,1 @@
+"""Hugging Face safetensors import / export (and ranged writes of one shared file)."""

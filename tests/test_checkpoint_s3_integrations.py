@@ -1,0 +1,93 @@
+"""Integrations checkpointing to a bucket on a real S3 API (moto server, s3fs): Lightning's
+``Trainer(default_root_dir="s3://...", strategy="fsdp_plugin")`` saves and resumes at another world size."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from _s3 import S3Server, new_bucket
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+import lightning_launch as launch  # noqa: E402
+from lightning_train import reference_run  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = S3Server().start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def bucket(server, monkeypatch):
+    for k, v in server.env().items():
+        monkeypatch.setenv(k, v)  # the launched Trainer reads the endpoint like any s3fs client
+    return new_bucket()
+
+
+def test_lightning_default_root_dir_on_a_bucket_saves_and_resumes(bucket, tmp_path):
+    import s3fs
+
+    root = f"{bucket}/lightning"
+    ckpt = f"{root}/mid/step4.ckpt"  # trainer.save_checkpoint after step 4 (mid-fit)
+    launch.python("lightning_train.py", "--out", tmp_path / "a.json", "--devices", 2, "--max-steps", 4,
+                  "--root-dir", root, "--save-at", 4, ckpt, timeout=300, cwd=tmp_path)
+    fs = s3fs.S3FileSystem()
+    assert fs.exists(f"{ckpt}/manifest.json")
+    assert fs.exists(f"{root}/checkpoints/epoch=0-step=4.ckpt/manifest.json")  # the default ModelCheckpoint
+    assert not any(p.name.endswith(":") for p in tmp_path.iterdir())  # no local "s3:" directory
+    launch.python("lightning_train.py", "--out", tmp_path / "b.json", "--devices", 1, "--max-steps", 8,
+                  "--resume", ckpt, timeout=300, cwd=tmp_path)
+    got = launch.report(tmp_path / "b.json")["losses"]
+    want, _ = reference_run(8)
+    assert [e[0] for e in got] == [5, 6, 7, 8]
+    assert max(abs(e[1] - w) for e, w in zip(got, want[4:])) <= 1e-5, (got, want[4:])
+
+
+@pytest.fixture
+def fresh_accelerate(monkeypatch):
+    from accelerate.state import AcceleratorState, GradientState
+
+    for name in ("ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING", "ACCELERATE_MIXED_PRECISION"):
+        monkeypatch.setenv(name, "false" if name != "ACCELERATE_MIXED_PRECISION" else "no")
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def test_accelerate_save_state_and_load_state_on_a_bucket(bucket, fresh_accelerate, tmp_path, monkeypatch):
+    import s3fs
+    import torch
+    from torch import nn
+
+    import fsdp_plugin as fp
+    from fsdp_plugin.integrations.accelerate import Accelerator
+
+    monkeypatch.chdir(tmp_path)
+    acc = Accelerator(sharding_config=fp.ShardingConfig())
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model, opt, sched = acc.prepare(model, opt, sched)
+    acc.backward(model(torch.randn(3, 4)).sum())
+    opt.step()
+    sched.step()
+    state = f"{bucket}/acc/step1"
+    acc.save_state(state)
+    names = sorted(k.rsplit("/", 1)[-1] for k in s3fs.S3FileSystem().ls(state))
+    assert names == ["accelerator_state.json", "model_0", "rng_0.json", "rng_0.safetensors"], names
+    expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    sched.step()
+    acc.load_state(state)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), expected[n]), n
+    assert sched.get_last_lr() == [0.05]
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(":")]
