@@ -579,7 +579,6 @@ CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, hpz_size_n
          stream_with_unknown_names, stream_consumer_fails_on_rank_0, stream_merge_of_a_dora_adapter,
          trl_vllm_sync_on_an_unknown_trl_version,
          unknown_quantization_format, quantization_block_size_not_a_multiple_of_8, quantized_weights_under_no_shard]
-         muon_on_a_model_never_sharded, a_unit_runs_on_some_ranks_only, some_ranks_modules_matches_nothing]
 CASES += [checkpoint_url_without_filesystem, export_dcp_to_a_url]  # issue 33: URLs
 
 
