@@ -70,20 +70,5 @@ def test_ci_runs_the_readme_whole_suite_command_with_the_gate():
     assert len(suite) == 1, suite  # the one whole-suite command: no -m selection, slow campaigns included
     assert re.search(rf"^{re.escape(suite[0])}$", script, re.M), suite[0]
     assert re.search(r"^export FSDP_CI_NO_SKIP=1$", script, re.M)
-    assert re.search(r"\s-n\s+\d+", suite[0]) and "--dist loadgroup" in suite[0], suite[0]
+    assert re.search(r"\s-n\s+\d+", suite[0]) and "--dist loadfile" in suite[0], suite[0]
 
-
-def test_tests_sharing_a_module_fixture_share_an_xdist_group(request):
-    """conftest's grouping, on this very session: a module fixture is built by one worker only."""
-    from conftest import _shared_fixtures
-
-    group_of: dict[str, set] = {}  # "module::fixture" -> the xdist groups of the tests that use it
-    for item in request.session.items:
-        groups = {m.args[0] for m in item.iter_markers("xdist_group")}
-        shared = _shared_fixtures(item)
-        assert len(groups) == (1 if shared else 0), (item.nodeid, groups, shared)
-        for name in shared:
-            group_of.setdefault(f"{item.nodeid.split('::')[0]}::{name}", set()).update(groups)
-    assert all(len(g) == 1 for g in group_of.values()), group_of
-    readme = {k: g for k, g in group_of.items() if k.startswith("tests/test_readme.py::")}
-    assert len(set().union(*readme.values())) == len(readme), readme  # independent fixtures: groups of their own
