@@ -67,6 +67,7 @@ def test_soak_sample(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # the one campaign past the 600 s default (pyproject): ~6 min quiet, 17 under load
 def test_soak_1000_steps(tmp_path):
     steps, every = 1000, 50
     for samples, names in run_ranks(_soak, 2, str(tmp_path), steps, every, timeout=3600):
