@@ -159,8 +159,9 @@ def test_exit_finishes_pending_save(tmp_path):
     assert verify_checkpoint(path) == []
 
 
-def _slowed_write(monkeypatch, delay=0.2):
-    """The background write starts ``delay`` s late: changes made right after the call win any race."""
+def _slowed_write(monkeypatch, delay=1.0):
+    """The background write starts ``delay`` s late: changes made right after the call win any race (1 s: the
+    call returns and the test acts well within it even on a loaded 2-core CI machine running 3 xdist workers)."""
     import time
 
     real = save_mod.write_safetensors
