@@ -2,8 +2,9 @@
 ``accelerate launch`` (2 processes, gloo) against the same recipe in one plain process, and resume.
 
 Tolerance: Newton–Schulz runs in bf16, so the ~1e-7 differences of a sharded gradient reduction (summation
-order) flip a few bf16 roundings of the update; measured here 1.1e-5 on the loss after 6 steps (DDP with stock
-torch.optim.Muon differs from one process by ~1e-4). The optimizer itself is bit-identical to fp.optim.Muon +
+order) flip a few bf16 roundings of the update; measured 1.1e-5 on the loss after 6 steps on one machine and
+5.1e-5 on another CPU of the same kind (the flips depend on the CPU's bf16 kernels); DDP with stock
+torch.optim.Muon differs from one process by ~1e-4, so the bound is 1e-4. The optimizer itself is bit-identical to fp.optim.Muon +
 torch.optim.AdamW (tests/test_muon.py); NS on each rank's rows instead of the whole matrix (the bug this guards
 against; tried by disabling the owner exchange) moved the loss by 2.8e-4.
 """
@@ -21,7 +22,7 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "hf_trainer_muon.py"
-MUON_TOL = 5e-5
+MUON_TOL = 1e-4     # still 2.8x under the 2.8e-4 the bug moves the loss by
 
 
 def test_trainer_muon_adamw_parity_and_resume(tmp_path):
