@@ -34,7 +34,7 @@ def translate(kwargs: dict[str, Any]) -> dict[str, Any]:
             raise fp.ConfigError("FSDPPluginStrategy: give activation_checkpointing_policy or activation_checkpointing, "
                                  "not both (they are the same option)")
         out["activation_checkpointing"] = out.pop("activation_checkpointing_policy")
-    _deepspeed_quantization(out)
+    _zero_quantization(out)
     _flag(out, "use_orig_params", True, "fsdp_plugin always trains the original parameters "
           "(use_orig_params=True); drop the argument")
     _flag(out, "sync_module_states", True, "fsdp_plugin always starts every rank from rank 0's values "
@@ -42,7 +42,7 @@ def translate(kwargs: dict[str, Any]) -> dict[str, Any]:
     return torch_args.translate(out)
 
 
-def _deepspeed_quantization(out: dict[str, Any]) -> None:
+def _zero_quantization(out: dict[str, Any]) -> None:
     """DeepSpeedStrategy users' ``zero_quantized_weights=True`` / ``zero_quantized_gradients=True`` →
     ``quantization=fp.Quantization(...)`` (int8); refused next to an explicit ``quantization=``."""
     keys = [k for k in ("zero_quantized_weights", "zero_quantized_gradients") if k in out]
@@ -51,8 +51,8 @@ def _deepspeed_quantization(out: dict[str, Any]) -> None:
     if out.get("quantization") is not None:
         raise fp.ConfigError(f"FSDPPluginStrategy: give quantization=fp.Quantization(...) or {', '.join(keys)}, "
                              "not both (they are the same option)")
-    from fsdp_plugin.integrations.accelerate.config.parse import deepspeed_quantization
-    out["quantization"] = deepspeed_quantization(bool(out.pop("zero_quantized_weights", False)),
+    from fsdp_plugin.integrations.accelerate.config.parse import zero_quantization
+    out["quantization"] = zero_quantization(bool(out.pop("zero_quantized_weights", False)),
                                                  bool(out.pop("zero_quantized_gradients", False)))
 
 

@@ -125,10 +125,10 @@ def quantization_from_env(env):
         else:
             raise config_error(QUANTIZATION_ENV, text, f"{item!r} is not 'weights', 'gradients' or 'block_size=N' "
                                "(e.g. FSDP_PLUGIN_QUANTIZATION=weights,gradients)")
-    return deepspeed_quantization("weights" in parts, "gradients" in parts, block)
+    return zero_quantization("weights" in parts, "gradients" in parts, block)
 
 
-def deepspeed_quantization(weights: bool, gradients: bool, block_size=None):
+def zero_quantization(weights: bool, gradients: bool, block_size=None):
     """DeepSpeed's ``zero_quantized_weights`` / ``zero_quantized_gradients`` → ``fp.Quantization`` (int8 for
     each; DeepSpeed's int4 gradients become int8, whose error bound is proven) or None when both are off."""
     import fsdp_plugin as fp
