@@ -157,7 +157,7 @@ def _match(model, stored: dict, report: MismatchReport) -> tuple[list, list]:
 
 def _box_parts(source, shape: tuple, box: tuple) -> list:
     """``(source, stored_start, lo, hi)`` per run of ``box`` (offsets, sizes) of a tensor of ``shape``."""
-    from .boxes import box_runs
+    from ..format.boxes import box_runs
     parts, pos = [], 0
     for a, n in box_runs(shape, *box):
         parts.append((source, a, pos, pos + n))
