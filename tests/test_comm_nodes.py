@@ -8,9 +8,11 @@ from tests.models import GPT, Block, gpt_batch
 TWO_NODES = {"LOCAL_WORLD_SIZE": "2"}
 
 
-def _one_step(rank, world, strategy, mesh):
+def _one_step(rank, world, strategy, mesh, quantization=None):
     torch.manual_seed(0)
-    kwargs = {"device_mesh": mesh} if mesh else {}
+    kwargs = {"quantization": quantization} if quantization else {}
+    if mesh:
+        kwargs["device_mesh"] = mesh
     model = fp.shard(GPT(), auto_wrap_policy={Block}, sharding_strategy=strategy, **kwargs)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     fp.comm_stats.reset()
@@ -35,6 +37,18 @@ def test_hybrid_keeps_its_shard_collectives_inside_the_node_and_all_reduces_acro
         # one all-reduce of each handle's reduced chunk over a replicate group of 2: 2·chunk·(2−1)/2 bytes
         assert stats["inter_node_bytes"]["all_reduce"] == sum(chunks)
         assert stats["intra_node_bytes"].get("all_reduce", 0) == 0
+
+
+def test_quantized_hybrid_exchanges_inside_the_node_and_sends_only_int8_across():
+    """The int8 gradient exchange (an all-to-all) is split by its own group, not the world's: hybrid's shard
+    reduce-scatter stays in the node and only the replica hop's int8 blocks cross (the bug: all counted across)."""
+    q = fp.Quantization(gradients="int8")
+    for stats, chunks in run_ranks(_one_step, 4, "hybrid_shard", (2, 2), q, env=TWO_NODES):
+        inter, intra = stats["inter_node_bytes"], stats["intra_node_bytes"]
+        assert inter.get("all_gather", 0) == inter.get("reduce_scatter", 0) == 0
+        assert intra["reduce_q8"] > 0 and inter["reduce_q8"] > 0
+        # across: the replica hop's exchange + all-gather of int8 + scales, ~4x less than the exact all-reduce
+        assert 3.5 * inter["reduce_q8"] <= sum(chunks) <= 4.0 * inter["reduce_q8"], (inter, sum(chunks))
 
 
 def test_one_node_by_default_everything_stays_inside():

@@ -68,7 +68,7 @@ def exchange(out: torch.Tensor, inp: torch.Tensor, group, kind: str, gate=None, 
     ring formula over ``inp`` (``(n−1)·m`` elements sent per rank, as a reduce-scatter of ``inp``). On gloo with
     CPU tensors point to point (`_P2PExchange`), else torch's all-to-all. ``gate``: as for `all_gather`."""
     n = group_size(group)
-    _count(kind, inp.numel(), inp.element_size(), n)
+    _count(kind, inp.numel(), inp.element_size(), n, group=group)
     if _p2p_ok(group, out, inp):
         work = _P2PExchange(out, inp, group, n, _Bound.of(gate, what))
         return status.issued(work, kind, group, n, inp.numel())
