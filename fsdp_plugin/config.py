@@ -197,6 +197,11 @@ class Quantization:
         hybrid's cross-replica hop -- adds the re-quantized sum's scale). None: exact.
     block_size: elements per scale, a multiple of 8 in [8, 65536]. 256 costs 4/256 bytes of scales per element
         (int8 + scales = 3.94x fewer bytes than float32, 1.97x fewer than bfloat16).
+
+    Where: on one node every collective asked for is quantized. Across nodes (``LOCAL_WORLD_SIZE`` < world) a
+    collective whose group lies inside one node stays exact -- hybrid_shard's shard all-gather and
+    reduce-scatter, hpZ's backward all-gather -- since its bytes never reach the inter-node link: only the
+    collectives that cross it pay the quantization's compute and error.
     """
 
     weights: Optional[str] = None

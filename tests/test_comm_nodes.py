@@ -39,16 +39,25 @@ def test_hybrid_keeps_its_shard_collectives_inside_the_node_and_all_reduces_acro
         assert stats["intra_node_bytes"].get("all_reduce", 0) == 0
 
 
-def test_quantized_hybrid_exchanges_inside_the_node_and_sends_only_int8_across():
-    """The int8 gradient exchange (an all-to-all) is split by its own group, not the world's: hybrid's shard
-    reduce-scatter stays in the node and only the replica hop's int8 blocks cross (the bug: all counted across)."""
-    q = fp.Quantization(gradients="int8")
+def test_quantized_hybrid_keeps_the_node_exact_and_sends_only_int8_across():
+    """Across nodes, quantization applies where bytes cross the link: hybrid's in-node shard collectives stay
+    exact (no compute or precision spent on loopback/NVLink bytes) and only the replica hop's int8 blocks cross,
+    split by the exchange's own group (a bug counted every all-to-all byte as crossing)."""
+    q = fp.Quantization(weights="int8", gradients="int8")
     for stats, chunks in run_ranks(_one_step, 4, "hybrid_shard", (2, 2), q, env=TWO_NODES):
         inter, intra = stats["inter_node_bytes"], stats["intra_node_bytes"]
-        assert inter.get("all_gather", 0) == inter.get("reduce_scatter", 0) == 0
-        assert intra["reduce_q8"] > 0 and inter["reduce_q8"] > 0
+        assert intra["all_gather"] == stats["bytes"]["all_gather"] > 0 and "all_gather_q8" not in stats["bytes"]
+        assert intra["reduce_scatter"] == stats["bytes"]["reduce_scatter"] > 0
+        assert intra.get("reduce_q8", 0) == 0 and inter.get("reduce_scatter", 0) == 0
         # across: the replica hop's exchange + all-gather of int8 + scales, ~4x less than the exact all-reduce
         assert 3.5 * inter["reduce_q8"] <= sum(chunks) <= 4.0 * inter["reduce_q8"], (inter, sum(chunks))
+
+
+def test_quantization_on_one_node_applies_to_every_collective():
+    q = fp.Quantization(weights="int8", gradients="int8")
+    stats, _ = run_ranks(_one_step, 4, "hybrid_shard", (2, 2), q, env={"LOCAL_WORLD_SIZE": "4"})[0]
+    assert stats["bytes"]["all_gather_q8"] > 0 and "all_gather" not in stats["bytes"]
+    assert stats["bytes"]["reduce_q8"] > 0 and "reduce_scatter" not in stats["bytes"]
 
 
 def test_one_node_by_default_everything_stays_inside():

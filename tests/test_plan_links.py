@@ -9,7 +9,11 @@ from tests._dist import run_ranks
 from tests.models import GPT, Block, gpt_batch
 
 CASES = {"full_shard": {}, "shard_grad_op": {"sharding_strategy": "shard_grad_op"},
-         "hybrid_shard": {"sharding_strategy": "hybrid_shard"}, "hpz": {"reshard_after_forward": "node"}}
+         "hybrid_shard": {"sharding_strategy": "hybrid_shard"}, "hpz": {"reshard_after_forward": "node"},
+         # quantized across nodes: hybrid's in-node shard collectives stay exact, ZeRO++ (hpZ + qwZ + qgZ)
+         "hybrid_q8": {"sharding_strategy": "hybrid_shard",
+                       "quantization": fp.Quantization(weights="int8", gradients="int8")},
+         "zeropp": {"reshard_after_forward": "node", "quantization": fp.Quantization(weights="int8", gradients="int8")}}
 
 
 def _engine(rank, world, kwargs):

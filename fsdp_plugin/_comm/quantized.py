@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from . import collectives as comm
+from . import nodes
 
 WEIGHTS_KIND = "all_gather_q8"
 GRADIENTS_KIND = "reduce_q8"
@@ -131,11 +132,26 @@ def _waited(work, what: str, timeout_s: Optional[float]) -> None:
     comm.wait(work, what, comm.default_timeout_s(timeout_s))
 
 
+def applies(quant, what: str, group) -> bool:
+    """``quant`` quantizes this ``what`` ("weights" / "gradients") collective over ``group``. Not when the job
+    spans nodes (``LOCAL_WORLD_SIZE`` < world) and every rank of ``group`` is on this rank's node (hybrid's shard
+    group, hpZ's secondary): those bytes never reach the slow link, so quantizing them would cost compute and
+    precision for nothing. On one node everything asked for is quantized. The same answer on every rank of
+    ``group`` (a group is inside one node for all its members or for none)."""
+    if quant is None or getattr(quant, what) is None:
+        return False
+    per_node = nodes.node_size()
+    if per_node <= 0 or not torch.distributed.is_initialized() or per_node >= torch.distributed.get_world_size():
+        return True
+    return nodes.peer_split(group)[1] > 0
+
+
 # ------------------------------------------------------------------ weights
 def all_gather(quant, out: torch.Tensor, src: torch.Tensor, group, gate=None, what: str = "all-gather"):
     """Unit all-gather of ``src`` (this rank's shard) into ``out``: exact (``comm.all_gather``) unless
-    ``quant.weights``; then int8 rows all-gathered and dequantized into ``out`` when waited. Async."""
-    if quant is None or quant.weights is None:
+    ``quant.weights`` applies (`applies`); then int8 rows all-gathered and dequantized into ``out`` when
+    waited. Async."""
+    if not applies(quant, "weights", group):
         return comm.all_gather(out, src, group, async_op=True, gate=gate, what=what)
     n, length, block = comm.group_size(group), src.numel(), quant.block_size
     mine = quantize(src.view(1, length), block)
@@ -151,8 +167,9 @@ def all_gather(quant, out: torch.Tensor, src: torch.Tensor, group, gate=None, wh
 # ------------------------------------------------------------------ gradients
 def reduce_scatter(quant, out: torch.Tensor, grad: torch.Tensor, group, gate=None, what: str = "reduce-scatter"):
     """Unit reduce-scatter of ``grad`` into ``out`` (this rank's chunk): exact unless ``quant.gradients``;
-    then an exchange of int8 chunks, summed in float32 with this rank's exact chunk when waited. Async."""
-    if quant is None or quant.gradients is None:
+    then (where it `applies`) an exchange of int8 chunks, summed in float32 with this rank's exact chunk when
+    waited. Async."""
+    if not applies(quant, "gradients", group):
         return comm.reduce_scatter(out, grad, group, async_op=True, gate=gate, what=what)
     n = comm.group_size(group)
     me = comm.rank_in(group)
@@ -180,7 +197,7 @@ def all_reduce(quant, t: torch.Tensor, group, gate=None, what: str = "all-reduce
     """Unit all-reduce of ``t`` in place: exact unless ``quant.gradients``; then a quantized reduce-scatter of
     ``t`` padded to the group (``reduce_scatter``, float32 sums) and, when waited, an all-gather of the
     re-quantized sums dequantized into ``t`` on every rank (the same values on every replica). Async."""
-    if quant is None or quant.gradients is None:
+    if not applies(quant, "gradients", group):
         # as before this module: the gated call (no_shard) names itself and blocks with a deadline, the ungated
         # replica hop of hybrid stays asynchronous (waited by the caller)
         named = {"what": what, "timeout_s": timeout_s} if gate is not None else {}

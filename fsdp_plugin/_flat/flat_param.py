@@ -220,7 +220,7 @@ class FlatParamHandle:
         else:
             q = self.quantization
             # int8 blocks are cut from the exact master (one rounding, not the compute cast's and then the codes')
-            dtype = self.dtype if q is not None and q.weights else self.compute_dtype
+            dtype = self.dtype if quantized.applies(q, "weights", self.mesh.shard_group) else self.compute_dtype
             src = self.flat_shard.to(self.device, dtype, non_blocking=True)
             work = quantized.all_gather(q, self._full, src, self.mesh.shard_group, gate=gate,
                                         what=f"all-gather of unit {self.label!r}")

@@ -25,6 +25,7 @@ from .._schedule.protocols import ReducingHandle, ScheduledUnit
 from .._schedule.root import RootState
 from .._build.shard import handle_dtypes
 from .._build.strategy import secondary_size, unit_policy
+from ._links import off_node_peers
 from ..config import ShardingConfig
 
 
@@ -37,6 +38,7 @@ class Layout:
     shard_size: int
     replicate_size: int
     staging: bool = False        # gloo on CPU: collectives take the point-to-point path (_collectives)
+    per_node: int = 0            # ranks per node (0: one node); in-node collectives stay exact under quantization
 
     @property
     def strategy(self) -> str:
@@ -61,11 +63,18 @@ class Layout:
         """The engine's FlatParamHandle._aliases_shard: the leaf is the shard itself (never gathered)."""
         return self.shard_size == 1 and self.compute(h) == h.dtype and not self.cpu_offload
 
-    def quantized(self, h, what: str) -> Optional[int]:
+    def quantized(self, h, what: str, group: str = "shard") -> Optional[int]:
         """The block size when ``ShardingConfig.quantization`` quantizes this handle's ``what`` ("weights" or
-        "gradients"; floating handles only, as the engine's ``FlatParamHandle.quantization``), else None."""
+        "gradients"; floating handles only, as the engine's ``FlatParamHandle.quantization``) over ``group``,
+        else None: as ``_comm.quantized.applies``, a group inside one node of a multi-node job stays exact."""
         q = self.config.quantization
-        return q.block_size if q is not None and getattr(q, what) and h.dtype.is_floating_point else None
+        if q is None or not getattr(q, what) or not h.dtype.is_floating_point:
+            return None
+        k = self.per_node
+        if 0 < k < self.world and off_node_peers(group, self.world, k, self.shard_size, self.replicate_size,
+                                                 self.secondary)[1] == 0:
+            return None
+        return q.block_size
 
     def casts_source(self, h) -> bool:
         """``unshard`` copies the shard (to the compute dtype / device) before gathering it."""
@@ -194,7 +203,7 @@ class _Sim:
     def reduce_comm(self, spec, op: str, elems: int, n: int, group: str = "shard") -> None:
         """A gradient reduction of ``elems`` over ``n`` ranks: exact, or (``_comm/quantized``) one exchange of
         int8 rows (reduce-scatter), followed by an all-gather of the re-quantized sums (all-reduce)."""
-        block = self.lay.quantized(spec, "gradients")
+        block = self.lay.quantized(spec, "gradients", group)
         if block is None:
             self.comm(op, elems, self.lay.reduce(spec).itemsize, n, factor=2 if op == "all_reduce" else 1, group=group)
             return

@@ -19,7 +19,7 @@ def layout_for(world: int, cfg: ShardingConfig, gpus_per_node: int, device=None)
     `_collectives.inflight_host_bytes`); NCCL writes in place."""
     mesh = cfg.device_mesh if isinstance(cfg.device_mesh, tuple) else None
     shard, rep = mesh_dims(STRATEGIES[cfg.sharding_strategy].scope, world, min(world, gpus_per_node), mesh)
-    return Layout(cfg, world, shard, rep, staging=getattr(device, "type", None) == "cpu")
+    return Layout(cfg, world, shard, rep, staging=getattr(device, "type", None) == "cpu", per_node=gpus_per_node)
 
 
 # Heap the CPU runtime allocates during the first training step and keeps (kernel, dispatcher and autograd
