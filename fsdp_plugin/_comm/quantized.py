@@ -15,7 +15,8 @@ in ONE collective per call: a unit collective has one pairing check (gate), as t
   (unbiased: round-to-nearest zeroes every gradient below half a step on every step, a bias Adam amplifies;
   measured in RESULTS § 35q): error < Σ over the other ranks of their block scale. An all-reduce (no_shard,
   hybrid's replica hop) is that exchange followed by an all-gather of the re-quantized float32 sums (error
-  adds the sum's own block scale), so replicas agree.
+  adds the sum's own block scale), so replicas agree; between two replicas it is one all-gather of both
+  quantized tensors instead, summed dequantized on both (``_pair_all_reduce``: nothing posted at ``wait``).
 
 The returned works dequantize inside ``wait`` (`_Then`): the handle waits on them exactly as on exact ones.
 Bytes are counted by ``collectives`` with the ring formula over the int8 payload, which is exactly what each
@@ -203,6 +204,8 @@ def all_reduce(quant, t: torch.Tensor, group, gate=None, what: str = "all-reduce
         named = {"what": what, "timeout_s": timeout_s} if gate is not None else {}
         return comm.all_reduce(t, group, async_op=True, gate=gate, **named)
     n, total, block = comm.group_size(group), t.numel(), quant.block_size
+    if n == 2:
+        return _pair_all_reduce(t, group, block, gate, what)
     length = -(-total // n)
     padded = t.reshape(-1) if length * n == total else F.pad(t.reshape(-1), (0, length * n - total))
     mine = torch.empty(length, dtype=torch.float32, device=t.device)
@@ -216,3 +219,21 @@ def all_reduce(quant, t: torch.Tensor, group, gate=None, what: str = "all-reduce
         _waited(work, what, timeout_s)
         t.view(-1).copy_(dequantize(staging, length, block).reshape(-1)[:total])
     return _Then(first, then)
+
+
+def _pair_all_reduce(t: torch.Tensor, group, block: int, gate, what: str):
+    """Two replicas (hybrid across two nodes; no_shard at world 2): ONE all-gather of both quantized tensors,
+    each rank summing the two dequantized rows in rank order, so both hold the same bits. The same bytes as
+    the two-hop form (``payload(L)`` per rank against ``2·payload(L/2)``), but nothing is left to post at
+    ``wait``: the whole transfer overlaps backward, and one quantization instead of two. Bound per element:
+    ``s_0 + s_1`` (each row's block scale; stochastic rounding, < one step each)."""
+    total = t.numel()
+    mine = quantize(t.reshape(1, total), block, stochastic=True)
+    both = torch.empty((2, mine.shape[1]), dtype=torch.int8, device=t.device)
+    work = comm.all_gather(both.view(-1), mine.view(-1), group, async_op=True, kind=GRADIENTS_KIND, gate=gate,
+                           what=what)
+
+    def then() -> None:
+        rows = dequantize(both, total, block)
+        t.view(-1).copy_(rows[0].add_(rows[1]))
+    return _Then(work, then)

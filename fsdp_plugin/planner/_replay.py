@@ -207,6 +207,9 @@ class _Sim:
         if block is None:
             self.comm(op, elems, self.lay.reduce(spec).itemsize, n, factor=2 if op == "all_reduce" else 1, group=group)
             return
+        if op == "all_reduce" and n == 2:       # _pair_all_reduce: one all-gather of both quantized tensors
+            self.comm(quantized.GRADIENTS_KIND, n * quantized.payload_elems(elems, block), 1, n, group=group)
+            return
         row = quantized.payload_elems(-(-elems // n), block)
         for _ in range(2 if op == "all_reduce" else 1):
             self.comm(quantized.GRADIENTS_KIND, n * row, 1, n, group=group)
