@@ -3,8 +3,11 @@
     .venv/bin/python benchmarks/two_nodes/predict.py benchmarks/two_nodes/results_small.jsonl
 
 Per row: the planned node egress (``WorldPlan.link_bytes_per_node``) against the link's counter, and the step
-time two ways: the planner's own (assumed CPU throughputs), and with compute taken from the same configuration's
-uncapped run (``intra + max(compute, link)`` with the measured compute: what the link model alone predicts).
+time three ways: the planner's own with assumed CPU throughputs; the planner's own with the calibration
+measured on the testbed (``fp.planner.calibrate``, side by side on every rank at the start of the uncapped run:
+what a user gets from ``fp.plan(..., calibration=...)``); and with compute taken from the same configuration's
+uncapped run (the CPU link model ``compute + link − hidden · min(compute, link)`` alone). Error columns: the
+calibrated planner's and the link model's, against the measured step.
 Link rates: tbf's measured 96% of the label; "none" = 805 MB/s (the 64 MB gloo all-reduce, uncapped).
 """
 from __future__ import annotations
@@ -30,8 +33,8 @@ def main(path: str) -> None:
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     measured = {(r["preset"], r["per_node"], r["rate"], r["config"]): r for r in rows}
     print("| preset | nodes×ranks | link | config | link MB/node planned / measured | step s measured | "
-          "planned (assumed CPU) | planned (measured compute) | error |")
-    print("|" + "---|" * 9)
+          "planned (assumed CPU) | planned (calibrated) | error | planned (measured compute) | error |")
+    print("|" + "---|" * 11)
     for (preset, k, rate, name), r in measured.items():
         cfg = GPTConfig(**PRESETS[preset])
         b = r["batch_per_rank"]
@@ -40,14 +43,23 @@ def main(path: str) -> None:
                        inputs=lambda: (torch.zeros(b, cfg.seq_len, dtype=torch.long),
                                        torch.zeros(b, cfg.seq_len, dtype=torch.long)), **kw)
         w = plan.worlds[2 * k]
+        base = measured.get((preset, k, "none", name))
+        cal = (base or {}).get("calibration")
+        calibrated = float("nan")
+        if cal:
+            calibrated = fp.plan(lambda: GPT(cfg), world_size=2 * k, auto_wrap_policy={Block}, nodes=2,
+                                 link_gbps=GBPS[rate], calibration=cal,
+                                 inputs=lambda: (torch.zeros(b, cfg.seq_len, dtype=torch.long),
+                                                 torch.zeros(b, cfg.seq_len, dtype=torch.long)),
+                                 **kw).worlds[2 * k].step_s
         step = statistics.median(x["step_s"] for x in r["rounds"])
         link = statistics.median(sum(x["link_tx_per_node"]) / len(x["link_tx_per_node"]) for x in r["rounds"])
-        base = measured.get((preset, k, "none", name))
         compute = statistics.median(x["step_s"] for x in base["rounds"]) if base else None
         hidden = 1.0 if rate == "none" else CPU_LINK_HIDDEN     # uncapped: the compute column is that run itself
         pred = compute + w.link_s - hidden * min(compute, w.link_s) if compute else float("nan")
         print(f"| {preset} | 2×{k} | {rate} | {name} | {w.link_bytes_per_node / 1e6:.1f} / {link / 1e6:.1f} | "
-              f"{step:.2f} | {w.step_s:.2f} | {pred:.2f} | {100 * (pred - step) / step:+.0f}% |")
+              f"{step:.2f} | {w.step_s:.2f} | {calibrated:.2f} | {100 * (calibrated - step) / step:+.0f}% | "
+              f"{pred:.2f} | {100 * (pred - step) / step:+.0f}% |")
 
 
 if __name__ == "__main__":

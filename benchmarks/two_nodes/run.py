@@ -29,7 +29,8 @@ def campaign(a) -> int:
             cmd = (f"LD_PRELOAD={a.heap or ''} {sys.executable} -m torch.distributed.run --nnodes 2 "
                    f"--nproc_per_node {k} --node_rank $NODE_RANK --master_addr $MASTER_ADDR --master_port $MASTER_PORT "
                    f"{HERE / 'worker.py'} --preset {a.preset} --configs {a.configs} --steps {a.steps} "
-                   f"--rounds {a.rounds} --batch {a.batch} --out {out} {extra}")
+                   f"--rounds {a.rounds} --batch {a.batch} --out {out} {extra}"
+                   + (" --calibrate" if rate == "none" else ""))
             print(f"== rate={rate} nodes=2 x {k}", flush=True)
             r = subprocess.run([str(HERE / "netns.sh"), "--rate", rate, "--timeout", str(a.timeout), "--", cmd],
                                capture_output=True, text=True)

@@ -79,6 +79,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batch", type=int, default=4, help="sequences per rank")
     p.add_argument("--out", required=True)
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure fp.planner.calibrate side by side first (predict.py's planner column)")
     a = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=1200))
@@ -86,6 +88,7 @@ def main() -> None:
     per_node = int(os.environ["LOCAL_WORLD_SIZE"])
     table = {**CONFIGURATIONS, **parse_extra(a.extra)}
     names = [n for n in a.configs.split(",") if n]
+    cal = fp.planner.calibrate(torch.device("cpu"), seconds=0.3).to_dict() if a.calibrate else None
     cfg, heap = GPTConfig(**PRESETS[a.preset]), Heap()
     models = {}
     for name in names:
@@ -104,7 +107,7 @@ def main() -> None:
                 f.write(json.dumps({"config": name, "kwargs": {k: str(v) for k, v in models[name][2].items()},
                                     "preset": a.preset, "nodes": 2, "per_node": per_node,
                                     "rate": os.environ.get("LINK_RATE", "none"), "steps": a.steps,
-                                    "batch_per_rank": a.batch, "rounds": rows[name]}) + "\n")
+                                    "batch_per_rank": a.batch, "rounds": rows[name], "calibration": cal}) + "\n")
     fp.shutdown()
 
 

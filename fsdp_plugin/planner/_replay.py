@@ -81,6 +81,14 @@ class Layout:
         return self.compute(h) != h.dtype or self.cpu_offload
 
 
+# What quantizing / dequantizing one element costs, as bytes of elementwise traffic at the calibrated
+# elementwise rate (``Calibration.elementwise_bytes_per_s``): measured against it on this CPU (torch 2.13, one
+# thread, 1-8 M elements, stochastic rounding: 22-43, nearest 9-15; dequantize 2-19 -- loaded machine, the
+# medians taken). About 5 and 2 streaming passes of float32: what the kernels (`_comm/quantized.quantize`) do.
+QUANTIZE_BYTES_PER_ELEM = 24
+DEQUANTIZE_BYTES_PER_ELEM = 8
+
+
 @dataclass
 class Moment:
     """Bytes by category at the peak moment (device memory of one rank)."""
@@ -199,6 +207,7 @@ class _Sim:
             self.comm("all_gather", spec.padded(n), lay.compute(spec).itemsize, n)
         else:
             self.comm(quantized.WEIGHTS_KIND, n * quantized.payload_elems(spec.chunk(n), block), 1, n)
+            self.quantize_cost(spec.chunk(n), n * spec.chunk(n))
 
     def reduce_comm(self, spec, op: str, elems: int, n: int, group: str = "shard") -> None:
         """A gradient reduction of ``elems`` over ``n`` ranks: exact, or (``_comm/quantized``) one exchange of
@@ -209,10 +218,20 @@ class _Sim:
             return
         if op == "all_reduce" and n == 2:       # _pair_all_reduce: one all-gather of both quantized tensors
             self.comm(quantized.GRADIENTS_KIND, n * quantized.payload_elems(elems, block), 1, n, group=group)
+            self.quantize_cost(elems, 2 * elems)
             return
-        row = quantized.payload_elems(-(-elems // n), block)
+        length = -(-elems // n)
+        row = quantized.payload_elems(length, block)
         for _ in range(2 if op == "all_reduce" else 1):
             self.comm(quantized.GRADIENTS_KIND, n * row, 1, n, group=group)
+        self.quantize_cost(n * length, (n - 1) * length)       # the exchange: every row out, the peers' in
+        if op == "all_reduce":                                 # the re-quantized sums: one row out, all in
+            self.quantize_cost(length, n * length)
+
+    def quantize_cost(self, quantized_elems: int, dequantized_elems: int) -> None:
+        """The quantization's own kernels as engine bytes (priced at the elementwise rate, like casts)."""
+        self.res.engine_bytes += (QUANTIZE_BYTES_PER_ELEM * quantized_elems
+                                  + DEQUANTIZE_BYTES_PER_ELEM * dequantized_elems)
 
     # ------------------------------------------------------------ state moves (FlatParamHandle's bytes)
     def unshard(self, u: int) -> None:
