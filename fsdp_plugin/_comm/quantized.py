@@ -60,7 +60,8 @@ def quantize(rows: torch.Tensor, block: int, stochastic: bool = False) -> torch.
     if nb * block != length:
         x = F.pad(x, (0, nb * block - length))
     x = x.view(r, nb, block)
-    scale = x.abs().amax(dim=-1) / _QMAX                           # (R, nb); 0 for an all-zero block
+    # absmax as max(amax, -amin): two reads, no |x| temporary of the whole row
+    scale = torch.maximum(x.amax(dim=-1), x.amin(dim=-1).neg_()).div_(_QMAX)   # (R, nb); 0: all-zero block
     codes = torch.div(x, scale.clamp_min(_TINY).unsqueeze(-1))
     if stochastic:
         _add_noise(codes.view(-1))
