@@ -43,6 +43,7 @@ def _worker(rank, world, port, args, quant, queue):
     import fsdp_plugin as fp
 
     train_data, val_data = _text.split(_text.load_corpus())
+    _noise_source(args, rank)
     torch.manual_seed(args.seed)
     model = GPT(_text.VOCAB, args.seq, args.dim, args.layers, args.heads)
     q = fp.Quantization(**quant) if quant else None
@@ -79,6 +80,16 @@ def _worker(rank, world, port, args, quant, queue):
         queue.put({"losses": losses, "held_out": held.item() / world, "bytes_per_step": step_bytes,
                    "median_step_s": statistics.median(times[5:])})
     fp.shutdown()
+
+
+def _noise_source(args, rank: int) -> None:
+    """--noise-seed shifts the stochastic rounding's seed; --noise torch draws it with torch.rand per element
+    (the shipped permuted-grid noise is ``table``): the spread of the final loss over noise seeds and sources."""
+    from fsdp_plugin._comm import quantized as qz
+    qz._SEED_BASE += 1000 * args.noise_seed
+    if args.noise == "torch":
+        gen = torch.Generator().manual_seed(qz._SEED_BASE + rank)
+        qz._add_noise = lambda flat: flat.add_(torch.rand(flat.shape, generator=gen))
 
 
 def run(args, quant) -> dict:
@@ -127,6 +138,8 @@ def main(argv=None) -> None:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--strategy", default="full_shard")
+    p.add_argument("--noise-seed", type=int, default=0, help="shift of the stochastic rounding's seed")
+    p.add_argument("--noise", default="table", choices=("table", "torch"), help="the rounding noise's source")
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names of CONFIGS")
     p.add_argument("--tolerance", type=float, default=0.01)
     p.add_argument("--out", default=None)

@@ -76,6 +76,7 @@ def quantize(rows: torch.Tensor, block: int, stochastic: bool = False) -> torch.
 
 _NOISE_LEN = 1 << 20
 _NOISE: dict = {}
+_SEED_BASE = 0x5EED0000     # + the global rank (benchmarks/quantized_gpt.py --noise-seed shifts it)
 
 
 def _add_noise(flat: torch.Tensor) -> None:
@@ -101,7 +102,7 @@ def _state(device: torch.device):
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     key = (device, rank, os.getpid())         # a forked process starts its own stream
     if key not in _NOISE:
-        gen = torch.Generator().manual_seed(0x5EED0000 + rank)
+        gen = torch.Generator().manual_seed(_SEED_BASE + rank)
         grid = torch.randperm(_NOISE_LEN, generator=gen).float().add_(0.5).div_(_NOISE_LEN)
         _NOISE[key] = (torch.cat([grid, grid]).to(device), gen)
     return _NOISE[key]
