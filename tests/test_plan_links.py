@@ -55,6 +55,17 @@ def test_hpz_plan_holds_the_secondary_shards_and_moves_backward_gathers_into_the
     assert "all_gather/secondary" in hpz.wire_groups
 
 
+def test_recommend_takes_quantized_options_only_when_asked_and_where_the_link_is_the_step():
+    """Quantized candidates (not exact) join only when passed; their kernels are priced, so a slow link picks
+    one and a fast one does not."""
+    table = {**fp.planner.CANDIDATES, **fp.planner.QUANTIZED_CANDIDATES}
+    opts = dict(auto_wrap_policy={Block}, inputs=lambda: gpt_batch(0, 0))
+    slow, _ = fp.planner.recommend(GPT, 4, nodes=2, link_gbps=0.01, candidates=table, **opts)
+    fast, plans = fp.planner.recommend(GPT, 4, nodes=2, link_gbps=1000, candidates=table, **opts)
+    assert slow in fp.planner.QUANTIZED_CANDIDATES and fast in fp.planner.CANDIDATES
+    assert plans["hybrid_q8g"].worlds[4].step_s > plans["hybrid_shard"].worlds[4].step_s   # kernels priced
+
+
 def test_recommend_prefers_hybrid_or_hpz_on_a_slow_link_and_bad_values_are_refused():
     best, plans = fp.planner.recommend(GPT, 4, nodes=2, link_gbps=0.01, auto_wrap_policy={Block},
                                        inputs=lambda: gpt_batch(0, 0))

@@ -3,18 +3,29 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..config import Quantization
 from ._links import Links
 from .api import plan_configs, split_options
 from .errors import PlanError
 
 
-# Candidates `recommend` compares: ShardingConfig keywords by name ("node": the ranks per node). Quantized
-# options (and any other configuration) are added by name, e.g. ``candidates={**CANDIDATES, "qwz": {...}}``.
+# Candidates `recommend` compares: ShardingConfig keywords by name ("node": the ranks per node). Others are
+# added by name, e.g. ``candidates={**CANDIDATES, **QUANTIZED_CANDIDATES}``.
 CANDIDATES: dict = {
     "full_shard": dict(sharding_strategy="full_shard"),
     "shard_grad_op": dict(sharding_strategy="shard_grad_op"),
     "hybrid_shard": dict(sharding_strategy="hybrid_shard"),
     "hpz": dict(sharding_strategy="full_shard", reshard_after_forward="node"),
+}
+
+
+# The opt-in quantized options (ZeRO++; not exact: a different computation, so never recommended unless the
+# caller passes them): ``recommend(..., candidates={**CANDIDATES, **QUANTIZED_CANDIDATES})``.
+QUANTIZED_CANDIDATES: dict = {
+    "hybrid_q8g": dict(sharding_strategy="hybrid_shard", quantization=Quantization(gradients="int8")),
+    "zeropp": dict(sharding_strategy="full_shard", reshard_after_forward="node",
+                   quantization=Quantization(weights="int8", gradients="int8")),
+    "full_q8": dict(sharding_strategy="full_shard", quantization=Quantization(weights="int8", gradients="int8")),
 }
 
 
