@@ -1,0 +1,125 @@
+"""The default (on-demand) schedule of a VLM's tower (``_schedule/on_demand.py``): gathered only on steps where
+some rank's inputs hold images, released after the forward by ranks that did not run it, exact under gradient
+accumulation, and a clear error (not a hang) when the images come under a name it does not know."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fsdp_plugin as fp
+from _dist import run_ranks
+from _parity import global_mean, make_optimizer
+from fsdp_plugin._schedule.on_demand import holds_modality
+from test_some_ranks_vlm import STEPS, WORLD, collate, rank_batch, sample, tiny_llava
+
+
+def test_holds_modality_finds_images_by_keyword_position_and_in_batch_dicts():
+    pix, empty = torch.ones(1, 3, 8, 8), torch.ones(0, 3, 8, 8)
+    names = ["input_ids", "pixel_values"]
+    assert holds_modality((), {"pixel_values": pix}, names)
+    assert holds_modality((torch.ones(2), pix), {}, names)                     # positional, by signature
+    assert holds_modality(({"input_ids": 1, "pixel_values": pix}, 0), {}, ["batch", "idx"])   # Lightning
+    assert holds_modality((), {"input_features": [pix]}, [])
+    assert not holds_modality((), {"pixel_values": None, "input_ids": pix}, names)
+    assert not holds_modality((), {"pixel_values": empty}, names)
+    assert not holds_modality((torch.ones(2),), {}, names)
+
+
+def _states(rank, world):
+    """Per step: is the tower unsharded at the language model's first layer, and after the root forward?"""
+    model = fp.shard(tiny_llava(), timeout_s=60)
+    root = model._fp_root
+    assert root.on_demand
+    tower = root.some_ranks_units[0]
+    seen: list = []
+    gathered = lambda: any(h.state.value != "sharded" for h in tower.handles)
+    model.model.language_model.layers[0].register_forward_pre_hook(lambda *_: seen.append(gathered()))
+    opt = make_optimizer("sgd", model.parameters())
+    out = []
+    for s in range(STEPS):
+        seen.clear()
+        loss = model(**rank_batch(s, rank)).loss
+        after_forward = gathered()
+        loss.backward()
+        out.append((seen[0], after_forward, gathered()))
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def test_gathered_only_on_steps_with_images_and_released_where_not_run():
+    # images: step 0 rank 0; step 1 none; step 2 both ranks; step 3 rank 1 (test_some_ranks_vlm.HAS_IMAGE)
+    r0, r1 = run_ranks(_states, WORLD, timeout=120)
+    assert [s[0] for s in r0] == [s[0] for s in r1] == [True, False, True, True], (r0, r1)
+    assert [s[1] for s in r0] == [True, False, True, False], r0       # held only where it ran
+    assert [s[1] for s in r1] == [False, False, True, True], r1
+    assert all(not s[2] for s in r0 + r1)                               # sharded at rest
+
+
+def _accumulating(rank, world, optim):
+    model = fp.shard(tiny_llava(), timeout_s=60)
+    opt = make_optimizer(optim, model.parameters())
+    losses = []
+    for s in range(0, STEPS, 2):        # two micro-batches per step: steps (0, 1) then (2, 3) of HAS_IMAGE
+        with fp.no_sync(model):
+            first = model(**rank_batch(s, rank)).loss / 2
+            first.backward()
+        second = model(**rank_batch(s + 1, rank)).loss / 2
+        second.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(global_mean(first.detach() + second.detach(), world))
+    return losses
+
+
+def _reference_accumulating(optim):
+    model = tiny_llava()
+    opt = make_optimizer(optim, model.parameters())
+    losses = []
+    for s in range(0, STEPS, 2):
+        total = 0.0
+        for k in (s, s + 1):
+            loss = model(**collate([sample(i) for i in range(4 * k, 4 * k + 4)])).loss / 2
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_accumulation_across_steps_with_and_without_images(optim):
+    """Micro-batch 1 has images (rank 0), micro-batch 2 none anywhere: the tower's accumulated gradient is
+    reduced at the end of the second backward although it was not gathered then."""
+    got = run_ranks(_accumulating, WORLD, optim, timeout=120)[0]
+    want = _reference_accumulating(optim)
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)
+
+
+class _Renamed(nn.Module):
+    """Takes the images under a name the default cannot know."""
+
+    def __init__(self):
+        super().__init__()
+        self.vlm = tiny_llava()
+
+    def forward(self, ids, images):
+        return self.vlm(input_ids=ids, pixel_values=images, labels=ids).loss
+
+
+def _renamed(rank, world):
+    model = fp.shard(_Renamed(), timeout_s=60)
+    batch = rank_batch(2, rank)        # step 2: images on both ranks
+    try:
+        model(batch["input_ids"], batch["pixel_values"])
+    except fp.CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+def test_images_under_an_unknown_name_raise_before_any_collective():
+    msgs = run_ranks(_renamed, WORLD, timeout=120)
+    assert msgs[0] == msgs[1] and "'vlm.model.vision_tower' (CLIPVisionModel)" in msgs[0], msgs
+    assert "some_ranks_modules={'CLIPVisionModel'}" in msgs[0], msgs[0]
