@@ -137,6 +137,12 @@ def default_tower_fed_under_an_unknown_input_name():
     raise fp.CollectiveError(run_ranks(_llava_images_renamed, 2, timeout=60)[0])
 
 
+def plan_of_a_forward_that_reads_integers_from_its_inputs():
+    """Qwen2-VL with images reads its image grid sizes with .tolist(): a fake run has no data."""
+    import test_some_ranks_qwen2vl as q
+    fp.plan(q.tiny_qwen2vl, 2, inputs=lambda: q.collate([q.sample(0), q.sample(1)]))
+
+
 def shard_twice():
     model = fp.shard(GPT(), auto_wrap_policy={Block})
     fp.shard(model)
@@ -598,7 +604,8 @@ CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, hpz_size_n
          trl_vllm_sync_on_an_unknown_trl_version,
          unknown_quantization_format, quantization_block_size_not_a_multiple_of_8, quantized_weights_under_no_shard]
 CASES += [checkpoint_url_without_filesystem, export_dcp_to_a_url]  # issue 33: URLs
-CASES += [default_tower_fed_under_an_unknown_input_name]  # issue 32b: the on-demand tower
+CASES += [default_tower_fed_under_an_unknown_input_name,  # issue 32b: the on-demand tower, fp.plan of a VLM
+          plan_of_a_forward_that_reads_integers_from_its_inputs]
 
 
 def _capture(case, tmp_path):

@@ -123,3 +123,35 @@ def test_images_under_an_unknown_name_raise_before_any_collective():
     msgs = run_ranks(_renamed, WORLD, timeout=120)
     assert msgs[0] == msgs[1] and "'vlm.model.vision_tower' (CLIPVisionModel)" in msgs[0], msgs
     assert "some_ranks_modules={'CLIPVisionModel'}" in msgs[0], msgs[0]
+
+
+def _llava_inputs(images: bool):
+    def make():
+        batch = collate([sample(i) for i in (0, 1)] if images else [sample(i) for i in (4, 5)])
+        return {k: batch[k] for k in ("input_ids", "labels", *(("pixel_values",) if images else ()))}
+    return make
+
+
+def test_plan_runs_llava_with_images_and_names_the_towers_cost():
+    """LLaVA's forward checks that image tokens match image features (a boolean read from a tensor): the fake
+    run takes the planned batch to be valid. The tower's activations then enter the plan, and a note gives
+    its held full parameters and when the default pays them."""
+    with_images = fp.plan(tiny_llava, 2, inputs=_llava_inputs(True))
+    text_only = fp.plan(tiny_llava, 2, inputs=_llava_inputs(False))
+    assert with_images.worlds[2].activations > text_only.worlds[2].activations
+    assert "model.vision_tower" in with_images.worlds[2].unsharded_units
+    tower = sum(p.numel() * 4 for p in tiny_llava().model.vision_tower.parameters())
+    note = [n for n in with_images.notes if "'model.vision_tower' (CLIPVisionModel)" in n]
+    assert len(note) == 1 and f"{tower / 1e6:.3g} MB per rank" in note[0] and "on demand" in note[0], note
+    declared = fp.plan(tiny_llava, 2, inputs=_llava_inputs(True), some_ranks_modules={"CLIPVisionModel"})
+    assert any("every step" in n for n in declared.notes), declared.notes
+
+
+def test_plan_of_a_forward_reading_integers_names_the_way_out():
+    """Qwen2-VL reads image grid sizes from its inputs (.tolist()): no fake run can; the error says what to do."""
+    import test_some_ranks_qwen2vl as q
+
+    with pytest.raises(fp.ConfigError, match="text-only inputs"):
+        fp.plan(q.tiny_qwen2vl, 2, inputs=lambda: q.collate([q.sample(0), q.sample(1)]))
+    text = fp.plan(q.tiny_qwen2vl, 2, inputs=lambda: q.collate([q.sample(1), q.sample(2)]))
+    assert "model.visual" in text.worlds[2].unsharded_units
