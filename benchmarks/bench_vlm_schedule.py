@@ -8,7 +8,8 @@ Both models are sharded in the same ranks (world 2, CPU, gloo, fp32, SGD) and ru
 each step (paired). Steps cycle through the image patterns of tests/test_some_ranks_vlm.py: images on rank 0
 only, on no rank, on both, on rank 1 only. Per rank and pattern: the growth of the malloc heap peak during the
 step over the live bytes before it (LD_PRELOAD counter of ``_mem``: byte-exact, load-independent) and the median
-step time (forward + backward + optimizer step); the first round is warm-up. Prints the load average.
+step time (forward + backward + optimizer step) and bytes this rank wrote to gloo's sockets (``wchar``); the
+first round is warm-up. Also the time of the decision alone (200 calls). Prints the load average.
 """
 from __future__ import annotations
 
@@ -108,13 +109,13 @@ def _rank(rank, world, model_name, size, rounds):
         model = fp.shard(net, some_ranks_modules=rule, timeout_s=300)
         models[name] = (model, make_optimizer("sgd", model.parameters()))
     heap = _mem.Heap()
-    out = {n: {p: {"heap": [], "time": []} for p in PATTERNS} for n in models}
+    out = {n: {p: {"heap": [], "time": [], "sent": []} for p in PATTERNS} for n in models}
     for r in range(rounds):
         for i, pattern in enumerate(PATTERNS):
             data = batch(rank, rank in HAS[pattern], geom, r * 4 + i)
             for name, (model, opt) in models.items():
                 gc.collect()
-                live = heap.reset_peak()
+                live, sent = heap.reset_peak(), _mem.bytes_sent()
                 t = time.perf_counter()
                 model(**data).loss.backward()
                 opt.step()
@@ -123,9 +124,15 @@ def _rank(rank, world, model_name, size, rounds):
                 if r > 0:
                     out[name][pattern]["heap"].append(heap.peak() - live)
                     out[name][pattern]["time"].append(wall)
+                    out[name][pattern]["sent"].append(_mem.bytes_sent() - sent)
     tower = models["held"][0]._fp_root.some_ranks_units[0]
     held = sum(h.padded * h.compute_dtype.itemsize for h in tower.handles)
-    return {"rank": rank, "tower_bytes": held, "out": out}
+    from fsdp_plugin._schedule.on_demand import any_rank_holds
+    t = time.perf_counter()
+    for _ in range(200):                  # the decision alone: one 1-byte MAX all-reduce on the gloo control group
+        any_rank_holds(rank == 0, 60.0)
+    decision = (time.perf_counter() - t) / 200
+    return {"rank": rank, "tower_bytes": held, "out": out, "decision_s": decision}
 
 
 def main() -> None:
@@ -142,14 +149,17 @@ def main() -> None:
     res = run_ranks(_rank, 2, args.model, args.size, args.rounds, timeout=1800)
     with open("/proc/loadavg") as f:
         load = " ".join(f.read().split()[:3])
-    print(f"{args.model} {args.size}: tower full parameters {res[0]['tower_bytes'] / 1e6:.3f} MB; load {load}")
-    print("pattern  | rank | heap peak held MB | on demand MB | step held ms | on demand ms | ratio")
+    print(f"{args.model} {args.size}: tower full parameters {res[0]['tower_bytes'] / 1e6:.3f} MB; the decision "
+          f"alone {res[0]['decision_s'] * 1e6:.0f} us; load {load}")
+    print("pattern  | rank | heap peak held MB | on demand MB | sent held MB | on demand MB | step held ms | "
+          "on demand ms | ratio")
     for p in PATTERNS:
         for r in res:
             h, d = r["out"]["held"][p], r["out"]["on_demand"][p]
             th, td = statistics.median(h["time"]) * 1e3, statistics.median(d["time"]) * 1e3
+            sh, sd = statistics.median(h["sent"]) / 1e6, statistics.median(d["sent"]) / 1e6
             print(f"{p:8} | {r['rank']:4} | {max(h['heap']) / 1e6:17.3f} | {max(d['heap']) / 1e6:12.3f} | "
-                  f"{th:12.1f} | {td:12.1f} | {td / th:.3f}")
+                  f"{sh:12.3f} | {sd:12.3f} | {th:12.1f} | {td:12.1f} | {td / th:.3f}")
 
 
 if __name__ == "__main__":
