@@ -5,11 +5,12 @@
     .venv/bin/python benchmarks/bench_vlm_schedule.py [--model llava|qwen2vl] [--size tiny|small] [--rounds 4]
 
 Both models are sharded in the same ranks (world 2, CPU, gloo, fp32, SGD) and run the same batch back to back
-each step (paired). Steps cycle through the image patterns of tests/test_some_ranks_vlm.py: images on rank 0
-only, on no rank, on both, on rank 1 only. Per rank and pattern: the growth of the malloc heap peak during the
-step over the live bytes before it (LD_PRELOAD counter of ``_mem``: byte-exact, load-independent) and the median
-step time (forward + backward + optimizer step) and bytes this rank wrote to gloo's sockets (``wchar``); the
-first round is warm-up. Also the time of the decision alone (200 calls). Prints the load average.
+each step (paired; which goes first alternates). Steps cycle through the image patterns of
+tests/test_some_ranks_vlm.py: images on rank 0 only, on no rank, on both, on rank 1 only. Per rank and
+pattern: the growth of the malloc heap peak during the step over the live bytes before it (LD_PRELOAD counter
+of ``_mem``: byte-exact, load-independent), the bytes this rank wrote to gloo's sockets (``wchar``), the median
+step time (forward + backward + optimizer step) and the median of the paired ratios; the first round is
+warm-up. Also the time of the decision alone (200 calls). Prints the load average.
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def _qwen(size: str):
     import torch
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-    th, vd, ve, depth = (32, 16, 2, 2) if size == "tiny" else (256, 128, 4, 4)
+    th, vd, depth = (32, 16, 2) if size == "tiny" else (256, 128, 4)
     cfg = Qwen2VLConfig(
         text_config=dict(vocab_size=64, hidden_size=th, intermediate_size=2 * th, num_hidden_layers=depth,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
@@ -72,7 +73,6 @@ def _qwen(size: str):
         vision_config=dict(depth=depth, embed_dim=vd, hidden_size=th, num_heads=2, mlp_ratio=2, patch_size=2,
                            temporal_patch_size=2, spatial_merge_size=2, in_channels=3),
         image_token_id=60, video_token_id=61, vision_start_token_id=62, vision_end_token_id=63)
-    del ve
     torch.manual_seed(0)
     return Qwen2VLForConditionalGeneration(cfg), "Qwen2VisionTransformerPretrainedModel", 8
 
@@ -113,7 +113,8 @@ def _rank(rank, world, model_name, size, rounds):
     for r in range(rounds):
         for i, pattern in enumerate(PATTERNS):
             data = batch(rank, rank in HAS[pattern], geom, r * 4 + i)
-            for name, (model, opt) in models.items():
+            order = list(models.items()) if (r + i) % 2 == 0 else list(models.items())[::-1]   # no order bias
+            for name, (model, opt) in order:
                 gc.collect()
                 live, sent = heap.reset_peak(), _mem.bytes_sent()
                 t = time.perf_counter()
@@ -157,6 +158,7 @@ def main() -> None:
         for r in res:
             h, d = r["out"]["held"][p], r["out"]["on_demand"][p]
             th, td = statistics.median(h["time"]) * 1e3, statistics.median(d["time"]) * 1e3
+            ratio = statistics.median(b / a for a, b in zip(h["time"], d["time"]))   # of the paired steps
             sh, sd = statistics.median(h["sent"]) / 1e6, statistics.median(d["sent"]) / 1e6
             print(f"{p:8} | {r['rank']:4} | {max(h['heap']) / 1e6:17.3f} | {max(d['heap']) / 1e6:12.3f} | "
                   f"{sh:12.3f} | {sd:12.3f} | {th:12.1f} | {td:12.1f} | {td / th:.3f}")
