@@ -155,3 +155,33 @@ def test_plan_of_a_forward_reading_integers_names_the_way_out():
         fp.plan(q.tiny_qwen2vl, 2, inputs=lambda: q.collate([q.sample(0), q.sample(1)]))
     text = fp.plan(q.tiny_qwen2vl, 2, inputs=lambda: q.collate([q.sample(1), q.sample(2)]))
     assert "model.visual" in text.worlds[2].unsharded_units
+
+
+JOIN_STEPS = (4, 2)      # rank 1 runs out of batches after two steps and shadows the other two
+
+
+def _joined(rank, world):
+    from torch.distributed.algorithms.join import Join
+
+    model = fp.shard(tiny_llava(), timeout_s=60)
+    opt = make_optimizer("sgd", model.parameters())
+    with Join([model]):
+        for s in range(JOIN_STEPS[rank]):
+            model(**rank_batch(s, rank)).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return fp.full_state_dict(model)
+
+
+def test_uneven_inputs_under_join():
+    """A joined rank replays its last batch (no image) and takes part in the decision: at step 2 rank 0 holds
+    an image (gathered on both ranks), at step 3 nobody does (gathered nowhere)."""
+    got = run_ranks(_joined, WORLD, timeout=120)[0]
+    model = tiny_llava()
+    opt = make_optimizer("sgd", model.parameters())
+    for s in range(max(JOIN_STEPS)):
+        (sum(model(**rank_batch(s, r)).loss for r in range(WORLD) if s < JOIN_STEPS[r]) / WORLD).backward()
+        opt.step()
+        opt.zero_grad()
+    for k, v in model.state_dict().items():
+        assert (got[k] - v).abs().max().item() <= 1e-5, k
