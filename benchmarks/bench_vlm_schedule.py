@@ -9,7 +9,8 @@ each step (paired; which goes first alternates). Steps cycle through the image p
 tests/test_some_ranks_vlm.py: images on rank 0 only, on no rank, on both, on rank 1 only. Per rank and
 pattern: the growth of the malloc heap peak during the step over the live bytes before it (LD_PRELOAD counter
 of ``_mem``: byte-exact, load-independent), the bytes this rank wrote to gloo's sockets (``wchar``), the median
-step time (forward + backward + optimizer step) and the median of the paired ratios; the first round is
+step time (forward + backward + optimizer step) and the medians of the paired ratios of wall and of process
+CPU time (all threads: less sensitive to load than wall); the first round is
 warm-up. Also the time of the decision alone (200 calls). Prints the load average.
 """
 from __future__ import annotations
@@ -109,7 +110,7 @@ def _rank(rank, world, model_name, size, rounds):
         model = fp.shard(net, some_ranks_modules=rule, timeout_s=300)
         models[name] = (model, make_optimizer("sgd", model.parameters()))
     heap = _mem.Heap()
-    out = {n: {p: {"heap": [], "time": [], "sent": []} for p in PATTERNS} for n in models}
+    out = {n: {p: {"heap": [], "time": [], "sent": [], "cpu": []} for p in PATTERNS} for n in models}
     for r in range(rounds):
         for i, pattern in enumerate(PATTERNS):
             data = batch(rank, rank in HAS[pattern], geom, r * 4 + i)
@@ -117,15 +118,16 @@ def _rank(rank, world, model_name, size, rounds):
             for name, (model, opt) in order:
                 gc.collect()
                 live, sent = heap.reset_peak(), _mem.bytes_sent()
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 model(**data).loss.backward()
                 opt.step()
                 opt.zero_grad()
-                wall = time.perf_counter() - t
+                wall, cpu = time.perf_counter() - t, time.process_time() - c
                 if r > 0:
                     out[name][pattern]["heap"].append(heap.peak() - live)
                     out[name][pattern]["time"].append(wall)
                     out[name][pattern]["sent"].append(_mem.bytes_sent() - sent)
+                    out[name][pattern]["cpu"].append(cpu)
     tower = models["held"][0]._fp_root.some_ranks_units[0]
     held = sum(h.padded * h.compute_dtype.itemsize for h in tower.handles)
     from fsdp_plugin._schedule.on_demand import any_rank_holds
@@ -153,15 +155,16 @@ def main() -> None:
     print(f"{args.model} {args.size}: tower full parameters {res[0]['tower_bytes'] / 1e6:.3f} MB; the decision "
           f"alone {res[0]['decision_s'] * 1e6:.0f} us; load {load}")
     print("pattern  | rank | heap peak held MB | on demand MB | sent held MB | on demand MB | step held ms | "
-          "on demand ms | ratio")
+          "on demand ms | ratio | CPU ratio")
     for p in PATTERNS:
         for r in res:
             h, d = r["out"]["held"][p], r["out"]["on_demand"][p]
             th, td = statistics.median(h["time"]) * 1e3, statistics.median(d["time"]) * 1e3
             ratio = statistics.median(b / a for a, b in zip(h["time"], d["time"]))   # of the paired steps
+            cpu = statistics.median(b / a for a, b in zip(h["cpu"], d["cpu"]))       # process CPU time, paired
             sh, sd = statistics.median(h["sent"]) / 1e6, statistics.median(d["sent"]) / 1e6
             print(f"{p:8} | {r['rank']:4} | {max(h['heap']) / 1e6:17.3f} | {max(d['heap']) / 1e6:12.3f} | "
-                  f"{sh:12.3f} | {sd:12.3f} | {th:12.1f} | {td:12.1f} | {td / th:.3f}")
+                  f"{sh:12.3f} | {sd:12.3f} | {th:12.1f} | {td:12.1f} | {ratio:5.3f} | {cpu:.3f}")
 
 
 if __name__ == "__main__":

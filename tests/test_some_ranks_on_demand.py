@@ -27,14 +27,20 @@ def test_holds_modality_finds_images_by_keyword_position_and_in_batch_dicts():
 
 
 def _states(rank, world):
-    """Per step: is the tower unsharded at the language model's first layer, and after the root forward?"""
+    """Per step: is the tower unsharded at the language model's first layer in forward, after the root forward,
+    in backward (at layer 0's output gradient: before the tower's own backward), and at rest?"""
     model = fp.shard(tiny_llava(), timeout_s=60)
     root = model._fp_root
     assert root.on_demand
     tower = root.some_ranks_units[0]
     seen: list = []
     gathered = lambda: any(h.state.value != "sharded" for h in tower.handles)
-    model.model.language_model.layers[0].register_forward_pre_hook(lambda *_: seen.append(gathered()))
+
+    def layer0_forward(module, args, output):
+        seen.append(gathered())
+        out = output[0] if isinstance(output, tuple) else output
+        out.register_hook(lambda g: seen.append(gathered()))
+    model.model.language_model.layers[0].register_forward_hook(layer0_forward)
     opt = make_optimizer("sgd", model.parameters())
     out = []
     for s in range(STEPS):
@@ -42,7 +48,7 @@ def _states(rank, world):
         loss = model(**rank_batch(s, rank)).loss
         after_forward = gathered()
         loss.backward()
-        out.append((seen[0], after_forward, gathered()))
+        out.append((seen[0], after_forward, seen[1], gathered()))
         opt.step()
         opt.zero_grad()
     return out
@@ -52,9 +58,40 @@ def test_gathered_only_on_steps_with_images_and_released_where_not_run():
     # images: step 0 rank 0; step 1 none; step 2 both ranks; step 3 rank 1 (test_some_ranks_vlm.HAS_IMAGE)
     r0, r1 = run_ranks(_states, WORLD, timeout=120)
     assert [s[0] for s in r0] == [s[0] for s in r1] == [True, False, True, True], (r0, r1)
-    assert [s[1] for s in r0] == [True, False, True, False], r0       # held only where it ran
-    assert [s[1] for s in r1] == [False, False, True, True], r1
-    assert all(not s[2] for s in r0 + r1)                               # sharded at rest
+    assert [s[1] for s in r0] == [s[1] for s in r1] == [True, False, True, True], (r0, r1)   # to the backward
+    assert [s[2] for s in r0] == [True, False, True, False], r0       # in backward: held only where it ran
+    assert [s[2] for s in r1] == [False, False, True, True], r1
+    assert all(not s[3] for s in r0 + r1)                               # sharded at rest
+
+
+def _two_forwards(rank, world):
+    """Two root forwards before one backward: images on rank 0 in the first (rank 1 does not run the tower),
+    anywhere in the second; the second's gather must find the same state on every rank."""
+    model = fp.shard(tiny_llava(), timeout_s=60)
+    opt = make_optimizer("sgd", model.parameters())
+    losses = []
+    for first, second in ((0, 2), (1, 3)):
+        loss = (model(**rank_batch(first, rank)).loss + model(**rank_batch(second, rank)).loss) / 2
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(global_mean(loss, world))
+    return losses
+
+
+def test_two_forwards_before_one_backward():
+    got = run_ranks(_two_forwards, WORLD, timeout=120)[0]
+    model = tiny_llava()
+    opt = make_optimizer("sgd", model.parameters())
+    want = []
+    for first, second in ((0, 2), (1, 3)):
+        batch = lambda k: collate([sample(i) for i in range(4 * k, 4 * k + 4)])
+        loss = (model(**batch(first)).loss + model(**batch(second)).loss) / 2
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)
 
 
 def _accumulating(rank, world, optim):

@@ -72,7 +72,7 @@ class RootState:
         self.join = None                    # join.JoinState: uneven inputs under torch's Join (fp.shard sets it)
         self.tp_mesh = None                 # the tensor-parallel DeviceMesh of a DTensor model (fp.shard sets it)
         # some-ranks units gathered on demand (``on_demand.py``; fp.shard sets it for default-chosen encoders):
-        # the units gathered this step, and those that ran on this rank in this root forward
+        # the units gathered for the coming backward, and those that ran on this rank in its forwards
         self.on_demand = False
         self._ready: set = set()
         self._ran: set = set()
@@ -135,8 +135,8 @@ class RootState:
             local = on_demand.any_rank_holds(local, timeout)
         else:
             local = True                     # one rank: the gather is local, nothing to decide
-        self._ready = set(self.some_ranks_units) if local else set()
-        self._ran = set()
+        if local:     # a second forward before backward may find them gathered already: on every rank, then
+            self._ready |= set(self.some_ranks_units)
 
     def gate(self, entering: Entering, unit=None, prompt: bool = False, handle: int = 0):
         """The pairing of a per-unit collective about to be issued: a `Tagged` code (``_comm/tagged.py``) or an
@@ -190,10 +190,7 @@ class RootState:
         if raised or not torch.is_grad_enabled():    # no backward will free them (local: no collective)
             for u in self.some_ranks_units:
                 u.end_backward()
-        elif self.on_demand:                         # not run here in this forward: it will not run in backward
-            for u in [u for u in self._ready if u not in self._ran]:
-                u.reshard()
-                self._ready.discard(u)
+            self._ready, self._ran = set(), set()
         if self.order_state is OrderState.RECORDING:
             self.freeze_order(self.exec_order)
         if not raised and self.mesh is not None and self.mesh.shard_size > 1:
@@ -246,6 +243,16 @@ class RootState:
         if self.phase is not RootPhase.BACKWARD:
             self.enter_backward()
             Variable._execution_engine.queue_callback(self._end_of_backward)
+            if self.on_demand:
+                self._release_unused()
+
+    def _release_unused(self) -> None:
+        """At the start of a backward (no forward of this step can follow; recomputation re-runs only what
+        ran): on demand, free the gathered some-ranks units that did not run on this rank. Not earlier: another
+        forward before this backward must find them gathered on every rank, or its gather would not pair."""
+        for u in [u for u in self._ready if u not in self._ran]:
+            u.reshard()
+            self._ready.discard(u)
 
     def enter_backward(self) -> None:
         """-> BACKWARD (the planner's replay calls it at its first pre-backward, as the engine's hooks do)."""
@@ -284,6 +291,7 @@ class RootState:
         finally:
             for unit in self.units:
                 unit.end_backward()
+            self._ready, self._ran = set(), set()
             self.exit_backward()
         reduction.finish_agreement()
 
@@ -307,6 +315,7 @@ class RootState:
                 except Exception as e:  # noqa: BLE001 - every handle is cleaned; the first error is re-raised
                     error = error or e
             unit.end_backward()
+        self._ready, self._ran = set(), set()
         self.phase = RootPhase.IDLE
         if error is not None:
             raise error
