@@ -9,9 +9,10 @@ key of a mapping inside them: a Lightning batch dict), and one 1-byte MAX all-re
 
 * no rank holds the modality: the encoder is not gathered, not held, not reduced (no gradient anywhere, so
   ``.grad`` stays None as in one process); the step pays one control message;
-* some rank does: the held schedule (``RootState.after_unshard_in_forward``), except that a rank whose root
-  forward ended without running the encoder frees it right away (it will not run it: not even a
-  recomputation), so only the ranks that ran it hold it to the end of backward.
+* some rank does: the held schedule (``RootState.after_unshard_in_forward``), except that a rank that did not
+  run the encoder frees it when its backward starts (``RootState._release_unused``: no forward of this step
+  can follow, and recomputation re-runs only what ran; not earlier, since a second forward before that
+  backward must find it gathered on every rank), so only the ranks that ran it hold it through backward.
 
 An encoder that runs on a step the decision said no (its input under a name we do not know) raises
 `CollectiveError` on that rank before any collective, naming the fix; the others then fail at their deadline.
