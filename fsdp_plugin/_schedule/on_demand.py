@@ -44,6 +44,9 @@ def _non_empty(value: Any) -> bool:
     return False
 
 
+_SCAN_ITEMS = 16      # of a list/tuple argument: (batch, batch_idx), a few dicts; never a long list of ids
+
+
 def _holds(value: Any, depth: int = 0) -> bool:
     """A mapping (batch dict, BatchFeature) inside ``value`` has a non-empty tensor under a modality name."""
     if depth > 4:
@@ -51,7 +54,7 @@ def _holds(value: Any, depth: int = 0) -> bool:
     if isinstance(value, Mapping):
         return any(_non_empty(v) if k in MODALITY_INPUTS else _holds(v, depth + 1) for k, v in value.items())
     if isinstance(value, (list, tuple)):
-        return any(_holds(v, depth + 1) for v in value)
+        return any(_holds(v, depth + 1) for v in value[:_SCAN_ITEMS])
     return False
 
 
