@@ -119,6 +119,30 @@ def some_ranks_modules_matches_nothing():
     fp.shard(_WithTower(), some_ranks_modules={"VisionTower"})
 
 
+def _llava_images_renamed(rank, world):
+    from test_some_ranks_on_demand import _Renamed
+    from test_some_ranks_vlm import rank_batch
+
+    model = fp.shard(_Renamed(), timeout_s=30)
+    batch = rank_batch(2, rank)        # images on both ranks, under a name the default does not know
+    try:
+        model(batch["input_ids"], batch["pixel_values"])
+    except fp.CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+def default_tower_fed_under_an_unknown_input_name():
+    """A VLM's tower (gathered on demand by default) runs although no rank's inputs named pixel_values."""
+    raise fp.CollectiveError(run_ranks(_llava_images_renamed, 2, timeout=60)[0])
+
+
+def plan_of_a_forward_that_reads_integers_from_its_inputs():
+    """Qwen2-VL with images reads its image grid sizes with .tolist(): a fake run has no data."""
+    import test_some_ranks_qwen2vl as q
+    fp.plan(q.tiny_qwen2vl, 2, inputs=lambda: q.collate([q.sample(0), q.sample(1)]))
+
+
 def shard_twice():
     model = fp.shard(GPT(), auto_wrap_policy={Block})
     fp.shard(model)
@@ -580,6 +604,8 @@ CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, hpz_size_n
          trl_vllm_sync_on_an_unknown_trl_version,
          unknown_quantization_format, quantization_block_size_not_a_multiple_of_8, quantized_weights_under_no_shard]
 CASES += [checkpoint_url_without_filesystem, export_dcp_to_a_url]  # issue 33: URLs
+CASES += [default_tower_fed_under_an_unknown_input_name,  # issue 32b: the on-demand tower, fp.plan of a VLM
+          plan_of_a_forward_that_reads_integers_from_its_inputs]
 
 
 def _capture(case, tmp_path):

@@ -61,6 +61,7 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
         keep_freed_host_memory()    # per-step buffers are malloc blocks on the CPU (see _host_alloc)
     root = RootState(cfg, mesh, device)
     root.tp_mesh = tp_mesh
+    root.on_demand = cfg.some_ranks_modules is None and bool(some_ranks)   # default encoders: schedule/on_demand.py
     _build_units(model, units, cfg, mesh, device, root, some_ranks, regions)
     _finish_buffers(model, cfg, mesh, device, fp32_buffers(model, cfg.mixed_precision, regions))
     if regions:

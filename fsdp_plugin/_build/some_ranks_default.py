@@ -3,9 +3,10 @@
 A model whose config has a ``vision_config`` or ``audio_config`` (LLaVA, Qwen2-VL, Gemma 3, Whisper-style audio
 LMs...) runs its encoder only on batches holding that modality, so with images on some ranks only its units
 would diverge. By default such encoders (the outermost modules at transformers' encoder attribute names,
-``wrap._ENCODER_NAMES``: ``vision_tower``, ``visual``, ``audio_tower``...) get the rank-independent
-some-ranks schedule; ``some_ranks_modules=()`` opts out. The cost (the encoder's full parameters held all
-step) is logged once per process, on rank 0, at WARNING.
+``wrap._ENCODER_NAMES``: ``vision_tower``, ``visual``, ``audio_tower``...) get the some-ranks schedule on
+demand (``_schedule/on_demand.py``: gathered only on steps where some rank's inputs hold the modality);
+``some_ranks_modules=()`` opts out. The cost (the encoder's full parameters, held on such steps from the root's
+pre-forward to the end of backward by the ranks that ran it) is logged once per process, on rank 0, at WARNING.
 """
 from __future__ import annotations
 
@@ -54,6 +55,8 @@ def log_default_cost(model: nn.Module, units) -> None:
     where = ", ".join(f"{u.fqn!r} ({type(u.module).__name__})" for u in some)
     _logger.warning(
         "fsdp_plugin: %s may run on some ranks only (batches without images/audio), so by default it is gathered "
-        "once per step and held unsharded until the end of backward: %.1f MB of full parameters per rank all step "
-        "(exact gradients; no hang). Pass some_ranks_modules=() if every batch on every rank holds that modality.",
+        "whole on steps where some rank's inputs hold pixel_values/input_features (one 1-byte control message per "
+        "step decides) and held unsharded until the end of backward by the ranks that ran it: %.1f MB of full "
+        "parameters per rank on such steps, nothing on the others (exact gradients; no hang). Pass "
+        "some_ranks_modules=() if every batch on every rank holds that modality.",
         where, held / 1e6)

@@ -16,6 +16,7 @@ from ..config import ShardingConfig
 from .._groups.mesh import Mesh, control_group
 from .._build.strategy import prefetch_depth, reshard_after_forward_table
 from .._build.wrap import some_ranks_hint
+from . import on_demand
 from .protocols import ScheduledUnit
 from .states import OrderState, RootPhase
 from .._reduce.reduction import Reduction
@@ -70,6 +71,12 @@ class RootState:
         self._hint = None                   # some_ranks_hint for divergence errors, computed at the first check
         self.join = None                    # join.JoinState: uneven inputs under torch's Join (fp.shard sets it)
         self.tp_mesh = None                 # the tensor-parallel DeviceMesh of a DTensor model (fp.shard sets it)
+        # some-ranks units gathered on demand (``on_demand.py``; fp.shard sets it for default-chosen encoders):
+        # the units gathered for the coming backward, and those that ran on this rank in its forwards
+        self.on_demand = False
+        self._ready: set = set()
+        self._ran: set = set()
+        self._positional: Optional[list] = None   # the root forward's positional parameter names
         # Pairing check by identity tags (``_comm/tagged.py``) when every unit collective is point to point
         # (gloo, CPU, shard groups only), else by announcements (``_comm/pairing.py``).
         self.pairing = pairing_mode(config, mesh, device)
@@ -106,10 +113,30 @@ class RootState:
             comm_status.begin_step()     # the step that deadline reports and trace files name
             if self.join is not None:
                 self.join.before_forward(args, kwargs)
+            if self.on_demand:
+                self._decide_on_demand(args, kwargs)
             args, kwargs = self._cast_inputs(args, kwargs)
+        elif unit.some_ranks and self.on_demand:
+            if unit not in self._ready:      # gathered nowhere this step: a collective now would pair with nothing
+                raise on_demand.not_gathered_error(unit)
+            self._ran.add(unit)
         if self.order_state is OrderState.RECORDING and unit not in self.exec_order and not unit.some_ranks:
             self.exec_order.append(unit)   # some_ranks units: rank-dependent, so out of the order and prefetch
         return args, kwargs
+
+    def _decide_on_demand(self, args, kwargs) -> None:
+        """At the root's pre-forward (every rank, once per step): gather the some-ranks units this step only
+        if some rank's inputs hold their modality (``on_demand.py``; one control message)."""
+        if self._positional is None:
+            self._positional = on_demand.positional_names(self.root_unit.module)
+        local = on_demand.holds_modality(args, kwargs, self._positional)
+        if self.mesh is not None and self.mesh.world_size > 1:
+            timeout = pairing.comm.default_timeout_s(self.config.timeout_s)
+            local = on_demand.any_rank_holds(local, timeout)
+        else:
+            local = True                     # one rank: the gather is local, nothing to decide
+        if local:     # a second forward before backward may find them gathered already: on every rank, then
+            self._ready |= set(self.some_ranks_units)
 
     def gate(self, entering: Entering, unit=None, prompt: bool = False, handle: int = 0):
         """The pairing of a per-unit collective about to be issued: a `Tagged` code (``_comm/tagged.py``) or an
@@ -151,7 +178,8 @@ class RootState:
             return
         if unit is self.root_unit:
             for u in self.some_ranks_units:
-                u.unshard()
+                if not self.on_demand or u in self._ready:
+                    u.unshard()
         if torch.is_grad_enabled():
             for nxt in self._forward_next.get(unit, ()):
                 nxt.unshard()
@@ -162,6 +190,7 @@ class RootState:
         if raised or not torch.is_grad_enabled():    # no backward will free them (local: no collective)
             for u in self.some_ranks_units:
                 u.end_backward()
+            self._ready, self._ran = set(), set()
         if self.order_state is OrderState.RECORDING:
             self.freeze_order(self.exec_order)
         if not raised and self.mesh is not None and self.mesh.shard_size > 1:
@@ -214,6 +243,16 @@ class RootState:
         if self.phase is not RootPhase.BACKWARD:
             self.enter_backward()
             Variable._execution_engine.queue_callback(self._end_of_backward)
+            if self.on_demand:
+                self._release_unused()
+
+    def _release_unused(self) -> None:
+        """At the start of a backward (no forward of this step can follow; recomputation re-runs only what
+        ran): on demand, free the gathered some-ranks units that did not run on this rank. Not earlier: another
+        forward before this backward must find them gathered on every rank, or its gather would not pair."""
+        for u in [u for u in self._ready if u not in self._ran]:
+            u.reshard()
+            self._ready.discard(u)
 
     def enter_backward(self) -> None:
         """-> BACKWARD (the planner's replay calls it at its first pre-backward, as the engine's hooks do)."""
@@ -252,6 +291,7 @@ class RootState:
         finally:
             for unit in self.units:
                 unit.end_backward()
+            self._ready, self._ran = set(), set()
             self.exit_backward()
         reduction.finish_agreement()
 
@@ -275,6 +315,7 @@ class RootState:
                 except Exception as e:  # noqa: BLE001 - every handle is cleaned; the first error is re-raised
                     error = error or e
             unit.end_backward()
+        self._ready, self._ran = set(), set()
         self.phase = RootPhase.IDLE
         if error is not None:
             raise error

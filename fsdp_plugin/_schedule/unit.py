@@ -23,8 +23,9 @@ class Unit:
     original ``nn.Parameter``; while unsharded, sites register full-shape views of the handle's leaf.
 
     ``some_ranks`` (``ShardingConfig.some_ranks_modules``): the unit's forward may run on some ranks only, so
-    it issues no collective of its own: the root gathers it on every rank in its pre-forward, it stays
-    unsharded to the end of backward, and its gradient is reduced there (``_reduce/usage.py``).
+    it issues no collective of its own: the root gathers it on every rank in its pre-forward (a default-chosen
+    encoder only on steps where some rank's inputs hold its modality: ``on_demand.py``), it stays unsharded to
+    the end of backward, and its gradient is reduced there (``_reduce/usage.py``).
     """
 
     def __init__(self, fqn: str, module: nn.Module, handles: list[FlatParamHandle], root: "UnitRoot",

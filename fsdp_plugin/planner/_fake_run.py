@@ -58,6 +58,18 @@ class Timeline:
     ops: int = 0                 # aten ops dispatched (host overhead per op is part of the step time)
 
 
+def _scalar_of(t: torch.Tensor) -> bool:
+    """A Python value read from a fake tensor (``bool(t)``, ``t.item()``), which has no data. A boolean is a
+    model's consistency check of its inputs (LLaVA's ``torch_compilable_check`` that image tokens and image
+    features match): the micro-batch given is taken to be valid, so it holds. Any other value would choose
+    shapes or branches from data the plan cannot see."""
+    if t.dtype is torch.bool:
+        return True
+    raise PlanError(f"fp.plan: the model's forward reads a {t.dtype} value from a tensor (.item(), .tolist() or a "
+                    "Python branch on data), which a fake run cannot know; plan it with inputs that avoid that "
+                    "path (for a VLM: text-only inputs, the tower's held parameters are still counted)")
+
+
 class _Tracker(TorchDispatchMode):
     """Live bytes of storages created under the mode; a storage is freed when its StorageImpl dies."""
 
@@ -66,6 +78,8 @@ class _Tracker(TorchDispatchMode):
         self.tl, self.live, self.seg_max, self._seen = timeline, 0, 0, set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _aten._local_scalar_dense.default:
+            return _scalar_of(args[0])
         out = func(*args, **(kwargs or {}))
         kind, amount = op_cost(func, args, kwargs, out)
         if kind == "meta":

@@ -105,7 +105,7 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
     foreach = device.type == "cuda" if opts["foreach"] is None else opts["foreach"]
     notes = _notes(run_device, device, cfgs[0].cpu_offload) + _ac_notes(ac_policy) + (
         [f"target {device.type} has no device here: activations measured with CPU kernels"]
-        if run_device != device else [])
+        if run_device != device else []) + _some_ranks_notes(units, handles, cfgs[0])
     links = Links.of(opts["nodes"], opts["link_gbps"], opts["link_latency_us"])
     out = []
     for cfg in cfgs:
@@ -206,6 +206,23 @@ def _unit_rows(units, handles) -> list:
         rows.append({"name": u.name, "params": sum(h.numel for h in hs),
                      "bytes": sum(h.numel * h.dtype.itemsize for h in hs)})
     return rows
+
+
+def _some_ranks_notes(units, handles, cfg: ShardingConfig) -> list:
+    """What the some-ranks units cost (``_schedule/on_demand.py`` for the default, held when declared)."""
+    mp = cfg.mixed_precision
+    notes = []
+    for u in (u for u in units if u.some_ranks):
+        full = sum(handles[i].numel * (mp.param_dtype.itemsize if mp and mp.param_dtype and not handles[i].fp32
+                                       else handles[i].dtype.itemsize) for i in u.handles)
+        when = ("on demand (fp.shard's default for a modality encoder): only on steps where some rank's inputs "
+                "hold its modality; a step without pays none of it" if cfg.some_ranks_modules is None
+                else "every step (declared in some_ranks_modules)")
+        notes.append(f"{u.name!r} ({type(u.module).__name__}) may run on some ranks only: its full parameters, "
+                     f"{full / 1e6:.3g} MB per rank, are held from the root's pre-forward to the end of backward "
+                     f"(counted in the peak) {when}; its activations are in the peak only if the planned inputs "
+                     f"feed it")
+    return notes
 
 
 def _notes(device: torch.device, target: torch.device, cpu_offload: bool) -> list:
