@@ -83,18 +83,22 @@ def _add_noise(flat: torch.Tensor) -> None:
     """Add to ``flat`` a uniform [0, 1) noise per element, for stochastic rounding (floor(x + u)).
 
     Not ``torch.rand`` per element: on CPU that is ~50 streaming passes of the data (measured: 30-54x a
-    ``mul_``), more than the rest of the quantization. Instead a table ``T`` of the values ``(k + 0.5) / N``,
-    ``k = 0 .. N-1`` (N = 2^20) in a random order, and per segment of at most N elements a uniformly random
-    offset into it (stored twice, so every segment is one contiguous slice): for any element, over the offset,
-    its noise is uniform on that grid, so ``E[floor(x + u)] = x`` up to the grid's 1/(2N) (~5e-7 of a step) --
-    unbiased rounding for one slice of one addition. The order and the offsets come from this process's own
-    CPU generator (`_state`: seeded by the global rank; the user's RNG streams are untouched; never a device
-    sync)."""
+    ``mul_``), more than the rest of the quantization. Instead a table ``T`` of the integers ``0 .. N-1``
+    (N = 2^20) in a random order, stored twice so that any slice of at most N elements is contiguous, and per
+    segment of at most N elements ``u = ((T[a + i] + T[b + i]) mod N) / N`` for two uniformly random offsets
+    ``a, b``: for any element, over ``b``, ``u`` is uniform on the grid ``j / N``, so ``E[floor(x + u)] = x``
+    up to 1/(2N) of a step (~5e-7) and every error stays below one step. One slice alone is unbiased too, but
+    trained measurably worse (RESULTS § 35c: +0.83% final loss over 3 noise seeds against +0.45% for
+    ``torch.rand`` and for two slices); the second offset gives every pair of elements N^2 joint draws instead
+    of N. Three passes (int32 add, mask, scaled add: 1.1 ms per million elements against torch.rand's 3.1 ms,
+    one thread). Table and offsets come from this process's own CPU generator (`_state`: seeded by the global
+    rank; the user's RNG streams are untouched; never a device sync)."""
     table, gen = _state(flat.device)
     for start in range(0, flat.numel(), _NOISE_LEN):
         seg = min(_NOISE_LEN, flat.numel() - start)
-        off = int(torch.randint(_NOISE_LEN, (1,), generator=gen))
-        flat[start:start + seg].add_(table[off:off + seg])
+        a, b = (int(o) for o in torch.randint(_NOISE_LEN, (2,), generator=gen))
+        u = torch.add(table[a:a + seg], table[b:b + seg]).bitwise_and_(_NOISE_LEN - 1)
+        flat[start:start + seg].add_(u, alpha=1.0 / _NOISE_LEN)
 
 
 def _state(device: torch.device):
@@ -103,7 +107,7 @@ def _state(device: torch.device):
     key = (device, rank, os.getpid())         # a forked process starts its own stream
     if key not in _NOISE:
         gen = torch.Generator().manual_seed(_SEED_BASE + rank)
-        grid = torch.randperm(_NOISE_LEN, generator=gen).float().add_(0.5).div_(_NOISE_LEN)
+        grid = torch.randperm(_NOISE_LEN, generator=gen).to(torch.int32)
         _NOISE[key] = (torch.cat([grid, grid]).to(device), gen)
     return _NOISE[key]
 
