@@ -489,6 +489,28 @@ def lightning_strategy_with_tensor_parallel_size():
     sharding_config({"data_parallel_size": 2, "tensor_parallel_size": 2})
 
 
+def accelerate_tensor_parallel_without_dp_shard():
+    from accelerate import ParallelismConfig
+    from fsdp_plugin.integrations.accelerate import tensor_parallel
+    tensor_parallel.dp_mesh(ParallelismConfig(tp_size=2), None)
+
+
+def accelerate_tensor_parallel_model_without_plan():
+    from fsdp_plugin.integrations.accelerate import tensor_parallel
+    tensor_parallel.parallelize(nn.Linear(2, 2), None)
+
+
+def accelerate_optimizer_stepped_before_tensor_parallel_prepare():
+    from fsdp_plugin.integrations.accelerate import tensor_parallel
+    model = nn.Linear(2, 2)
+    before = dict(model.named_parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    model.weight = nn.Parameter(model.weight.detach().clone())     # what TP + fp.shard do to its parameters
+    tensor_parallel.remap_optimizers([opt], before, model)
+
+
 def plan_of_a_tensor_parallel_model():
     _tp_error("refuse_plan", fp.PlanError)
 
@@ -575,7 +597,8 @@ CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, hpz_size_n
          tensor_parallel_without_data_parallel_mesh, tensor_parallel_mesh_of_another_root,
          tensor_parallel_model_wrapped_by_fsdp2, per_tensor_optimizer_on_tensor_parallel_boxes,
          device_mesh_smaller_than_world_without_tensor_parallelism, lightning_strategy_with_tensor_parallel_size,
-         plan_of_a_tensor_parallel_model,
+         plan_of_a_tensor_parallel_model, accelerate_tensor_parallel_without_dp_shard,
+         accelerate_tensor_parallel_model_without_plan, accelerate_optimizer_stepped_before_tensor_parallel_prepare,
          stream_with_unknown_names, stream_consumer_fails_on_rank_0, stream_merge_of_a_dora_adapter,
          trl_vllm_sync_on_an_unknown_trl_version,
          unknown_quantization_format, quantization_block_size_not_a_multiple_of_8, quantized_weights_under_no_shard]
