@@ -69,7 +69,7 @@ def strip_dtensors(model: nn.Module, dp_mesh, param_init_fn) -> Optional[object]
 def _check_meshes(found, dp_mesh):
     # by equality, not identity: DTensor's sharding-propagation cache hands out an equal mesh of an earlier root
     # (a second init_device_mesh of the same layout in one process: a second Accelerator, Trainer after a loop)
-    meshes = {p.device_mesh: (n, p.device_mesh) for n, p in reversed(found)}
+    meshes = {p.device_mesh: (n, p.device_mesh) for n, p in found}
     if len(meshes) > 1:
         (n0, m0), (n1, m1) = list(meshes.values())[:2]
         raise TensorParallelError(f"parameters {n0!r} and {n1!r} are DTensors on different meshes "
