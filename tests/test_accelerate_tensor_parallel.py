@@ -1,6 +1,7 @@
 """accelerate ``ParallelismConfig(dp_shard_size=2, tp_size=2)`` through the real ``accelerate launch`` (world 4 on
 CPU/gloo, issue 31): the accelerate loop and the transformers Trainer (after the one-line import) train a tiny
-Llama with its own tp_plan like one plain process on the global batch, per step within 1e-5 (loss, clipped norm)."""
+Llama with its own tp_plan like one plain process on the global batch, per step within 1e-5 (loss, clipped norm);
+save_state / load_state round-trip the 2-D model bit-exactly."""
 from __future__ import annotations
 
 import json
@@ -65,7 +66,7 @@ def test_parallelism_config_tp_matches_one_process(tmp_path):
     assert min(ref["loop"]["norm"]) > 0.5                     # clipping bites, so the norm must be exact
     for lp in loops:
         _close(lp["norm"], ref["loop"]["norm"], 1e-5 * max(ref["loop"]["norm"]))
-        assert lp["sharded"] and lp["opt_is_model"] and lp["dtensor_in_forward"] > 0
+        assert lp["sharded"] and lp["opt_is_model"] and lp["dtensor_in_forward"] > 0 and lp["state_roundtrip"]
     assert sorted(loops[0]["params"]) == sorted(ref["loop"]["params"])
     for k, v in ref["loop"]["params"].items():
         _close(loops[0]["params"][k], v)

@@ -57,6 +57,15 @@ def loop(accelerator=None) -> dict:
     if accelerator is not None:
         import fsdp_plugin as fp
 
+        # save_state / load_state of the 2-D model: TP boxes through accelerate's checkpoint API, bit-exact
+        saved = {k: v.clone() for k, v in fp.full_state_dict(model, rank0_only=False).items()}
+        accelerator.save_state(os.path.join(OUT, "acc_state"))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        accelerator.load_state(os.path.join(OUT, "acc_state"))
+        out["state_roundtrip"] = all(torch.equal(v, saved[k])
+                                     for k, v in fp.full_state_dict(model, rank0_only=False).items())
         out["sharded"] = fp.is_sharded(model)
         out["dtensor_in_forward"] = _dtensor_names(model)
         out["opt_is_model"] = ({id(p) for g in opt.param_groups for p in g["params"]}
