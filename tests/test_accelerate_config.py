@@ -165,6 +165,31 @@ def test_parallelism_config_with_tp_keeps_accelerates_mesh(tmp_path):
     assert not settings_from_env(dict(env, PARALLELISM_CONFIG_TP_SIZE="1")).tensor_parallel
 
 
+def test_tp_parallelism_config_is_kept_for_stock_accelerate(monkeypatch):
+    """With tp_size > 1 the ParallelismConfig stays in the arguments stock accelerate sees (it builds the mesh and
+    splits the data); from the launcher's env it is accelerate's own ParallelismConfig() reading the variables.
+    Without TP it is translated into our hybrid mesh and removed, as before."""
+    from accelerate import ParallelismConfig
+    from fsdp_plugin.integrations.accelerate.config.selection import select_settings
+
+    env = {"ACCELERATE_USE_FSDP": "true", "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
+           "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2", "PARALLELISM_CONFIG_TP_SIZE": "2"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    bound = {}
+    s = select_settings(bound, None)
+    pc = bound["parallelism_config"]
+    assert s.tensor_parallel and s.mesh is None and (pc.dp_shard_size, pc.tp_size) == (2, 2)
+    mine = ParallelismConfig(dp_shard_size=2, tp_size=2)
+    bound = {"parallelism_config": mine}
+    assert select_settings(bound, None).tensor_parallel and bound["parallelism_config"] is mine
+    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "1")
+    bound = {"parallelism_config": ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, tp_size=1)}
+    s = select_settings(bound, None)
+    assert "parallelism_config" not in bound and (s.mesh, s.strategy, s.tensor_parallel) == ((2, 2), "hybrid_shard",
+                                                                                           False)
+
+
 def test_shipped_example_yaml_is_accepted():
     from pathlib import Path
 

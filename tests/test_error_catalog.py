@@ -500,6 +500,11 @@ def lightning_tensor_parallel_without_configure_model():
     _tensor_parallel.check_configured(pl.LightningModule())
 
 
+def lightning_uneven_batches_with_tensor_parallelism():
+    from fsdp_plugin.integrations.lightning import _tensor_parallel
+    _tensor_parallel.refuse_uneven(2)
+
+
 def lightning_configure_model_parallelized_nothing():
     from fsdp_plugin.integrations.lightning import _tensor_parallel
     _tensor_parallel.check_parallelized(nn.Linear(2, 2), 2)
@@ -614,7 +619,7 @@ CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, hpz_size_n
          tensor_parallel_model_wrapped_by_fsdp2, per_tensor_optimizer_on_tensor_parallel_boxes,
          device_mesh_smaller_than_world_without_tensor_parallelism, lightning_fabric_with_tensor_parallel_size,
          lightning_parallel_sizes_not_matching_the_world, lightning_tensor_parallel_without_configure_model,
-         lightning_configure_model_parallelized_nothing,
+         lightning_configure_model_parallelized_nothing, lightning_uneven_batches_with_tensor_parallelism,
          plan_of_a_tensor_parallel_model, accelerate_tensor_parallel_without_dp_shard,
          accelerate_tensor_parallel_model_without_plan, accelerate_optimizer_stepped_before_tensor_parallel_prepare,
          stream_with_unknown_names, stream_consumer_fails_on_rank_0, stream_merge_of_a_dora_adapter,

@@ -57,3 +57,14 @@ def test_model_parallel_strategy_code_matches_one_process(tmp_path):
         for k, v in params.items():
             assert max(abs(a - b) for a, b in zip(r["params"][k], v)) <= 1e-5, k
     assert (tmp_path / "final.ckpt" / "manifest.json").is_file()
+
+
+def test_sizes_follow_model_parallel_strategy():
+    """``"auto"``/unset: dp = nodes, tp = devices per node (ModelParallelStrategy's defaults); the product is checked."""
+    import fsdp_plugin as fp
+    from fsdp_plugin.integrations.lightning import _tensor_parallel as tp2d
+
+    assert tp2d.resolve("auto", "auto", 1, 4) == (1, 4) and tp2d.resolve(2, None, 2, 4) == (2, 4)
+    assert tp2d.resolve(2, 2, 1, 4) == (2, 2) and not tp2d.requested(None, None)
+    with pytest.raises(fp.ConfigError, match="product is the world size"):
+        tp2d.resolve(2, "auto", 1, 4)

@@ -68,3 +68,19 @@ def sampler_kwargs(mesh: Any) -> dict[str, int]:
     """DistributedSampler over the dp ranks: the TP ranks of one dp rank read the same samples."""
     dp = mesh["data_parallel"]
     return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
+
+
+def tp_size(strategy: Any) -> int:
+    """The strategy's TP degree (1 without the 2-D mode)."""
+    mesh = getattr(strategy, "_device_mesh", None)
+    return mesh["tensor_parallel"].size() if mesh is not None else 1
+
+
+def refuse_uneven(tp: int) -> None:
+    """Uneven training batches are shadowed under torch's Join (``_uneven``), which is verified for data
+    parallelism only: with TP, refuse (on every rank: the evenness test is collective) instead of guessing."""
+    if tp > 1:
+        raise UsageError(f"FSDPPluginStrategy(tensor_parallel_size={tp}): the data-parallel ranks have different numbers "
+                         "of training batches this epoch (or an unsized loader), and shadowing a finished rank's steps "
+                         "is not supported with tensor parallelism: give every dp rank the same number of batches "
+                         "(use_distributed_sampler=True, drop_last=True, or limit_train_batches)")
