@@ -74,7 +74,7 @@ def test_parallelism_config_tp_matches_one_process(tmp_path):
     # the Trainer: its own ParallelismConfig arithmetic (tp_size 2: batch 4 = 2 dp x 2 rows), our engine
     for r in ranks:
         t = r["trainer"]
-        assert t["engine"] and t["tp_size"] == 2 and t["batch_total"] == 4
+        assert t["engine"] and t["tp_size"] == 2 and t["batch_total"] == 4 and t["checkpoint"]   # save_steps
         _close(t["loss"], ref["trainer"]["loss"])
         _close(t["grad_norm"], ref["trainer"]["grad_norm"], 1e-5 * max(ref["trainer"]["grad_norm"]))
     assert not ref["trainer"]["engine"] and ref["trainer"]["batch_total"] == 4

@@ -87,12 +87,15 @@ def trainer(pc=None) -> dict:
     data = [{"input_ids": r, "labels": r} for r in rows()]
     args = TrainingArguments(output_dir=os.path.join(OUT, f"trainer{'' if pc else '_ref'}"),
                              per_device_train_batch_size=2 if pc else 2 * DP, max_steps=STEPS, learning_rate=2e-3,
-                             max_grad_norm=CLIP, logging_steps=1, save_strategy="no", seed=0, report_to=[],
+                             max_grad_norm=CLIP, logging_steps=1, save_strategy="steps" if pc else "no",
+                             save_steps=STEPS, seed=0, report_to=[],
                              disable_tqdm=True, use_cpu=True, parallelism_config=pc)
     tr = Trainer(model=_tp.llama(), args=args, train_dataset=data)
     tr.train()
     logs = [h for h in tr.state.log_history if "loss" in h]
+    ckpt = os.path.join(args.output_dir, f"checkpoint-{STEPS}", "fsdp_plugin_state", "manifest.json")
     return {"loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs],
+            "checkpoint": os.path.isfile(ckpt),
             "engine": bool(getattr(tr.accelerator, "_fp_active", False)),
             "tp_size": tr.get_tp_size(), "batch_total": tr.get_total_train_batch_size(args)}
 
