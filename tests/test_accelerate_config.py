@@ -99,8 +99,8 @@ def test_conflicting_v1_keys_fail_naming_both():
     ({"FSDP_AUTO_WRAP_POLICY": "LAYER_WRAP"}, "fsdp_config.fsdp_auto_wrap_policy"),
     ({"FSDP_BACKWARD_PREFETCH": "SOMETIMES"}, "fsdp_config.fsdp_backward_prefetch"),
     ({"ACCELERATE_MIXED_PRECISION": "fp8"}, "mixed_precision"),
-    ({"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_TP_SIZE": "2"},
-     "parallelism_config.parallelism_config_tp_size"),
+    ({"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_CP_SIZE": "2"},
+     "parallelism_config.parallelism_config_cp_size"),
 ])
 def test_unsupported_values_name_the_yaml_key(env, key):
     with pytest.raises(AccelerateConfigError, match=key.replace(".", r"\.")):
@@ -151,6 +151,43 @@ def test_parallelism_config_becomes_hybrid(tmp_path):
     assert (s.strategy, s.mesh) == ("hybrid_shard", (2, 1))
     with pytest.raises(AccelerateConfigError, match="fsdp_reshard_after_forward"):
         settings_from_env(dict(env, FSDP_RESHARD_AFTER_FORWARD="false"))
+
+
+def test_parallelism_config_with_tp_keeps_accelerates_mesh(tmp_path):
+    """tp_size > 1: no mesh of ours (accelerate's ParallelismConfig builds it from these variables), hybrid when
+    dp_replicate > 1; cp stays refused."""
+    extra = "parallelism_config:\n  parallelism_config_dp_shard_size: 2\n  parallelism_config_tp_size: 2\n"
+    env = launcher_env(tmp_path, "fsdp_version: 2\n" + SAFE, extra=extra)
+    s = settings_from_env(env)
+    assert (s.strategy, s.mesh, s.tensor_parallel) == ("full_shard", None, True)
+    s = settings_from_env(dict(env, PARALLELISM_CONFIG_DP_REPLICATE_SIZE="2"))
+    assert (s.strategy, s.mesh, s.tensor_parallel) == ("hybrid_shard", None, True)
+    assert not settings_from_env(dict(env, PARALLELISM_CONFIG_TP_SIZE="1")).tensor_parallel
+
+
+def test_tp_parallelism_config_is_kept_for_stock_accelerate(monkeypatch):
+    """With tp_size > 1 the ParallelismConfig stays in the arguments stock accelerate sees (it builds the mesh and
+    splits the data); from the launcher's env it is accelerate's own ParallelismConfig() reading the variables.
+    Without TP it is translated into our hybrid mesh and removed, as before."""
+    from accelerate import ParallelismConfig
+    from fsdp_plugin.integrations.accelerate.config.selection import select_settings
+
+    env = {"ACCELERATE_USE_FSDP": "true", "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
+           "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2", "PARALLELISM_CONFIG_TP_SIZE": "2"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    bound = {}
+    s = select_settings(bound, None)
+    pc = bound["parallelism_config"]
+    assert s.tensor_parallel and s.mesh is None and (pc.dp_shard_size, pc.tp_size) == (2, 2)
+    mine = ParallelismConfig(dp_shard_size=2, tp_size=2)
+    bound = {"parallelism_config": mine}
+    assert select_settings(bound, None).tensor_parallel and bound["parallelism_config"] is mine
+    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "1")
+    bound = {"parallelism_config": ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, tp_size=1)}
+    s = select_settings(bound, None)
+    assert "parallelism_config" not in bound and (s.mesh, s.strategy, s.tensor_parallel) == ((2, 2), "hybrid_shard",
+                                                                                           False)
 
 
 def test_shipped_example_yaml_is_accepted():

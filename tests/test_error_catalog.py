@@ -508,9 +508,52 @@ def device_mesh_smaller_than_world_without_tensor_parallelism():
     _tp_error("refuse_small_mesh_without_tp", fp.ConfigError)
 
 
-def lightning_strategy_with_tensor_parallel_size():
+def lightning_fabric_with_tensor_parallel_size():
     from fsdp_plugin.integrations.lightning._plumbing import sharding_config
     sharding_config({"data_parallel_size": 2, "tensor_parallel_size": 2})
+
+
+def lightning_parallel_sizes_not_matching_the_world():
+    from fsdp_plugin.integrations.lightning import _tensor_parallel
+    _tensor_parallel.resolve(2, 3, 1, 4)
+
+
+def lightning_tensor_parallel_without_configure_model():
+    import lightning.pytorch as pl
+    from fsdp_plugin.integrations.lightning import _tensor_parallel
+    _tensor_parallel.check_configured(pl.LightningModule())
+
+
+def lightning_uneven_batches_with_tensor_parallelism():
+    from fsdp_plugin.integrations.lightning import _tensor_parallel
+    _tensor_parallel.refuse_uneven(2)
+
+
+def lightning_configure_model_parallelized_nothing():
+    from fsdp_plugin.integrations.lightning import _tensor_parallel
+    _tensor_parallel.check_parallelized(nn.Linear(2, 2), 2)
+
+
+def accelerate_tensor_parallel_without_dp_shard():
+    from accelerate import ParallelismConfig
+    from fsdp_plugin.integrations.accelerate import tensor_parallel
+    tensor_parallel.dp_mesh(ParallelismConfig(tp_size=2), None)
+
+
+def accelerate_tensor_parallel_model_without_plan():
+    from fsdp_plugin.integrations.accelerate import tensor_parallel
+    tensor_parallel.parallelize(nn.Linear(2, 2), None)
+
+
+def accelerate_optimizer_stepped_before_tensor_parallel_prepare():
+    from fsdp_plugin.integrations.accelerate import tensor_parallel
+    model = nn.Linear(2, 2)
+    before = dict(model.named_parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    model.weight = nn.Parameter(model.weight.detach().clone())     # what TP + fp.shard do to its parameters
+    tensor_parallel.remap_optimizers([opt], before, model)
 
 
 def plan_of_a_tensor_parallel_model():
@@ -598,8 +641,11 @@ CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, hpz_size_n
          tensor_parallel_partial_parameter, tensor_parallel_over_two_mesh_dims,
          tensor_parallel_without_data_parallel_mesh, tensor_parallel_mesh_of_another_root,
          tensor_parallel_model_wrapped_by_fsdp2, per_tensor_optimizer_on_tensor_parallel_boxes,
-         device_mesh_smaller_than_world_without_tensor_parallelism, lightning_strategy_with_tensor_parallel_size,
-         plan_of_a_tensor_parallel_model,
+         device_mesh_smaller_than_world_without_tensor_parallelism, lightning_fabric_with_tensor_parallel_size,
+         lightning_parallel_sizes_not_matching_the_world, lightning_tensor_parallel_without_configure_model,
+         lightning_configure_model_parallelized_nothing, lightning_uneven_batches_with_tensor_parallelism,
+         plan_of_a_tensor_parallel_model, accelerate_tensor_parallel_without_dp_shard,
+         accelerate_tensor_parallel_model_without_plan, accelerate_optimizer_stepped_before_tensor_parallel_prepare,
          stream_with_unknown_names, stream_consumer_fails_on_rank_0, stream_merge_of_a_dora_adapter,
          trl_vllm_sync_on_an_unknown_trl_version,
          unknown_quantization_format, quantization_block_size_not_a_multiple_of_8, quantized_weights_under_no_shard]

@@ -67,7 +67,9 @@ def strip_dtensors(model: nn.Module, dp_mesh, param_init_fn) -> Optional[object]
 
 
 def _check_meshes(found, dp_mesh):
-    meshes = {id(p.device_mesh): (n, p.device_mesh) for n, p in found}
+    # by equality, not identity: DTensor's sharding-propagation cache hands out an equal mesh of an earlier root
+    # (a second init_device_mesh of the same layout in one process: a second Accelerator, Trainer after a loop)
+    meshes = {p.device_mesh: (n, p.device_mesh) for n, p in found}
     if len(meshes) > 1:
         (n0, m0), (n1, m1) = list(meshes.values())[:2]
         raise TensorParallelError(f"parameters {n0!r} and {n1!r} are DTensors on different meshes "
@@ -84,7 +86,7 @@ def _check_meshes(found, dp_mesh):
             f"the model is tensor-parallel (parameter {name!r} is a DTensor on {tp_mesh.mesh_dim_names}) but fp.shard "
             "got no data-parallel DeviceMesh: pass device_mesh=mesh['dp'] (the dims of the same root mesh that are "
             "not 'tp')")
-    if tp_mesh._get_root_mesh() is not dp_mesh._get_root_mesh():
+    if tp_mesh._get_root_mesh() != dp_mesh._get_root_mesh():
         raise TensorParallelError(
             f"the tensor-parallel mesh of {name!r} ({tp_mesh.mesh_dim_names}) and device_mesh "
             f"({dp_mesh.mesh_dim_names}) are not slices of one root mesh: build one with init_device_mesh(device, "

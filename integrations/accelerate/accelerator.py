@@ -9,6 +9,7 @@ DDP. Without an FSDP selection this class behaves exactly like ``accelerate.Acce
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import os
 import warnings
@@ -23,6 +24,7 @@ from accelerate.utils import DistributedType
 from fsdp_plugin.checkpoint.storage import is_url
 from fsdp_plugin.integrations import _pending_save as pending_save
 
+from . import tensor_parallel
 from .state import dirs as state_dirs
 from .state import io as state_io
 from .env import hidden_env, needs_cpu_flag
@@ -56,8 +58,14 @@ class Accelerator(accelerate.Accelerator):
         check_precision_flag(bound.get("mixed_precision"))
         if needs_cpu_flag():
             bound["cpu"] = True
-        with hidden_env():
-            super().__init__(**bound)
+        # stock accelerate validates a ParallelismConfig in __init__ and takes only FSDP2 or a multi-device type
+        # (a CPU world is MULTI_CPU): our engine is the FSDP it checks for, so the check sees a multi-device run
+        self._fp_validating = bound.get("parallelism_config") is not None
+        try:
+            with hidden_env():
+                super().__init__(**bound)
+        finally:
+            self._fp_validating = False
         self._finish_init(plugin_given=plugin_given)
 
     # ------------------------------------------------------------------ setup
@@ -79,6 +87,9 @@ class Accelerator(accelerate.Accelerator):
             kwargs = self.scaler_handler.to_kwargs() if self.scaler_handler is not None else {}
             self.scaler = fp.GradScaler(self.device.type, **kwargs)
         self.sharding_configs: list = []
+        self._fp_dp_mesh = None                 # tensor parallelism: the dp dims of accelerate's mesh
+        if self._fp_settings is not None and self._fp_settings.tensor_parallel:
+            self._fp_dp_mesh = tensor_parallel.dp_mesh(self.parallelism_config, self.torch_device_mesh)
         self._fp_active = True
 
     @property
@@ -90,8 +101,9 @@ class Accelerator(accelerate.Accelerator):
 
     @property
     def multi_device(self):
-        """True inside :meth:`join_uneven_inputs` too, so accelerate's own implementation runs for sharded models."""
-        return getattr(self, "_fp_joining", False) or super().multi_device
+        """True inside :meth:`join_uneven_inputs` too, so accelerate's own implementation runs for sharded models,
+        and while stock ``__init__`` validates a ``ParallelismConfig`` (it accepts FSDP2 or multi-device types)."""
+        return getattr(self, "_fp_joining", False) or getattr(self, "_fp_validating", False) or super().multi_device
 
     @contextlib.contextmanager
     def join_uneven_inputs(self, joinables, even_batches=None):
@@ -128,7 +140,10 @@ class Accelerator(accelerate.Accelerator):
         """The ``fp.ShardingConfig`` used for ``model``."""
         if self._fp_user_config is not None:
             return self._fp_user_config
-        return resolve_config(self._fp_settings, model, device=self.device)
+        cfg = resolve_config(self._fp_settings, model, device=self.device)
+        if self._fp_dp_mesh is not None:
+            cfg = dataclasses.replace(cfg, device_mesh=self._fp_dp_mesh)
+        return cfg
 
     # ---------------------------------------------------------------- prepare
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
@@ -160,9 +175,22 @@ class Accelerator(accelerate.Accelerator):
 
         if fp.is_sharded(model):
             return
+        before = dict(model.named_parameters(remove_duplicate=False))
+        if self._fp_dp_mesh is not None:
+            tensor_parallel.parallelize(model, self.torch_device_mesh["tp"])
         cfg = self.sharding_config_for(model)
         self.sharding_configs.append(cfg)
         fp.shard(model, cfg)
+        tensor_parallel.remap_optimizers(self._optimizers, before, model)
+
+    def _prepare_tp(self, *args):
+        """Stock accelerate's TP preparation (DTensor-replicating the plain parameters for FSDP2, remapping
+        optimizers by storage address) is replaced by ``_shard``'s: here only the data loaders, optimizers
+        and schedulers are prepared, as stock's first passes do."""
+        if not self._fp_active:
+            return super()._prepare_tp(*args)
+        first = [a if isinstance(a, torch.nn.Module) else self._prepare_one(a, first_pass=True) for a in args]
+        return [a if isinstance(a, torch.nn.Module) else self._prepare_one(a) for a in first]
 
     # ------------------------------------------------------- training helpers
     @contextlib.contextmanager

@@ -72,12 +72,13 @@ def sharding_config(kwargs: dict[str, Any]) -> Any:
     translated by ``_fsdp_kwargs``); unknown keys name the valid fields."""
     kwargs = translate_fsdp_kwargs(kwargs)
     two_d = sorted({"data_parallel_size", "tensor_parallel_size"} & set(kwargs))
-    if two_d:
+    if two_d:       # the Trainer strategy takes them as its own arguments (_tensor_parallel.py); Fabric's does not
         raise fp.UnsupportedError(
-            f"FSDPPluginStrategy({', '.join(two_d)}=...): ModelParallelStrategy's 2-D mesh is not supported by the "
-            "strategy yet. Build mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('data_parallel', "
-            "'tensor_parallel')) yourself, parallelize_module(model, mesh['tensor_parallel'], plan) and "
-            "fp.shard(model, device_mesh=mesh['data_parallel']) in plain torch or Fabric (README \"Tensor parallel\")")
+            f"FSDPPluginFabricStrategy({', '.join(two_d)}=...): ModelParallelStrategy's 2-D mesh is supported by the "
+            "Trainer strategy (FSDPPluginStrategy(data_parallel_size=..., tensor_parallel_size=...)), not by Fabric's "
+            "yet. In Fabric build mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('data_parallel', "
+            "'tensor_parallel')), parallelize_module(model, mesh['tensor_parallel'], plan) and "
+            "fp.shard(model, device_mesh=mesh['data_parallel']) (README \"Tensor parallel\")")
     valid = [f.name for f in dataclasses.fields(fp.ShardingConfig)]
     unknown = sorted(set(kwargs) - set(valid))
     if unknown:

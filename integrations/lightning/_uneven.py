@@ -48,6 +48,7 @@ from lightning.pytorch.trainer import call
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from fsdp_plugin._schedule.join import state_of
+from fsdp_plugin.integrations.lightning import _tensor_parallel
 from fsdp_plugin.errors import UsageError
 
 
@@ -83,6 +84,7 @@ class UnevenInputs(Callback):
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         if trainer.world_size > 1 and state_of(trainer.strategy.model) is not None and not _even_epoch(trainer):
+            _tensor_parallel.refuse_uneven(_tensor_parallel.tp_size(trainer.strategy))
             self._model, self._loop = trainer.strategy.model, _LoopShadow(trainer, trainer.strategy.model)
             self._join = Join([self._model, self._loop], divide_by_initial_world_size=True,
                               throw_on_early_termination=not _shadowable(trainer, pl_module))

@@ -27,6 +27,7 @@ Ranks may have different numbers of training batches: each training epoch runs i
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -35,6 +36,7 @@ from typing import Any, Literal
 import torch
 from fsdp_plugin.integrations import _pending_save as pending_save
 from fsdp_plugin.integrations.lightning import _compile, _uneven
+from fsdp_plugin.integrations.lightning import _tensor_parallel as tp2d
 from fsdp_plugin.integrations.lightning.checkpoint import async_save as _async_save
 from fsdp_plugin.integrations.lightning.checkpoint import io as ckpt
 from fsdp_plugin.integrations.lightning.checkpoint import stock as stock_ckpt
@@ -85,6 +87,12 @@ class FSDPPluginStrategy(common.ProcessPerDevice, ParallelStrategy):
         async_save: ``True`` / ``"deferred"``: sharded saves return after the host snapshot and write in the
             background (``fp.save_checkpoint(async_save=...)``); Lightning's ``AsyncCheckpointIO`` plugin
             selects ``True``. The pending save is waited for by the next save/load and by teardown.
+        data_parallel_size, tensor_parallel_size: Lightning ``ModelParallelStrategy``'s 2-D mesh (either given;
+            ``"auto"``: nodes, devices per node): ``self.device_mesh`` with dims ``("data_parallel",
+            "tensor_parallel")``; the LightningModule's ``configure_model`` parallelizes on
+            ``self.device_mesh["tensor_parallel"]`` (no ``fully_shard``), the strategy shards over
+            ``"data_parallel"`` and samples data per dp rank. ``configure_model`` then runs eagerly (no deferred
+            init). See ``_tensor_parallel``.
     """
 
     #: ``torch.compile``d LightningModules are compiled per unit (see ``_compile``), not refused.
@@ -105,6 +113,8 @@ class FSDPPluginStrategy(common.ProcessPerDevice, ParallelStrategy):
         accumulate_grads: Literal["sharded", "no_sync"] = "sharded",
         log_comm_stats: bool = True,
         async_save: bool | Literal["deferred"] = False,
+        data_parallel_size: tp2d.Size = None,
+        tensor_parallel_size: tp2d.Size = None,
         **sharding: Any,
     ) -> None:
         _check_choice("state_dict_type", state_dict_type, _STATE_DICT_TYPES)
@@ -123,6 +133,8 @@ class FSDPPluginStrategy(common.ProcessPerDevice, ParallelStrategy):
         self._comm_seen: dict[str, dict[str, int]] = {}
         self._comm_steps = 0  # optimizer steps since _comm_seen
         self._async_save = async_save
+        self._2d_sizes = (data_parallel_size, tensor_parallel_size)
+        self._device_mesh = None
         _compile.allow_in_trainer()
         self.num_nodes = 1
 
@@ -163,18 +175,40 @@ class FSDPPluginStrategy(common.ProcessPerDevice, ParallelStrategy):
         reset_seed()
         self.set_world_ranks()
         self._init_process_group()
+        if tp2d.requested(*self._2d_sizes):
+            dp, tp = tp2d.resolve(*self._2d_sizes, self.num_nodes, self.num_processes)
+            self._device_mesh = tp2d.build_mesh(dp, tp, self.root_device)
+            assert self.lightning_module is not None
+            self.lightning_module._device_mesh = self._device_mesh   # configure_model reads self.device_mesh
+
+    @property
+    def device_mesh(self) -> Any:
+        """The ``("data_parallel", "tensor_parallel")`` DeviceMesh (``data_parallel_size``/``tensor_parallel_size``)."""
+        if self._device_mesh is None:
+            raise UsageError("FSDPPluginStrategy.device_mesh exists with data_parallel_size/tensor_parallel_size, "
+                             "once the processes are initialized")
+        return self._device_mesh
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self._device_mesh is not None:
+            return tp2d.sampler_kwargs(self._device_mesh)
+        return super().distributed_sampler_kwargs
 
     # ----------------------------------------------------------------- model construction and sharding
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """``empty_init=True`` (``trainer.init_module(empty_init=True)``): build under ``fp.deferred_init()``."""
-        with common.deferred_init_context(bool(empty_init)), self.precision_plugin.tensor_init_context():
+        """``empty_init=True`` (``trainer.init_module(empty_init=True)``): build under ``fp.deferred_init()`` (not
+        in the 2-D mode: the model is parallelized before fp.shard)."""
+        deferred = bool(empty_init) and not tp2d.requested(*self._2d_sizes)
+        with common.deferred_init_context(deferred), self.precision_plugin.tensor_init_context():
             yield
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """``configure_model`` runs under ``fp.deferred_init()``; ``setup`` materializes it sharded."""
-        with common.deferred_init_context(True):
+        """``configure_model`` runs under ``fp.deferred_init()``; ``setup`` materializes it sharded. In the 2-D
+        mode it runs eagerly: it parallelizes real modules on ``self.device_mesh["tensor_parallel"]``."""
+        with common.deferred_init_context(not tp2d.requested(*self._2d_sizes)):
             yield
 
     def setup(self, trainer: Any) -> None:
@@ -185,6 +219,10 @@ class FSDPPluginStrategy(common.ProcessPerDevice, ParallelStrategy):
                 self.model = self._layer_sync.apply(self.model)
             self.model = self.precision_plugin.convert_module(self.model)
             cfg = common.with_precision(self.sharding_config, self.precision_plugin)
+            if self._device_mesh is not None:    # the user's configure_model parallelized on "tensor_parallel"
+                tp2d.check_configured(self.lightning_module)
+                tp2d.check_parallelized(self.model, self._device_mesh["tensor_parallel"].size())
+                cfg = dataclasses.replace(cfg, device_mesh=self._device_mesh["data_parallel"])
             dynamo_ctx = _compile.take(self.lightning_module)  # Trainer.fit(torch.compile(model))
             self.model = common.shard_module(self.model, cfg, self.root_device)
             _compile.apply(self.model, dynamo_ctx)

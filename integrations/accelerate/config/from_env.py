@@ -50,6 +50,7 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> FsdpSettings:
     _read_flags(s, get)
     s.mixed_precision = parse.parse_mixed_precision(env.get("ACCELERATE_MIXED_PRECISION", "no"), "mixed_precision")
     s.mesh, s.strategy = mesh_from_parallelism(env, s.strategy, s.key("strategy"))
+    s.tensor_parallel = tensor_parallel_requested(env)
     s.some_ranks_modules = parse.some_ranks_from_env(env)
     s.secondary_size = parse.hpz_from_env(env) or s.secondary_size
     s.keys["some_ranks_modules"] = parse.SOME_RANKS_ENV
@@ -133,19 +134,27 @@ _PC = "parallelism_config.parallelism_config_"
 
 
 def mesh_from_parallelism(env: Mapping[str, str], strategy: str, strategy_key: str):
-    """``PARALLELISM_CONFIG_*`` → ``(mesh, strategy)``: replicate > 1 means hybrid_shard."""
+    """``PARALLELISM_CONFIG_*`` → ``(mesh, strategy)``: replicate > 1 means hybrid_shard. With a TP size > 1 the
+    mesh is None: accelerate's own ``ParallelismConfig`` (which reads these variables) builds it, see
+    :func:`tensor_parallel_requested`."""
     if str(env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false")).lower() != "true":
         return None, strategy
-    for name in ("TP", "CP", "SP"):
+    for name in ("CP", "SP"):
         size = parse.parse_int(env.get(f"PARALLELISM_CONFIG_{name}_SIZE", "1"), f"{_PC}{name.lower()}_size")
         if size > 1:
-            raise config_error(f"{_PC}{name.lower()}_size", size, "only data parallelism (dp_replicate/dp_shard)"
-                               + ("; for tensor parallelism use the plain API: parallelize on mesh['tp'], then "
-                                  "fp.shard(model, device_mesh=mesh['dp']) (README \"Tensor parallel\")"
-                                  if name == "TP" else ""))
+            raise config_error(f"{_PC}{name.lower()}_size", size, "only data and tensor parallelism "
+                               "(dp_replicate/dp_shard/tp): context/sequence parallelism needs ring attention")
     rep = parse.parse_int(env.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1"), f"{_PC}dp_replicate_size")
     shard = parse.parse_int(env.get("PARALLELISM_CONFIG_DP_SHARD_SIZE", "1"), f"{_PC}dp_shard_size")
-    return mesh_from_sizes(rep, shard, strategy, strategy_key)
+    mesh, strategy = mesh_from_sizes(rep, shard, strategy, strategy_key)
+    return (None if tensor_parallel_requested(env) else mesh), strategy
+
+
+def tensor_parallel_requested(env: Mapping[str, str]) -> bool:
+    """Whether the launcher's ``parallelism_config`` asks for a TP size > 1."""
+    if str(env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false")).lower() != "true":
+        return False
+    return parse.parse_int(env.get("PARALLELISM_CONFIG_TP_SIZE", "1"), f"{_PC}tp_size") > 1
 
 
 def mesh_from_sizes(rep: int, shard: int, strategy: str, strategy_key: str):

@@ -37,25 +37,32 @@ def select_settings(bound: dict, sharding_config: Any) -> FsdpSettings | None:
     return settings
 
 
-# tensor parallelism works on the plain API (README "Tensor parallel"); context/sequence parallelism needs CUDA
-# attention kernels (ring attention) that torch 2.13 has not on CPU: refused until a device test exists
-_WHY = {"tp_size": "only dp_replicate/dp_shard here; for tensor parallelism parallelize the model on mesh['tp'] "
-                   "(parallelize_module, or fsdp_plugin.integrations.hf_tensor_parallel.parallelize_hf) and shard it "
-                   "with fp.shard(model, device_mesh=mesh['dp']) (README \"Tensor parallel\")",
-        "cp_size": "context parallelism (ring attention) is not supported: only dp_replicate/dp_shard",
-        "sp_size": "sequence parallelism across ranks (cp/sp) is not supported: only dp_replicate/dp_shard"}
+# context/sequence parallelism needs CUDA attention kernels (ring attention) that torch 2.13 has not on CPU: refused
+# until a device test exists
+_WHY = {"cp_size": "context parallelism (ring attention) is not supported: only dp_replicate/dp_shard/tp",
+        "sp_size": "sequence parallelism across ranks (cp/sp) is not supported: only dp_replicate/dp_shard/tp"}
 
 
 def _apply_parallelism(settings: FsdpSettings, bound: dict) -> None:
-    """A ``ParallelismConfig`` passed in code: dp_replicate/dp_shard → hybrid mesh; others unsupported."""
-    pc = bound.pop("parallelism_config", None)
+    """A ``ParallelismConfig`` (in code, or the launcher's when it asks for TP): dp_replicate/dp_shard alone →
+    our hybrid mesh (stock accelerate never sees it); with tp_size > 1 it stays for stock accelerate, which
+    builds and validates its device mesh and splits the data by dp rank (``accelerate/tensor_parallel.py``)."""
+    pc = bound.get("parallelism_config")
+    if pc is None and settings.tensor_parallel:     # from the launcher's env: accelerate's own parser reads it
+        pc = bound["parallelism_config"] = accelerate.ParallelismConfig()
     if pc is None:
         return
-    for name in ("tp_size", "cp_size", "sp_size"):
+    for name in ("cp_size", "sp_size"):
         if (getattr(pc, name, 1) or 1) > 1:
             raise config_error(f"ParallelismConfig.{name}", getattr(pc, name), _WHY[name])
-    settings.mesh, settings.strategy = mesh_from_sizes(pc.dp_replicate_size or 1, pc.dp_shard_size or 1,
-                                                       settings.strategy, settings.key("strategy"))
+    mesh, settings.strategy = mesh_from_sizes(pc.dp_replicate_size or 1, pc.dp_shard_size or 1,
+                                              settings.strategy, settings.key("strategy"))
+    settings.tensor_parallel = (pc.tp_size or 1) > 1
+    if settings.tensor_parallel:
+        settings.mesh = None
+    else:
+        del bound["parallelism_config"]
+        settings.mesh = mesh
 
 
 def _reject_parallelism(bound: dict) -> None:

@@ -54,6 +54,7 @@ class FsdpSettings:
     buffer_dtype: Any = None
     fp32_modules: tuple = ()           # fp.MixedPrecision.fp32_modules (FSDP1's _module_classes_to_ignore)
     mesh: tuple[int, int] | None = None  # hybrid (replicate, shard); None = derived at resolve time
+    tensor_parallel: bool = False      # ParallelismConfig tp_size > 1: accelerate's mesh, fp.shard over its dp dims
     state_dict_type: str = "sharded"   # "sharded" | "full"
     cpu_ram_efficient_loading: bool = False
     sync_module_states: bool = True
@@ -75,6 +76,7 @@ class FsdpSettings:
                      "size": f"min_params={wrap.min_params}", "callable": "callable"}[wrap.kind]
         return {
             "sharding_strategy": self.strategy, "auto_wrap": wrap_desc, "mesh": self.mesh,
+            "tensor_parallel": self.tensor_parallel,
             "mixed_precision": self.mixed_precision, "backward_prefetch": self.backward_prefetch,
             "forward_prefetch": self.forward_prefetch, "cpu_offload": self.cpu_offload,
             "activation_checkpointing": self.activation_checkpointing if isinstance(
