@@ -69,3 +69,97 @@ def toy_save_worker(rank, world, out: str, dp_shape: tuple):
     opt.step()
     fp.save_pretrained(model, out, max_shard_size="4KB")
     return fp.full_state_dict(model, rank0_only=False)
+
+
+# ------------------------------------------------------------------ DCP with torch's FSDP2 + the same TP plan
+def fsdp2_tp():
+    """The toy GPT on torch's own 2-D recipe: parallelize_module on mesh['tp'], fully_shard over mesh['dp']."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard          # the baseline: tests may import FSDP2, the engine never
+    from torch.distributed.tensor.parallel import parallelize_module
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = _tp.TPGPT()
+    parallelize_module(model, mesh["tp"], _tp.tp_plan())
+    for blk in model.blocks:
+        fully_shard(blk, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def _train(model, opt, steps, first: int = 0) -> list:
+    """Global mean loss per step; dp rank = rank // 2 (tp 2), the data of _tp.batch."""
+    out = []
+    for s in range(first, first + steps):
+        loss = model(*_tp.batch(s, dist.get_rank() // 2))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        out.append(t.item() / dist.get_world_size())
+    return out
+
+
+def torch_full(model, opt) -> dict:
+    """``fqn`` and ``fqn:key`` full tensors of an FSDP2 + TP model and its optimizer (DCP's state-dict API)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    out = {k: v.detach().clone() for k, v in msd.items()}
+    for fqn, st in osd["state"].items():
+        out.update({f"{fqn}:{k}": v.detach().clone() for k, v in st.items() if k != "step"})
+    return out
+
+
+def ours_full(model, opt) -> dict:
+    """The same keys from our 2-D (or plain) model: full params, optimizer moments assembled from every piece."""
+    out = dict(fp.full_state_dict(model, rank0_only=False))
+    for k in ("exp_avg", "exp_avg_sq"):
+        out.update({f"{n}:{k}": v for n, v in _tp.full_of(model, lambda p, k=k: opt.state[p].get(k)).items()})
+    return out
+
+
+def torch_save_worker(rank, world, path):
+    """FSDP2 + TP: two steps, dcp.save of get_state_dict, full state, one more step's loss."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model = fsdp2_tp()
+    opt = _tp.make_optimizer("adamw", model.parameters())
+    _train(model, opt, 2)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optimizer": osd, "extra": {"step": 2}}, checkpoint_id=path)
+    return torch_full(model, opt), _train(model, opt, 1, 2)
+
+
+def ours_load_worker(rank, world, path, layout):
+    """Ours at ``layout`` (different initial values), fp.load_checkpoint of torch's DCP directory: full state,
+    the next step's loss."""
+    torch.manual_seed(5)
+    model, opt, _, _ = _tp.build_layout(layout)
+    for p in model.parameters():          # nothing of the initialization may survive the load
+        p.data.fill_(7.0)
+    assert fp.load_checkpoint(path, model, opt) == {"extra": {"step": 2}}
+    return ours_full(model, opt), _train(model, opt, 1, 2)
+
+
+def ours_save_worker(rank, world, path):
+    """Ours at 2 x 2: two steps, fp.save_checkpoint, full state, one more step's loss."""
+    model, opt, _, _ = _tp.build_layout("2x2")
+    _train(model, opt, 2)
+    fp.save_checkpoint(path, model, opt, extra={"step": 2})
+    return ours_full(model, opt), _train(model, opt, 1, 2)
+
+
+def torch_load_worker(rank, world, path):
+    """FSDP2 + TP reading our checkpoint exported to DCP: dcp.load + set_state_dict, full state, next loss."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model = fsdp2_tp()
+    opt = _tp.make_optimizer("adamw", model.parameters())
+    _train(model, opt, 1, 7)            # state to overwrite (optimizer state exists, values differ)
+    msd, osd = get_state_dict(model, opt)
+    sd = {"model": msd, "optimizer": osd, "extra": {"step": 0}}
+    dcp.load(sd, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
+    assert sd["extra"] == {"step": 2}, sd["extra"]
+    return torch_full(model, opt), _train(model, opt, 1, 2)
