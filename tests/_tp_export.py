@@ -163,3 +163,32 @@ def torch_load_worker(rank, world, path):
     set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
     assert sd["extra"] == {"step": 2}, sd["extra"]
     return torch_full(model, opt), _train(model, opt, 1, 2)
+
+
+# ------------------------------------------------------------------ fp.plan at 2 x 2 against the engine
+def plan_worker(rank, world, strategy, which="toy"):
+    """The toy GPT (or the tiny Llama on its tp_plan) at 2 x 2, ``strategy`` over dp: the engine's dp bytes per
+    step (fp.comm_stats, steps 1-2 after a warm-up), and this rank's flat shard and AdamW state bytes."""
+    if which == "toy":
+        model, _ = _tp.build_2d((2,), 2, sharding_strategy=strategy)
+        step = lambda s: model(*_tp.batch(s, rank // 2))                                   # noqa: E731
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+        from fsdp_plugin.integrations.hf_tensor_parallel import parallelize_hf
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = parallelize_hf(_tp.llama(), mesh["tp"])
+        fp.shard(model, device_mesh=mesh["dp"], auto_wrap_policy={LlamaDecoderLayer}, sharding_strategy=strategy)
+        step = lambda s: model(input_ids=_tp.llama_batch(s, rank // 2), labels=_tp.llama_batch(s, rank // 2)).loss  # noqa: E731
+    opt = _tp.make_optimizer("adamw", model.parameters())
+    for s in range(3):
+        if s == 1:
+            fp.comm_stats.reset()
+        step(s).backward()
+        opt.step()
+        opt.zero_grad()
+    wire = {k: v // 2 for k, v in fp.comm_stats.bytes.items() if k != "control"}
+    handles = [h for u in model._fp_root.units for h in u.handles]
+    shards = sum(h.chunk * h.dtype.itemsize for h in handles)
+    state = sum(v.numel() * v.element_size() for st in opt.state.values() for k, v in st.items() if k != "step")
+    return wire, shards, state

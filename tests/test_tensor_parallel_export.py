@@ -81,3 +81,39 @@ def test_ours_exported_to_dcp_loads_into_fsdp2_tp(tmp_path):
     for got, loss in run_ranks(_tp_export.torch_load_worker, 4, str(tmp_path / "dcp"), timeout=300):
         _same(got, want, "FSDP2 + TP")
         assert abs(loss[0] - want_loss[0]) <= 1e-5, (loss, want_loss)
+
+
+def _plan_args(which: str) -> dict:
+    if which == "toy":
+        return dict(model=_tp.TPGPT, auto_wrap_policy={_tp.TPBlock}, inputs=lambda: _tp.batch(0, 0),
+                    tp_plan=_tp.tp_plan())
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    idx = _tp.llama_batch(0, 0)
+    return dict(model=_tp.llama, auto_wrap_policy={LlamaDecoderLayer}, tp_plan="auto",
+                inputs=lambda: {"input_ids": idx, "labels": idx})
+
+
+@pytest.mark.parametrize("strategy,which", [("full_shard", "toy"), ("shard_grad_op", "toy"), ("full_shard", "llama")])
+def test_plan_2d_predicts_dp_bytes_and_shard_memory_of_the_engine(strategy, which):
+    """fp.plan(model before parallelize_module, world_size=4, tp_size=2, tp_plan=the plan): the dp dimension's
+    bytes per step equal fp.comm_stats on the ranks of TP coordinate 0 (the larger boxes: 9 of the toy's 17 MLP
+    columns; the Llama from its own tp_plan, tp_plan='auto'), and their flat shard bytes equal the engine's; AdamW state (the planner counts the padded chunk,
+    the engine the parameters' elements) is reached by the worst rank; coordinate 1's are no larger."""
+    import fsdp_plugin as fp
+    args = _plan_args(which)
+    model = args.pop("model")
+    plan = fp.plan(model, world_size=4, sharding_strategy=strategy, tp_size=2, **args)
+    w = plan.worlds[4]
+    assert w.tp_size == 2 and plan.num_params == sum(p.numel() for p in model().parameters())
+    results = run_ranks(_tp_export.plan_worker, 4, strategy, which, timeout=240)
+    for rank, (wire, shards, state) in enumerate(results):
+        if rank % 2 == 0:
+            assert wire == w.wire_bytes, (rank, wire, w.wire_bytes)
+            assert shards == w.param_shards, rank
+        else:
+            assert sum(wire.values()) <= w.wire_total and shards <= w.param_shards, rank
+        assert state <= w.optimizer_state, rank
+    assert max(state for *_, state in results) == w.optimizer_state
+    args.pop("tp_plan")
+    plain = fp.plan(model, world_size=4, sharding_strategy=strategy, **args)
+    assert plain.worlds[4].wire_total > 2 * w.wire_total     # the 4 x 1 plan is not what was predicted

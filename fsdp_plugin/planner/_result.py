@@ -43,6 +43,9 @@ class WorldPlan:
     link_bytes_per_node: int = 0   # with nodes=: bytes each node sends on its link per step
     link_s: Optional[float] = None  # with link_gbps=: seconds of link traffic per step
     latency: dict = field(default_factory=dict)   # per-step latency terms at cluster scale (``_latency.py``)
+    # issue 31: tensor parallel (``_tp.py``): the bytes above are those of TP coordinate 0's ranks; wire_bytes
+    # are the data-parallel dimension's (the engine's collectives, over world_size // tp_size ranks)
+    tp_size: int = 1
 
     @property
     def wire_total(self) -> int:
