@@ -2,6 +2,8 @@
 rank, and the workers of the DCP round trips with torch's FSDP2 + TP."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -168,9 +170,10 @@ def torch_load_worker(rank, world, path):
 # ------------------------------------------------------------------ fp.plan at 2 x 2 against the engine
 def plan_worker(rank, world, strategy, which="toy"):
     """The toy GPT (or the tiny Llama on its tp_plan) at 2 x 2, ``strategy`` over dp: the engine's dp bytes per
-    step (fp.comm_stats, steps 1-2 after a warm-up), and this rank's flat shard and AdamW state bytes."""
+    step (fp.comm_stats, steps 1-2 after a warm-up), this rank's flat shard and AdamW state bytes, and the TP
+    group's (bytes, calls) per kind in step 2's forward and backward."""
     if which == "toy":
-        model, _ = _tp.build_2d((2,), 2, sharding_strategy=strategy)
+        model, mesh = _tp.build_2d((2,), 2, sharding_strategy=strategy)
         step = lambda s: model(*_tp.batch(s, rank // 2))                                   # noqa: E731
     else:
         from torch.distributed.device_mesh import init_device_mesh
@@ -181,14 +184,49 @@ def plan_worker(rank, world, strategy, which="toy"):
         fp.shard(model, device_mesh=mesh["dp"], auto_wrap_policy={LlamaDecoderLayer}, sharding_strategy=strategy)
         step = lambda s: model(input_ids=_tp.llama_batch(s, rank // 2), labels=_tp.llama_batch(s, rank // 2)).loss  # noqa: E731
     opt = _tp.make_optimizer("adamw", model.parameters())
+    tp = _TPTraffic(mesh["tp"].get_group())
     for s in range(3):
         if s == 1:
             fp.comm_stats.reset()
-        step(s).backward()
+        with tp.mode if s == 2 else contextlib.nullcontext():
+            step(s).backward()
         opt.step()
         opt.zero_grad()
     wire = {k: v // 2 for k, v in fp.comm_stats.bytes.items() if k != "control"}
     handles = [h for u in model._fp_root.units for h in u.handles]
     shards = sum(h.chunk * h.dtype.itemsize for h in handles)
     state = sum(v.numel() * v.element_size() for st in opt.state.values() for k, v in st.items() if k != "step")
-    return wire, shards, state
+    return wire, shards, state, (tp.bytes, tp.calls)
+
+
+class _TPTraffic:
+    """Ring bytes and calls per kind of the collectives torch runs on the TP group (DTensor's functional
+    collectives; c10d ops too), counted at dispatch with fp.comm_stats' formula."""
+
+    _KINDS = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor":
+              "reduce_scatter", "allreduce_": "all_reduce", "allgather_into_tensor_coalesced": "all_gather"}
+
+    def __init__(self, group):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        self.name, self.n = group.group_name, group.size()
+        self.bytes, self.calls = {}, {}
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                outer._see(func, args)
+                return func(*args, **(kwargs or {}))
+        self.mode = Mode()
+
+    def _see(self, func, args) -> None:
+        ns, op = func.namespace, func._opname
+        if ns not in ("_c10d_functional", "c10d") or op not in self._KINDS:
+            return
+        group = args[-1] if ns == "_c10d_functional" else args[1]
+        if (group if isinstance(group, str) else getattr(group, "group_name", None)) != self.name:
+            return
+        t = args[0] if isinstance(args[0], torch.Tensor) else args[0][0]
+        kind = self._KINDS[op]
+        full = t.numel() * t.element_size() * (self.n if kind == "all_gather" else 1)
+        self.bytes[kind] = self.bytes.get(kind, 0) + (2 if kind == "all_reduce" else 1) * full * (self.n - 1) // self.n
+        self.calls[kind] = self.calls.get(kind, 0) + 1

@@ -106,14 +106,15 @@ def test_plan_2d_predicts_dp_bytes_and_shard_memory_of_the_engine(strategy, whic
     w = plan.worlds[4]
     assert w.tp_size == 2 and plan.num_params == sum(p.numel() for p in model().parameters())
     results = run_ranks(_tp_export.plan_worker, 4, strategy, which, timeout=240)
-    for rank, (wire, shards, state) in enumerate(results):
+    for rank, (wire, shards, state, (tp_bytes, tp_calls)) in enumerate(results):
+        assert (tp_bytes, tp_calls) == (w.tp_wire_bytes, w.tp_wire_calls), (rank, tp_bytes, w.tp_wire_bytes)
         if rank % 2 == 0:
             assert wire == w.wire_bytes, (rank, wire, w.wire_bytes)
             assert shards == w.param_shards, rank
         else:
             assert sum(wire.values()) <= w.wire_total and shards <= w.param_shards, rank
         assert state <= w.optimizer_state, rank
-    assert max(state for *_, state in results) == w.optimizer_state
+    assert max(r[2] for r in results) == w.optimizer_state
     args.pop("tp_plan")
     plain = fp.plan(model, world_size=4, sharding_strategy=strategy, **args)
     assert plain.worlds[4].wire_total > 2 * w.wire_total     # the 4 x 1 plan is not what was predicted

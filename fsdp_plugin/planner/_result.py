@@ -46,6 +46,8 @@ class WorldPlan:
     # issue 31: tensor parallel (``_tp.py``): the bytes above are those of TP coordinate 0's ranks; wire_bytes
     # are the data-parallel dimension's (the engine's collectives, over world_size // tp_size ranks)
     tp_size: int = 1
+    tp_wire_bytes: dict = field(default_factory=dict)   # the TP dimension's (torch's own collectives), by kind
+    tp_wire_calls: dict = field(default_factory=dict)
 
     @property
     def wire_total(self) -> int:

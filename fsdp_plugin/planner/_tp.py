@@ -14,7 +14,10 @@ from __future__ import annotations
 import re
 from typing import Optional
 
+import torch
 from torch import nn
+
+from .._comm.stats import ring_bytes
 
 from .errors import PlanError
 
@@ -46,10 +49,10 @@ def check(tp_size, tp_plan, worlds: list) -> int:
 
 
 def apply(model: nn.Module, handles: list, tp_size: int, tp_plan) -> list:
-    """Give every handle the local TP shapes of coordinate 0; returns the planned (module name, kind) pairs."""
+    """Give every handle the local TP shapes of coordinate 0; returns the planned ``(module name, kind, style)``."""
     styles = _module_styles(model, tp_plan)
     local = {}
-    for name, kind in styles:
+    for name, kind, _ in styles:
         mod = model.get_submodule(name)
         for pname, p in mod.named_parameters(recurse=False):
             dim = _shard_dim(mod, pname, kind)
@@ -75,7 +78,7 @@ def _shard_dim(mod: nn.Module, pname: str, kind: str) -> Optional[int]:
 
 
 def _module_styles(model: nn.Module, tp_plan) -> list:
-    """``[(module name, "colwise" | "rowwise" | "replicate")]`` of ``tp_plan`` (wildcards ``*`` expanded)."""
+    """``[(module name, "colwise" | "rowwise" | "replicate", style)]`` of ``tp_plan`` (wildcards ``*`` expanded)."""
     if tp_plan == "auto":
         tp_plan = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None)
         if not tp_plan:
@@ -92,7 +95,7 @@ def _module_styles(model: nn.Module, tp_plan) -> list:
         if not hits:
             raise PlanError(f"tp_plan key {pattern!r} matches no module of {type(model).__name__}: fix the plan "
                             "(names as in model.named_modules())")
-        out += [(n, kind) for n in hits]
+        out += [(n, kind, style) for n in hits]
     return out
 
 
@@ -111,3 +114,112 @@ def _numel(shape) -> int:
     for d in shape:
         n *= d
     return n
+
+
+# -- the TP dimension's bytes -----------------------------------------------------------------------------------
+# A layout is "R" (Replicate), "P" (Partial) or ("S", dim). Forward of a redistribution A -> B, and backward of it
+# given the layout the gradient arrives in (B, or "P" where the consumer is a colwise matmul of a replicated input).
+def _fwd(a, b) -> Optional[str]:
+    if a == b or (a == "R" and b != "P"):
+        return None                   # same layout, or a local chunk of a replicated tensor
+    if a == "P":
+        return "all_reduce" if b == "R" else "reduce_scatter"
+    if b == "R":
+        return "all_gather"
+    raise PlanError(f"a redistribution {a} -> {b} (all-to-all) is not modelled by fp.plan: measure it")
+
+
+def _bwd(a, g) -> Optional[str]:
+    if g == a or g == "R":
+        return None
+    if g == "P":
+        return "all_reduce" if a == "R" else "reduce_scatter"
+    return "all_gather"               # a sharded gradient to a replicated (or partial) input
+
+
+def _layout(p, ndim: int):
+    name = type(p).__name__
+    if name == "Replicate":
+        return "R"
+    if name == "Partial":
+        return "P"
+    if name == "Shard":
+        return ("S", p.dim % ndim if ndim else 0)
+    raise PlanError(f"placement {p!r} in a tp_plan is not modelled by fp.plan: use Shard, Replicate or Partial")
+
+
+def _first(x):
+    return x[0] if isinstance(x, (tuple, list)) else x
+
+
+class Recorder:
+    """Forward hooks on every planned module: per call, ``(kind, style, module, [(bytes, ndim, needs grad)] of
+    the tensor inputs, [(bytes, ndim)] of the tensor outputs, [bytes] of its trainable parameters)``."""
+
+    def __init__(self, model: nn.Module, styles: list):
+        self.calls, self._hooks = [], []
+        for name, kind, style in styles:
+            mod = model.get_submodule(name)
+            self._hooks.append(mod.register_forward_hook(
+                lambda m, args, out, kind=kind, style=style: self.calls.append((kind, style, m, _io(args, True),
+                                                                                _io(out, False)))))
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+    def wire(self, tp: int) -> tuple[dict, dict]:
+        """(bytes, calls) per collective kind of one rank of the TP dimension for the recorded step."""
+        nbytes: dict = {}
+        calls: dict = {}
+        for kind, style, mod, ins, outs in self.calls:
+            for op, size in _module_ops(kind, style, mod, ins, outs):
+                nbytes[op] = nbytes.get(op, 0) + ring_bytes(size, 1, tp, 2 if op == "all_reduce" else 1)
+                calls[op] = calls.get(op, 0) + 1
+        return nbytes, calls
+
+
+def _io(x, inputs: bool) -> list:
+    flat = x if isinstance(x, (tuple, list)) else (x,)
+    return [(t.numel() * t.element_size(), t.dim(), t.requires_grad) for t in flat if isinstance(t, torch.Tensor)]
+
+
+def _module_ops(kind: str, style, mod: nn.Module, ins: list, outs: list) -> list:
+    """``[(collective, full tensor bytes)]`` one call of a planned module causes on the TP dimension."""
+    name = style if isinstance(style, str) else type(style).__name__
+    ops: list = []
+
+    def move(a, b, t, grad_partial=False, needs_grad=True):
+        size, _, *rg = t
+        for op in (_fwd(a, b), _bwd(a, "P" if grad_partial else b) if needs_grad and (not rg or rg[0]) else None):
+            if op is not None:
+                ops.append((op, size))
+    emb = isinstance(mod, nn.Embedding)
+    attr = (lambda k, d: d) if isinstance(style, str) else (lambda k, d: _first(getattr(style, k, None)) or d)
+    if kind == "colwise" and ins and outs:
+        given = "R" if emb or isinstance(style, str) else _layout(attr("input_layouts", None), ins[0][1])
+        if not emb:      # the matmul of a sharded weight gives the replicated input a partial gradient
+            move(given, "R", ins[0], grad_partial=True)
+        want = "R" if name == "colwise_gather_output" else (
+            ("S", outs[0][1] - 1) if isinstance(style, str) else _layout(attr("output_layouts", None), outs[0][1]))
+        move(("S", outs[0][1] - 1), want, outs[0])
+    elif kind == "rowwise" and outs:
+        if ins and not emb:
+            given = "R" if name == "rowwise_split_input" else (
+                ("S", ins[0][1] - 1) if isinstance(style, str) else _layout(attr("input_layouts", None), ins[0][1]))
+            move(given, ("S", ins[0][1] - 1), ins[0])
+        want = "R" if isinstance(style, str) else _layout(attr("output_layouts", None), outs[0][1])
+        move("P", want, outs[0])
+    elif name in ("SequenceParallel", "sequence_parallel", "replicated_with_grad_allreduce"):
+        # replicated parameters computed on sequence shards: their gradients are partial, all-reduced
+        ops += [("all_reduce", p.numel() * p.element_size()) for p in mod.parameters(recurse=False) if p.requires_grad]
+    elif name in ("PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput"):
+        pairs = []
+        if hasattr(style, "desired_input_layouts"):
+            pairs += [(a, b, t) for a, b, t in zip(style.input_layouts, style.desired_input_layouts, ins)]
+        if hasattr(style, "desired_output_layouts"):
+            pairs += [(a, b, t) for a, b, t in zip(style.output_layouts, style.desired_output_layouts, outs)]
+        for a, b, t in pairs:
+            if a is not None and b is not None:
+                move(_layout(a, t[1]), _layout(b, t[1]), t)
+    return ops

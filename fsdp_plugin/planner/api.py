@@ -99,15 +99,21 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
     units, handles = discover_units(module, cfgs[0].auto_wrap_policy, cfgs[0].ignored_modules, mp,
                                     cfgs[0].some_ranks_modules)
     num_params = sum(h.numel for h in handles)
+    recorder = None
     if tp > 1:      # flat buffers of local TP tensors (coordinate 0), sharded over dp = world // tp ranks
-        _tp.apply(module, handles, tp, opts["tp_plan"])
+        recorder = _tp.Recorder(module, _tp.apply(module, handles, tp, opts["tp_plan"]))
     regions = fp32_regions(module, mp)
     ac_policy = _ac_policy(ac, units)
     run_device = device if (device.type != "cuda" or torch.cuda.is_available()) else torch.device("cpu")
     spec = RunSpec(run_device, mp.param_dtype if mp else None, mp.buffer_dtype if mp else None,
                    mp.cast_forward_inputs if mp else False, ac_policy, regions, fp32_buffers(module, mp, regions))
     make_inputs = opts["inputs"] or _default_inputs(module, opts["batch_size"], opts["seq_len"])
-    tl = run(module, units, handles, spec, make_inputs, opts["loss_fn"])
+    try:
+        tl = run(module, units, handles, spec, make_inputs, opts["loss_fn"])
+    finally:
+        if recorder is not None:
+            recorder.remove()
+    tp_wire = recorder.wire(tp) if recorder is not None else ({}, {})
     cal = _calibration(opts["calibration"], device, mp)
     foreach = device.type == "cuda" if opts["foreach"] is None else opts["foreach"]
     notes = _notes(run_device, device, cfgs[0].cpu_offload) + _ac_notes(ac_policy) + (
@@ -117,7 +123,7 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
     out = []
     for cfg in cfgs:
         per_world = {w: _world(w, cfg, units, handles, tl, module, opt, cal, foreach,
-                               links.per_node(w) if links else opts["gpus_per_node"], device, links, tp)
+                               links.per_node(w) if links else opts["gpus_per_node"], device, links, tp, tp_wire)
                      for w in worlds}
         if opts["link_latency_us"] is not None:
             _latency.attach(per_world, cfg, opts["gpus_per_node"], device, opts["link_latency_us"])
@@ -167,14 +173,14 @@ def _default_inputs(module: nn.Module, batch_size: int, seq_len: int) -> Callabl
 
 
 def _world(w, cfg, units, handles, tl, module, opt, cal, foreach, gpus_per_node, device, links=None,
-           tp: int = 1) -> WorldPlan:
+           tp: int = 1, tp_wire: tuple = ({}, {})) -> WorldPlan:
     from ._world import world_plan
     if tp == 1:
         return world_plan(w, cfg, units, handles, tl, module, opt, cal, foreach, gpus_per_node, device, links)
     # tensor parallel: the engine shards the local TP tensors over the dp ranks (a node holds gpus_per_node / tp)
     out = world_plan(w // tp, cfg, units, handles, tl, module, opt, cal, foreach, max(1, gpus_per_node // tp),
                      device)
-    return dataclasses.replace(out, world_size=w, tp_size=tp)
+    return dataclasses.replace(out, world_size=w, tp_size=tp, tp_wire_bytes=tp_wire[0], tp_wire_calls=tp_wire[1])
 
 
 def _calibration(calibration, device: torch.device, mp):
