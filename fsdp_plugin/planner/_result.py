@@ -109,6 +109,9 @@ class Plan:
             lines.append(f"{label:<26}" + "".join(f"{fmt_bytes(getattr(self.worlds[w], attr)):>{width}}" for w in ws))
         lines.append(f"{'wire bytes / step':<26}" + "".join(f"{fmt_bytes(self.worlds[w].wire_total):>{width}}"
                                                            for w in ws))
+        if any(self.worlds[w].tp_size > 1 for w in ws):     # issue 31: the TP dimension's (torch's collectives)
+            lines.append(f"{'TP wire bytes / step':<26}" + "".join(
+                f"{fmt_bytes(sum(self.worlds[w].tp_wire_bytes.values())):>{width}}" for w in ws))
         if all(self.worlds[w].step_s is not None for w in ws):
             lines.append(f"{'step time (predicted)':<26}" + "".join(f"{self.worlds[w].step_s * 1e3:>{width - 3}.1f} ms"
                                                                    for w in ws))
