@@ -230,3 +230,8 @@ class _TPTraffic:
         full = t.numel() * t.element_size() * (self.n if kind == "all_gather" else 1)
         self.bytes[kind] = self.bytes.get(kind, 0) + (2 if kind == "all_reduce" else 1) * full * (self.n - 1) // self.n
         self.calls[kind] = self.calls.get(kind, 0) + 1
+
+
+def toy_inputs():
+    """One micro-batch of the toy GPT (for `fsdp-plugin plan --inputs`)."""
+    return _tp.batch(0, 0)

@@ -118,3 +118,17 @@ def test_plan_2d_predicts_dp_bytes_and_shard_memory_of_the_engine(strategy, whic
     args.pop("tp_plan")
     plain = fp.plan(model, world_size=4, sharding_strategy=strategy, **args)
     assert plain.worlds[4].wire_total > 2 * w.wire_total     # the 4 x 1 plan is not what was predicted
+
+
+def test_plan_cli_with_tp_size(capsys):
+    """`fsdp-plugin plan MODEL --world 4 --tp-size 2 --tp-plan MOD:FN` prints the 2-D plan fp.plan gives."""
+    import json
+    import fsdp_plugin as fp
+    from fsdp_plugin.cli import main
+    assert main(["plan", "_tp:TPGPT", "--world", "4", "--wrap", "TPBlock", "--inputs", "_tp_export:toy_inputs",
+                 "--tp-size", "2", "--tp-plan", "_tp:tp_plan", "--device", "cpu", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["worlds"]["4"]
+    want = fp.plan(_tp.TPGPT, world_size=4, auto_wrap_policy={_tp.TPBlock}, inputs=_tp_export.toy_inputs,
+                   tp_size=2, tp_plan=_tp.tp_plan(), device="cpu").worlds[4]
+    assert got["tp_size"] == 2 and got["tp_wire_bytes"] == want.tp_wire_bytes and got["wire_bytes"] == want.wire_bytes
+    assert main(["plan", "_tp:TPGPT", "--world", "3", "--tp-size", "2", "--tp-plan", "_tp:tp_plan"]) == 2
