@@ -174,7 +174,8 @@ def plan_worker(rank, world, strategy, which="toy"):
     group's (bytes, calls) per kind in step 2's forward and backward."""
     if which == "toy":
         model, mesh = _tp.build_2d((2,), 2, sharding_strategy=strategy)
-        step = lambda s: model(*_tp.batch(s, rank // 2))                                   # noqa: E731
+        def step(s):
+            return model(*_tp.batch(s, rank // 2))
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -182,7 +183,9 @@ def plan_worker(rank, world, strategy, which="toy"):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         model = parallelize_hf(_tp.llama(), mesh["tp"])
         fp.shard(model, device_mesh=mesh["dp"], auto_wrap_policy={LlamaDecoderLayer}, sharding_strategy=strategy)
-        step = lambda s: model(input_ids=_tp.llama_batch(s, rank // 2), labels=_tp.llama_batch(s, rank // 2)).loss  # noqa: E731
+        def step(s):
+            idx = _tp.llama_batch(s, rank // 2)
+            return model(input_ids=idx, labels=idx).loss
     opt = _tp.make_optimizer("adamw", model.parameters())
     tp = _TPTraffic(mesh["tp"].get_group())
     for s in range(3):

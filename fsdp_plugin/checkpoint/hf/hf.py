@@ -6,7 +6,8 @@
   differ), straight into the local shard. No mmap, no full copy, no pickle.
 * :func:`save_pretrained` writes HF safetensors + index without any gather: rank 0 creates the files
   at their final size, every rank ``pwrite``\\ s its own pieces at precomputed offsets (a tensor-parallel
-  box one run per row it does not span whole), rank 0 publishes (fsync, rename, index last). The output directory must be visible to all ranks (shared filesystem).
+  box one run per row it does not span whole), rank 0 publishes (fsync, rename, index last). The output
+  directory must be visible to all ranks (shared filesystem).
 * transformers models: names follow transformers' own conversion mapping (:mod:`.hf_convert`) both ways;
   renamed tensors and fused experts keep the ranged reads/writes above, any other converted tensor is read
   whole (load) or gathered whole on rank 0 (save).
