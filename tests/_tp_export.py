@@ -49,7 +49,7 @@ def save_pretrained_worker(rank, world, out: str):
     sent = _count_sends()
     sends = {}
     for name, save in [("fp", lambda d: fp.save_pretrained(model, d, max_shard_size="8KB")),
-                       ("fp_gather", lambda d: fp.save_pretrained(model, d, gather=True)),
+                       ("fp_gather", lambda d: fp.save_pretrained(model, d, max_shard_size="8KB", gather=True)),
                        ("hf", lambda d: model.save_pretrained(d, max_shard_size="8KB"))]:
         before = len(sent)
         save(f"{out}/{name}")
@@ -57,7 +57,7 @@ def save_pretrained_worker(rank, world, out: str):
     if rank == world - 1:
         ranged._sees = lambda files: False   # as if this rank did not see rank 0's files: pieces go to rank 0
     before = len(sent)
-    model.save_pretrained(f"{out}/hf_p2p")
+    model.save_pretrained(f"{out}/hf_p2p", max_shard_size="8KB")
     sends["hf_p2p"] = len(sent) - before
     return full, sends, bool(gathered)
 

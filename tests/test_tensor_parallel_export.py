@@ -26,10 +26,11 @@ def _equal(got: dict, want: dict, what: str):
 
 
 def test_save_pretrained_of_a_2d_llama_loads_in_transformers(tmp_path):
-    """2 dp x 2 tp Llama after one step: every export loads with LlamaForCausalLM.from_pretrained equal to
-    full_state_dict bit for bit; model.save_pretrained's files are byte-identical to transformers' own save of
-    the gathered model; the default paths send nothing point-to-point (each rank writes its own boxes) and
-    none falls back to gathering the model on rank 0."""
+    """2 dp x 2 tp Llama after one step: fp.save_pretrained and model.save_pretrained load with
+    LlamaForCausalLM.from_pretrained equal to full_state_dict bit for bit; model.save_pretrained's files are
+    byte-identical to transformers' own save of the gathered model, also when the boxes go to rank 0 (a rank
+    not seeing the files), and gather=True writes fp.save_pretrained's bytes; the default paths send nothing
+    point-to-point (each rank writes its own boxes) and none falls back to gathering the model on rank 0."""
     from transformers import LlamaForCausalLM
     results = run_ranks(_tp_export.save_pretrained_worker, 4, str(tmp_path), timeout=300)
     full, sends, gathered = results[0]
@@ -37,14 +38,16 @@ def test_save_pretrained_of_a_2d_llama_loads_in_transformers(tmp_path):
     assert all(r[1]["fp"] == 0 and r[1]["hf"] == 0 for r in results), [r[1] for r in results]
     assert sum(r[1]["fp_gather"] for r in results) > 0 and sum(r[1]["hf_p2p"] for r in results) > 0
     assert sum(f.endswith(".safetensors") for f in os.listdir(tmp_path / "fp")) > 2   # split into files
-    for name in ("fp", "fp_gather", "hf", "hf_p2p"):
+    for name in ("fp", "hf"):
         loaded = LlamaForCausalLM.from_pretrained(str(tmp_path / name)).state_dict()
         _equal({k: loaded[k] for k in full}, full, name)
     ref = _tp.llama()
     ref.load_state_dict(full)
     ref.save_pretrained(str(tmp_path / "ref"), max_shard_size="8KB")
-    for f in sorted(os.listdir(tmp_path / "ref")):
-        assert (tmp_path / "hf" / f).read_bytes() == (tmp_path / "ref" / f).read_bytes(), f
+    for got, want in (("hf", "ref"), ("hf_p2p", "ref"), ("fp_gather", "fp")):   # the same bytes every way
+        assert sorted(os.listdir(tmp_path / got)) == sorted(os.listdir(tmp_path / want)), got
+        for f in sorted(os.listdir(tmp_path / want)):
+            assert (tmp_path / got / f).read_bytes() == (tmp_path / want / f).read_bytes(), (got, f)
 
 
 @pytest.mark.parametrize("dp_shape", [(2,), (1, 2)])
