@@ -168,12 +168,17 @@ def torch_load_worker(rank, world, path):
 
 
 # ------------------------------------------------------------------ fp.plan at 2 x 2 against the engine
-def plan_worker(rank, world, strategy, which="toy"):
+#: ``fp.plan`` keywords and the matching ``fp.shard`` ones, by feature name
+FEATURES = {"": ({}, {}), "ac": ({"activation_checkpointing": True}, {"activation_checkpointing": True}),
+            "bf16": ({"mixed_precision": "bf16"}, {"mixed_precision": fp.MixedPrecision(param_dtype=torch.bfloat16)})}
+
+
+def plan_worker(rank, world, strategy, which="toy", feature=""):
     """The toy GPT (or the tiny Llama on its tp_plan) at 2 x 2, ``strategy`` over dp: the engine's dp bytes per
     step (fp.comm_stats, steps 1-2 after a warm-up), this rank's flat shard and AdamW state bytes, and the TP
     group's (bytes, calls) per kind in step 2's forward and backward."""
     if which == "toy":
-        model, mesh = _tp.build_2d((2,), 2, sharding_strategy=strategy)
+        model, mesh = _tp.build_2d((2,), 2, sharding_strategy=strategy, **FEATURES[feature][1])
         def step(s):
             return model(*_tp.batch(s, rank // 2))
     else:

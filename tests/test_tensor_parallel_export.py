@@ -96,19 +96,23 @@ def _plan_args(which: str) -> dict:
                 inputs=lambda: {"input_ids": idx, "labels": idx})
 
 
-@pytest.mark.parametrize("strategy,which", [("full_shard", "toy"), ("shard_grad_op", "toy"), ("full_shard", "llama")])
-def test_plan_2d_predicts_dp_bytes_and_shard_memory_of_the_engine(strategy, which):
+@pytest.mark.parametrize("strategy,which,feature", [("full_shard", "toy", ""), ("shard_grad_op", "toy", ""),
+                                                     ("full_shard", "toy", "ac"), ("full_shard", "toy", "bf16"),
+                                                     ("full_shard", "llama", "")])
+def test_plan_2d_predicts_dp_bytes_and_shard_memory_of_the_engine(strategy, which, feature):
     """fp.plan(model before parallelize_module, world_size=4, tp_size=2, tp_plan=the plan): the dp dimension's
     bytes per step equal fp.comm_stats on the ranks of TP coordinate 0 (the larger boxes: 9 of the toy's 17 MLP
-    columns; the Llama from its own tp_plan, tp_plan='auto'), and their flat shard bytes equal the engine's; AdamW state (the planner counts the padded chunk,
+    columns; the Llama from its own tp_plan, tp_plan='auto'), also under activation checkpointing (recomputed
+    forward collectives, early-stopped as torch's checkpoint does) and bf16 (16-bit activations and gradients), and their flat shard bytes equal the engine's; AdamW state (the planner counts the padded chunk,
     the engine the parameters' elements) is reached by the worst rank; coordinate 1's are no larger."""
     import fsdp_plugin as fp
     args = _plan_args(which)
     model = args.pop("model")
+    args.update(_tp_export.FEATURES[feature][0])
     plan = fp.plan(model, world_size=4, sharding_strategy=strategy, tp_size=2, **args)
     w = plan.worlds[4]
     assert w.tp_size == 2 and plan.num_params == sum(p.numel() for p in model().parameters())
-    results = run_ranks(_tp_export.plan_worker, 4, strategy, which, timeout=240)
+    results = run_ranks(_tp_export.plan_worker, 4, strategy, which, feature, timeout=240)
     for rank, (wire, shards, state, (tp_bytes, tp_calls)) in enumerate(results):
         assert (tp_bytes, tp_calls) == (w.tp_wire_bytes, w.tp_wire_calls), (rank, tp_bytes, w.tp_wire_bytes)
         if rank % 2 == 0:

@@ -153,16 +153,20 @@ def _first(x):
 
 
 class Recorder:
-    """Forward hooks on every planned module: per call, ``(kind, style, module, [(bytes, ndim, needs grad)] of
-    the tensor inputs, [(bytes, ndim)] of the tensor outputs, [bytes] of its trainable parameters)``."""
+    """Forward hooks on every planned module: per call, ``(kind, style, [(bytes, ndim, needs grad)] of the tensor
+    inputs and of the outputs, [bytes] of its trainable parameters in the compute dtype, recomputed)``. A call
+    during backward is activation checkpointing's recomputation: its forward collectives run again, its backward
+    ones belong to the original call (and where recomputation stops early, the fake run's stops there too)."""
 
     def __init__(self, model: nn.Module, styles: list):
         self.calls, self._hooks = [], []
         for name, kind, style in styles:
             mod = model.get_submodule(name)
             self._hooks.append(mod.register_forward_hook(
-                lambda m, args, out, kind=kind, style=style: self.calls.append((kind, style, m, _io(args, True),
-                                                                                _io(out, False)))))
+                lambda m, args, out, kind=kind, style=style: self.calls.append(
+                    (kind, style, isinstance(m, nn.Embedding), _io(args), _io(out),
+                     [p.numel() * p.element_size() for p in m.parameters(recurse=False) if p.requires_grad],
+                     torch._C._current_graph_task_id() != -1))))
 
     def remove(self) -> None:
         for h in self._hooks:
@@ -172,29 +176,31 @@ class Recorder:
         """(bytes, calls) per collective kind of one rank of the TP dimension for the recorded step."""
         nbytes: dict = {}
         calls: dict = {}
-        for kind, style, mod, ins, outs in self.calls:
-            for op, size in _module_ops(kind, style, mod, ins, outs):
+        for kind, style, emb, ins, outs, params, recomputed in self.calls:
+            for op, size, phase in _module_ops(kind, style, emb, ins, outs, params):
+                if recomputed and phase == "bwd":
+                    continue
                 nbytes[op] = nbytes.get(op, 0) + ring_bytes(size, 1, tp, 2 if op == "all_reduce" else 1)
                 calls[op] = calls.get(op, 0) + 1
         return nbytes, calls
 
 
-def _io(x, inputs: bool) -> list:
+def _io(x) -> list:
     flat = x if isinstance(x, (tuple, list)) else (x,)
     return [(t.numel() * t.element_size(), t.dim(), t.requires_grad) for t in flat if isinstance(t, torch.Tensor)]
 
 
-def _module_ops(kind: str, style, mod: nn.Module, ins: list, outs: list) -> list:
-    """``[(collective, full tensor bytes)]`` one call of a planned module causes on the TP dimension."""
+def _module_ops(kind: str, style, emb: bool, ins: list, outs: list, params: list) -> list:
+    """``[(collective, full tensor bytes, "fwd" | "bwd")]`` one call of a planned module causes on the TP
+    dimension (``emb``: the module is an ``nn.Embedding``)."""
     name = style if isinstance(style, str) else type(style).__name__
     ops: list = []
 
-    def move(a, b, t, grad_partial=False, needs_grad=True):
-        size, _, *rg = t
-        for op in (_fwd(a, b), _bwd(a, "P" if grad_partial else b) if needs_grad and (not rg or rg[0]) else None):
-            if op is not None:
-                ops.append((op, size))
-    emb = isinstance(mod, nn.Embedding)
+    def move(a, b, t, grad_partial=False):
+        size, _, needs_grad = t
+        ops.extend((op, size, phase) for op, phase in ((_fwd(a, b), "fwd"),
+                                                       (_bwd(a, "P" if grad_partial else b) if needs_grad else None,
+                                                        "bwd")) if op is not None)
     attr = (lambda k, d: d) if isinstance(style, str) else (lambda k, d: _first(getattr(style, k, None)) or d)
     if kind == "colwise" and ins and outs:
         given = "R" if emb or isinstance(style, str) else _layout(attr("input_layouts", None), ins[0][1])
@@ -212,7 +218,7 @@ def _module_ops(kind: str, style, mod: nn.Module, ins: list, outs: list) -> list
         move("P", want, outs[0])
     elif name in ("SequenceParallel", "sequence_parallel", "replicated_with_grad_allreduce"):
         # replicated parameters computed on sequence shards: their gradients are partial, all-reduced
-        ops += [("all_reduce", p.numel() * p.element_size()) for p in mod.parameters(recurse=False) if p.requires_grad]
+        ops += [("all_reduce", n, "bwd") for n in params]
     elif name in ("PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput"):
         pairs = []
         if hasattr(style, "desired_input_layouts"):
