@@ -243,3 +243,17 @@ class _TPTraffic:
 def toy_inputs():
     """One micro-batch of the toy GPT (for `fsdp-plugin plan --inputs`)."""
     return _tp.batch(0, 0)
+
+
+def stream_worker(rank, world, which):
+    """fp.iter_full_params of the 2 x 2 toy GPT / Llama on every rank (names="module" and "hf"), and its
+    full_state_dict."""
+    if which == "toy":
+        model, _ = _tp.build_2d((2,), 2)
+    else:
+        model = _trained_llama()
+    full = fp.full_state_dict(model, rank0_only=False)
+    meta = fp.full_params_meta(model, names="hf")
+    got = {n: t.clone() for n, t in fp.iter_full_params(model, names="module", ranks="all")}
+    hf = {n: t.clone() for n, t in fp.iter_full_params(model, names="hf", ranks="all", bucket_bytes=1 << 12)}
+    return full, got, hf, meta

@@ -54,7 +54,6 @@ def test_comparison_can_fail():
     ("refuse_stale_optimizer", "OptimizerError", "after fp.shard"),
     ("refuse_small_mesh_without_tp", "ConfigError", "tensor-parallel model"),
     ("refuse_plan", "PlanError", "tp_plan="),
-    ("refuse_stream", "CheckpointError", "fp.save_pretrained"),
 ])
 def test_refused_layouts_name_the_fix(case, error, words):
     with pytest.raises(RankFailure) as e:

@@ -139,3 +139,15 @@ def test_plan_cli_with_tp_size(capsys):
                    tp_size=2, tp_plan=_tp.tp_plan(), device="cpu").worlds[4]
     assert got["tp_size"] == 2 and got["tp_wire_bytes"] == want.tp_wire_bytes and got["wire_bytes"] == want.wire_bytes
     assert main(["plan", "_tp:TPGPT", "--world", "3", "--tp-size", "2", "--tp-plan", "_tp:tp_plan"]) == 2
+
+
+@pytest.mark.parametrize("which", ["toy", "llama"])
+def test_iter_full_params_of_a_2d_model_yields_full_tensors(which):
+    """fp.iter_full_params at 2 x 2: every TP slot all-gathered over TP after the dp gather, on every rank; equal
+    to full_state_dict bit for bit, shapes as full_params_meta says (per unit and bucketed)."""
+    for full, got, hf, meta in run_ranks(_tp_export.stream_worker, 4, which, timeout=240):
+        _equal(got, {k: v for k, v in full.items() if k in got}, "names='module'")
+        assert set(got) == set(full)
+        assert [(n, tuple(t.shape), t.dtype) for n, t in hf.items()] == [(n, tuple(s), d) for n, s, d in meta]
+        for n, t in hf.items():
+            assert torch.equal(t, full[n]), n

@@ -102,6 +102,15 @@ def sharding_timeout(model: nn.Module):
     return getattr(_layout().sharding_info(model), "timeout_s", None)
 
 
+def full_views(handle, full: torch.Tensor) -> list:
+    """``handle.split_full(full)`` with every tensor-parallel slot's local view made its global tensor (an
+    all-gather over the TP group: collective, every rank in the same order)."""
+    from .._flat.dtensor import full_tensor
+
+    specs = getattr(handle, "_tp", None) or [None] * len(handle.slots)
+    return [v if t is None else full_tensor(v, t) for v, t in zip(handle.split_full(full), specs)]
+
+
 def gather_full(handle, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``handle.gather_master()``, cast to ``dtype`` first when given (a floating handle): the same values as
     casting the gathered tensor (an element-wise cast), with the full buffer and the wire in ``dtype``."""
