@@ -119,6 +119,9 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
     notes = _notes(run_device, device, cfgs[0].cpu_offload) + _ac_notes(ac_policy) + (
         [f"target {device.type} has no device here: activations measured with CPU kernels"]
         if run_device != device else [])
+    if tp > 1:
+        notes.append(f"tensor parallel {tp}: activations, FLOPs and step time are the plain model's (not divided "
+                     "by tp, TP traffic unpriced): upper bounds; tp_wire_bytes are the TP dimension's bytes")
     links = Links.of(opts["nodes"], opts["link_gbps"], opts["link_latency_us"])
     out = []
     for cfg in cfgs:
