@@ -90,7 +90,8 @@ def fsdp2_tp():
 
 
 def _train(model, opt, steps, first: int = 0) -> list:
-    """Global mean loss per step; dp rank = rank // 2 (tp 2), the data of _tp.batch."""
+    """Global mean loss per step; the data of _tp.batch for rank // 2 (the dp rank at tp 2; at 4 x 1 two ranks
+    share each batch, which leaves the global mean, and so the step, the same)."""
     out = []
     for s in range(first, first + steps):
         loss = model(*_tp.batch(s, dist.get_rank() // 2))

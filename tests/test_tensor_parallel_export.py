@@ -64,9 +64,10 @@ def _same(got: dict, want: dict, what: str):
         assert torch.equal(got[k], want[k]), f"{what}: {k} off by {(got[k] - want[k]).abs().max().item():.3e}"
 
 
-@pytest.mark.parametrize("layout", ["2x2", "4x1"])
+@pytest.mark.parametrize("layout", ["2x2", "4x1", "h1x2x2"])
 def test_fsdp2_tp_dcp_checkpoint_resumes_on_ours(tmp_path, layout):
-    """torch's FSDP2 + the same TP plan at 2 x 2, dcp.save: ours at 2 x 2 (and 4 dp without TP) loads it with
+    """torch's FSDP2 + the same TP plan at 2 x 2, dcp.save: ours at 2 x 2 (and 4 dp without TP, and hybrid
+    (1, 2) x tp 2) loads it with
     every parameter and Adam moment bit-exact, and the next step's loss matches torch's within 1e-5."""
     path = str(tmp_path / "dcp")
     want, want_loss = run_ranks(_tp_export.torch_save_worker, 4, path, timeout=300)[0]
