@@ -513,11 +513,3 @@ def hf_worker(rank, world, build_name, block_name, steps, drop=None):
         dist.all_reduce(t)
         out.append((t.item() / world, grads, fp.full_state_dict(model, rank0_only=False), None))
     return out
-
-
-def refuse_save_pretrained(rank, world):
-    import tempfile
-    mesh = _mesh_1x2()
-    m = fp.shard(_colwise(mesh), device_mesh=mesh["dp"])
-    with tempfile.TemporaryDirectory() as d:
-        fp.save_pretrained(m, d)

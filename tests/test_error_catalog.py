@@ -559,6 +559,13 @@ def accelerate_optimizer_stepped_before_tensor_parallel_prepare():
 def plan_of_a_tensor_parallel_model():
     _tp_error("refuse_plan", fp.PlanError)
 
+
+def plan_tp_size_not_dividing_the_world():
+    fp.plan(GPT, world_size=3, tp_size=2, tp_plan={})
+
+
+def plan_tp_plan_with_an_unknown_style():
+    fp.plan(lambda: torch.nn.Sequential(torch.nn.Linear(4, 4)), world_size=2, tp_size=2, tp_plan={"0": "diagonal"})
 def _tiny_llama():
     import transformers as tf
     torch.manual_seed(0)
@@ -652,6 +659,7 @@ CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, hpz_size_n
 CASES += [checkpoint_url_without_filesystem, export_dcp_to_a_url]  # issue 33: URLs
 CASES += [default_tower_fed_under_an_unknown_input_name,  # issue 32b: the on-demand tower, fp.plan of a VLM
           plan_of_a_forward_that_reads_integers_from_its_inputs]
+CASES += [plan_tp_size_not_dividing_the_world, plan_tp_plan_with_an_unknown_style]  # issue 31: 2-D plans
 
 
 def _capture(case, tmp_path):

@@ -53,8 +53,7 @@ def test_comparison_can_fail():
     ("refuse_per_tensor_optimizer", "OptimizerError", "tensor parallelism"),
     ("refuse_stale_optimizer", "OptimizerError", "after fp.shard"),
     ("refuse_small_mesh_without_tp", "ConfigError", "tensor-parallel model"),
-    ("refuse_plan", "PlanError", "tensor parallelism"),
-    ("refuse_save_pretrained", "CheckpointError", "fsdp-plugin consolidate"),
+    ("refuse_plan", "PlanError", "tp_plan="),
 ])
 def test_refused_layouts_name_the_fix(case, error, words):
     with pytest.raises(RankFailure) as e:

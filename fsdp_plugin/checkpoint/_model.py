@@ -28,10 +28,21 @@ def param_shards(model: nn.Module, boxes: bool = False, what: str = "this operat
         tp = next((sh for sh in shards if getattr(sh, "box", None) is not None), None)
         if tp is not None:
             raise CheckpointError(
-                f"{what} does not support tensor-parallel models yet ({tp.fqn!r} is a DTensor box): save with "
-                "fp.save_checkpoint (boxes of the global tensors, loadable at any dp x tp) and export it with "
-                "`fsdp-plugin consolidate CKPT OUT` (HF safetensors)")
+                f"{what} does not support tensor-parallel models yet ({tp.fqn!r} is a DTensor box): export "
+                "full weights with fp.save_pretrained (HF safetensors, every rank writes its boxes), or save with "
+                "fp.save_checkpoint (loadable at any dp x tp) and `fsdp-plugin consolidate CKPT OUT`")
     return shards
+
+
+def piece_runs(sh) -> list[tuple[int, int]]:
+    """``(global_start, n)`` runs of the full tensor's flattened elements that ``sh``'s local piece holds, in the
+    piece's storage order (``sh.param`` flattened): one run for a plain piece ``[start, end)``, one per row the
+    box does not span whole for a tensor-parallel box. Their lengths sum to ``sh.end - sh.start``."""
+    from .format.boxes import box_runs
+
+    if sh.box is None:
+        return [(sh.start, sh.end - sh.start)] if sh.end > sh.start else []
+    return box_runs(tuple(sh.shape), *sh.box) if sh.end > sh.start else []
 
 
 def sharding_description(model: nn.Module) -> dict:
@@ -89,6 +100,15 @@ def stream_units(model: nn.Module) -> list[list]:
 def sharding_timeout(model: nn.Module):
     """The model's ``ShardingConfig(timeout_s=...)`` (None: the default deadline)."""
     return getattr(_layout().sharding_info(model), "timeout_s", None)
+
+
+def full_views(handle, full: torch.Tensor) -> list:
+    """``handle.split_full(full)`` with every tensor-parallel slot's local view made its global tensor (an
+    all-gather over the TP group: collective, every rank in the same order)."""
+    from .._flat.dtensor import full_tensor
+
+    specs = getattr(handle, "_tp", None) or [None] * len(handle.slots)
+    return [v if t is None else full_tensor(v, t) for v, t in zip(handle.split_full(full), specs)]
 
 
 def gather_full(handle, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -15,8 +15,9 @@ identical on every rank:
    and the unit. The agreement waits at most the model's ``timeout_s`` (a consumer slower than that is a
    stall).
 
-Memory: the round's full buffers, gathered in ``dtype`` when one is given (the shard is cast before the
-all-gather: same values, half the bytes for bf16), else in the master dtype; merged LoRA outputs are computed in
+Memory: the round's full buffers (a tensor-parallel model's TP slots also as their global tensors, gathered
+over TP), in ``dtype`` when one is given (the shard is cast before the all-gather: same values, half the bytes
+for bf16), else in the master dtype; merged LoRA outputs are computed in
 the master dtype and cast after (one cast tensor more). The buffer is dropped at the agreement (a tensor the
 consumer keeps holds its buffer). Outputs whose sources lie in several rounds (rare:
 transformers converters of sibling modules) keep copies of the earlier sources until their last round.
@@ -156,7 +157,7 @@ def _gather(plan: StreamPlan, stages: list[int], kept: dict, later: set, dtype) 
             continue
         for h in plan.units[stage]:
             full = _model.gather_full(h, dtype)
-            for s, v in zip(h.slots, h.split_full(full)):
+            for s, v in zip(h.slots, _model.full_views(h, full)):    # TP slots: all-gathered over TP too
                 avail[id(s.param)] = v
     for k in later:
         if k in avail and k not in kept:

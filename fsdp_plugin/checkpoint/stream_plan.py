@@ -119,7 +119,7 @@ def _cast(d: torch.dtype, dtype) -> torch.dtype:
 
 def _entries(model: nn.Module) -> list[tuple[str, object, tuple, torch.dtype]]:
     """Every ``state_dict()`` key of ``model``: (name, source key, full shape, dtype)."""
-    shards = {id(sh.param): sh for sh in _model.param_shards(model)}
+    shards = {id(sh.param): sh for sh in _model.param_shards(model, boxes=True)}   # global shapes
     out = []
     for prefix, module in model.named_modules(remove_duplicate=False):
         pre = prefix + "." if prefix else ""

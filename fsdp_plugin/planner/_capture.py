@@ -43,9 +43,9 @@ def _refuse_tensor_parallel(model: nn.Module) -> None:
     """The planner models data-parallel sharding of plain tensors; DTensor parameters would be mis-sized."""
     name = next((n for n, p in model.named_parameters() if type(p).__name__ == "DTensor"), None)
     if name is not None:
-        raise PlanError(f"fp.plan does not model tensor parallelism yet ({name!r} is a DTensor): plan the model "
-                        "before parallelize_module with world_size=<data-parallel size> for its data-parallel part "
-                        "(TP divides the sharded parameter, gradient and optimizer bytes of split layers by tp)")
+        raise PlanError(f"fp.plan plans a tensor-parallel model from its plain form ({name!r} is already a "
+                        "DTensor): pass the model before parallelize_module, with tp_size=<tp degree> and "
+                        "tp_plan=<the plan you give parallelize_module> (or 'auto' for transformers' own)")
 
 
 def _build(factory: Callable[[], nn.Module]) -> nn.Module:

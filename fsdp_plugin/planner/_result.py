@@ -43,6 +43,11 @@ class WorldPlan:
     link_bytes_per_node: int = 0   # with nodes=: bytes each node sends on its link per step
     link_s: Optional[float] = None  # with link_gbps=: seconds of link traffic per step
     latency: dict = field(default_factory=dict)   # per-step latency terms at cluster scale (``_latency.py``)
+    # issue 31: tensor parallel (``_tp.py``): the bytes above are those of TP coordinate 0's ranks; wire_bytes
+    # are the data-parallel dimension's (the engine's collectives, over world_size // tp_size ranks)
+    tp_size: int = 1
+    tp_wire_bytes: dict = field(default_factory=dict)   # the TP dimension's (torch's own collectives), by kind
+    tp_wire_calls: dict = field(default_factory=dict)
 
     @property
     def wire_total(self) -> int:
@@ -104,6 +109,9 @@ class Plan:
             lines.append(f"{label:<26}" + "".join(f"{fmt_bytes(getattr(self.worlds[w], attr)):>{width}}" for w in ws))
         lines.append(f"{'wire bytes / step':<26}" + "".join(f"{fmt_bytes(self.worlds[w].wire_total):>{width}}"
                                                            for w in ws))
+        if any(self.worlds[w].tp_size > 1 for w in ws):     # issue 31: the TP dimension's (torch's collectives)
+            lines.append(f"{'TP wire bytes / step':<26}" + "".join(
+                f"{fmt_bytes(sum(self.worlds[w].tp_wire_bytes.values())):>{width}}" for w in ws))
         if all(self.worlds[w].step_s is not None for w in ws):
             lines.append(f"{'step time (predicted)':<26}" + "".join(f"{self.worlds[w].step_s * 1e3:>{width - 3}.1f} ms"
                                                                    for w in ws))

@@ -10,7 +10,7 @@ from torch import nn
 from .._build.precision import fp32_buffers, fp32_regions
 from ..config import Checkpointing, MixedPrecision, ShardingConfig, as_checkpointing
 from ..errors import ConfigError
-from . import _latency, _optim as _optim
+from . import _latency, _optim as _optim, _tp
 from ._capture import ModelSource, capture, hf_inputs
 from ._fake_run import RunSpec, Timeline, run
 from ._links import Links
@@ -24,7 +24,7 @@ _MP = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16
 
 _RUN_DEFAULTS = dict(optimizer="adamw", inputs=None, loss_fn=None, batch_size=1, seq_len=128, device=None,
                     calibration=None, gpus_per_node=8, foreach=None, nodes=None, link_gbps=None,
-                    link_latency_us=None)
+                    link_latency_us=None, tp_size=1, tp_plan=None)
 _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ShardingConfig))
 
 
@@ -91,30 +91,46 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
     opt = _optim.check(opts["optimizer"])
     named_gpu = isinstance(opts["calibration"], str) and opts["calibration"] in HARDWARE
     device = torch.device(opts["device"] or ("cuda" if torch.cuda.is_available() or named_gpu else "cpu"))
+    tp = _tp.check(opts["tp_size"], opts["tp_plan"], worlds)
+    if tp > 1 and (opts["nodes"] is not None or opts["link_latency_us"] is not None):
+        raise PlanError("fp.plan: nodes=/link_latency_us= with tp_size are not modelled yet: plan the job's "
+                        "data-parallel part on one node (tp_size and world_size only)")
     module = capture(model)
     units, handles = discover_units(module, cfgs[0].auto_wrap_policy, cfgs[0].ignored_modules, mp,
                                     cfgs[0].some_ranks_modules)
+    num_params = sum(h.numel for h in handles)
+    recorder = None
+    if tp > 1:      # flat buffers of local TP tensors (coordinate 0), sharded over dp = world // tp ranks
+        recorder = _tp.Recorder(module, _tp.apply(module, handles, tp, opts["tp_plan"]))
     regions = fp32_regions(module, mp)
     ac_policy = _ac_policy(ac, units)
     run_device = device if (device.type != "cuda" or torch.cuda.is_available()) else torch.device("cpu")
     spec = RunSpec(run_device, mp.param_dtype if mp else None, mp.buffer_dtype if mp else None,
                    mp.cast_forward_inputs if mp else False, ac_policy, regions, fp32_buffers(module, mp, regions))
     make_inputs = opts["inputs"] or _default_inputs(module, opts["batch_size"], opts["seq_len"])
-    tl = run(module, units, handles, spec, make_inputs, opts["loss_fn"])
+    try:
+        tl = run(module, units, handles, spec, make_inputs, opts["loss_fn"])
+    finally:
+        if recorder is not None:
+            recorder.remove()
+    tp_wire = recorder.wire(tp) if recorder is not None else ({}, {})
     cal = _calibration(opts["calibration"], device, mp)
     foreach = device.type == "cuda" if opts["foreach"] is None else opts["foreach"]
     notes = _notes(run_device, device, cfgs[0].cpu_offload) + _ac_notes(ac_policy) + (
         [f"target {device.type} has no device here: activations measured with CPU kernels"]
         if run_device != device else []) + _some_ranks_notes(units, handles, cfgs[0])
+    if tp > 1:
+        notes.append(f"tensor parallel {tp}: activations, FLOPs and step time are the plain model's (not divided "
+                     "by tp, TP traffic unpriced): upper bounds; tp_wire_bytes are the TP dimension's bytes")
     links = Links.of(opts["nodes"], opts["link_gbps"], opts["link_latency_us"])
     out = []
     for cfg in cfgs:
         per_world = {w: _world(w, cfg, units, handles, tl, module, opt, cal, foreach,
-                               links.per_node(w) if links else opts["gpus_per_node"], device, links)
+                               links.per_node(w) if links else opts["gpus_per_node"], device, links, tp, tp_wire)
                      for w in worlds}
         if opts["link_latency_us"] is not None:
             _latency.attach(per_world, cfg, opts["gpus_per_node"], device, opts["link_latency_us"])
-        out.append(Plan(model=_name(model, module), num_params=sum(h.numel for h in handles),
+        out.append(Plan(model=_name(model, module), num_params=num_params,
                         strategy=cfg.sharding_strategy, optimizer=opt,
                         mixed_precision=str(mp.param_dtype).replace("torch.", "") if mp and mp.param_dtype else None,
                         activation_checkpointing=ac_policy is not None, micro_batch=_describe_inputs(tl),
@@ -159,9 +175,15 @@ def _default_inputs(module: nn.Module, batch_size: int, seq_len: int) -> Callabl
     return make
 
 
-def _world(w, cfg, units, handles, tl, module, opt, cal, foreach, gpus_per_node, device, links=None) -> WorldPlan:
+def _world(w, cfg, units, handles, tl, module, opt, cal, foreach, gpus_per_node, device, links=None,
+           tp: int = 1, tp_wire: tuple = ({}, {})) -> WorldPlan:
     from ._world import world_plan
-    return world_plan(w, cfg, units, handles, tl, module, opt, cal, foreach, gpus_per_node, device, links)
+    if tp == 1:
+        return world_plan(w, cfg, units, handles, tl, module, opt, cal, foreach, gpus_per_node, device, links)
+    # tensor parallel: the engine shards the local TP tensors over the dp ranks (a node holds gpus_per_node / tp)
+    out = world_plan(w // tp, cfg, units, handles, tl, module, opt, cal, foreach, max(1, gpus_per_node // tp),
+                     device)
+    return dataclasses.replace(out, world_size=w, tp_size=tp, tp_wire_bytes=tp_wire[0], tp_wire_calls=tp_wire[1])
 
 
 def _calibration(calibration, device: torch.device, mp):

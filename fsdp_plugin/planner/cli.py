@@ -50,6 +50,10 @@ def add_parser(sub) -> None:
     p.add_argument("--link-latency-us", type=float, help="one small-message hop in microseconds (e.g. 30): also "
                                                          "print the latency floor (collectives x ring steps x latency), "
                                                          "blocking waits and store traffic per step")
+    p.add_argument("--tp-size", type=int, default=1, metavar="TP", help="tensor-parallel degree: each world size "
+                   "is dp x TP ranks; the model's plan from --tp-plan (default: a transformers model's own tp_plan)")
+    p.add_argument("--tp-plan", metavar="PKG.MODULE:ATTR", help="with --tp-size: the {module: style} dict you give "
+                   "parallelize_module (or a function returning it)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(fn=run)
 
@@ -70,6 +74,11 @@ def run(args) -> int:
                       calibration="calibrate" if args.calibrate else args.hardware)
         if args.link_latency_us is not None:
             kwargs["link_latency_us"] = args.link_latency_us
+        if args.tp_size != 1:      # issue 31: planned from the plain model and its TP plan
+            if args.fit:
+                raise PlanError("--fit with --tp-size is not supported: plan given --world sizes (multiples of TP)")
+            tp_plan = _import(args.tp_plan) if args.tp_plan else "auto"
+            kwargs.update(tp_size=args.tp_size, tp_plan=tp_plan() if callable(tp_plan) else tp_plan)
         if args.fit:
             result = fit(module, args.fit, max_world=args.max_world, **kwargs)
         else:

@@ -48,7 +48,7 @@ def load_dcp(path, model, optimizer=None, strict: bool = True, *, optimizer_path
 
 def _load_local(parts: tree.Parts, path: str, model, optimizers: list, strict: bool, out_report):
     report = MismatchReport()
-    shards = _model.param_shards(model, what="loading a torch DCP checkpoint")
+    shards = _model.param_shards(model, boxes=True)
     copy_back, finishers = [], []
     with DcpReader() as reader:
         # Phase 1 only matches names (no side effects); phase 2 queues reads and creates optimizer state.
@@ -65,14 +65,18 @@ def _load_local(parts: tree.Parts, path: str, model, optimizers: list, strict: b
     return _resolve(extra)
 
 
-def _read_into(entry: TensorEntry, target: torch.Tensor, start: int, what: str):
-    """An action queuing elements ``[start, start + target.numel())`` of ``entry`` into ``target``."""
+def _read_into(entry: TensorEntry, target: torch.Tensor, start: int, what: str, sh=None):
+    """An action queuing elements ``[start, start + target.numel())`` of ``entry`` into ``target`` (or, given
+    the parameter's piece ``sh``, the runs it holds: a tensor-parallel box)."""
 
     def act(reader, copy_back, finishers):
         dest, tmp = _model.flat_dest(target)
         if tmp is not None:
             copy_back.append((target.detach(), tmp))
-        reader.queue(entry, start, dest, what)
+        if sh is not None and sh.box is not None:
+            reader.queue_runs(entry, _model.piece_runs(sh), dest, what)
+        else:
+            reader.queue(entry, start, dest, what)
 
     return act
 
@@ -96,7 +100,7 @@ def _match_model(saved: dict, shards, buffers, report: MismatchReport) -> list:
         if hit is None:
             report.missing.append(sh.fqn)
         elif _check_shape(saved[hit], sh.shape, sh.fqn, report):
-            actions.append(_read_into(saved[hit], sh.param, sh.start, sh.fqn))
+            actions.append(_read_into(saved[hit], sh.param, sh.start, sh.fqn, sh))
     for name, buf in buffers:
         known.add(name)
         if name not in saved:
@@ -153,7 +157,7 @@ def _state_action(opt, p, sh, key: str, entry, what: str, report: MismatchReport
     if isinstance(entry, TensorEntry) and optim.is_per_element_shape(key, tuple(entry.size), tuple(sh.shape)):
         def act(reader, copy_back, finishers):
             dest = optim.state_dest(opt, p, key, entry.dtype)
-            _read_into(entry, dest, sh.start, what)(reader, copy_back, finishers)
+            _read_into(entry, dest, sh.start, what, sh)(reader, copy_back, finishers)
         return act
 
     def act_scalar(reader, copy_back, finishers):

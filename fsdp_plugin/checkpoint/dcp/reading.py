@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from ..format import _format
+from ..format import _format, boxes
 from ..errors import CorruptCheckpointError
 from ..storage.fsio import byte_view, crc32
 from ..format.reader import ReadPlan
@@ -102,17 +102,22 @@ class DcpReader:
 
     def queue(self, entry: TensorEntry, start: int, dest: torch.Tensor, what: str) -> None:
         """Queue: elements ``[start, start + dest.numel())`` of the flattened tensor into 1-D ``dest``."""
-        end, covered = start + dest.numel(), 0
+        self.queue_runs(entry, [(start, dest.numel())], dest, what)
+
+    def queue_runs(self, entry: TensorEntry, want: list, dest: torch.Tensor, what: str) -> None:
+        """Queue: the elements of runs ``want`` (``(global_start, n)``, ascending: a tensor-parallel box of the
+        flattened tensor) into 1-D ``dest``, stored one run after the other."""
+        covered = 0
         for chunk in entry.chunks:
-            for g, c, n in runs(chunk, entry.size):
-                lo, hi = max(g, start), min(g + n, end)
-                if lo < hi:
-                    self._queue_run(entry, chunk, c + lo - g, dest[lo - start:hi - start], what)
-                    covered += hi - lo
+            have = [(g, n) for g, _, n in runs(chunk, entry.size)]
+            for so, do, n in boxes.overlaps(have, want):
+                self._queue_run(entry, chunk, so, dest[do:do + n], what)
+                covered += n
         if covered != dest.numel():
+            first = want[0][0] if want else 0
             raise CorruptCheckpointError(
                 f"{entry.directory}: the chunks of {what} cover {covered:,} of the {dest.numel():,} elements "
-                f"[{start:,}, {end:,}) this rank needs: the checkpoint is incomplete or its .metadata is damaged")
+                f"(from {first:,}) this rank needs: the checkpoint is incomplete or its .metadata is damaged")
 
     def _queue_run(self, entry, chunk, c: int, dest: torch.Tensor, what: str) -> None:
         h = self.header(entry, chunk, what)

@@ -15,7 +15,7 @@ from .. import _model
 def placeholders(model) -> tuple[dict[str, torch.Tensor], dict[int, str]]:
     """``(state_dict, sources)``: meta stand-ins under the plain model's ``state_dict`` keys, in its order (tied
     aliases share one stand-in, as they share storage), and ``id(stand-in) -> the key it stands for``."""
-    by_param = {id(sh.param): sh for sh in _model.param_shards(model, what="a library-format export (save_pretrained, save_model)")}
+    by_param = {id(sh.param): sh for sh in _model.param_shards(model, boxes=True)}
     made: dict[int, torch.Tensor] = {}
     out, sources = {}, {}
     for prefix, module in model.named_modules(remove_duplicate=False):
@@ -34,7 +34,7 @@ def placeholders(model) -> tuple[dict[str, torch.Tensor], dict[int, str]]:
 
 def plain_numel(model) -> dict[int, int]:
     """``id(parameter) -> element count of the plain (unsharded) parameter`` (a sharded parameter holds a piece)."""
-    return {id(sh.param): sh.shape.numel() for sh in _model.param_shards(model, what="a library-format export (save_pretrained, save_model)")}
+    return {id(sh.param): sh.shape.numel() for sh in _model.param_shards(model, boxes=True)}
 
 
 def plan(files: list[tuple[str, dict | None, dict]], sources: dict[int, str],

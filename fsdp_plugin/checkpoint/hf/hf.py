@@ -5,8 +5,9 @@
   piece covers (one contiguous range per tensor, cast through a bounded bounce buffer when the dtypes
   differ), straight into the local shard. No mmap, no full copy, no pickle.
 * :func:`save_pretrained` writes HF safetensors + index without any gather: rank 0 creates the files
-  at their final size, every rank ``pwrite``\\ s its own pieces at precomputed offsets, rank 0 publishes
-  (fsync, rename, index last). The output directory must be visible to all ranks (shared filesystem).
+  at their final size, every rank ``pwrite``\\ s its own pieces at precomputed offsets (a tensor-parallel
+  box one run per row it does not span whole), rank 0 publishes (fsync, rename, index last). The output
+  directory must be visible to all ranks (shared filesystem).
 * transformers models: names follow transformers' own conversion mapping (:mod:`.hf_convert`) both ways;
   renamed tensors and fused experts keep the ranged reads/writes above, any other converted tensor is read
   whole (load) or gathered whole on rank 0 (save).
@@ -25,7 +26,7 @@ from ..format import _format
 from . import hf_convert
 from ..errors import CheckpointError, CheckpointMismatchError, MismatchReport
 from ..storage.fsio import byte_view, check_plain_name, close_file, file_size, open_in_dir, preadv_all
-from .hf_gather import gather_full, gather_write, piece_table
+from .hf_gather import gather_full, gather_write, piece_table, write_runs
 from .hf_out import INDEX_NAME, HFWriter
 from ..storage import is_url, join, require_local, resolve, storage_for
 from ..format.reader import ReadPlan
@@ -275,7 +276,7 @@ class _SaveLayout:
 
     def __init__(self, model, dtype):
         self.model, self.dtype = model, dtype
-        self.shards = _model.param_shards(model, what="fp.save_pretrained")
+        self.shards = _model.param_shards(model, boxes=True)
         self.buffers = _model.persistent_buffers(model)
         names = [sh.fqn for sh in self.shards] + [n for n, _ in self.buffers]
         self.renames, groups = hf_convert.plan_save(model, names)
@@ -292,6 +293,11 @@ class _SaveLayout:
             else:
                 self.groups.append(g)
         in_group = {n for g in self.groups for _, n in g.sources}
+        boxed = next((sh.fqn for sh in self.shards if sh.box is not None and sh.fqn in in_group), None)
+        if boxed is not None:
+            raise CheckpointError(f"fp.save_pretrained: {boxed!r} is tensor-parallel and transformers converts it "
+                                  "while saving (not a rename or a split of it): not supported; save with "
+                                  "fp.save_checkpoint and export that with `fsdp-plugin consolidate CKPT OUT`")
         self.pieces = [sh for sh in self.shards if sh.fqn not in in_group]
         self.direct_buffers = [(n, b) for n, b in self.buffers if n not in in_group]
         self.entries = [(self.renames[sh.fqn], _out(sh.dtype, dtype), tuple(sh.shape))
@@ -349,9 +355,10 @@ def _write_all(writer: HFWriter, out: _SaveLayout, gather: bool, dtype) -> None:
             gather_write(writer, out.pieces, out.direct_buffers,
                          lambda name, t, start: out.write_piece(writer, name, t, start))
         else:
-            for sh in out.pieces:
+            for sh in out.pieces:     # a TP box is written run by run where the full tensor holds it
                 if sh.writer and sh.end > sh.start:
-                    out.write_piece(writer, sh.fqn, sh.param, sh.start)
+                    write_runs(lambda name, t, start: out.write_piece(writer, name, t, start), sh.fqn,
+                               sh.param.detach().reshape(-1), _model.piece_runs(sh))
             for name, buf in out.direct_buffers if rank == 0 else []:
                 out.write_piece(writer, name, buf, 0)
         if out.groups:

@@ -12,13 +12,31 @@ import json
 import torch
 
 from .. import _comm
+from ..format.boxes import box_runs
 
 
 def piece_table(shards) -> list | None:
-    """On rank 0: ``table[r][i]`` = ``[start, end)`` of ``shards[i]`` that rank ``r`` writes, or None. Collective."""
-    mine = [[sh.start, sh.end] if sh.writer and sh.end > sh.start else None for sh in shards]
+    """On rank 0: ``table[r][i]`` = what rank ``r`` writes of ``shards[i]``: ``[start, end]`` (a plain piece),
+    ``[start, end, offsets, sizes]`` (a tensor-parallel box of the global tensor), or None. Collective."""
+    mine = [None if not (sh.writer and sh.end > sh.start) else [sh.start, sh.end] if sh.box is None
+            else [sh.start, sh.end, list(sh.box[0]), list(sh.box[1])] for sh in shards]
     table = _comm.gather_bytes(json.dumps(mine).encode(), step="gathering the piece table")
     return [json.loads(t) for t in table] if _comm.rank() == 0 else None
+
+
+def entry_runs(entry: list, shape) -> list[tuple[int, int]]:
+    """A :func:`piece_table` entry's ``(global_start, n)`` runs of the flattened full tensor, in storage order."""
+    if len(entry) == 4:
+        return box_runs(tuple(shape), entry[2], entry[3])
+    return [(entry[0], entry[1] - entry[0])]
+
+
+def write_runs(write_tensor, name: str, flat: torch.Tensor, runs) -> None:
+    """``write_tensor(name, part, global_start)`` for each run of a piece stored as ``flat`` (storage order)."""
+    pos = 0
+    for a, n in runs:
+        write_tensor(name, flat[pos:pos + n], a)
+        pos += n
 
 
 def _send_mine(sh) -> None:
@@ -40,11 +58,11 @@ def gather_write(writer, shards, buffers, write_tensor) -> None:
             if rng is None:
                 continue
             if r == 0:
-                write_tensor(sh.fqn, sh.param, rng[0])
+                buf = sh.param.detach().reshape(-1)
             else:
                 buf = torch.empty(rng[1] - rng[0], dtype=sh.dtype, device=dev)
                 _comm.recv(buf, r, f"receiving {sh.fqn!r} from rank {r}")
-                write_tensor(sh.fqn, buf, rng[0])
+            write_runs(write_tensor, sh.fqn, buf, entry_runs(rng, sh.shape))
     if rank == 0:
         for name, buf in buffers:
             write_tensor(name, buf, 0)
@@ -60,8 +78,12 @@ def gather_full(sh, i: int, table) -> torch.Tensor | None:
         rng = row[i]
         if rng is None:
             continue
-        if r == 0:
-            full[rng[0]:rng[1]].copy_(sh.param.detach().reshape(-1))
-        else:
+        if r != 0 and len(rng) == 2:     # a plain piece lands in place
             _comm.recv(full[rng[0]:rng[1]], r, f"receiving {sh.fqn!r} from rank {r}")
+            continue
+        buf = sh.param.detach().reshape(-1)
+        if r != 0:
+            buf = torch.empty(rng[1] - rng[0], dtype=sh.dtype, device=full.device)
+            _comm.recv(buf, r, f"receiving {sh.fqn!r} from rank {r}")
+        write_runs(lambda _, part, a: full[a:a + part.numel()].copy_(part), sh.fqn, buf, entry_runs(rng, sh.shape))
     return full.view(sh.shape)

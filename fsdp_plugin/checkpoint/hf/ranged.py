@@ -22,7 +22,8 @@ from .. import _comm, _model
 from ..format import _format, st_header
 from ..errors import CheckpointError
 from ..storage.fsio import byte_view, fsync_path, write_all
-from .hf_gather import piece_table
+from .hf_gather import entry_runs, piece_table
+from ..format.boxes import overlaps
 from ..format.writer import flat_cpu
 
 #: Elements copied to the host at a time from an accelerator shard (a view, no copy, on CPU).
@@ -132,7 +133,8 @@ class _Sources:
     """Where a ``state_dict`` key's elements live on this rank: a parameter piece ``[start, end)`` or a buffer."""
 
     def __init__(self, model):
-        self.shards = _model.param_shards(model, what="a library-format export (ranged writes)")
+        self.shards = _model.param_shards(model, boxes=True)
+        self.runs = [_model.piece_runs(sh) for sh in self.shards]   # a TP box: one run per row it cuts
         self.index = {n: i for i, sh in enumerate(self.shards) for n in (sh.fqn, *sh.aliases)}
         self.buffers = dict(_model.persistent_buffers(model))
         self.table = None
@@ -159,33 +161,38 @@ class _Sources:
         sh = self.shards[i]
         _checked(sh.param, dt, name)
         if shared:
-            lo, hi = max(start, sh.start), min(start + n, sh.end)
-            if sh.writer and lo < hi:
-                for a in range(lo, hi, _CHUNK):  # off-host shards pass through the host one chunk at a time
-                    b = min(a + _CHUNK, hi)
-                    f.pwrite(name, dt, out + a - start, byte_view(_piece(sh.param, a - sh.start, b - sh.start)))
+            for so, do, k in (overlaps(self.runs[i], [(start, n)]) if sh.writer else ()):
+                for a in range(0, k, _CHUNK):  # off-host shards pass through the host one chunk at a time
+                    b = min(a + _CHUNK, k)
+                    f.pwrite(name, dt, out + do + a, byte_view(_piece(sh.param, so + a, so + b)))
         else:
             self._via_rank0(f, name, dt, out, i, start, n)
 
     def _via_rank0(self, f: _File, name, dt, out: int, i: int, start: int, n: int) -> None:
-        """No shared filesystem: each writer rank's overlap goes to rank 0, which writes it."""
+        """No shared filesystem: each writer rank's overlap goes to rank 0 (one message: its runs' parts in
+        order), which writes it."""
         sh, rank = self.shards[i], _comm.rank()
         if rank != 0:
-            lo, hi = max(start, sh.start), min(start + n, sh.end)
-            if sh.writer and lo < hi:
-                piece = sh.param.detach().reshape(-1)[lo - sh.start:hi - sh.start]
+            parts = list(overlaps(self.runs[i], [(start, n)])) if sh.writer else []
+            if parts:
+                flat = sh.param.detach().reshape(-1)
+                piece = torch.cat([flat[so:so + k] for so, _, k in parts])
                 _comm.send(piece.to(_comm._device()).contiguous(), 0, f"sending {name!r} to rank 0")
             return
         for r, rng in enumerate(row[i] for row in self.table):
-            lo, hi = (max(start, rng[0]), min(start + n, rng[1])) if rng else (0, 0)
-            if lo >= hi:
+            parts = list(overlaps(entry_runs(rng, sh.shape), [(start, n)])) if rng else []
+            if not parts:
                 continue
             if r == 0:
-                piece = _piece(sh.param, lo - sh.start, hi - sh.start)
+                piece = flat_cpu(torch.cat([sh.param.detach().reshape(-1)[so:so + k] for so, _, k in parts]))
             else:
-                piece = torch.empty(hi - lo, dtype=sh.dtype, device=_comm._device())
+                piece = torch.empty(sum(k for *_, k in parts), dtype=sh.dtype, device=_comm._device())
                 _comm.recv(piece, r, f"receiving {name!r} from rank {r}")
-            f.pwrite(name, dt, out + lo - start, byte_view(flat_cpu(piece)))
+                piece = flat_cpu(piece)
+            pos = 0
+            for _, do, k in parts:
+                f.pwrite(name, dt, out + do, byte_view(piece[pos:pos + k]))
+                pos += k
 
 
 def _piece(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
