@@ -87,10 +87,9 @@ def _add_noise(flat: torch.Tensor) -> None:
     (N = 2^20) in a random order, stored twice so that any slice of at most N elements is contiguous, and per
     segment of at most N elements ``u = ((T[a + i] + T[b + i]) mod N) / N`` for two uniformly random offsets
     ``a, b``: for any element, over ``b``, ``u`` is uniform on the grid ``j / N``, so ``E[floor(x + u)] = x``
-    up to 1/(2N) of a step (~5e-7) and every error stays below one step. One slice alone is unbiased too, but
-    trained measurably worse (RESULTS § 35c: +0.83% final loss over 3 noise seeds against +0.45% for
-    ``torch.rand`` and for two slices); the second offset gives every pair of elements N^2 joint draws instead
-    of N. Three passes (int32 add, mask, scaled add: 1.1 ms per million elements against torch.rand's 3.1 ms,
+    up to 1/(2N) of a step (~5e-7) and every error stays below one step. One slice alone is unbiased too; the
+    second offset gives every pair of elements N^2 joint draws instead of N (RESULTS § 35c: the demo GPT's
+    300-step loss over 3 noise seeds is within the seed-to-seed spread of torch.rand's for both). Three passes (int32 add, mask, scaled add: 1.1 ms per million elements against torch.rand's 3.1 ms,
     one thread). Table and offsets come from this process's own CPU generator (`_state`: seeded by the global
     rank; the user's RNG streams are untouched; never a device sync)."""
     table, gen = _state(flat.device)
