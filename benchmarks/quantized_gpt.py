@@ -83,13 +83,9 @@ def _worker(rank, world, port, args, quant, queue):
 
 
 def _noise_source(args, rank: int) -> None:
-    """--noise-seed shifts the stochastic rounding's seed; --noise torch draws it with torch.rand per element
-    (the shipped noise, two offsets into a permuted grid, is ``table``): the spread of the final loss over noise seeds and sources."""
+    """--noise-seed shifts the stochastic rounding's seed: the spread of the final loss over rounding noise."""
     from fsdp_plugin._comm import quantized as qz
     qz._SEED_BASE += 1000 * args.noise_seed
-    if args.noise == "torch":
-        gen = torch.Generator().manual_seed(qz._SEED_BASE + rank)
-        qz._add_noise = lambda flat: flat.add_(torch.rand(flat.shape, generator=gen))
 
 
 def run(args, quant) -> dict:
@@ -139,7 +135,6 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--strategy", default="full_shard")
     p.add_argument("--noise-seed", type=int, default=0, help="shift of the stochastic rounding's seed")
-    p.add_argument("--noise", default="table", choices=("table", "torch"), help="the rounding noise's source")
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names of CONFIGS")
     p.add_argument("--tolerance", type=float, default=0.01)
     p.add_argument("--out", default=None)
