@@ -198,7 +198,7 @@ def test_conditional_publish_one_of_two_racing_writers_wins(bucket, monkeypatch)
     with pytest.raises(FileExistsError):  # the server enforces If-None-Match
         remote.ObjectStorage(path).create_exclusive(path + "/manifest.json", b"{}", exclusive=True)
     # writer B read "no manifest yet" before A published (the race window), then tries to publish
-    monkeypatch.setattr(_publish_remote, "published_uid", lambda p: None)
+    monkeypatch.setattr(_publish_remote, "read_base", lambda p: None)
     with pytest.raises(CheckpointError, match="another save published"):
         fp.save_checkpoint(path, _small(), extra={"w": "B"})
     monkeypatch.undo()

@@ -74,6 +74,30 @@ def test_replacing_keeps_one_prefix_and_the_manifest_names_it():
     assert sorted(n.rsplit("/", 1)[-1] for n in fs.ls(path, detail=False)) == sorted([doc["uuid"], "manifest.json"])
 
 
+def test_without_a_conditional_put_a_replace_since_the_save_began_is_refused(monkeypatch):
+    """memory:// reports no ETag: the save re-reads the manifest just before its PUT (the fallback)."""
+    from fsdp_plugin.checkpoint.storage import _publish_remote
+
+    path = _bucket() + "/ck"
+    fp.save_checkpoint(path, _trained(0)[0], extra={"step": 1})
+    assert not remote.ObjectStorage(path).conditional_replace
+    real, seen = _publish_remote.publish, []
+
+    def another_save_first(tmp, p, data, base):
+        if not seen:
+            seen.append(base)
+            fp.save_checkpoint(path, _trained(2)[0], extra={"step": 3})  # publishes while this save "uploads"
+        return real(tmp, p, data, base)
+
+    monkeypatch.setattr(_publish_remote, "publish", another_save_first)
+    with pytest.raises(fp.CheckpointError, match=r"another save replaced the checkpoint .*step 3.*its own root"):
+        fp.save_checkpoint(path, _trained(1)[0], extra={"step": 2})
+    assert seen[0].token is None
+    monkeypatch.undo()
+    assert fp.load_checkpoint(path, _model()) == {"step": 3}
+    assert len(fsspec.filesystem("memory").ls(path, detail=False)) == 2  # the winner's prefix and its manifest
+
+
 def test_a_save_without_manifest_is_invisible_and_cleaned_by_the_next_save(monkeypatch):
     from fsdp_plugin.checkpoint.storage import _publish_remote
 
