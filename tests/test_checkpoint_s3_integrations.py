@@ -49,6 +49,60 @@ def test_lightning_default_root_dir_on_a_bucket_saves_and_resumes(bucket, tmp_pa
 
 
 @pytest.fixture
+def server_log(monkeypatch):
+    """What the server did, in order: ("put", key) for every object written in one PUT, ("del", key) for every
+    object deleted (DeleteObject and each key of DeleteObjects)."""
+    from moto.s3.models import S3Backend
+
+    log, put, delete = [], S3Backend.put_object, S3Backend.delete_object
+
+    def logged_put(self, bucket_name, key_name, *a, **k):
+        out = put(self, bucket_name, key_name, *a, **k)
+        log.append(("put", key_name))
+        return out
+
+    def logged_delete(self, bucket_name, key_name, *a, **k):
+        log.append(("del", key_name))
+        return delete(self, bucket_name, key_name, *a, **k)
+
+    monkeypatch.setattr(S3Backend, "put_object", logged_put)
+    monkeypatch.setattr(S3Backend, "delete_object", logged_delete)
+    return log
+
+
+def test_lightning_keep_last_k_on_a_bucket_removes_after_the_new_manifest(bucket, server_log, tmp_path):
+    """ModelCheckpoint(save_top_k=2 of the highest steps, every step) with asynchronous saves: Lightning asks to
+    remove step n-2 right after *starting* step n's save; the strategy removes it only once step n's manifest is
+    published, and its manifest before its objects."""
+    import s3fs
+
+    root = f"{bucket}/lastk"
+    launch.python("lightning_train.py", "--out", tmp_path / "a.json", "--devices", 2, "--max-steps", 4,
+                  "--keep-last", 2, root, "--async-ckpt", timeout=300, cwd=tmp_path)
+    assert launch.report(tmp_path / "a.json")["async_saves"] == 4  # one epoch of 4 steps
+    prefix = root.split("/", 3)[3] + "/"
+    log = [(op, k[len(prefix):]) for op, k in server_log if k.startswith(prefix)]
+    published = {k.split("/")[0]: i for i, (op, k) in enumerate(log) if op == "put" and k.endswith("/manifest.json")}
+    name = "epoch=0-step={}.ckpt".format
+    assert sorted(published) == sorted(name(n) for n in range(1, 5)), log
+    for old in (1, 2):
+        dels = [i for i, (op, k) in enumerate(log) if op == "del" and k.startswith(name(old) + "/")]
+        assert dels, (old, log)
+        assert min(dels) > published[name(old + 2)], (old, log)  # evicted by step old+2: after it is published
+        assert log[min(dels)] == ("del", f"{name(old)}/manifest.json"), log  # uncommitted first
+    fs = s3fs.S3FileSystem()
+    fs.invalidate_cache()
+    assert sorted(k.rsplit("/", 1)[-1] for k in fs.ls(root)) == [name(3), name(4)]
+    assert fp_latest(root) == f"{root}/{name(4)}"
+
+
+def fp_latest(root: str):
+    import fsdp_plugin as fp
+
+    return fp.latest_checkpoint(root)
+
+
+@pytest.fixture
 def fresh_accelerate(monkeypatch):
     from accelerate.state import AcceleratorState, GradientState
 
