@@ -48,6 +48,33 @@ def test_lightning_default_root_dir_on_a_bucket_saves_and_resumes(bucket, tmp_pa
     assert max(abs(e[1] - w) for e, w in zip(got, want[4:])) <= 1e-5, (got, want[4:])
 
 
+def test_lightning_full_checkpoint_on_a_bucket_saves_resumes_and_loads_with_lightning(bucket, tmp_path):
+    """state_dict_type="full": one Lightning torch file, uploaded as one object; resumed at another world size,
+    and read by Lightning's own ``load_from_checkpoint`` (fsspec) with ``weights_only=True``."""
+    import s3fs
+    import torch
+
+    url = f"{bucket}/full/step4.ckpt"
+    launch.python("lightning_train.py", "--out", tmp_path / "a.json", "--devices", 2, "--max-steps", 4,
+                  "--state-dict-type", "full", "--save", url, timeout=300, cwd=tmp_path)
+    fs = s3fs.S3FileSystem()
+    fs.invalidate_cache()
+    assert fs.isfile(url) and fs.cat(url, start=0, end=4) == b"PK\x03\x04"  # one object: a zip archive
+    assert not any(p.name.endswith(":") for p in tmp_path.iterdir())
+    launch.python("lightning_train.py", "--out", tmp_path / "b.json", "--devices", 1, "--max-steps", 5,
+                  "--state-dict-type", "full", "--resume", url, "--forbid-pickle", timeout=300, cwd=tmp_path)
+    got = launch.report(tmp_path / "b.json")
+    want, _ = reference_run(5)
+    assert [e[0] for e in got["losses"]] == [5]
+    assert abs(got["losses"][0][1] - want[4]) <= 1e-5, (got["losses"], want[4])  # the step-4 weights, exactly
+    from lightning_train import Regressor
+
+    loaded = Regressor.load_from_checkpoint(url, weights_only=True)  # Lightning's loader, through fsspec
+    ref = reference_run(4)[1]
+    for k, v in loaded.state_dict().items():
+        torch.testing.assert_close(v, ref[k], atol=1e-5, rtol=1e-5)
+
+
 @pytest.fixture
 def server_log(monkeypatch):
     """What the server did, in order: ("put", key) for every object written in one PUT, ("del", key) for every

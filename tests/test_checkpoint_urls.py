@@ -231,8 +231,9 @@ def test_integration_paths_refuse_or_keep_urls():
     assert lightning_io.as_path(url) == url  # Lightning's strategy keeps a URL a str (Path collapses '//')
     fp.save_checkpoint(url + "/ck", _trained()[0])
     assert lightning_io.checkpoint_kind(url + "/ck") == "sharded"
-    with pytest.raises(UnsupportedStorageError, match="'full'"):
-        lightning_io.checkpoint_kind(url + "/missing.ckpt")
+    assert lightning_io.checkpoint_kind(url + "/missing.ckpt") is None  # nothing there (a 'full' file is an object)
+    fsspec.filesystem("memory").pipe(url + "/full.ckpt", b"PK\x03\x04")
+    assert lightning_io.checkpoint_kind(url + "/full.ckpt") == "full"
 
 
 def test_lightning_export_output_must_be_local():
