@@ -12,6 +12,8 @@ sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 import lightning_launch as launch  # noqa: E402
 from lightning_train import reference_run  # noqa: E402
 
+SCRIPT = Path(__file__).parent / "scripts" / "hf_trainer_check.py"
+
 pytestmark = pytest.mark.integration
 
 
@@ -73,6 +75,27 @@ def test_lightning_full_checkpoint_on_a_bucket_saves_resumes_and_loads_with_ligh
     ref = reference_run(4)[1]
     for k, v in loaded.state_dict().items():
         torch.testing.assert_close(v, ref[k], atol=1e-5, rtol=1e-5)
+
+
+def test_trainer_output_dir_on_a_bucket_saves_rotates_and_resumes(bucket, tmp_path):
+    """transformers Trainer on fsdp_plugin (accelerate launch, 2 processes), output_dir="s3://...": every
+    checkpoint-<step> folder is on the bucket (sharded state written by every rank, the Trainer's files uploaded),
+    save_total_limit rotates it, and a new Trainer resumes from the URL exactly."""
+    import json
+
+    from test_hf_trainer import accelerate
+
+    url = f"{bucket}/trainer"
+    accelerate(SCRIPT, [tmp_path, "bucket", url])
+    r = json.loads((tmp_path / "bucket_rank0.json").read_text())
+    assert r["engine"] and len(r["hist"]["loss"]) == 9
+    assert r["listing"] == ["checkpoint-6", "checkpoint-9"], r["listing"]  # checkpoint-3 rotated away
+    files = set(r["ckpt6"])
+    assert {"trainer_state.json", "rng_state_0.pth", "rng_state_1.pth", "fsdp_plugin_state/manifest.json"} <= files
+    assert any(f.startswith("fsdp_plugin_state/") and f.endswith("rank00001.model.safetensors") for f in files)
+    resumed = [v for s, v in zip(r["resumed"]["step"], r["resumed"]["loss"]) if s > 6]
+    assert len(resumed) == 3 and max(abs(a - b) for a, b in zip(resumed, r["hist"]["loss"][6:])) <= 1e-5
+    assert r["local_dirs"] == []  # no local "s3:" directory
 
 
 @pytest.fixture
