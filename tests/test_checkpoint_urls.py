@@ -175,19 +175,36 @@ def test_unusable_urls_raise_naming_the_scheme(url):
 
 
 def test_local_only_entry_points_refuse_urls(tmp_path):
-    from fsdp_plugin.checkpoint.dcp import export_dcp, load_dcp
-
     url = _bucket() + "/x"
     m, _ = _trained()
     local = str(tmp_path / "ck")
     fp.save_checkpoint(local, m)
-    calls = {             "consolidate": lambda: consolidate(local, url),
-             "export_dcp": lambda: export_dcp(local, url),
-             "load_dcp": lambda: load_dcp(url, m)}
-    for what, call in calls.items():
-        with pytest.raises(UnsupportedStorageError, match=rf"{what}.*memory://"):
-            call()
+    with pytest.raises(UnsupportedStorageError, match=r"consolidate.*memory://"):
+        consolidate(local, url)
     assert os.listdir(tmp_path) == ["ck"]
+
+
+def test_dcp_export_to_a_url_and_import_from_it():
+    from fsdp_plugin.checkpoint.dcp import export_dcp, is_dcp_dir, load_dcp
+
+    m, opt = _trained()
+    path, out = _bucket() + "/ck", _bucket() + "/dcp"
+    fp.save_checkpoint(path, m, opt, extra={"step": 4})
+    assert export_dcp(path, out) == out  # URL to URL
+    fs = fsspec.filesystem("memory")
+    assert ".metadata" in [n.rsplit("/", 1)[-1] for n in fs.ls(out, detail=False)]
+    with pytest.raises(fp.CheckpointError, match="already holds objects"):
+        export_dcp(path, out)
+    m2 = _model(1)
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=0.1)
+    assert load_dcp(out, m2, opt2) == {"extra": {"step": 4}}
+    with fp.full_params(m), fp.full_params(m2):
+        for a, b in zip(m.parameters(), m2.parameters()):
+            assert torch.equal(a, b)
+    for p, p2 in zip(m.parameters(), m2.parameters()):
+        for k, v in opt.state[p].items():
+            assert torch.equal(v, opt2.state[p2][k]), k
+    assert not is_dcp_dir(out)  # a local-directory test: a URL is never taken for a local path
 
 
 def test_file_urls_are_local_paths(tmp_path):

@@ -251,11 +251,19 @@ def checkpoint_url_without_filesystem():
     fp.save_checkpoint("nosuchscheme://bucket/run/step1", fp.shard(nn.Linear(2, 2)))
 
 
-def export_dcp_to_a_url(tmp_path):
+def export_dcp_to_a_url_holding_objects(tmp_path):
+    import uuid
+
+    import fsspec
     from fsdp_plugin.checkpoint.dcp import export_dcp
 
     fp.save_checkpoint(str(tmp_path / "ckpt"), fp.shard(nn.Linear(2, 2)))
-    export_dcp(str(tmp_path / "ckpt"), "memory://bucket/export")
+    out = f"memory://b{uuid.uuid4().hex[:12]}/export"
+    fsspec.filesystem("memory").pipe(out + "/notes.txt", b"someone else's object")
+    try:
+        export_dcp(str(tmp_path / "ckpt"), out)
+    except fp.CheckpointError as e:
+        raise fp.CheckpointError(str(e).replace(out, "s3://bucket/export")) from None
 
 
 def checkpoint_replaced_by_another_save_while_uploading():
@@ -606,7 +614,7 @@ CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, hpz_size_n
          stream_with_unknown_names, stream_consumer_fails_on_rank_0, stream_merge_of_a_dora_adapter,
          trl_vllm_sync_on_an_unknown_trl_version,
          unknown_quantization_format, quantization_block_size_not_a_multiple_of_8, quantized_weights_under_no_shard]
-CASES += [checkpoint_url_without_filesystem, export_dcp_to_a_url]  # issue 33: URLs
+CASES += [checkpoint_url_without_filesystem, export_dcp_to_a_url_holding_objects]  # issue 33: URLs
 CASES += [checkpoint_replaced_by_another_save_while_uploading]  # issue 33: replace conditional on the manifest read
 
 

@@ -87,7 +87,7 @@ def _upload_folder(folder: str) -> None:
         for name in files:
             local = os.path.join(root, name)
             target = url_of(local)
-            remote.with_retries("upload", target, lambda: st.fs.put_file(local, st._p(target)))
+            st.put_file(local, target)
 
 
 def _rotate(run_dir: str, url: str, uploaded: set) -> None:
@@ -140,4 +140,4 @@ def _download_folder(url: str, local: str) -> None:
             continue
         dest = os.path.join(local, *rel.split("/"))
         os.makedirs(os.path.dirname(dest), exist_ok=True)
-        remote.with_retries("download", storage.join(url, rel), lambda: st.fs.get_file(key, dest))
+        st.get_file(storage.join(url, rel), dest)

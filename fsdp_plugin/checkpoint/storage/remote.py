@@ -215,6 +215,15 @@ class ObjectStorage:
         with_retries("publish", url, attempt)
         self.fs.invalidate_cache(path)
 
+    def put_file(self, local: str, url: str) -> None:
+        """Upload local file ``local`` as object ``url`` (one object: visible whole at completion); retried."""
+        with_retries("upload", url, lambda: self.fs.put_file(local, self._p(url)))
+        self.fs.invalidate_cache(self._p(url))
+
+    def get_file(self, url: str, local: str) -> None:
+        """Download object ``url`` to local file ``local``; retried."""
+        with_retries("download", url, lambda: self.fs.get_file(self._p(url), local))
+
     def read_small(self, url: str, cap: int) -> bytes | None:
         """The whole object ``url`` (at most ``cap`` bytes, else CorruptCheckpointError), None when absent."""
         size = self.size(url)

@@ -18,7 +18,6 @@ from typing import Any
 
 from fsdp_plugin.checkpoint import _comm, storage
 from fsdp_plugin.checkpoint.errors import CheckpointNotFoundError
-from fsdp_plugin.checkpoint.storage import remote
 
 #: Bytes per read of the local archive while uploading (a multiple of the upload part size's divisor).
 CHUNK_BYTES = 16 << 20
@@ -68,7 +67,7 @@ def local_copy(url: str) -> Iterator[Path]:
     fd, name = tempfile.mkstemp(prefix="fsdp_plugin_full_", suffix=".ckpt")
     os.close(fd)
     try:
-        remote.with_retries("download", url, lambda: st.fs.get_file(st._p(url), name))
+        st.get_file(url, name)
         yield Path(name)
     finally:
         os.unlink(name)
