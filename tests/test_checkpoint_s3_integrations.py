@@ -96,6 +96,8 @@ def test_trainer_output_dir_on_a_bucket_saves_rotates_and_resumes(bucket, tmp_pa
     resumed = [v for s, v in zip(r["resumed"]["step"], r["resumed"]["loss"]) if s > 6]
     assert len(resumed) == 3 and max(abs(a - b) for a, b in zip(resumed, r["hist"]["loss"][6:])) <= 1e-5
     assert r["local_dirs"] == []  # no local "s3:" directory
+    for names in (r["saved"], r["final"]):  # save_model() (output_dir) and save_model(url): on the bucket
+        assert {"config.json", "model.safetensors"} <= set(names), names
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ directory, one per process (``tempfile``), which *mirrors* the URL:
 """
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import shutil
@@ -48,7 +49,24 @@ def url_of(path: str) -> str | None:
 def _stage(url: str) -> str:
     local = tempfile.mkdtemp(prefix="fsdp_plugin_trainer_")
     _LINKS[local] = url
+    atexit.register(shutil.rmtree, local, True)
     return local
+
+
+def staged(path: str) -> str:
+    """A local folder to write ``path`` into: ``path`` itself unless it is a URL (then a fresh staging folder
+    mirroring it; :func:`upload` sends what was written)."""
+    if not storage.is_url(path):
+        return path
+    return _stage(storage.resolve(path, "Trainer.save_model output_dir"))
+
+
+def upload(folder: str) -> None:
+    """Collective: every process uploads what it wrote under staging ``folder`` (nothing when not staged)."""
+    if url_of(folder) is None:
+        return
+    err = _attempt(lambda: _upload_folder(folder)) if os.path.isdir(folder) else None
+    _comm.raise_if_any_failed(err, f"uploading {folder} to {url_of(folder)}")
 
 
 def attach(trainer: Any) -> None:
@@ -64,8 +82,7 @@ def after_checkpoint(trainer: Any, run_dir: str) -> None:
     if url is None:
         return
     folder = os.path.join(run_dir, f"checkpoint-{trainer.state.global_step}")
-    err = _attempt(lambda: _upload_folder(folder))
-    _comm.raise_if_any_failed(err, "uploading the Trainer checkpoint")
+    upload(folder)
     uploaded = trainer.__dict__.setdefault("_fp_uploaded", set())
     uploaded.add(os.path.basename(folder))
     err = _attempt(lambda: _rotate(run_dir, url, uploaded)) if _comm.rank() == 0 else None

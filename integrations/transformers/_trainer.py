@@ -72,6 +72,7 @@ def save_model(stock, self, output_dir: str | None = None, _internal_call: bool 
     if not active(self):
         return stock(self, output_dir, _internal_call)
     output_dir = output_dir if output_dir is not None else self.args.output_dir
+    output_dir = _remote_output.staged(output_dir)  # a URL: written locally, uploaded below
     if _internal_call and self.args.save_only_model:  # no optimizer save follows: the weights go here
         ckpt.save(self, output_dir, with_optimizer=False)
     if _internal_call and not _full_state_dict_type(self):
@@ -79,6 +80,8 @@ def save_model(stock, self, output_dir: str | None = None, _internal_call: bool 
         return None
     # rank 0 runs the Trainer's writer (config, tokenizer, training arguments); every rank writes its weight bytes
     save_like_library(self.model, lambda state_dict: self._save(output_dir, state_dict=state_dict), "Trainer.save_model")
+    if not _internal_call:  # a checkpoint's folder is uploaded whole after the Trainer finished it
+        _remote_output.upload(output_dir)
     if self.args.push_to_hub and not _internal_call:
         self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
     return None

@@ -113,6 +113,11 @@ def phase_bucket(out: str, url: str) -> dict:
     fs.invalidate_cache()
     rep["listing"] = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root))
     rep["ckpt6"] = sorted(p[len(root) + len("/checkpoint-6/"):] for p in fs.find(root + "/checkpoint-6"))
+    tr.save_model()  # output_dir: the bucket
+    tr.save_model(url + "/final")
+    fs.invalidate_cache()
+    rep["saved"] = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root) if fs.isfile(p))
+    rep["final"] = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root + "/final"))
     tr2 = trainer(tiny_llama(), url + "/resumed", max_steps=9)
     tr2.train(resume_from_checkpoint=url + "/checkpoint-6")
     rep["resumed"] = history(tr2)
