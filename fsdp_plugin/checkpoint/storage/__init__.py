@@ -100,8 +100,8 @@ def require_local(path, what: str) -> str:
         raise UnsupportedStorageError(
             f"{what}: {p!r} is a {s}:// URL, and {what} works on local paths only: give a local path (to move files "
             f"between the two: fsspec.filesystem({s!r}).get(url, local_dir, recursive=True) or .put(local_dir, url, "
-            "recursive=True)). fp.save_checkpoint, load_checkpoint, latest_checkpoint, save_pretrained and "
-            "load_pretrained take URLs.")
+            "recursive=True)). fp.save_checkpoint, load_checkpoint, latest_checkpoint, save_pretrained, "
+            "load_pretrained, load_dcp and export_dcp take URLs.")
     return resolve(p, what)
 
 
