@@ -4,8 +4,8 @@
 uuid it commits. Every publication is conditional on what the save saw when it began (:class:`Base`, read by
 :func:`prepare`): a fresh path is created with ``If-None-Match: *``; an existing checkpoint is replaced with
 ``If-Match: <the ETag read>`` (s3fs), so of two saves racing to one path exactly one publishes and the other
-raises :class:`CheckpointError` naming the save that won. Filesystems without a conditional overwrite (gcsfs,
-adlfs, memory://) re-read the manifest just before the PUT instead: a replace that happened while this save
+raises :class:`CheckpointError` naming the save that won. On filesystems we send no precondition through (gcsfs,
+adlfs, memory://) a save re-reads the manifest just before the PUT instead: a replace that happened while this save
 uploaded is refused the same way; two PUTs within the same few milliseconds can still both succeed there (last
 writer wins, both complete checkpoints, never a mix). See :mod:`.remote` for the other promises.
 """

@@ -186,8 +186,8 @@ class ObjectStorage:
     @property
     def conditional_replace(self) -> bool:
         """Whether :meth:`replace_if` is a server-side compare-and-swap: s3fs passes ``IfMatch`` to PutObject
-        (S3 and S3-compatible servers answer 412 when the ETag changed). gcsfs, adlfs and memory:// take no such
-        argument; callers fall back to re-reading the manifest just before the overwrite (see
+        (S3 and S3-compatible servers answer 412 when the ETag changed). Other filesystems (gcsfs, adlfs, memory://)
+        get no precondition from us; callers fall back to re-reading the manifest just before the overwrite (see
         :mod:`._publish_remote`)."""
         protocol = self.fs.protocol
         return bool({"s3", "s3a"} & set((protocol,) if isinstance(protocol, str) else protocol))
