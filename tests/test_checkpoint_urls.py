@@ -98,6 +98,13 @@ def test_without_a_conditional_put_a_replace_since_the_save_began_is_refused(mon
     assert len(fsspec.filesystem("memory").ls(path, detail=False)) == 2  # the winner's prefix and its manifest
 
 
+def test_a_damaged_manifest_is_replaced_by_the_next_save():
+    path = _bucket() + "/ck"
+    fsspec.filesystem("memory").pipe(path + "/manifest.json", b"{not json")
+    fp.save_checkpoint(path, _trained(0)[0], extra={"step": 7})
+    assert fp.load_checkpoint(path, _model()) == {"step": 7}
+
+
 def test_a_save_without_manifest_is_invisible_and_cleaned_by_the_next_save(monkeypatch):
     from fsdp_plugin.checkpoint.storage import _publish_remote
 

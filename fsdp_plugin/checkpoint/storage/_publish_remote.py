@@ -34,17 +34,15 @@ STALE_S = 3600.0
 class Base:
     """The published checkpoint a save replaces, as rank 0 read it when the save began."""
 
-    uid: str            #: its uuid (the prefix of its objects)
+    uid: str | None     #: its uuid (the prefix of its objects); None: a manifest without a valid one (damaged)
     token: str | None   #: the manifest's ETag (a conditional replace), None where the store reports none
 
 
 def read_base(path: str) -> Base | None:
-    """What ``path/manifest.json`` commits now (None when there is none or it is unreadable)."""
+    """What ``path/manifest.json`` commits now (None when there is none; ``uid`` None when it is damaged: the save
+    replaces it like a valid one)."""
     got = storage_for(path).read_versioned(join(path, manifest.NAME), manifest.MAX_MANIFEST_BYTES)
-    if got is None:
-        return None
-    uid = _uid_of(got[0])
-    return Base(uid, got[1]) if uid is not None else None
+    return None if got is None else Base(_uid_of(got[0]), got[1])
 
 
 def published_uid(path: str) -> str | None:
@@ -125,7 +123,7 @@ def publish(tmp: str, path: str, data: bytes, base: Base | None) -> None:
     else:
         raise CheckpointError(f"{where}: the conditional write was refused twice although the checkpoint did not "
                               "change (the object store reported a conflicting request); save again")
-    if base is not None and base.uid != ours:
+    if base is not None and base.uid is not None and base.uid != ours:
         st.remove_tree(join(path, base.uid))
 
 
