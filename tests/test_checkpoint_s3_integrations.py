@@ -1,5 +1,7 @@
 """Integrations checkpointing to a bucket on a real S3 API (moto server, s3fs): Lightning's
-``Trainer(default_root_dir="s3://...", strategy="fsdp_plugin")`` saves and resumes at another world size."""
+``Trainer(default_root_dir="s3://...", strategy="fsdp_plugin")`` saves and resumes at another world size, its
+keep-last-k rotation removes a checkpoint only after the next is published, ``state_dict_type="full"`` files;
+accelerate ``save_state``/``load_state``; the transformers Trainer's ``output_dir`` and ``resume_from_checkpoint``."""
 from __future__ import annotations
 
 import sys
