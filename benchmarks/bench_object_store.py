@@ -26,6 +26,10 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 
+#: botocore read timeout for the benchmark's client (seconds): longer than moto's slowest multipart completion.
+READ_TIMEOUT_S = 900
+
+
 def _serve(port: int) -> None:
     import logging
 
@@ -114,9 +118,20 @@ def main() -> None:
     port = _free_port()
     server = mp.get_context("spawn").Process(target=_serve, args=(port,), daemon=True)
     server.start()
+    # A read timeout longer than moto's slowest multipart completion: moto assembles the object in its request
+    # thread (every part copied, then an MD5), which at 256 MiB on a loaded machine outlasted botocore's 60 s
+    # default. The client (botocore, and s3fs, which retries read timeouts itself) then re-sent
+    # CompleteMultipartUpload while the first completion still ran; when one completion stores the object, moto
+    # disposes the parts the other is still reading: "seek of closed file" (reproduced with a 3 s completion and
+    # a 1 s timeout, with or without AWS_MAX_ATTEMPTS=1). botocore's own retries are off as in the tests;
+    # fsdp_plugin's bounded retries (a whole re-upload) stay on.
     os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="bench",
-                      AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+                      AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1", AWS_MAX_ATTEMPTS="1")
+    import fsspec
     import s3fs
+
+    fsspec.config.conf.setdefault("s3", {})["config_kwargs"] = {"read_timeout": READ_TIMEOUT_S,
+                                                                 "connect_timeout": 60}
 
     for _ in range(100):
         try:

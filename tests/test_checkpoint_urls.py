@@ -74,6 +74,37 @@ def test_replacing_keeps_one_prefix_and_the_manifest_names_it():
     assert sorted(n.rsplit("/", 1)[-1] for n in fs.ls(path, detail=False)) == sorted([doc["uuid"], "manifest.json"])
 
 
+def test_without_a_conditional_put_a_replace_since_the_save_began_is_refused(monkeypatch):
+    """memory:// reports no ETag: the save re-reads the manifest just before its PUT (the fallback)."""
+    from fsdp_plugin.checkpoint.storage import _publish_remote
+
+    path = _bucket() + "/ck"
+    fp.save_checkpoint(path, _trained(0)[0], extra={"step": 1})
+    assert not remote.ObjectStorage(path).conditional_replace
+    real, seen = _publish_remote.publish, []
+
+    def another_save_first(tmp, p, data, base):
+        if not seen:
+            seen.append(base)
+            fp.save_checkpoint(path, _trained(2)[0], extra={"step": 3})  # publishes while this save "uploads"
+        return real(tmp, p, data, base)
+
+    monkeypatch.setattr(_publish_remote, "publish", another_save_first)
+    with pytest.raises(fp.CheckpointError, match=r"another save replaced the checkpoint .*step 3.*its own root"):
+        fp.save_checkpoint(path, _trained(1)[0], extra={"step": 2})
+    assert seen[0].token is None
+    monkeypatch.undo()
+    assert fp.load_checkpoint(path, _model()) == {"step": 3}
+    assert len(fsspec.filesystem("memory").ls(path, detail=False)) == 2  # the winner's prefix and its manifest
+
+
+def test_a_damaged_manifest_is_replaced_by_the_next_save():
+    path = _bucket() + "/ck"
+    fsspec.filesystem("memory").pipe(path + "/manifest.json", b"{not json")
+    fp.save_checkpoint(path, _trained(0)[0], extra={"step": 7})
+    assert fp.load_checkpoint(path, _model()) == {"step": 7}
+
+
 def test_a_save_without_manifest_is_invisible_and_cleaned_by_the_next_save(monkeypatch):
     from fsdp_plugin.checkpoint.storage import _publish_remote
 
@@ -151,19 +182,36 @@ def test_unusable_urls_raise_naming_the_scheme(url):
 
 
 def test_local_only_entry_points_refuse_urls(tmp_path):
-    from fsdp_plugin.checkpoint.dcp import export_dcp, load_dcp
-
     url = _bucket() + "/x"
     m, _ = _trained()
     local = str(tmp_path / "ck")
     fp.save_checkpoint(local, m)
-    calls = {             "consolidate": lambda: consolidate(local, url),
-             "export_dcp": lambda: export_dcp(local, url),
-             "load_dcp": lambda: load_dcp(url, m)}
-    for what, call in calls.items():
-        with pytest.raises(UnsupportedStorageError, match=rf"{what}.*memory://"):
-            call()
+    with pytest.raises(UnsupportedStorageError, match=r"consolidate.*memory://"):
+        consolidate(local, url)
     assert os.listdir(tmp_path) == ["ck"]
+
+
+def test_dcp_export_to_a_url_and_import_from_it():
+    from fsdp_plugin.checkpoint.dcp import export_dcp, is_dcp_dir, load_dcp
+
+    m, opt = _trained()
+    path, out = _bucket() + "/ck", _bucket() + "/dcp"
+    fp.save_checkpoint(path, m, opt, extra={"step": 4})
+    assert export_dcp(path, out) == out  # URL to URL
+    fs = fsspec.filesystem("memory")
+    assert ".metadata" in [n.rsplit("/", 1)[-1] for n in fs.ls(out, detail=False)]
+    with pytest.raises(fp.CheckpointError, match="already holds objects"):
+        export_dcp(path, out)
+    m2 = _model(1)
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=0.1)
+    assert load_dcp(out, m2, opt2) == {"extra": {"step": 4}}
+    with fp.full_params(m), fp.full_params(m2):
+        for a, b in zip(m.parameters(), m2.parameters()):
+            assert torch.equal(a, b)
+    for p, p2 in zip(m.parameters(), m2.parameters()):
+        for k, v in opt.state[p].items():
+            assert torch.equal(v, opt2.state[p2][k]), k
+    assert not is_dcp_dir(out)  # a local-directory test: a URL is never taken for a local path
 
 
 def test_file_urls_are_local_paths(tmp_path):
@@ -207,8 +255,9 @@ def test_integration_paths_refuse_or_keep_urls():
     assert lightning_io.as_path(url) == url  # Lightning's strategy keeps a URL a str (Path collapses '//')
     fp.save_checkpoint(url + "/ck", _trained()[0])
     assert lightning_io.checkpoint_kind(url + "/ck") == "sharded"
-    with pytest.raises(UnsupportedStorageError, match="'full'"):
-        lightning_io.checkpoint_kind(url + "/missing.ckpt")
+    assert lightning_io.checkpoint_kind(url + "/missing.ckpt") is None  # nothing there (a 'full' file is an object)
+    fsspec.filesystem("memory").pipe(url + "/full.ckpt", b"PK\x03\x04")
+    assert lightning_io.checkpoint_kind(url + "/full.ckpt") == "full"
 
 
 def test_lightning_export_output_must_be_local():

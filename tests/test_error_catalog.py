@@ -275,11 +275,46 @@ def checkpoint_url_without_filesystem():
     fp.save_checkpoint("nosuchscheme://bucket/run/step1", fp.shard(nn.Linear(2, 2)))
 
 
-def export_dcp_to_a_url(tmp_path):
+def export_dcp_to_a_url_holding_objects(tmp_path):
+    import uuid
+
+    import fsspec
     from fsdp_plugin.checkpoint.dcp import export_dcp
 
     fp.save_checkpoint(str(tmp_path / "ckpt"), fp.shard(nn.Linear(2, 2)))
-    export_dcp(str(tmp_path / "ckpt"), "memory://bucket/export")
+    out = f"memory://b{uuid.uuid4().hex[:12]}/export"
+    fsspec.filesystem("memory").pipe(out + "/notes.txt", b"someone else's object")
+    try:
+        export_dcp(str(tmp_path / "ckpt"), out)
+    except fp.CheckpointError as e:
+        raise fp.CheckpointError(str(e).replace(out, "s3://bucket/export")) from None
+
+
+def checkpoint_replaced_by_another_save_while_uploading():
+    """Two saves replace one checkpoint at once; the second to publish fails its conditional write (If-Match on S3;
+    here memory://, whose fallback re-reads the manifest before the PUT). Host, pid, time and uuids vary: masked."""
+    import re
+    import uuid
+
+    from fsdp_plugin.checkpoint.storage import _publish_remote
+
+    path, real = f"memory://b{uuid.uuid4().hex[:12]}/run/step100", _publish_remote.publish
+    fp.save_checkpoint(path, fp.shard(nn.Linear(2, 2)), extra={"step": 100})
+
+    def other_job_first(tmp, p, data, base):
+        _publish_remote.publish = real
+        fp.save_checkpoint(path, fp.shard(nn.Linear(2, 2)), extra={"step": 100})
+        return real(tmp, p, data, base)
+
+    _publish_remote.publish = other_job_first
+    try:
+        fp.save_checkpoint(path, fp.shard(nn.Linear(2, 2)), extra={"step": 100})
+    except fp.CheckpointError as e:
+        msg = re.sub(r"[0-9a-f]{32}", "<uuid>", str(e).replace(path, "s3://bucket/run/step100"))
+        msg = re.sub(r"host \S+ pid \d+, at [0-9-]+ [0-9:]+ UTC", "host <host> pid <pid>, at <time> UTC", msg)
+        raise fp.CheckpointError(msg) from None
+    finally:
+        _publish_remote.publish = real
 
 
 def _late_rank(rank, world, trace_dir):
@@ -656,7 +691,8 @@ CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, hpz_size_n
          stream_with_unknown_names, stream_consumer_fails_on_rank_0, stream_merge_of_a_dora_adapter,
          trl_vllm_sync_on_an_unknown_trl_version,
          unknown_quantization_format, quantization_block_size_not_a_multiple_of_8, quantized_weights_under_no_shard]
-CASES += [checkpoint_url_without_filesystem, export_dcp_to_a_url]  # issue 33: URLs
+CASES += [checkpoint_url_without_filesystem, export_dcp_to_a_url_holding_objects]  # issue 33: URLs
+CASES += [checkpoint_replaced_by_another_save_while_uploading]  # issue 33: replace conditional on the manifest read
 CASES += [default_tower_fed_under_an_unknown_input_name,  # issue 32b: the on-demand tower, fp.plan of a VLM
           plan_of_a_forward_that_reads_integers_from_its_inputs]
 CASES += [plan_tp_size_not_dividing_the_world, plan_tp_plan_with_an_unknown_style]  # issue 31: 2-D plans

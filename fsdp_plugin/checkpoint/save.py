@@ -41,6 +41,7 @@ class _Job:
     record: dict                 # this rank's JSON record; ``files`` is filled by the write
     files: list                  # (kind, [(name, tensor, stored_shape)]) in file order
     sharding: dict | None        # rank 0 only: the manifest's sharding description
+    base: object = None          # rank 0, object store: the checkpoint this save replaces (_publish_remote.Base)
 
 
 @_comm.uses_model_deadline
@@ -66,13 +67,14 @@ def save_checkpoint(path, model, optimizer=None, extra=None, *,
     _async.wait_pending()
     path = resolve(path, "save_checkpoint")
     rank, world = _comm.rank(), _comm.world_size()
-    uid = _begin(path, rank)
+    uid, base = _begin(path, rank)
     tmp = _publish.tmp_name(path, uid)
     stager = _async.Stager(model, deferred=async_save == "deferred") if async_save else None
     group = _async.checkpoint_group() if async_save else None
     err, job = None, None
     try:
         job = _snapshot(path, rank, world, uid, model, optim.as_list(optimizer), extra, stager)
+        job.base = base
         if stager is not None:
             stager.finish()
     except Exception as e:  # noqa: BLE001 - propagated to every rank
@@ -83,18 +85,19 @@ def save_checkpoint(path, model, optimizer=None, extra=None, *,
     return _async.start(path, lambda e: _write_and_publish(e, tmp, job, group), stager)
 
 
-def _begin(path: str, rank: int) -> str:
-    """Collective: rank 0 prepares ``path.tmp-<uid>``; every rank returns the uid (or raises)."""
-    err, uid = None, None
+def _begin(path: str, rank: int) -> tuple[str, object]:
+    """Collective: rank 0 prepares ``path.tmp-<uid>``; every rank returns the uid (or raises), and rank 0 what an
+    object store's publication is conditional on (None elsewhere)."""
+    err, uid, base = None, None, None
     if rank == 0:
         uid = uuid.uuid4().hex
         try:
-            _prepare(path, uid)
+            base = _prepare(path, uid)
         except Exception as e:  # noqa: BLE001 - propagated to every rank below
             err = e
     uid = _comm.broadcast_bytes(uid.encode() if uid else None).decode()
     _comm.raise_if_any_failed(err)
-    return uid
+    return uid, base
 
 
 def _write_and_publish(err, tmp: str, job, group=None) -> None:
@@ -111,7 +114,7 @@ def _write_and_publish(err, tmp: str, job, group=None) -> None:
         try:
             doc = _build_manifest([json.loads(r) for r in records], job.uid, job.world, job.sharding)
             if is_url(job.path):
-                _publish_remote.publish(tmp, job.path, _manifest_bytes(doc))
+                _publish_remote.publish(tmp, job.path, _manifest_bytes(_publish_remote.stamped(doc)), job.base)
             else:
                 _write_manifest(tmp, doc)
                 _publish.publish(tmp, job.path)
@@ -120,15 +123,16 @@ def _write_and_publish(err, tmp: str, job, group=None) -> None:
     _fail_and_clean(err, tmp, rank, group)
 
 
-def _prepare(path: str, uid: str) -> None:
+def _prepare(path: str, uid: str):
+    """Rank 0; returns what the publication of an object-store save is conditional on (None locally)."""
     if is_url(path):  # an object store: nothing to create; the save's objects go under path/<uid>
-        _publish_remote.prepare(path)
-        return
+        return _publish_remote.prepare(path)
     _publish.check_replaceable(path)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     _publish.clean_stale(path)
     os.mkdir(_publish.tmp_name(path, uid))
+    return None
 
 
 def _fail_and_clean(err, tmp: str, rank: int, group=None) -> None:

@@ -34,6 +34,7 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import torch
+from fsdp_plugin.checkpoint import storage
 from fsdp_plugin.integrations import _pending_save as pending_save
 from fsdp_plugin.integrations.lightning import _compile, _uneven
 from fsdp_plugin.integrations.lightning import _tensor_parallel as tp2d
@@ -305,6 +306,21 @@ class FSDPPluginStrategy(common.ProcessPerDevice, ParallelStrategy):
         else:
             optimizers, mode = self.optimizers if with_optimizers else [], _async_save.requested(self)
             pending_save.of(self).start(lambda: ckpt.save_sharded(path, self.model, optimizers, encoded, mode))
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """``ModelCheckpoint``'s rotation (``save_top_k``, keep-last-k): after the save that evicts ``filepath`` is
+        published (Lightning calls this right after starting it, which may still run in the background), rank 0
+        removes it, an engine checkpoint's manifest first (see ``fsdp_plugin.checkpoint.storage.remove_checkpoint``)."""
+        pending_save.of(self).defer(lambda: self._remove_now(filepath))
+
+    def _remove_now(self, filepath: Any) -> None:
+        path = ckpt.as_path(str(filepath))
+        if not self.is_global_zero:
+            return
+        if ckpt.is_sharded_checkpoint(path):
+            storage.remove_checkpoint(str(path))
+        else:
+            super().remove_checkpoint(filepath)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Collective. Loads model (+ optimizers when fitting) in place; returns Lightning's other state."""

@@ -7,14 +7,16 @@ RNG states, ``training_args.bin``) are left to it.
 """
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from typing import Any
 
 import fsdp_plugin as fp
-from fsdp_plugin.checkpoint.storage import require_local
+from fsdp_plugin.checkpoint.format import manifest
+from fsdp_plugin.checkpoint.storage import join, require_local, storage_for
 from fsdp_plugin.integrations import _pending_save as pending_save
+
+from . import _remote_output
 
 CHECKPOINT_DIR = "fsdp_plugin_state"
 FORMAT = "fsdp_plugin.transformers/1"
@@ -26,13 +28,15 @@ class TrainerCheckpointError(fp.CheckpointError):
 
 
 def state_dir(checkpoint: str) -> str:
-    """Where the sharded state lives inside a Trainer checkpoint folder."""
-    return os.path.join(checkpoint, CHECKPOINT_DIR)
+    """Where the sharded state lives inside a Trainer checkpoint folder (at the URL a staging folder mirrors)."""
+    url = _remote_output.url_of(checkpoint)
+    return join(url, CHECKPOINT_DIR) if url is not None else os.path.join(checkpoint, CHECKPOINT_DIR)
 
 
 def has_state(checkpoint: str) -> bool:
     """Whether ``checkpoint`` holds a committed sharded state (its manifest exists)."""
-    return os.path.isfile(os.path.join(state_dir(checkpoint), "manifest.json"))
+    where = state_dir(checkpoint)
+    return storage_for(where).size(join(where, "manifest.json")) is not None
 
 
 def stock_fsdp_dirs(checkpoint: str) -> tuple[str, str] | None:
@@ -83,8 +87,7 @@ def _pending(trainer: Any) -> pending_save.PendingSave:
 
 
 def _saved_optimizers(checkpoint: str) -> int:
-    with open(os.path.join(state_dir(checkpoint), "manifest.json")) as f:
-        return len(json.load(f).get("optimizers") or [])
+    return len(manifest.read(state_dir(checkpoint)).get("optimizers") or [])
 
 
 def load(trainer: Any, checkpoint: str, with_optimizer: bool = True) -> None:

@@ -23,6 +23,8 @@ _OVERRIDES: dict[str, Callable] = {
     "_load_from_checkpoint": _trainer.load_from_checkpoint,
     "_load_optimizer_and_scheduler": _trainer.load_optimizer_and_scheduler,
     "_load_best_model": _trainer.load_best_model,
+    "train": _trainer.train,
+    "_save_checkpoint": _trainer.save_checkpoint,
 }
 
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from fsdp_plugin.checkpoint.storage import require_local
+from fsdp_plugin.checkpoint.storage import is_url, require_local
 from fsdp_plugin.integrations._ranged_save import save_like_library
 
 from . import _checkpoint as ckpt
-from . import _trl
+from . import _remote_output, _trl
 
 
 def active(trainer: Any) -> bool:
@@ -40,8 +40,11 @@ def create_accelerator_and_postprocess(stock, self) -> None:
     stock(self)
     if not active(self):
         return
-    # the Trainer writes output_dir with os.makedirs/open: a URL would become a local "s3:" directory
-    require_local(self.args.output_dir, "Trainer with fsdp_plugin: TrainingArguments.output_dir")
+    # the Trainer writes output_dir with os.makedirs/open: a URL gets a local staging directory mirroring it
+    if is_url(self.args.output_dir):
+        _remote_output.attach(self)
+    else:
+        require_local(self.args.output_dir, "Trainer with fsdp_plugin: TrainingArguments.output_dir")
     self.is_fsdp_enabled = False  # keep the Trainer's torch-FSDP paths off: the methods below replace them
     _trl.prepare(self)            # TRL's vLLM weight sync streams through fp.iter_full_params
     settings = self.accelerator.fsdp_settings
@@ -69,6 +72,7 @@ def save_model(stock, self, output_dir: str | None = None, _internal_call: bool 
     if not active(self):
         return stock(self, output_dir, _internal_call)
     output_dir = output_dir if output_dir is not None else self.args.output_dir
+    output_dir = _remote_output.staged(output_dir)  # a URL: written locally, uploaded below
     if _internal_call and self.args.save_only_model:  # no optimizer save follows: the weights go here
         ckpt.save(self, output_dir, with_optimizer=False)
     if _internal_call and not _full_state_dict_type(self):
@@ -76,6 +80,8 @@ def save_model(stock, self, output_dir: str | None = None, _internal_call: bool 
         return None
     # rank 0 runs the Trainer's writer (config, tokenizer, training arguments); every rank writes its weight bytes
     save_like_library(self.model, lambda state_dict: self._save(output_dir, state_dict=state_dict), "Trainer.save_model")
+    if not _internal_call:  # a checkpoint's folder is uploaded whole after the Trainer finished it
+        _remote_output.upload(output_dir)
     if self.args.push_to_hub and not _internal_call:
         self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
     return None
@@ -87,6 +93,23 @@ def save_optimizer_and_scheduler(stock, self, output_dir: str) -> None:
         return stock(self, output_dir)
     ckpt.save(self, output_dir, with_optimizer=True)
     return None
+
+
+def train(stock, self, resume_from_checkpoint=None, *args, **kwargs):
+    """Stock ``train``; a URL ``resume_from_checkpoint`` (or True with a URL ``output_dir``) is resumed through a
+    local staging copy of the folder (see ``_remote_output``)."""
+    if active(self):
+        resume_from_checkpoint = _remote_output.resume_path(self, resume_from_checkpoint)
+    return stock(self, resume_from_checkpoint, *args, **kwargs)
+
+
+def save_checkpoint(stock, self, model, *args, **kwargs):
+    """Stock ``_save_checkpoint``; with a URL ``output_dir``, then the upload of what the Trainer staged."""
+    out = stock(self, model, *args, **kwargs)
+    if active(self) and getattr(self, "_fp_output_url", None):
+        trial = args[0] if args else kwargs.get("trial")
+        _remote_output.after_checkpoint(self, self._get_output_dir(trial=trial))
+    return out
 
 
 def load_from_checkpoint(stock, self, resume_from_checkpoint: str, model=None) -> None:

@@ -101,6 +101,30 @@ def phase_resume(out: str, checkpoint: str) -> dict:
             "best": os.path.basename(tr.state.best_model_checkpoint or ""), "eval_after_best": tr.evaluate()["eval_loss"]}
 
 
+def phase_bucket(out: str, url: str) -> dict:
+    """output_dir on a bucket: 9 steps, a checkpoint every 3 (the last 2 kept), then a new Trainer resumes from the
+    URL of checkpoint-6 (its own output_dir on the bucket too)."""
+    import fsspec
+
+    tr = trainer(tiny_llama(), url, max_steps=9, save_total_limit=2)
+    tr.train()
+    rep = {"hist": history(tr), "engine": bool(tr.accelerator._fp_active)}
+    fs, root = fsspec.core.url_to_fs(url)
+    fs.invalidate_cache()
+    rep["listing"] = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root))
+    rep["ckpt6"] = sorted(p[len(root) + len("/checkpoint-6/"):] for p in fs.find(root + "/checkpoint-6"))
+    tr.save_model()  # output_dir: the bucket
+    tr.save_model(url + "/final")
+    fs.invalidate_cache()
+    rep["saved"] = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root) if fs.isfile(p))
+    rep["final"] = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root + "/final"))
+    tr2 = trainer(tiny_llama(), url + "/resumed", max_steps=9)
+    tr2.train(resume_from_checkpoint=url + "/checkpoint-6")
+    rep["resumed"] = history(tr2)
+    rep["local_dirs"] = sorted(n for n in os.listdir(".") if n.endswith(":"))
+    return rep
+
+
 def lora_model():
     from peft import LoraConfig, get_peft_model
 
@@ -179,7 +203,7 @@ def phase_stock_fsdp(out: str) -> dict:
 def main() -> None:
     out, phase = sys.argv[1], sys.argv[2]
     rep = {"train": lambda: phase_train(out), "resume": lambda: phase_resume(out, sys.argv[3]),
-           "lora": lambda: phase_lora(out), "stock_fsdp": lambda: phase_stock_fsdp(out),
+           "lora": lambda: phase_lora(out), "bucket": lambda: phase_bucket(out, sys.argv[3]), "stock_fsdp": lambda: phase_stock_fsdp(out),
            "reference": lambda: phase_reference(out)}[phase]()
     rank = int(os.environ.get("RANK", "0"))
     with open(os.path.join(out, f"{phase}_rank{rank}.json"), "w") as f:

@@ -237,6 +237,8 @@ def parse() -> argparse.Namespace:
                    help="FSDPPluginStrategy(**Lightning FSDPStrategy kwargs), state_dict_type='full'")
     p.add_argument("--test", default=None, metavar="CKPT", help="only trainer.test(ckpt_path=CKPT), no fit")
     p.add_argument("--async-ckpt", action="store_true", help="plugins=[AsyncCheckpointIO()]")
+    p.add_argument("--keep-last", nargs=2, default=None, metavar=("K", "DIR"),
+                   help="ModelCheckpoint(DIR, every step, save_top_k=K of the highest steps): keep-last-k rotation")
     p.add_argument("--compile", default=None, metavar="BACKEND", help="trainer.fit(torch.compile(model, backend=...))")
     return p.parse_args()
 
@@ -255,11 +257,14 @@ def main() -> None:
         callbacks.append(ModelCheckpoint(f"{args.ckpt_dir}/all", save_top_k=-1, every_n_epochs=1))
     if args.save_at:
         callbacks.append(SaveAt(int(args.save_at[0]), args.save_at[1]))
+    if args.keep_last:
+        callbacks.append(ModelCheckpoint(args.keep_last[1], monitor="step", mode="max",
+                                         save_top_k=int(args.keep_last[0]), every_n_train_steps=1))
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.devices, strategy=build_strategy(args), precision=args.precision,
         max_steps=args.max_steps, accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip_val,
         gradient_clip_algorithm=args.clip_algo, callbacks=callbacks, logger=False,
-        enable_checkpointing=bool(args.ckpt_dir or args.root_dir), enable_progress_bar=False,
+        enable_checkpointing=bool(args.ckpt_dir or args.root_dir or args.keep_last), enable_progress_bar=False,
         default_root_dir=args.root_dir,
         use_distributed_sampler=False, enable_model_summary=False, log_every_n_steps=2,  # comm stats: steps 2, 4
         plugins=[AsyncCheckpointIO()] if args.async_ckpt else None,

@@ -24,17 +24,18 @@ import math
 import os
 import pickle
 import shutil
+import tempfile
 import uuid
 import zipfile
 
 import torch
 
 from ..format.boxes import is_box
-from ..storage import files_dir, require_local, resolve
+from ..storage import files_dir, is_url, join, resolve, storage_for
 from ..format import codec, manifest
 from ..errors import CheckpointError
 from ..storage.fsio import fsync_path
-from ..format.layouts import checkpoint_dir
+from ..format.layouts import METADATA_FILE, checkpoint_dir
 from ..format.reader import ReadPlan
 
 #: Bytes copied per read/write step of one item (bounds the memory of an export).
@@ -291,9 +292,14 @@ class _Exporter:
 
 
 def export_dcp(ckpt, out) -> str:
-    """Write checkpoint ``ckpt`` as DCP directory ``out`` (see module docstring); return ``out``."""
+    """Write checkpoint ``ckpt`` as DCP directory ``out`` (see module docstring); return ``out``.
+
+    ``out`` may be an fsspec URL: the directory is built in a local temporary directory and uploaded, one object
+    per file, ``.metadata`` last (DCP's commit marker: a reader sees nothing before it exists)."""
     ckpt = checkpoint_dir(resolve(ckpt, "export_dcp"))  # also an accelerate / Trainer / Lightning dir; or a URL
-    out = require_local(out, "export_dcp (its output)")
+    out = resolve(out, "export_dcp (its output)")
+    if is_url(out):
+        return _export_to_url(ckpt, out)
     doc = manifest.read(ckpt)
     if os.path.exists(out):
         raise CheckpointError(f"{out} already exists: give a new directory (an export never replaces anything)")
@@ -317,6 +323,17 @@ def export_dcp(ckpt, out) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _export_to_url(ckpt: str, url: str) -> str:
+    st = storage_for(url)
+    if st.listdir(url):
+        raise CheckpointError(f"{url} already holds objects: give a new prefix (an export never replaces anything)")
+    with tempfile.TemporaryDirectory(prefix="fsdp_plugin_dcp_") as d:
+        local = export_dcp(ckpt, os.path.join(d, "dcp"))
+        for name in sorted(os.listdir(local), key=lambda n: (n == METADATA_FILE, n)):
+            st.put_file(os.path.join(local, name), join(url, name))
+    return url
 
 
 def _model_section(ex: _Exporter, doc: dict) -> None:

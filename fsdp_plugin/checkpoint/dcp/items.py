@@ -10,7 +10,6 @@ all (plain Python values: every optimizer hyper-parameter torch writes).
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import struct
 import zipfile
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
+from ..storage.fsio import pread
 from .metadata import DTYPES
 
 #: Largest ``data.pkl`` / value record we read (bytes).
@@ -78,7 +78,7 @@ class _Window(io.RawIOBase):
 
     def readinto(self, b):
         n = max(0, min(len(b), self.length - self.pos))
-        data = os.pread(self.fd, n, self.base + self.pos) if n else b""
+        data = pread(self.fd, n, self.base + self.pos) if n else b""
         b[:len(data)] = data
         self.pos += len(data)
         return len(data)
@@ -189,7 +189,7 @@ def _data_start(fd: int, offset: int, zf: zipfile.ZipFile, name: str, nbytes: in
     if info.compress_type != zipfile.ZIP_STORED or info.file_size != nbytes:
         raise CorruptCheckpointError(f"{where}: record {name} is compressed or has {info.file_size} bytes "
                                      f"(expected {nbytes} stored)")
-    local = os.pread(fd, 30, offset + info.header_offset)
+    local = pread(fd, 30, offset + info.header_offset)
     if len(local) != 30 or local[:4] != b"PK\x03\x04":
         raise CorruptCheckpointError(f"{where}: damaged zip header of {name}")
     name_len, extra_len = struct.unpack("<HH", local[26:30])

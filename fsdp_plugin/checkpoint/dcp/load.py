@@ -11,7 +11,7 @@ import warnings
 
 import torch
 
-from ..storage import require_local
+from ..storage import resolve
 from .._finish import finish_load
 from .. import _comm, _model, optim
 from ..errors import (
@@ -36,8 +36,8 @@ def load_dcp(path, model, optimizer=None, strict: bool = True, *, optimizer_path
     """
     err, extra = None, None
     try:
-        dirs = [require_local(path, "load_dcp")] + ([require_local(optimizer_path, "load_dcp")]
-                                                    if optimizer_path is not None else [])
+        dirs = [resolve(path, "load_dcp")] + ([resolve(optimizer_path, "load_dcp")]
+                                              if optimizer_path is not None else [])
         parts = tree.split(tree.nest([read_metadata(d) for d in dirs]))
         extra = _load_local(parts, dirs[0], model, optim.as_list(optimizer), strict, report)
     except Exception as e:  # noqa: BLE001 - every rank must raise together

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
+from ..storage import join, storage_for
 from ..storage.fsio import check_plain_name
 from ..format.layouts import METADATA_FILE
 
@@ -174,7 +175,7 @@ class DcpMetadata:
 
 def read_metadata(directory: str) -> DcpMetadata:
     """Parse and validate ``directory/.metadata`` (see module docstring)."""
-    where = os.path.join(directory, METADATA_FILE)
+    where = join(directory, METADATA_FILE)
     raw = _read_capped(where)
     try:
         md = _MetadataUnpickler(raw, where).load()
@@ -190,15 +191,18 @@ def read_metadata(directory: str) -> DcpMetadata:
 
 
 def _read_capped(where: str) -> bytes:
-    try:
-        size = os.path.getsize(where)
-    except FileNotFoundError:
+    """The whole file (or object, at a URL) ``where``, at most :data:`MAX_METADATA_BYTES`."""
+    st = storage_for(where)
+    size = st.size(where)
+    if size is None:
         from ..errors import IncompleteCheckpointError
 
         raise IncompleteCheckpointError(f"{where} is missing: the DCP save that wrote this directory did not "
                                         "finish. Load the previous checkpoint.") from None
     if size > MAX_METADATA_BYTES:
         raise CorruptCheckpointError(f"{where} is {size:,} bytes, over the {MAX_METADATA_BYTES:,}-byte cap")
+    if st.remote:
+        return st.read_small(where, MAX_METADATA_BYTES)
     with open(where, "rb") as f:
         return f.read()
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 
 import torch
 
 from ..format import _format, boxes
 from ..errors import CorruptCheckpointError
-from ..storage.fsio import byte_view, crc32
+from ..storage import join
+from ..storage.fsio import byte_view, crc32, file_size
 from ..format.reader import ReadPlan
 from . import items
 from .metadata import BytesEntry, Chunk, TensorEntry
@@ -53,7 +53,7 @@ def runs(chunk: Chunk, size: tuple):
 
 def _check_crc(dest: torch.Tensor, h: items.TensorHeader, entry: TensorEntry, chunk: Chunk, what: str) -> None:
     if crc32(byte_view(dest)) != h.crc32:
-        where = os.path.join(entry.directory, chunk.file)
+        where = join(entry.directory, chunk.file)
         raise CorruptCheckpointError(
             f"{where}: bytes {h.data_offset:,}-{h.data_offset + dest.numel() * h.dtype.itemsize:,} ({what}, chunk at "
             f"{list(chunk.offsets)}) fail their CRC-32 check: the file is corrupted. Copy the checkpoint again, "
@@ -79,7 +79,7 @@ class DcpReader:
         """The open data file, checked to hold bytes ``[offset, offset + length)`` (else truncated)."""
         plan = self._plan(directory)
         fd, where = plan.fd(name)
-        size = os.fstat(fd).st_size
+        size = file_size(fd)
         if offset + length > size:
             raise CorruptCheckpointError(
                 f"{where} is {size:,} bytes; .metadata places an item at bytes {offset:,}-{offset + length:,}: the "

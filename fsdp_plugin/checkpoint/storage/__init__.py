@@ -22,7 +22,7 @@ from ..errors import UnsupportedStorageError
 from .urls import is_url, join, scheme
 
 __all__ = ["LOCAL", "LocalStorage", "ReadHandle", "RemoteReadable", "Storage", "files_dir", "is_url", "join",
-           "require_local", "resolve", "scheme", "storage_for"]
+           "remove_checkpoint", "require_local", "resolve", "scheme", "storage_for"]
 
 #: ``s3:/b/x``: what ``pathlib.Path("s3://b/x")`` makes of a URL (the double slash collapsed).
 _MANGLED = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+):/[^/]")
@@ -100,8 +100,8 @@ def require_local(path, what: str) -> str:
         raise UnsupportedStorageError(
             f"{what}: {p!r} is a {s}:// URL, and {what} works on local paths only: give a local path (to move files "
             f"between the two: fsspec.filesystem({s!r}).get(url, local_dir, recursive=True) or .put(local_dir, url, "
-            "recursive=True)). fp.save_checkpoint, load_checkpoint, latest_checkpoint, save_pretrained and "
-            "load_pretrained take URLs.")
+            "recursive=True)). fp.save_checkpoint, load_checkpoint, latest_checkpoint, save_pretrained, "
+            "load_pretrained, load_dcp and export_dcp take URLs.")
     return resolve(p, what)
 
 
@@ -122,6 +122,22 @@ def files_dir(path: str, doc: dict) -> str:
     from .remote import check_uid
 
     return join(path, check_uid(doc.get("uuid"), join(path, "manifest.json")))
+
+
+def remove_checkpoint(path: str) -> None:
+    """Remove the checkpoint at resolved ``path`` (keep-last-k rotation), its ``manifest.json`` (the commit) first:
+    a removal cut short leaves objects that no load and no ``latest_checkpoint`` counts, never a manifest naming
+    objects that are gone. Absence is ignored."""
+    st = storage_for(path)
+    manifest = join(path, "manifest.json")
+    if st.remote:
+        st.remove_tree(manifest)
+    else:
+        try:
+            os.unlink(manifest)
+        except FileNotFoundError:
+            pass
+    st.remove_tree(path)
 
 
 class LocalStorage:

@@ -93,6 +93,18 @@ def close_file(fd) -> None:
         fd.close()
 
 
+def pread(fd, n: int, offset: int) -> bytes:
+    """Up to ``n`` bytes at ``offset`` of an fd (``os.pread``: short at end of file) or an object-store handle
+    (one ranged read, clipped to the object's size)."""
+    if isinstance(fd, int):
+        return os.pread(fd, n, offset)
+    n = max(0, min(n, fd.size - offset))
+    buf = bytearray(n)
+    if n:
+        fd.readinto([memoryview(buf)], offset)
+    return bytes(buf)
+
+
 def preadv_all(fd, bufs: list[memoryview], offset: int, where: str) -> None:
     """Fill every buffer of ``bufs`` in order from ``fd`` starting at byte ``offset``; raise on EOF.
 

@@ -9,9 +9,10 @@ Promises (the same as on local disk, reached differently):
 
 * every rank uploads its own objects under the save's unique prefix, in parallel (no rank-0 funnel);
 * the manifest is created with ``If-None-Match: *`` (fsspec mode ``"xb"``; s3fs sends the header, memory:// and
-  local fsspec refuse an existing file): of two writers racing for the same fresh path exactly one publishes,
-  the other fails and removes its objects. Replacing an existing checkpoint overwrites the manifest (one
-  atomic PUT); the previous checkpoint's objects are deleted only after that, so it stays loadable until then;
+  local fsspec refuse an existing file), or replaces the one the save read with ``If-Match: <its ETag>``
+  (:meth:`ObjectStorage.replace_if`): of two writers racing for the same path exactly one publishes, the other
+  fails and removes its objects (see :mod:`._publish_remote`, also for clients without ``If-Match``); the
+  previous checkpoint's objects are deleted only after that, so it stays loadable until then;
 * a reader reads the manifest first and only the objects it names, so it never sees a half checkpoint;
   checksums (8 MiB CRC32 blocks) are verified on read as locally; loads are ranged GETs of the needed blocks;
 * every request is retried (:data:`RETRIES` times, exponential backoff from :data:`BACKOFF_S`) on throttling,
@@ -166,6 +167,63 @@ class ObjectStorage:
         with_retries("publish", url, attempt)
         self.fs.invalidate_cache(path)
 
+    def read_versioned(self, url: str, cap: int) -> tuple[bytes, str | None] | None:
+        """``(body, token)`` of small object ``url``, None when absent. ``token`` is its ETag when the store reports
+        one (s3fs), else None. The ETag is read *before* the body: if the object changes in between, the token is
+        the older one and a conditional replace with it fails (a stale token can refuse, never overwrite)."""
+        path = self._p(url)
+        self.fs.invalidate_cache(path)
+        try:
+            info = with_retries("stat", url, lambda: self.fs.info(path))
+        except FileNotFoundError:
+            return None
+        data = self.read_small(url, cap)
+        if data is None:
+            return None
+        token = info.get("ETag") if self.conditional_replace else None
+        return data, token if isinstance(token, str) and token else None
+
+    @property
+    def conditional_replace(self) -> bool:
+        """Whether :meth:`replace_if` is a server-side compare-and-swap: s3fs passes ``IfMatch`` to PutObject
+        (S3 and S3-compatible servers answer 412 when the ETag changed). Other filesystems (gcsfs, adlfs, memory://)
+        get no precondition from us; callers fall back to re-reading the manifest just before the overwrite (see
+        :mod:`._publish_remote`)."""
+        protocol = self.fs.protocol
+        return bool({"s3", "s3a"} & set((protocol,) if isinstance(protocol, str) else protocol))
+
+    def replace_if(self, url: str, data: bytes, token: str | None) -> None:
+        """Overwrite small object ``url`` in one PUT; with ``token`` only if its ETag still is ``token``.
+
+        A failed condition raises FileExistsError (412; a 404 from ``If-Match`` on a deleted object likewise);
+        transient errors are retried like every request (see :func:`with_retries`)."""
+        path = self._p(url)
+
+        def attempt() -> None:
+            if token is None:
+                self.fs.pipe_file(path, data)
+                return
+            try:  # chunksize >= len(data): one PutObject (IfMatch is not an argument of a multipart upload)
+                self.fs.pipe_file(path, data, chunksize=max(len(data), 5 << 20), IfMatch=token)
+            except FileNotFoundError:
+                raise FileExistsError(f"{url}: deleted by another writer") from None
+            except OSError as e:
+                if precondition_failed(e):
+                    raise FileExistsError(f"{url}: changed by another writer ({e})") from None
+                raise
+
+        with_retries("publish", url, attempt)
+        self.fs.invalidate_cache(path)
+
+    def put_file(self, local: str, url: str) -> None:
+        """Upload local file ``local`` as object ``url`` (one object: visible whole at completion); retried."""
+        with_retries("upload", url, lambda: self.fs.put_file(local, self._p(url)))
+        self.fs.invalidate_cache(self._p(url))
+
+    def get_file(self, url: str, local: str) -> None:
+        """Download object ``url`` to local file ``local``; retried."""
+        with_retries("download", url, lambda: self.fs.get_file(self._p(url), local))
+
     def read_small(self, url: str, cap: int) -> bytes | None:
         """The whole object ``url`` (at most ``cap`` bytes, else CorruptCheckpointError), None when absent."""
         size = self.size(url)
@@ -208,6 +266,17 @@ class ObjectStorage:
         except FileNotFoundError:
             pass
         self.fs.invalidate_cache(path)
+
+
+def precondition_failed(e: BaseException) -> bool:
+    """Whether ``e`` (or what it was translated from) is S3's 412 PreconditionFailed or 409
+    ConditionalRequestConflict: a conditional write lost to another writer."""
+    for x in (e, e.__cause__, e.__context__):
+        response = getattr(x, "response", None)
+        code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+        if code in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
+            return True
+    return "precondition" in str(e).lower()
 
 
 def is_save_prefix(name: str) -> bool:

@@ -30,6 +30,7 @@ from safetensors import safe_open
 
 import fsdp_plugin as fp
 from fsdp_plugin.integrations.lightning.checkpoint import codec_v1 as _codec_v1
+from fsdp_plugin.integrations.lightning.checkpoint import remote_full
 from fsdp_plugin.integrations.lightning.checkpoint import torch_file as torch_file
 
 EXTRA_KEY = "lightning"
@@ -110,10 +111,13 @@ def save_full(path: Path, model: torch.nn.Module, meta: dict[str, Any], encoded:
     ``meta`` is Lightning's state as Lightning gave it (what ``load_from_checkpoint`` reads); ``encoded`` is
     the same state through the codec (what :func:`load_full` reads, without pickle).
     """
-    path = Path(storage.require_local(path, "FSDPPluginStrategy(state_dict_type='full') save_checkpoint"))
     header = inline_tensors(*encoded)
     json.dumps(header, allow_nan=False)  # fail on every rank, before the collective, if it is not strict JSON
     with _comm.deadline_of(model, "Lightning save_checkpoint"):  # the file exists on return, on every rank
+        if remote_full.is_url(path):  # built locally by rank 0, uploaded as one object
+            remote_full.save(path, lambda local: torch_file.write_sharded(local, model, meta, {FULL_META_KEY: header}))
+            return
+        path = Path(storage.require_local(path, "FSDPPluginStrategy(state_dict_type='full') save_checkpoint"))
         torch_file.write_sharded(path, model, meta, {FULL_META_KEY: header})
 
 
@@ -122,7 +126,11 @@ def load_full(path: Path, model: torch.nn.Module) -> dict[str, Any]:
 
     Reads the Lightning-format file this version writes and the safetensors file earlier versions wrote.
     """
-    state, header = read_full(path)
+    if remote_full.is_url(path):
+        with remote_full.local_copy(path) as local:
+            state, header = read_full(local)
+    else:
+        state, header = read_full(path)
     with fp.full_params(model):
         model.load_state_dict(state, strict=True)
     return decode_state(*_outline_tensors(header))
@@ -171,6 +179,6 @@ def checkpoint_kind(path: Path) -> str | None:
     """"sharded" (a checkpoint directory), "full" (a file), or None when ``path`` is neither."""
     if is_sharded_checkpoint(path):
         return "sharded"
-    if isinstance(path, str):  # a URL without a published manifest: a 'full' file is read from local disk only
-        storage.require_local(path, "FSDPPluginStrategy load_checkpoint of a 'full' file")
+    if remote_full.is_url(path):  # a URL without a published manifest: an object is a 'full' file
+        return "full" if remote_full.exists(path) else None
     return "full" if path.is_file() else None
