@@ -10,6 +10,40 @@ from torch import nn
 import fsdp_plugin as fp
 from _dist import RankFailure, run_ranks
 from models import GPT, Block
+from _error_cases_parallel import (  # tensor parallel, streaming, TRL, quantization
+    tensor_parallel_partial_parameter,
+    tensor_parallel_over_two_mesh_dims,
+    tensor_parallel_without_data_parallel_mesh,
+    tensor_parallel_mesh_of_another_root,
+    tensor_parallel_model_wrapped_by_fsdp2,
+    per_tensor_optimizer_on_tensor_parallel_boxes,
+    device_mesh_smaller_than_world_without_tensor_parallelism,
+    lightning_fabric_with_tensor_parallel_size,
+    lightning_parallel_sizes_not_matching_the_world,
+    lightning_tensor_parallel_without_configure_model,
+    lightning_uneven_batches_with_tensor_parallelism,
+    lightning_configure_model_parallelized_nothing,
+    accelerate_tensor_parallel_without_dp_shard,
+    accelerate_tensor_parallel_model_without_plan,
+    accelerate_optimizer_stepped_before_tensor_parallel_prepare,
+    plan_of_a_tensor_parallel_model,
+    plan_tp_size_not_dividing_the_world,
+    plan_tp_plan_with_an_unknown_style,
+    stream_with_unknown_names,
+    stream_consumer_fails_on_rank_0,
+    stream_merge_of_a_dora_adapter,
+    trl_vllm_sync_on_an_unknown_trl_version,
+    unknown_quantization_format,
+    quantization_block_size_not_a_multiple_of_8,
+    quantized_weights_under_no_shard)
+from _error_cases_dcp import (  # DCP conversion, checkpoint directories
+    dcp_metadata_naming_a_foreign_global,
+    truncated_dcp_data_file,
+    dcp_save_interrupted,
+    dcp_optimizer_groups_differ,
+    export_dcp_onto_an_existing_directory,
+    load_a_directory_that_is_not_a_checkpoint,
+    load_an_interrupted_save)
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "errors.md")
 
@@ -429,236 +463,6 @@ def _muon_unsharded(rank, world):
 
 def muon_on_a_model_never_sharded():
     _ranks_error(_muon_unsharded)
-
-
-class _ForeignPickle:
-    def __reduce__(self):
-        import os
-        return os.system, ("echo pwned",)
-
-
-def _dcp_dir(tmp_path):
-    import torch.distributed.checkpoint as dcp
-
-    path = str(tmp_path / "dcp")
-    dcp.save({"model": nn.Linear(2, 2).state_dict()}, checkpoint_id=path)  # no process group: one writer
-    return path
-
-
-def dcp_metadata_naming_a_foreign_global(tmp_path):
-    import pickle
-
-    path = _dcp_dir(tmp_path)
-    with open(f"{path}/.metadata", "wb") as f:
-        pickle.dump(_ForeignPickle(), f)
-    fp.load_checkpoint(path, nn.Linear(2, 2))
-
-
-def truncated_dcp_data_file(tmp_path):
-    import os
-
-    path = _dcp_dir(tmp_path)
-    os.truncate(f"{path}/__0_0.distcp", 100)
-    fp.load_checkpoint(path, nn.Linear(2, 2))
-
-
-def dcp_save_interrupted(tmp_path):
-    import os
-
-    path = _dcp_dir(tmp_path)
-    os.remove(f"{path}/.metadata")
-    fp.load_checkpoint(path, nn.Linear(2, 2))
-
-
-def dcp_optimizer_groups_differ(tmp_path):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    opt = torch.optim.AdamW([{"params": model[0].parameters()}, {"params": model[1].parameters()}])
-    model(torch.ones(1, 2)).sum().backward()
-    opt.step()
-    msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "dcp"))
-    swapped = torch.optim.AdamW([{"params": model[1].parameters()}, {"params": model[0].parameters()}])
-    fp.load_checkpoint(str(tmp_path / "dcp"), model, swapped)
-
-
-def export_dcp_onto_an_existing_directory(tmp_path):
-    from fsdp_plugin.checkpoint.dcp import export_dcp
-
-    fp.save_checkpoint(str(tmp_path / "ckpt"), nn.Linear(2, 2))
-    (tmp_path / "out").mkdir()
-    export_dcp(tmp_path / "ckpt", tmp_path / "out")
-
-
-def load_a_directory_that_is_not_a_checkpoint(tmp_path):
-    (tmp_path / "runs").mkdir()
-    (tmp_path / "runs" / "notes.txt").write_text("x")
-    fp.load_checkpoint(str(tmp_path / "runs"), nn.Linear(2, 2))
-
-
-def load_an_interrupted_save(tmp_path):
-    fp.save_checkpoint(str(tmp_path / "ckpt"), nn.Linear(2, 2))
-    os.remove(tmp_path / "ckpt" / "manifest.json")
-    fp.load_checkpoint(str(tmp_path / "ckpt"), nn.Linear(2, 2))
-
-
-def _tp_error(case: str, cls):
-    """Run the tensor-parallel refusal ``case`` of tests/_tp.py on 2 ranks (dp 1 x tp 2); re-raise its error."""
-    import _tp
-    try:
-        run_ranks(getattr(_tp, case), 2)
-    except RankFailure as e:
-        prefix = f"{cls.__module__}.{cls.__name__}: "
-        line = [ln for ln in str(e).splitlines() if ln.startswith(prefix)][0]
-        raise cls(line.split(": ", 1)[1]) from None
-
-
-def tensor_parallel_partial_parameter():
-    _tp_error("refuse_partial", fp.TensorParallelError)
-
-
-def tensor_parallel_over_two_mesh_dims():
-    _tp_error("refuse_two_dims", fp.TensorParallelError)
-
-
-def tensor_parallel_without_data_parallel_mesh():
-    _tp_error("refuse_no_dp_mesh", fp.TensorParallelError)
-
-
-def tensor_parallel_mesh_of_another_root():
-    _tp_error("refuse_foreign_root", fp.TensorParallelError)
-
-
-def tensor_parallel_model_wrapped_by_fsdp2():
-    _tp_error("refuse_fsdp2", fp.TensorParallelError)
-
-
-def per_tensor_optimizer_on_tensor_parallel_boxes():
-    _tp_error("refuse_per_tensor_optimizer", fp.OptimizerError)
-
-
-def device_mesh_smaller_than_world_without_tensor_parallelism():
-    _tp_error("refuse_small_mesh_without_tp", fp.ConfigError)
-
-
-def lightning_fabric_with_tensor_parallel_size():
-    from fsdp_plugin.integrations.lightning._plumbing import sharding_config
-    sharding_config({"data_parallel_size": 2, "tensor_parallel_size": 2})
-
-
-def lightning_parallel_sizes_not_matching_the_world():
-    from fsdp_plugin.integrations.lightning import _tensor_parallel
-    _tensor_parallel.resolve(2, 3, 1, 4)
-
-
-def lightning_tensor_parallel_without_configure_model():
-    import lightning.pytorch as pl
-    from fsdp_plugin.integrations.lightning import _tensor_parallel
-    _tensor_parallel.check_configured(pl.LightningModule())
-
-
-def lightning_uneven_batches_with_tensor_parallelism():
-    from fsdp_plugin.integrations.lightning import _tensor_parallel
-    _tensor_parallel.refuse_uneven(2)
-
-
-def lightning_configure_model_parallelized_nothing():
-    from fsdp_plugin.integrations.lightning import _tensor_parallel
-    _tensor_parallel.check_parallelized(nn.Linear(2, 2), 2)
-
-
-def accelerate_tensor_parallel_without_dp_shard():
-    from accelerate import ParallelismConfig
-    from fsdp_plugin.integrations.accelerate import tensor_parallel
-    tensor_parallel.dp_mesh(ParallelismConfig(tp_size=2), None)
-
-
-def accelerate_tensor_parallel_model_without_plan():
-    from fsdp_plugin.integrations.accelerate import tensor_parallel
-    tensor_parallel.parallelize(nn.Linear(2, 2), None)
-
-
-def accelerate_optimizer_stepped_before_tensor_parallel_prepare():
-    from fsdp_plugin.integrations.accelerate import tensor_parallel
-    model = nn.Linear(2, 2)
-    before = dict(model.named_parameters())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model(torch.ones(1, 2)).sum().backward()
-    opt.step()
-    model.weight = nn.Parameter(model.weight.detach().clone())     # what TP + fp.shard do to its parameters
-    tensor_parallel.remap_optimizers([opt], before, model)
-
-
-def plan_of_a_tensor_parallel_model():
-    _tp_error("refuse_plan", fp.PlanError)
-
-
-def plan_tp_size_not_dividing_the_world():
-    fp.plan(GPT, world_size=3, tp_size=2, tp_plan={})
-
-
-def plan_tp_plan_with_an_unknown_style():
-    fp.plan(lambda: torch.nn.Sequential(torch.nn.Linear(4, 4)), world_size=2, tp_size=2, tp_plan={"0": "diagonal"})
-def _tiny_llama():
-    import transformers as tf
-    torch.manual_seed(0)
-    return tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                              num_attention_heads=2, num_key_value_heads=1))
-
-
-def stream_with_unknown_names():
-    fp.full_params_meta(_tiny_llama(), names="vllm")
-
-
-def _stream_consumer_raises(rank, world):
-    model = fp.shard(_tiny_llama())
-    try:
-        for _ in fp.iter_full_params(model):
-            raise ConnectionResetError("the inference engine closed its socket")
-    except ConnectionResetError:
-        return None
-    except fp.CollectiveError as e:
-        return str(e)
-
-
-def stream_consumer_fails_on_rank_0():
-    """Rank 0's consumer raises while streaming: the other ranks raise this (no hang)."""
-    raise fp.CollectiveError(run_ranks(_stream_consumer_raises, 2)[1])
-
-
-def stream_merge_of_a_dora_adapter():
-    import peft
-    model = peft.get_peft_model(_tiny_llama(), peft.LoraConfig(r=2, target_modules=["q_proj"], use_dora=True))
-    fp.full_params_meta(model, merge_lora=True)
-
-
-def trl_vllm_sync_on_an_unknown_trl_version():
-    from types import SimpleNamespace
-
-    import trl
-    from fsdp_plugin.integrations.transformers import _trl
-
-    saved, trl.__version__ = trl.__version__, "0.0.1"
-    fake = type("GRPOTrainer", (), {"__module__": "trl.trainer.grpo_trainer"})()
-    fake.args = SimpleNamespace(use_vllm=True)
-    try:
-        _trl.prepare(fake)
-    finally:
-        trl.__version__ = saved
-
-
-def unknown_quantization_format():
-    fp.Quantization(gradients="int4")
-
-
-def quantization_block_size_not_a_multiple_of_8():
-    fp.Quantization(weights="int8", block_size=100)
-
-
-def quantized_weights_under_no_shard():
-    fp.ShardingConfig(sharding_strategy="no_shard", quantization=fp.Quantization(weights="int8"))
 
 
 CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, hpz_size_not_dividing_the_shard_group,
