@@ -245,6 +245,11 @@ def _pair_all_reduce(t: torch.Tensor, group, block: int, gate, what: str):
                            what=what)
 
     def then() -> None:
-        rows = dequantize(both, total, block)
-        t.view(-1).copy_(rows[0].add_(rows[1]))
+        flat = t.view(-1)
+        if flat.dtype == torch.float32:      # one row dequantized at a time: the peak holds one, not two
+            flat.copy_(dequantize(both[0:1], total, block)[0])
+            flat.add_(dequantize(both[1:2], total, block)[0])
+        else:                                # a lower-precision gradient: sum in float32, round once
+            rows = dequantize(both, total, block)
+            flat.copy_(rows[0].add_(rows[1]))
     return _Then(work, then)

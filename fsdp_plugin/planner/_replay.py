@@ -81,12 +81,6 @@ class Layout:
         return self.compute(h) != h.dtype or self.cpu_offload
 
 
-# What quantizing / dequantizing one element costs, as bytes of elementwise traffic at the calibrated
-# elementwise rate (``Calibration.elementwise_bytes_per_s``): measured against it on this CPU (torch 2.13, one
-# thread, 1-8 M elements, stochastic rounding: 22-43, nearest 9-15; dequantize 2-19 -- loaded machine, the
-# medians taken). About 5 and 2 streaming passes of float32: what the kernels (`_comm/quantized.quantize`) do.
-QUANTIZE_BYTES_PER_ELEM = 24
-DEQUANTIZE_BYTES_PER_ELEM = 8
 
 
 @dataclass
@@ -119,6 +113,8 @@ class ReplayResult:
     calls_groups: Counter = field(default_factory=Counter)
     max_secondary: int = 0   # hpZ: most bytes of secondary shards held at once (inside ``unsharded``)
     engine_bytes: int = 0   # bytes read+written by the engine's own kernels (casts, flat gradients), per step
+    quantized_elems: int = 0     # elements quantized (stochastic rounding: the costlier one) per step
+    dequantized_elems: int = 0   # elements dequantized per step
 
 
 class _SimUnit(ScheduledUnit):
@@ -229,9 +225,9 @@ class _Sim:
             self.quantize_cost(length, n * length)
 
     def quantize_cost(self, quantized_elems: int, dequantized_elems: int) -> None:
-        """The quantization's own kernels as engine bytes (priced at the elementwise rate, like casts)."""
-        self.res.engine_bytes += (QUANTIZE_BYTES_PER_ELEM * quantized_elems
-                                  + DEQUANTIZE_BYTES_PER_ELEM * dequantized_elems)
+        """The quantization's own kernels, priced by the calibration's measured rates (`_time.predict`)."""
+        self.res.quantized_elems += quantized_elems
+        self.res.dequantized_elems += dequantized_elems
 
     # ------------------------------------------------------------ state moves (FlatParamHandle's bytes)
     def unshard(self, u: int) -> None:

@@ -38,6 +38,11 @@ class Calibration:
     elementwise_bytes_per_s: Optional[float] = None
     optimizer_bytes_per_s: Optional[float] = None
     attention_flops_per_s: Optional[float] = None   # fused attention kernels (None: flops_per_s)
+    # ``fp.Quantization``'s kernels (`_comm/quantized.py`): seconds per element quantized (stochastic
+    # rounding) and dequantized, measured on rows beyond the cache (None: from the memory rate, ~6 and 3
+    # float32 streaming passes)
+    quantize_s_per_elem: Optional[float] = None
+    dequantize_s_per_elem: Optional[float] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -67,7 +72,8 @@ def for_hardware(name: str, world: int, overlap: float = 1.0) -> Calibration:
 def default_for(device: torch.device) -> Calibration:
     if device.type == "cuda":
         return for_hardware("a100-80gb", 8)
-    return Calibration(20e9, 4e9, 0.5e9, 200e-6, 0.0, "assumed-cpu", op_overhead_s=15e-6)
+    return Calibration(20e9, 4e9, 0.5e9, 200e-6, 0.0, "assumed-cpu", op_overhead_s=15e-6,
+                       quantize_s_per_elem=5e-9, dequantize_s_per_elem=2e-9)
 
 
 def _timed(fn, min_s: float) -> float:
@@ -116,7 +122,7 @@ def calibrate(device: Optional[torch.device] = None, dtype: torch.dtype = torch.
         bus, latency = _measure_collectives(device, group, world, seconds)
         report()
     overlap = 1.0 if device.type == "cuda" else 0.0
-    rates.update(mem_bytes_per_s=mem, op_overhead_s=_op_overhead(device, seconds))
+    rates.update(mem_bytes_per_s=mem, op_overhead_s=_op_overhead(device, seconds), **_quantization_rates(device))
     report()
     if world > 1:
         rates = _group_median(rates, group, device)
@@ -124,7 +130,31 @@ def calibrate(device: Optional[torch.device] = None, dtype: torch.dtype = torch.
                        f"measured on {device.type}, world {world}", op_overhead_s=rates["op_overhead_s"],
                        elementwise_bytes_per_s=rates["elementwise_bytes_per_s"],
                        optimizer_bytes_per_s=rates["optimizer_bytes_per_s"],
-                       attention_flops_per_s=rates["attention_flops_per_s"])
+                       attention_flops_per_s=rates["attention_flops_per_s"],
+                       quantize_s_per_elem=rates["quantize_s_per_elem"],
+                       dequantize_s_per_elem=rates["dequantize_s_per_elem"])
+
+
+def _quantization_rates(device) -> dict:
+    """Seconds per element of quantizing (stochastic) and dequantizing a 4 M-element row, block 256: the sizes
+    of a unit's gradients, beyond the cache (best of 3 after one warm-up)."""
+    from .._comm import quantized as qz
+    n = 1 << 22
+    x = torch.randn(1, n, device=device)
+    payload = qz.quantize(x, 256)
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(3):
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        return min(times) / n
+    return {"quantize_s_per_elem": best(lambda: qz.quantize(x, 256, stochastic=True)),
+            "dequantize_s_per_elem": best(lambda: qz.dequantize(payload, n, 256))}
 
 
 def _reporter(progress, group, total: int):
@@ -208,15 +238,23 @@ def _measure_collectives(device, group, world: int, seconds: float) -> tuple[flo
     return comm.ring_bytes(elems, 4, world) / max(dt[0] - latency, 1e-9), latency
 
 
+def quantization_seconds(quantized: int, dequantized: int, cal: Calibration) -> float:
+    """Seconds of ``fp.Quantization``'s kernels: measured rates, else streaming passes at the memory rate."""
+    q = cal.quantize_s_per_elem if cal.quantize_s_per_elem is not None else 6 * 8 / cal.mem_bytes_per_s
+    d = cal.dequantize_s_per_elem if cal.dequantize_s_per_elem is not None else 3 * 8 / cal.mem_bytes_per_s
+    return quantized * q + dequantized * d
+
+
 def predict(flops: int, other_bytes: int, optimizer_bytes: int, wire_bytes: int, calls: int,
-            cal: Calibration, ops: int = 0, attention_flops: int = 0) -> dict:
+            cal: Calibration, ops: int = 0, attention_flops: int = 0, quantization_s: float = 0.0) -> dict:
     """Seconds per step. ``flops`` includes ``attention_flops``. Host op overhead adds to the kernels where
     they share cores (overlap 0, CPU) and bounds them from below where the host runs ahead of the device
     (overlap 1, CUDA)."""
     kernels = ((flops - attention_flops) / cal.flops_per_s
                + attention_flops / (cal.attention_flops_per_s or cal.flops_per_s)
                + other_bytes / (cal.elementwise_bytes_per_s or cal.mem_bytes_per_s)
-               + optimizer_bytes / (cal.optimizer_bytes_per_s or cal.mem_bytes_per_s))
+               + optimizer_bytes / (cal.optimizer_bytes_per_s or cal.mem_bytes_per_s)
+               + quantization_s)
     host = ops * cal.op_overhead_s
     compute = kernels + host if cal.overlap < 1 else max(kernels, host)
     communication = wire_bytes / cal.bus_bytes_per_s + calls * cal.latency_s

@@ -8,7 +8,7 @@ from ..config import ShardingConfig
 from . import _optim as _optim
 from ._replay import Layout, replay
 from ._result import WorldPlan
-from ._time import predict
+from ._time import predict, quantization_seconds
 from ._links import price
 from ._units import buffer_bytes
 
@@ -59,8 +59,8 @@ def world_plan(world: int, cfg: ShardingConfig, units, handles, tl, module, opt:
     n_tensors = sum(len(h.param_ids) for h in handles if h.requires_grad)
     ops = tl.ops + _optim.step_ops(opt, n_tensors, foreach)
     t = predict(tl.flops + ns_flops, tl.other_bytes + res.engine_bytes, _optim.step_traffic(opt, trainable_elems),
-                sum(res.wire.values()), sum(res.calls.values()), cal_w, ops,
-                tl.attention_flops) if cal_w is not None else {}
+                sum(res.wire.values()), sum(res.calls.values()), cal_w, ops, tl.attention_flops,
+                quantization_seconds(res.quantized_elems, res.dequantized_elems, cal_w)) if cal_w is not None else {}
     across = {}
     if links is not None:      # nodes and a link: each collective at the link its group uses
         across = price(links, world, lay, res, t.get("compute_s") or 0.0,
