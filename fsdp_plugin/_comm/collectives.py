@@ -301,8 +301,7 @@ class _P2PAllReduce(_P2PWork):
         mine = self.parts[me]
         self.recvs = [torch.empty_like(mine) if j != me else None for j in range(n)]
         super().__init__(group, me, self.parts, self.recvs, bound)
-        self.threaded = n == 2 and bool(self.works)
-        if self.threaded:             # posted now (tagged): the reduction thread waits and sums (`reducer`)
+        if n == 2 and self.works:     # posted now (tagged): the reduction thread waits and sums (`reducer`)
             self.works = [reducer.submit(self.works, self._add_pair)]
 
     def _add_pair(self) -> None:
@@ -315,9 +314,7 @@ class _P2PAllReduce(_P2PWork):
             self.recvs = self.parts = self.t = None
             return
         me, parts, recvs, n = self.me, self.parts, self.recvs, self.n
-        if n == 2:               # summed by the reduction thread before its job's wait returned, or here
-            if not self.threaded:
-                parts[me].add_(recvs[1 - me])
+        if n == 2:               # summed by the reduction thread before its job's wait returned
             self.recvs = self.parts = self.t = None
             return
         # rank order, ((c0 + c1) + c2) + ...: accumulate into rank 0's part (ours, or the buffer it came in)
