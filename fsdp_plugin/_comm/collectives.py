@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveError
-from . import late, nodes, reducer, status, tagged
+from . import late, nodes, status, tagged
 from .stats import _SYNC_KINDS, STATS, SYNC, CommStats, SyncStats, _count, _split, ring_bytes  # noqa: F401
 
 FAILED = False   # a collective of this process failed or timed out (fp.shutdown then leaves the groups alone)
@@ -288,7 +288,7 @@ class _P2PAllReduce(_P2PWork):
     """A unit's reduction on gloo/CPU under identity tags (no_shard, hybrid's replicas): native gloo aborts the
     process on a size mismatch, so it is tagged point to point instead, at the ring's bytes (``2·total·(N−1)/N``,
     as the counters say). Two ranks: one exchange of the whole tensor, summed (one commutative addition: the
-    same bits on both) by the reduction thread (`reducer`), so it overlaps like gloo's own all-reduce. More: phase 1 (posted now) sends part ``j``
+    same bits on both), so it overlaps like any collective. More: phase 1 (posted now) sends part ``j``
     (near-equal parts, ``tensor_split``) to rank ``j``, which sums every rank's part in rank order; phase 2
     (posted by ``wait``, a tagged position of its own: every rank waits its reductions in the same order)
     sends the summed part to every peer."""
@@ -301,20 +301,14 @@ class _P2PAllReduce(_P2PWork):
         mine = self.parts[me]
         self.recvs = [torch.empty_like(mine) if j != me else None for j in range(n)]
         super().__init__(group, me, self.parts, self.recvs, bound)
-        if n == 2 and self.works:     # posted now (tagged): the reduction thread waits and sums (`reducer`)
-            self.works = [reducer.submit(self.works, self._add_pair)]
-
-    def _add_pair(self) -> None:
-        """Two ranks: the peer's tensor into this rank's (on the reduction thread, once both messages are done)."""
-        if not tagged.diverged():    # after a divergence the receive may hold a complement's scratch
-            self.parts[self.me].add_(self.recvs[1 - self.me])
 
     def _finish(self) -> None:
         if tagged.diverged():    # fp.reset after a divergence: phase 1 may hold a complement's scratch; no phase 2
             self.recvs = self.parts = self.t = None
             return
         me, parts, recvs, n = self.me, self.parts, self.recvs, self.n
-        if n == 2:               # summed by the reduction thread before its job's wait returned
+        if n == 2:
+            parts[me].add_(recvs[1 - me])
             self.recvs = self.parts = self.t = None
             return
         # rank order, ((c0 + c1) + c2) + ...: accumulate into rank 0's part (ours, or the buffer it came in)
