@@ -1,6 +1,7 @@
-"""What quantizing and dequantizing cost, in the planner's unit: bytes of elementwise traffic per element at
-the calibrated elementwise rate (``fp.planner.calibrate``'s ``elementwise_bytes_per_s``), the constants
-``planner/_replay.py``'s ``QUANTIZE_BYTES_PER_ELEM`` / ``DEQUANTIZE_BYTES_PER_ELEM`` come from.
+"""What quantizing and dequantizing cost per element, and as bytes of elementwise traffic at the calibrated
+elementwise rate (``fp.planner.calibrate``'s ``elementwise_bytes_per_s``): why the planner measures the
+quantization's own rates (``Calibration.quantize_s_per_elem`` / ``dequantize_s_per_elem``) instead of deriving
+them from the elementwise rate (the equivalent bytes per element change with the row size: cache effects).
 
     python benchmarks/quantize_cost.py [--sizes 1048576,4194304]
 

@@ -1,6 +1,9 @@
 """fp.plan's link-aware prediction held against the two-node benchmark's results.
 
-    .venv/bin/python benchmarks/two_nodes/predict.py benchmarks/two_nodes/results_small.jsonl
+    .venv/bin/python benchmarks/two_nodes/predict.py benchmarks/two_nodes/results_small.jsonl [CALIBRATIONS.jsonl]
+
+CALIBRATIONS.jsonl: the uncapped rows of a later run whose calibrations replace the results' own (e.g. after the
+calibration gained a measurement).
 
 Per row: the planned node egress (``WorldPlan.link_bytes_per_node``) against the link's counter, and the step
 time three ways: the planner's own with assumed CPU throughputs; the planner's own with the calibration
@@ -29,8 +32,15 @@ from fsdp_plugin.planner._links import CPU_LINK_HIDDEN  # noqa: E402
 GBPS = {"200mbit": 0.2 * 0.96, "1gbit": 1.0 * 0.96, "none": 805e6 * 8 / 1e9}
 
 
-def main(path: str) -> None:
+def _calibrations(path: str) -> dict:
+    """(preset, ranks per node) -> the calibration of an uncapped run in ``path`` (a later, separate run)."""
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return {(r["preset"], r["per_node"]): r["calibration"] for r in rows if r.get("calibration")}
+
+
+def main(path: str, calibrations: str = "") -> None:
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    override = _calibrations(calibrations) if calibrations else {}
     measured = {(r["preset"], r["per_node"], r["rate"], r["config"]): r for r in rows}
     print("| preset | nodes×ranks | link | config | link MB/node planned / measured | step s measured | "
           "planned (assumed CPU) | planned (calibrated) | error | planned (measured compute) | error |")
@@ -44,7 +54,7 @@ def main(path: str) -> None:
                                        torch.zeros(b, cfg.seq_len, dtype=torch.long)), **kw)
         w = plan.worlds[2 * k]
         base = measured.get((preset, k, "none", name))
-        cal = (base or {}).get("calibration")
+        cal = override.get((preset, k)) or (base or {}).get("calibration")
         calibrated = float("nan")
         if cal:
             calibrated = fp.plan(lambda: GPT(cfg), world_size=2 * k, auto_wrap_policy={Block}, nodes=2,
@@ -63,4 +73,4 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "")
