@@ -5,13 +5,13 @@ save's objects are deleted only after the new manifest is published."""
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import threading
 import time
 
 import pytest
 import torch
-from _dist import run_ranks
 from _s3 import S3Server, new_bucket
 from torch import nn
 
@@ -91,9 +91,6 @@ def _wait_for(paths: list[str], timeout: float = 60.0) -> None:
 def _racer(rank, world, path, barrier_dir):
     """Two independent jobs (world 1 each): both read the published manifest when they begin, both upload, and
     both publish at once (a file barrier just before the manifest PUT)."""
-    import torch.distributed as dist
-
-    dist.destroy_process_group()  # each rank is its own job from here
     real = _publish_remote.publish
 
     def at_barrier(*a, **k):
@@ -111,12 +108,45 @@ def _racer(rank, world, path, barrier_dir):
     return os.getpid(), outcome, _state(m, opt)
 
 
+def _racer_main(rank, world, path, barrier_dir, queue):
+    try:   # tensors as lists: a tensor in a queue is a shared-memory handle that dies with this process
+        pid, outcome, state = _racer(rank, world, path, barrier_dir)
+        queue.put((rank, True, (pid, outcome, {k: (v.tolist(), str(v.dtype)) for k, v in state.items()})))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        queue.put((rank, False, repr(e)))
+
+
+def _run_racers(path: str, barrier_dir: str, timeout: float = 120.0) -> list:
+    """The two jobs as spawned processes, no process group: clean interpreters (a fork of this process would
+    copy the in-process moto server's and s3fs's threads and locks, which once crashed a forked racer)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_racer_main, args=(r, 2, path, barrier_dir, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = {}
+        end = time.monotonic() + timeout
+        while len(got) < 2:
+            rank, ok, payload = queue.get(timeout=max(end - time.monotonic(), 0.1))
+            assert ok, f"racer {rank} failed: {payload}"
+            pid, outcome, state = payload
+            got[rank] = pid, outcome, {k: torch.tensor(v, dtype=getattr(torch, d.split(".")[1]))
+                                       for k, (v, d) in state.items()}
+        return [got[0], got[1]]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+
+
 def test_two_racing_replacers_exactly_one_wins_the_other_names_it(bucket, tmp_path):
     path = f"{bucket}/ck"
     first = _trained(0)
     fp.save_checkpoint(path, *first, extra={"step": 1})
     old_uid = json.loads(_s3().cat(f"{path}/manifest.json"))["uuid"]
-    results = run_ranks(_racer, 2, path, str(tmp_path), timeout=120)
+    results = _run_racers(path, str(tmp_path))
     winners = [r for r in results if r[1] is None]
     losers = [r for r in results if r[1] is not None]
     assert len(winners) == 1 and len(losers) == 1, [r[:2] for r in results]
