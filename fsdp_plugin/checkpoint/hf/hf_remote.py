@@ -13,7 +13,6 @@ from .hf_out import INDEX_NAME
 from ..storage import join, storage_for
 
 #: Bytes per write of an upload stream.
-_CHUNK = 8 << 20
 
 
 def save_pretrained_remote(save_local, model, url: str, **kwargs) -> None:
@@ -41,13 +40,5 @@ def _upload(local: str, url: str) -> None:
     last = [n for n in names if n in (INDEX_NAME, "model.safetensors")]
     st = storage_for(url)
     for name in [n for n in names if n not in last] + last:
-        st.write_file(join(url, name), lambda write, hint, name=name: _stream(os.path.join(local, name), write))
+        st.put_file(os.path.join(local, name), join(url, name))
 
-
-def _stream(path: str, write) -> int:
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            write(memoryview(chunk))
-            size += len(chunk)
-    return size

@@ -20,7 +20,6 @@ from fsdp_plugin.checkpoint import _comm, storage
 from fsdp_plugin.checkpoint.errors import CheckpointNotFoundError
 
 #: Bytes per read of the local archive while uploading (a multiple of the upload part size's divisor).
-CHUNK_BYTES = 16 << 20
 
 
 def save(url: str, write_local: Callable[[Path], None]) -> None:
@@ -40,15 +39,7 @@ def save(url: str, write_local: Callable[[Path], None]) -> None:
 
 
 def _upload(local: Path, url: str) -> None:
-    def body(write, _hint) -> int:
-        n = 0
-        with open(local, "rb") as f:
-            while chunk := f.read(CHUNK_BYTES):
-                write(memoryview(chunk))
-                n += len(chunk)
-        return n
-
-    storage.storage_for(url).write_file(url, body)
+    storage.storage_for(url).put_file(str(local), url)     # one object, retried (the Trainer's uploads too)
 
 
 def exists(url: str) -> bool:
