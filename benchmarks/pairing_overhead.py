@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import time
@@ -100,6 +101,8 @@ def main():
     arms = ("checked", "unchecked")
     times = {k: [] for k in arms}
     cpu = {k: [] for k in arms}
+    faults = {k: [] for k in arms}     # minor page faults and kernel CPU per step (busiest rank): fresh buffers
+    kernel = {k: [] for k in arms}
     spent, counts = [], []
     control, waits = 0, {}
     for step in range(2 + a.steps * len(arms)):
@@ -109,15 +112,20 @@ def main():
         dist.barrier()
         c_before = fp.comm_stats.calls["control"]
         fp.sync_stats.reset()
+        ru0 = resource.getrusage(resource.RUSAGE_SELF)
         t0, c0 = time.perf_counter(), time.process_time()
         model(x, x).backward()
         opt.step()
         opt.zero_grad()
-        dt = torch.tensor([time.perf_counter() - t0, _SPENT["s"], time.process_time() - c0])
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
+        dt = torch.tensor([time.perf_counter() - t0, _SPENT["s"], time.process_time() - c0,
+                           ru1.ru_minflt - ru0.ru_minflt, ru1.ru_stime - ru0.ru_stime], dtype=torch.float64)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         if step >= 2:
             times[arm].append(dt[0].item())
             cpu[arm].append(dt[2].item())
+            faults[arm].append(dt[3].item())
+            kernel[arm].append(dt[4].item())
             if arm == "checked":
                 spent.append(dt[1].item())
                 counts.append(_SPENT["n"])
@@ -136,6 +144,8 @@ def main():
               + f"; checked/unchecked {med['checked'] / med['unchecked']:.4f}; paired {r:.4f} (90% {lo:.3f}-{hi:.3f})")
         print("median CPU s per step: " + ", ".join(f"{k} {v:.4f}" for k, v in mcpu.items())
               + f"; checked/unchecked {mcpu['checked'] / mcpu['unchecked']:.4f}; paired {cr:.4f} (90% {clo:.3f}-{chi:.3f})")
+        print("median minor page faults per step: " + ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in faults.items())
+              + "; kernel CPU s per step: " + ", ".join(f"{k} {statistics.median(v):.4f}" for k, v in kernel.items()))
         print(f"pairing calls per step {statistics.median(counts):.0f}, time in pairing calls "
               f"{statistics.median(spent) * 1e3:.2f} ms per step = {100 * share:.2f}% of the checked step; "
               f"control collectives per step {control}; blocking waits per step {waits}")

@@ -159,6 +159,16 @@ def test_after_a_divergence_fp_reset_realigns_and_training_goes_on(mode):
         assert losses[0] == losses[1], losses      # the shards still pair: both ranks see the same model
 
 
+@pytest.mark.parametrize("mode,world", [("tower", 2), ("unused", 2), ("order", 2), ("tower", 3)])
+def test_no_shard_divergence_with_phase_two_reserved_recovers(mode, world):
+    # issue 30: a tagged all-reduce reserves its phase 2's position at issue and posts its sends a unit later;
+    # a rank that diverged complements them, and fp.reset posts any still unposted, so every rank drains
+    for rank, (errors, losses) in enumerate(run_ranks(_recover, world, mode, "no_shard", timeout=90)):
+        assert [step for step, _ in errors] == [1], (rank, errors)
+        assert "ranks diverged" in errors[0][1], errors
+        assert len(set(losses)) == 1, losses
+
+
 def test_a_divergence_among_three_ranks_is_named_on_every_rank_and_fp_reset_recovers():
     results = run_ranks(_recover, 3, "tower", "full_shard", timeout=90)
     for rank, (errors, losses) in enumerate(results):

@@ -1,30 +1,32 @@
 """Host (CPU) allocator settings for the engine's per-step buffers.
 
 A ZeRO-3 step allocates and frees the same large buffers every step (each unit's full parameters, its flat
-gradient, the reduction's chunks). On CUDA torch's caching allocator keeps freed blocks for the next request;
-on the CPU every tensor is a ``malloc`` block, and glibc hands large freed blocks back to the kernel (``munmap``
-above the mmap threshold, ``trim`` of the heap's top above the trim threshold), so the next step takes a page
-fault per 4 KiB page to get them again. Measured on the small GPT at world 2 (benchmarks/profile_step.py):
-4 000–16 000 minor faults per step and 30–50 ms of kernel CPU, against 0–3 000 and 9–18 ms for DDP, whose
-buckets persist. Fixing both thresholds (glibc's own knobs, as ``MALLOC_MMAP_THRESHOLD_`` /
-``MALLOC_TRIM_THRESHOLD_`` would) keeps up to ``_TRIM_BYTES`` of freed heap for reuse, like a caching
-allocator: the live heap (what the memory targets count) does not change, only what the process keeps
-mapped once it has freed it. Opt out with ``FSDP_PLUGIN_HOST_ALLOC=0``; a no-op without glibc or when the
-user set glibc's variables.
+gradient, the reduction's chunks, the logits and their gradient). On CUDA torch's caching allocator keeps freed
+blocks for the next request; on the CPU every tensor is a ``malloc`` block, and glibc hands large freed blocks
+back to the kernel (``munmap`` of every block above the mmap threshold, at most 32 MiB; ``trim`` of the heap's
+top above the trim threshold), so the next step takes a page fault per 4 KiB page to get them again, the kernel
+zeroing each one. Measured on the medium GPT (110 M) at world 2, no_shard (benchmarks/RESULTS.md § 30d): with
+the mmap threshold at 32 MiB and 256 MiB kept, 150 000–200 000 faults and 0.6–0.7 s of kernel CPU per 2.3 s step
+(the tied embedding's 100 MB gradient, the logits, the optimizer's temporaries: all above 32 MiB); with every
+block served from the heap (``M_MMAP_MAX`` 0) and 1 GiB of freed heap kept, 10–5 000 faults, 0.23 s, a 1.9 s
+step. glibc's own knobs (as ``MALLOC_MMAP_MAX_`` / ``MALLOC_TRIM_THRESHOLD_`` would set them), like a caching
+allocator: the live heap (what the memory targets count) does not change, only what the process keeps mapped
+once it has freed it (at most ``_TRIM_BYTES`` above the heap's live top). Opt out with
+``FSDP_PLUGIN_HOST_ALLOC=0``; a no-op without glibc or when the user set glibc's variables.
 """
 from __future__ import annotations
 
 import ctypes
 import os
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3      # glibc malloc.h
-_MMAP_BYTES = 32 << 20     # glibc's maximum: blocks up to 32 MiB come from the heap and are reused
-_TRIM_BYTES = 256 << 20    # freed heap kept for reuse before glibc returns it to the kernel
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4      # glibc malloc.h
+_TRIM_BYTES = 1 << 30      # freed heap kept for reuse before glibc returns it to the kernel
+_USER_VARS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_MAX_", "MALLOC_TOP_PAD_")
 _applied: bool | None = None
 
 
 def keep_freed_host_memory() -> bool:
-    """Apply the thresholds once per process; True when they are in effect."""
+    """Apply the settings once per process; True when they are in effect."""
     global _applied
     if _applied is None:
         _applied = _apply()
@@ -34,11 +36,13 @@ def keep_freed_host_memory() -> bool:
 def _apply() -> bool:
     if os.environ.get("FSDP_PLUGIN_HOST_ALLOC", "1") == "0":
         return False
-    if any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
+    if any(k in os.environ for k in _USER_VARS):
         return False        # the user tuned glibc already
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False        # not glibc
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_BYTES))
+    # every block from the heap (threads' arenas still map what their heaps cannot hold), so freed blocks of
+    # any size are reused; the heap's free top is returned to the kernel only beyond _TRIM_BYTES
+    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_BYTES))

@@ -287,29 +287,41 @@ class _P2PReduceScatter(_P2PWork):
 class _P2PAllReduce(_P2PWork):
     """A unit's reduction on gloo/CPU under identity tags (no_shard, hybrid's replicas): native gloo aborts the
     process on a size mismatch, so it is tagged point to point instead, at the ring's bytes (``2·total·(N−1)/N``,
-    as the counters say). Two ranks: one exchange of the whole tensor, summed (one commutative addition: the
-    same bits on both), so it overlaps like any collective. More: phase 1 (posted now) sends part ``j``
-    (near-equal parts, ``tensor_split``) to rank ``j``, which sums every rank's part in rank order; phase 2
-    (posted by ``wait``, a tagged position of its own: every rank waits its reductions in the same order)
-    sends the summed part to every peer."""
+    as the counters say) and the ring's arithmetic: each rank sums 1/N of the tensor, as gloo's own ring does.
+
+    Phase 1 (posted now) sends part ``j`` (near-equal parts, ``tensor_split``; halves at two ranks) to rank
+    ``j``, which sums every rank's part. Phase 2 sends the summed part to every peer. Its tagged position is
+    reserved and its receives posted here, with phase 1's: a peer's summed part can only arrive after that peer
+    received this rank's part ``j`` from the same memory, so receiving into it never races the send. Its sends
+    go out at ``advance`` (the reduction queue calls it a unit later, so phase 2 overlaps the rest of backward)
+    or at ``wait``; after a divergence, at ``fp.reset`` (``tagged.drain``), so no peer waits for them."""
 
     def __init__(self, t: torch.Tensor, group, n: int, bound: _Bound):
         me = dist.get_rank(group)
-        self.t, self.n, self.group = t, n, group
-        flat = t.view(-1)
-        self.parts = [flat, flat] if n == 2 else list(torch.tensor_split(flat, n))
+        self.t, self.n = t, n
+        self.parts = list(torch.tensor_split(t.view(-1), n))
         mine = self.parts[me]
         self.recvs = [torch.empty_like(mine) if j != me else None for j in range(n)]
         super().__init__(group, me, self.parts, self.recvs, bound)
+        self.phase2 = _Phase2(self.pg, me, self.parts, bound.gate.code)
+
+    def advance(self, timeout=None) -> bool:
+        """Phase 1 waited, this rank's part summed, phase 2's sends posted; nothing waits for a peer's sum."""
+        try:
+            return self._wait_tagged(timeout)
+        finally:
+            self.phase2.post_sends()       # even when the wait raised a verdict: a peer may be waiting for them
+
+    def wait(self, timeout=None) -> bool:
+        return self.advance(timeout) and self.phase2.wait(timeout)
 
     def _finish(self) -> None:
-        if tagged.diverged():    # fp.reset after a divergence: phase 1 may hold a complement's scratch; no phase 2
-            self.recvs = self.parts = self.t = None
+        recvs, self.recvs = self.recvs, None
+        if tagged.diverged():    # fp.reset after a divergence: phase 1 may hold a complement's scratch
             return
-        me, parts, recvs, n = self.me, self.parts, self.recvs, self.n
-        if n == 2:
+        me, parts, n = self.me, self.parts, self.n
+        if n == 2:               # one commutative addition: the bits rank-order summing would give
             parts[me].add_(recvs[1 - me])
-            self.recvs = self.parts = self.t = None
             return
         # rank order, ((c0 + c1) + c2) + ...: accumulate into rank 0's part (ours, or the buffer it came in)
         acc = parts[0] if me == 0 else recvs[0]
@@ -317,10 +329,42 @@ class _P2PAllReduce(_P2PWork):
             acc.add_(parts[me] if j == me else recvs[j])
         if me != 0:
             parts[me].copy_(acc)
-        self.recvs = None
-        # phase 2: this part to every peer, theirs into place
-        _P2PWork(self.group, me, [parts[me]] * n, list(parts), self.bound).wait()
-        self.parts = self.t = None
+
+
+class _Phase2:
+    """Phase 2 of a `_P2PAllReduce`: a tagged position of its own, reserved at issue (the same position on every
+    rank, wherever each posts its sends); receives posted at once, sends by ``post_sends``. Listed in the
+    status like any tagged collective (``tagged.snapshot``: both directions, for a diverged peer's complements)."""
+
+    def __init__(self, pg, me: int, parts: list, code: int):
+        self.pg, self.group_name, self.me, self.fp_code, self.parts = pg, pg.group_name, me, code, parts
+        self.fp_tag = tagged.issue(code, self)
+        self.fp_nbytes = [(_nbytes(parts[me]), _nbytes(parts[j])) if j != me else (0, 0) for j in range(len(parts))]
+        self.works = [pg.recv([parts[j]], j, self.fp_tag) for j in range(len(parts)) if j != me]
+        self.sent = self.done = False
+
+    def post_sends(self) -> None:
+        if not self.sent:
+            self.sent = True
+            self.works += [self.pg.send([self.parts[self.me]], j, self.fp_tag)
+                           for j in range(len(self.parts)) if j != self.me]
+
+    def wait(self, timeout=None) -> bool:
+        self.post_sends()
+        if self.done:
+            return True
+        tagged.before_wait()
+        try:
+            for w in self.works:
+                if (w.wait(timeout) if timeout is not None else w.wait()) is False:
+                    return False
+        finally:
+            self.done, self.works, self.parts = True, [], None
+            tagged.finished(self)
+        tagged.after_wait()
+        return True
+
+
 class _P2PExchange(_P2PWork):
     """Rank ``r`` copies its row ``r`` into ``out`` row ``r``, sends row ``j`` to rank ``j`` and receives
     every peer's row in place (the all-to-all under a quantized reduce-scatter)."""
@@ -470,6 +514,23 @@ def wait(work, what: str = "collective", timeout_s: Optional[float] = None) -> N
     if ok is False:
         raise _collective_error(what, timeout_s, None, op)
     status.finished(op)
+
+
+def advance(work, what: str = "collective", timeout_s: Optional[float] = None) -> bool:
+    """Take ``work`` as far as it goes without waiting for a peer's later stage (a tagged all-reduce: its own
+    sum done, phase 2 posted); True if a later ``wait`` remains, False if ``work`` has no such stage."""
+    inner = work.work if isinstance(work, status._Tracked) else work
+    if not isinstance(inner, _P2PAllReduce):
+        return False
+    try:
+        ok = inner.advance(timedelta(seconds=timeout_s) if timeout_s else None)
+    except CollectiveError:
+        raise
+    except RuntimeError as e:
+        raise _collective_error(what, timeout_s, e, getattr(work, "fp_op", None)) from e
+    if ok is False:
+        raise _collective_error(what, timeout_s, None, getattr(work, "fp_op", None))
+    return True
 
 
 def _collective_error(what: str, timeout_s, cause, op=None) -> CollectiveError:

@@ -370,11 +370,16 @@ class FlatParamHandle:
         Hybrid (shard and replicate groups of more than one rank): the reduce-scatter's wait issues the
         cross-replica all-reduce of the reduced chunk; with ``final=False`` it is left in flight (the rest of
         backward overlaps it: the reduction queue calls ``finish_reduce()`` again at the end of backward) and
-        True is returned; otherwise it is waited here. Returns whether a reduction is still pending."""
+        True is returned; otherwise it is waited here. A tagged all-reduce (no_shard on gloo/CPU) likewise: with
+        ``final=False`` its own part is summed and its phase 2 left in flight. Returns whether a reduction is
+        still pending."""
         pending, self.pending_reduce = self.pending_reduce, None
         if pending is None:
             return False
         what = "cross-replica all-reduce" if pending.replica else "gradient reduction"
+        if not final and comm.advance(pending.work, f"{what} of unit {self.label!r}", self.timeout_s):
+            self.pending_reduce = pending      # a tagged all-reduce's phase 2 overlaps the rest of backward
+            return True
         comm.wait(pending.work, f"{what} of unit {self.label!r}", self.timeout_s)
         out = pending.out
         if not pending.replica and self.mesh.shard_size > 1 and self.mesh.replicate_size > 1:
@@ -392,6 +397,14 @@ class FlatParamHandle:
             out.div_(divisor)
         self._accumulate_shard_grad(out)
         return False
+
+    def advance_reduce(self) -> None:
+        """Take the pending reduction as far as it goes without waiting for a peer's later stage
+        (``comm.advance``: a tagged all-reduce sums its part and posts phase 2); nothing else."""
+        pending = self.pending_reduce
+        if pending is not None:
+            what = "cross-replica all-reduce" if pending.replica else "gradient reduction"
+            comm.advance(pending.work, f"{what} of unit {self.label!r}", self.timeout_s)
 
     def _grad_base(self) -> Optional[torch.Tensor]:
         """The flat sharded gradient, found through the slots' ``p.grad`` views.

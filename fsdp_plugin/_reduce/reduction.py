@@ -40,6 +40,7 @@ class Reduction:
         # hybrid handles whose reduce-scatter finished and whose cross-node all-reduce is still in flight: it
         # overlaps the rest of backward and is waited at its end (``finish_pending``); each holds a 1/S chunk
         self._replicating: deque = deque()
+        self._advanced = 0     # leading entries of ``_replicating`` already advanced (``advance_reduce``)
         self._agreement: Optional[UsageAgreement] = None   # the mask all-reduce issued and not yet finished
 
     @property
@@ -74,6 +75,11 @@ class Reduction:
     def enqueue(self, handle, grad: Optional[torch.Tensor], unit=None, gate=None) -> None:
         """Issue ``handle``'s reduction (with its pairing ``gate``, if any) and finish older ones beyond the
         in-flight limit (the planner's replay calls this too, with its stand-in handles and no gate)."""
+        # second stages issued at an earlier gradient: one unit of backward later, their own sums are done and
+        # their phase 2 posted here, so it overlaps the rest of backward (tagged all-reduces; else nothing)
+        while self._advanced < len(self._replicating):
+            self._replicating[self._advanced].advance_reduce()
+            self._advanced += 1
         if gate is None:
             handle.start_reduce(grad)
         else:
@@ -108,6 +114,9 @@ class Reduction:
         """End of backward: finish the reduce-scatters (issuing the last all-reduces), then every all-reduce."""
         while self._pending:
             self._advance(self._pending.popleft())
+        for h in list(self._replicating)[self._advanced:]:   # every phase 2 posted before the first is waited
+            h.advance_reduce()
+        self._advanced = 0
         while self._replicating:
             self._replicating.popleft().finish_reduce()
 
@@ -124,6 +133,7 @@ class Reduction:
         the mask all-reduce waited for. Returns its error instead of raising (the caller cleans up first)."""
         self._pending.clear()
         self._replicating.clear()
+        self._advanced = 0
         agreement, self._agreement = self._agreement, None
         self.state = ReduceState.IDLE
         if agreement is not None:

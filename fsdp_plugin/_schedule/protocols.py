@@ -44,6 +44,10 @@ class ReducingHandle(Protocol):
         second stage (hybrid's cross-node all-reduce) may be left in flight: True then, and the queue calls
         ``finish_reduce()`` again at the end of backward."""
 
+    def advance_reduce(self) -> None:
+        """Take a second stage left in flight as far as it goes without waiting for a peer's later stage (a
+        tagged all-reduce: its part summed, phase 2 posted); a no-op for stand-ins."""
+
 
 @runtime_checkable
 class UnitRoot(Protocol):

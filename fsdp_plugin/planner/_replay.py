@@ -146,6 +146,9 @@ class _SimHandle(ReducingHandle):
     def finish_reduce(self, final: bool = True) -> bool:
         return self.sim.finish(self.index, final)
 
+    def advance_reduce(self) -> None:
+        pass
+
 
 class _Sim:
     def __init__(self, units, handles, lay: Layout, static: int):
