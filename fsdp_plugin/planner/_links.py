@@ -84,11 +84,17 @@ def price(links: Links, world: int, lay, res, compute_s: float, bus_bytes_per_s:
                    if off_node_peers(group, world, k, lay.shard_size, lay.replicate_size, lay.secondary)[1])
     intra = sum(res.wire.values()) - sum(inter.values())
     egress = k * sum(inter.values())
-    intra_s = intra / bus_bytes_per_s + (sum(res.calls.values()) - crossing) * latency_s
+    # every collective pays the calibration's per-call cost (measured on a tiny all-reduce: on gloo mostly the
+    # host's work of posting and waiting its sends and receives), crossing the link or not; ``link_latency_us``
+    # is the link's own, on top, for those that cross
+    intra_s = intra / bus_bytes_per_s + sum(res.calls.values()) * latency_s
     out = {"inter_node_bytes": inter, "link_bytes_per_node": egress, "intra_s": intra_s}
     if links.link_bytes_per_s is None:
         return out
     link_s = egress / links.link_bytes_per_s + crossing * links.latency_s
     hidden = 1.0 if overlap >= 1 else CPU_LINK_HIDDEN
-    step = intra_s + compute_s + link_s - hidden * min(compute_s, link_s)
+    # gloo/CPU: the part of each message the training thread writes into its socket itself, at the calibration's
+    # bus rate (the same copy its all-gather measured), is the thread's own time: nothing hides it
+    sync_s = res.link_sync_bytes / bus_bytes_per_s if overlap < 1 else 0.0
+    step = intra_s + sync_s + compute_s + link_s - hidden * min(compute_s, link_s)
     return {**out, "link_s": link_s, "step_s": step, "comm_s": intra_s + link_s}
