@@ -33,6 +33,7 @@ from configs import CONFIGURATIONS, resolve  # noqa: E402
 from fsdp_plugin.planner._fake_run import op_cost  # noqa: E402
 
 _PKG = str(ROOT / "fsdp_plugin") + "/"
+_QUANTIZE_KERNELS = ("quantize", "dequantize", "_add_noise", "_scales")
 _MODEL = str(HERE.parent / "_model.py")
 
 
@@ -164,7 +165,9 @@ def summarize(rows: dict) -> dict:
     for where, row in rows.items():
         if where == "wall":
             continue
-        g = "engine" if where.startswith("engine:") else "comm" if where.startswith("comm:") else ("model" if where in ("model", "backward") else where)
+        if any(f"_comm/quantized.{k} " in where for k in _QUANTIZE_KERNELS):
+            where = "quantize"           # the calibration prices these per element (quantize_s/dequantize_s)
+        g = "quantize" if where == "quantize" else "engine" if where.startswith("engine:") else "comm" if where.startswith("comm:") else ("model" if where in ("model", "backward") else where)
         for k, v in row.items():
             groups[g][k] += v
     return {g: dict(v) for g, v in groups.items()}

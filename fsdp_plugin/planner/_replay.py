@@ -121,6 +121,9 @@ class ReplayResult:
     quantized_elems: int = 0     # elements quantized (stochastic rounding: the costlier one) per step
     dequantized_elems: int = 0   # elements dequantized per step
     link_sync_bytes: int = 0     # gloo/CPU: bytes to other nodes the training thread writes itself (`_sync_send_bytes`)
+    # bytes to other nodes (per rank) of collectives waited with no compute since their issue (`_Sim.waited`):
+    # the root's first all-gather, the reductions issued after backward's last kernel; no compute hides them
+    exposed_inter_bytes: int = 0
 
 
 class _SimUnit(ScheduledUnit):
@@ -167,6 +170,9 @@ class _Sim:
         self.has_grad: set = set()
         self.started: set = set()
         self.act = 0
+        self.epoch = 0                         # compute segments so far (`replay` counts the fake run's events)
+        self.issued_inter = 0                  # bytes to other nodes issued so far, per rank
+        self.link_pending: dict = {}           # (what, handle) -> (epoch, inter bytes) of an unwaited collective
         self.res = ReplayResult(Moment())
         cfg = lay.config
         self.sim_units = [_SimUnit(self, i, u.name, unit_policy(cfg, None, u.fqn, u.module).reshard_after_forward,
@@ -201,6 +207,25 @@ class _Sim:
             self.res.calls_groups[(kind, group)] += 1
             self.res.wire_groups[(kind, group)] += nbytes
             self.res.link_sync_bytes += self._sync_send_bytes(nbytes, n, factor, group)
+            self.issued_inter += self._inter(nbytes, n, group)
+
+    def _inter(self, nbytes: int, n: int, group: str) -> int:
+        lay = self.lay
+        if not 0 < lay.per_node < lay.world:
+            return 0
+        off = off_node_peers(group, lay.world, lay.per_node, lay.shard_size, lay.replicate_size, lay.secondary)[1]
+        return nbytes * off // (n - 1)
+
+    def issued(self, key, since: int) -> None:
+        """The collective(s) just issued for ``key`` (their bytes to other nodes: ``issued_inter - since``)."""
+        if self.issued_inter > since:
+            self.link_pending[key] = (self.epoch, self.issued_inter - since)
+
+    def waited(self, key) -> None:
+        """``key``'s collective is waited: exposed when no compute segment began since it was issued."""
+        epoch, nbytes = self.link_pending.pop(key, (None, 0))
+        if epoch == self.epoch:
+            self.res.exposed_inter_bytes += nbytes
 
     def _sync_send_bytes(self, nbytes: int, n: int, factor: int, group: str) -> int:
         """Bytes of this collective's messages to other nodes that the training thread itself writes on gloo/CPU.
@@ -293,6 +318,7 @@ class _Sim:
                 self.check(extra=src)          # the cast copy, gone once copied into the full buffer
                 continue
             held_secondary = self.secondary.pop(h, 0)
+            since = self.issued_inter
             if held_secondary:
                 self.unsharded -= held_secondary
             if held_secondary and self.root.in_backward:     # hpZ: gathered inside the secondary group
@@ -305,6 +331,7 @@ class _Sim:
             # gloo/CPU point-to-point all-gather copies this rank's row into the gathered buffer (NCCL: in place);
             # bytes as the fake run's rule prices a copy_: source, destination read and written
             self.res.engine_bytes += 3 * own * lay.staging
+            self.issued(("gather", h), since)
             held = src + inflight_host_bytes("all_gather", self.full[h], lay.shard_size, lay.staging)
             self.inflight[h] = held
             self.reducing += held
@@ -314,9 +341,11 @@ class _Sim:
         """The unit waits for its all-gathers (wait_and_use_views): what they held is released."""
         for h in self.units[u].handles:
             self.reducing -= self.inflight.pop(h, 0)
+            self.waited(("gather", h))
 
     def reshard_handle(self, h: int) -> None:
         self.reducing -= self.inflight.pop(h, 0)     # reshard waits for a prefetch that was not used
+        self.waited(("gather", h))
         if self.unsh[h] and self.full[h]:
             self.unsh[h] = False
             self.unsharded -= self.full[h]
@@ -339,12 +368,14 @@ class _Sim:
         held = g_reduce if cast else 0                 # without a cast the pending one is the flat gradient
         self.res.engine_bytes += (g_compute + g_reduce) if cast else 0
         self.res.engine_bytes += self._reduce_kernel_bytes(spec)
+        since = self.issued_inter
         if lay.shard_size > 1:
             held += spec.chunk(lay.shard_size) * lay.reduce(spec).itemsize
             held += inflight_host_bytes("reduce_scatter", g_reduce, lay.shard_size, lay.staging)
             self.reduce_comm(spec, "reduce_scatter", padded, lay.shard_size)
         elif lay.replicate_size > 1:
             self.reduce_comm(spec, "all_reduce", padded, lay.replicate_size, group="replicate")
+        self.issued(("reduce", h), since)
         self.reducing += held
         self.reduce_bytes[h] = held + (0 if cast else g_compute)
         self.check()
@@ -381,8 +412,11 @@ class _Sim:
         in flight (holding the reduced chunk) to the end of backward unless ``final``; True while it is."""
         spec, lay = self.handles[h], self.lay
         chunk = spec.chunk(lay.shard_size)
+        self.waited(("reduce", h))
         if lay.shard_size > 1 and lay.replicate_size > 1 and h not in self.replicating:
+            since = self.issued_inter
             self.reduce_comm(spec, "all_reduce", chunk, lay.replicate_size, group="replicate")
+            self.issued(("replicate", h), since)
             kept = chunk * lay.reduce(spec).itemsize
             self.reducing -= self.reduce_bytes[h] - kept
             self.reduce_bytes[h] = kept
@@ -390,6 +424,7 @@ class _Sim:
             if not final:
                 return True
         self.replicating.discard(h)
+        self.waited(("replicate", h))
         self.reducing -= self.reduce_bytes.pop(h)
         if h not in self.has_grad and not lay.cpu_offload:
             self.has_grad.add(h)
@@ -451,6 +486,8 @@ def replay(units, handles, timeline, lay: Layout, static: int, optimizer_step_ex
         sim.act = ev.act_max
         sim.check()                      # the largest activation level between the previous event and this one
         sim.act = ev.act_now
+        if ev.kind not in ("grads_dropped", "end_backward"):    # the fake run computed since the last event
+            sim.epoch += 1
         if ev.kind == "pre_forward":
             sim.pre_forward(ev.index)
         elif ev.kind == "post_forward":
