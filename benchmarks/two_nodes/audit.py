@@ -7,7 +7,9 @@ Forks 2 × ``per_node`` gloo ranks (tests/_dist.py's harness, LOCAL_WORLD_SIZE =
 trains one warm-up step of the benchmark GPT per configuration, then one step inside a dispatch mode that prices
 every aten op with the fake run's own rule (`fsdp_plugin.planner._fake_run.op_cost`) and files it under the
 innermost Python frame that is the model's (benchmarks/_model.py; autograd's backward of it: "backward"), the
-optimizer's (torch/optim) or the engine's (fsdp_plugin/, by module: "_comm/collectives", "_flat/handle", ...).
+optimizer's (torch/optim) or the engine's (fsdp_plugin/, by module, function and op); gloo's c10d send/recv ops
+apart ("comm"), and the quantization's quantize/dequantize kernels apart ("quantize": the calibration prices
+those per element). RESULTS.md § 35d holds its table.
 Rank 0's counts are printed beside the planner's for the same configuration (``fp.plan(..., nodes=2)``:
 the fake run's FLOPs/bytes/ops, the replay's engine bytes and quantized elements, the optimizer's traffic and
 ops). ``--timed`` adds the seconds each class spent inside its ops (the mode's own cost excluded).
@@ -152,11 +154,20 @@ def priced(plan: dict, cal: dict) -> dict:
     from fsdp_plugin.planner._time import Calibration, quantization_seconds
     c = Calibration(**cal)
     return {k: round(v, 4) for k, v in dict(
-        matmul=(plan["flops"] - plan["attention"]) / c.flops_per_s, attention=plan["attention"] / c.attention_flops_per_s,
+        matmul=(plan["flops"] - plan["attention"]) / c.flops_per_s,
+        attention=plan["attention"] / c.attention_flops_per_s,
         model_bytes=(plan["bytes_incl_engine"] - plan["engine_bytes"]) / c.elementwise_bytes_per_s,
         engine_bytes=plan["engine_bytes"] / c.elementwise_bytes_per_s,
         quantization=quantization_seconds(plan["quantized_elems"], plan["dequantized_elems"], c),
         optimizer=plan["optimizer_bytes"] / c.optimizer_bytes_per_s, host=plan["ops"] * c.op_overhead_s).items()}
+
+
+def _group(where: str) -> str:
+    if any(f"_comm/quantized.{k} " in where for k in _QUANTIZE_KERNELS):
+        return "quantize"            # the calibration prices these per element (quantize_s/dequantize_s)
+    if where.startswith(("engine:", "comm:")):
+        return where.split(":")[0]
+    return "model" if where in ("model", "backward") else where
 
 
 def summarize(rows: dict) -> dict:
@@ -165,11 +176,8 @@ def summarize(rows: dict) -> dict:
     for where, row in rows.items():
         if where == "wall":
             continue
-        if any(f"_comm/quantized.{k} " in where for k in _QUANTIZE_KERNELS):
-            where = "quantize"           # the calibration prices these per element (quantize_s/dequantize_s)
-        g = "quantize" if where == "quantize" else "engine" if where.startswith("engine:") else "comm" if where.startswith("comm:") else ("model" if where in ("model", "backward") else where)
         for k, v in row.items():
-            groups[g][k] += v
+            groups[_group(where)][k] += v
     return {g: dict(v) for g, v in groups.items()}
 
 
@@ -197,10 +205,12 @@ def main() -> None:
             print("  planner's seconds with this calibration: " + json.dumps(priced(plan, cal)))
         for g, row in sorted(groups.items()):
             print(f"  {g:10s} ops {row.get('ops', 0):7.0f}  flop {row.get('flop', 0) / 1e9:8.3f} G  "
-                  f"bytes {row.get('bytes', 0) / 1e6:9.1f} MB  s {row.get('s', 0):.4f}  (flop {row.get('s_flop', 0):.4f}"
-                  f" attn {row.get('s_attention', 0):.4f} bytes {row.get('s_bytes', 0):.4f} view {row.get('s_view', 0):.4f})")
+                  f"bytes {row.get('bytes', 0) / 1e6:9.1f} MB  s {row.get('s', 0):.4f}  "
+                  f"(flop {row.get('s_flop', 0):.4f} attn {row.get('s_attention', 0):.4f} "
+                  f"bytes {row.get('s_bytes', 0):.4f} view {row.get('s_view', 0):.4f})")
         print(f"  step wall {res[name]['wall']['s']:.4f} s (audited step {res[name]['wall']['audited_s']:.4f} s)")
-        for where, row in sorted(res[name].items(), key=lambda kv: -kv[1].get("s", 0) - kv[1].get("bytes", 0) / 1e12):
+        by_cost = sorted(res[name].items(), key=lambda kv: -kv[1].get("s", 0) - kv[1].get("bytes", 0) / 1e12)
+        for where, row in by_cost:
             if where.startswith("engine:"):
                 print(f"    {where:60s} ops {row.get('ops', 0):6.0f}  bytes {row.get('bytes', 0) / 1e6:8.1f} MB  "
                       f"s {row.get('s', 0):.4f}")
