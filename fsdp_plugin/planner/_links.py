@@ -13,7 +13,13 @@ Step time across nodes: ``intra + compute + link − hidden · min(compute, link
 compute (CUDA: the calibration's ``overlap`` is 1) the link hides behind compute (prefetched all-gathers,
 reduce-scatters in flight, hybrid's all-reduce overlapping backward) until it is longer: ``max(compute, link)``.
 On CPU/gloo the transfers use the same cores: the testbed (benchmarks/RESULTS.md § 35, paired rounds at
-200 Mbit/s) exposes about 45% of the link time, so ``hidden`` = 0.55 there. Priced per (kind, group) from the replay's wire bytes, so new kinds (quantized collectives) plug in.
+200 Mbit/s) exposes about 45% of the link time, so ``hidden`` = 0.55 there; and (§ 35d) three costs the max()
+does not see: every collective's host work (the calibration's ``latency_s``, crossing or not), the part of each
+message the training thread writes into its socket itself (``ReplayResult.link_sync_bytes`` at the bus rate),
+and the collectives waited with no compute since their issue (``ReplayResult.exposed_inter_bytes``: the root's
+first all-gather, the reductions after backward's last kernel), which cross the link in the open:
+``intra + sync + compute + exposed + rest − hidden · min(compute, rest)``, rest = link − exposed.
+Priced per (kind, group) from the replay's wire bytes, so new kinds (quantized collectives) plug in.
 """
 from __future__ import annotations
 
@@ -84,11 +90,21 @@ def price(links: Links, world: int, lay, res, compute_s: float, bus_bytes_per_s:
                    if off_node_peers(group, world, k, lay.shard_size, lay.replicate_size, lay.secondary)[1])
     intra = sum(res.wire.values()) - sum(inter.values())
     egress = k * sum(inter.values())
-    intra_s = intra / bus_bytes_per_s + (sum(res.calls.values()) - crossing) * latency_s
+    # every collective pays the calibration's per-call cost (measured on a tiny all-reduce: on gloo mostly the
+    # host's work of posting and waiting its sends and receives), crossing the link or not; ``link_latency_us``
+    # is the link's own, on top, for those that cross
+    intra_s = intra / bus_bytes_per_s + sum(res.calls.values()) * latency_s
     out = {"inter_node_bytes": inter, "link_bytes_per_node": egress, "intra_s": intra_s}
     if links.link_bytes_per_s is None:
         return out
     link_s = egress / links.link_bytes_per_s + crossing * links.latency_s
     hidden = 1.0 if overlap >= 1 else CPU_LINK_HIDDEN
-    step = intra_s + compute_s + link_s - hidden * min(compute_s, link_s)
+    # gloo/CPU: the part of each message the training thread writes into its socket itself, at the calibration's
+    # bus rate (the same copy its all-gather measured), is the thread's own time: nothing hides it
+    sync_s = res.link_sync_bytes / bus_bytes_per_s if overlap < 1 else 0.0
+    # collectives waited with no compute since their issue (the root's first all-gather, the reductions issued
+    # after backward's last kernel) cross the link in the open; the rest overlaps compute as measured
+    exposed_s = min(k * res.exposed_inter_bytes / links.link_bytes_per_s, link_s) if overlap < 1 else 0.0
+    rest = link_s - exposed_s
+    step = intra_s + sync_s + compute_s + exposed_s + rest - hidden * min(compute_s, rest)
     return {**out, "link_s": link_s, "step_s": step, "comm_s": intra_s + link_s}

@@ -29,6 +29,11 @@ from ._links import off_node_peers
 from ..config import ShardingConfig
 
 
+# Linux's default ceiling of a TCP socket's autotuned send buffer (``net.ipv4.tcp_wmem``'s third field): what one
+# gloo send can write on the calling thread before its I/O thread takes over (`_Sim._sync_send_bytes`).
+SOCKET_SEND_BUFFER = 4 * 2**20
+
+
 @dataclass
 class Layout:
     """How one configuration places a handle: shard group size S, replicas R, dtypes, where shards live."""
@@ -115,6 +120,10 @@ class ReplayResult:
     engine_bytes: int = 0   # bytes read+written by the engine's own kernels (casts, flat gradients), per step
     quantized_elems: int = 0     # elements quantized (stochastic rounding: the costlier one) per step
     dequantized_elems: int = 0   # elements dequantized per step
+    link_sync_bytes: int = 0     # gloo/CPU: bytes to other nodes the training thread writes itself (`_sync_send_bytes`)
+    # bytes to other nodes (per rank) of collectives waited with no compute since their issue (`_Sim.waited`):
+    # the root's first all-gather, the reductions issued after backward's last kernel; no compute hides them
+    exposed_inter_bytes: int = 0
 
 
 class _SimUnit(ScheduledUnit):
@@ -164,6 +173,9 @@ class _Sim:
         self.has_grad: set = set()
         self.started: set = set()
         self.act = 0
+        self.epoch = 0                         # compute segments so far (`replay` counts the fake run's events)
+        self.issued_inter = 0                  # bytes to other nodes issued so far, per rank
+        self.link_pending: dict = {}           # (what, handle) -> (epoch, inter bytes) of an unwaited collective
         self.res = ReplayResult(Moment())
         cfg = lay.config
         self.sim_units = [_SimUnit(self, i, u.name, unit_policy(cfg, None, u.fqn, u.module).reshard_after_forward,
@@ -197,35 +209,97 @@ class _Sim:
             self.res.wire[kind] += nbytes
             self.res.calls_groups[(kind, group)] += 1
             self.res.wire_groups[(kind, group)] += nbytes
+            self.res.link_sync_bytes += self._sync_send_bytes(nbytes, n, factor, group)
+            self.issued_inter += self._inter(nbytes, n, group)
 
-    def gather_comm(self, spec) -> None:
-        """A unit all-gather: exact, or int8 rows + scales (``_comm/quantized.all_gather``)."""
+    def _inter(self, nbytes: int, n: int, group: str) -> int:
+        lay = self.lay
+        if not 0 < lay.per_node < lay.world:
+            return 0
+        off = off_node_peers(group, lay.world, lay.per_node, lay.shard_size, lay.replicate_size, lay.secondary)[1]
+        return nbytes * off // (n - 1)
+
+    def issued(self, key, since: int) -> None:
+        """The collective(s) just issued for ``key`` (their bytes to other nodes: ``issued_inter - since``)."""
+        if self.issued_inter > since:
+            self.link_pending[key] = (self.epoch, self.issued_inter - since)
+
+    def waited(self, key) -> None:
+        """``key``'s collective is waited: exposed when no compute segment began since it was issued."""
+        epoch, nbytes = self.link_pending.pop(key, (None, 0))
+        if epoch == self.epoch:
+            self.res.exposed_inter_bytes += nbytes
+
+    def _sync_send_bytes(self, nbytes: int, n: int, factor: int, group: str) -> int:
+        """Bytes of this collective's messages to other nodes that the training thread itself writes on gloo/CPU.
+        The point-to-point collectives send every peer one message per phase (all-reduce beyond two ranks: two
+        phases), and gloo's TCP pair writes a message on the calling thread until the socket's send buffer is
+        full (Linux autotunes it up to ``net.ipv4.tcp_wmem``'s maximum, 4 MiB by default), leaving the rest to its
+        I/O thread: so per message ``min(bytes, SOCKET_SEND_BUFFER)`` of CPU copy that no compute hides."""
+        lay = self.lay
+        if not lay.staging or not 0 < lay.per_node < lay.world:
+            return 0
+        off = off_node_peers(group, lay.world, lay.per_node, lay.shard_size, lay.replicate_size, lay.secondary)[1]
+        phases = 2 if factor == 2 and n > 2 else 1
+        msg = nbytes // (phases * (n - 1))
+        return phases * off * min(msg, SOCKET_SEND_BUFFER)
+
+    def gather_comm(self, spec) -> int:
+        """A unit all-gather: exact, or int8 rows + scales (``_comm/quantized.all_gather``); returns the bytes of
+        this rank's row, which the point-to-point all-gather copies into the gathered buffer."""
         lay, n = self.lay, self.lay.shard_size
         block = lay.quantized(spec, "weights")
         if block is None:
             self.comm("all_gather", spec.padded(n), lay.compute(spec).itemsize, n)
-        else:
-            self.comm(quantized.WEIGHTS_KIND, n * quantized.payload_elems(spec.chunk(n), block), 1, n)
-            self.quantize_cost(spec.chunk(n), n * spec.chunk(n))
+            return spec.chunk(n) * lay.compute(spec).itemsize
+        row = quantized.payload_elems(spec.chunk(n), block)
+        self.comm(quantized.WEIGHTS_KIND, n * row, 1, n)
+        self.quantize_cost(spec.chunk(n), n * spec.chunk(n))
+        # the int8 staging rows (``empty``, priced at its output), then the wait copies the dequantized float32
+        # rows into the full buffer (``copy_``: both read, one written)
+        self.res.engine_bytes += n * row + n * spec.chunk(n) * (2 * lay.compute(spec).itemsize + 4)
+        return row
 
     def reduce_comm(self, spec, op: str, elems: int, n: int, group: str = "shard") -> None:
         """A gradient reduction of ``elems`` over ``n`` ranks: exact, or (``_comm/quantized``) one exchange of
         int8 rows (reduce-scatter), followed by an all-gather of the re-quantized sums (all-reduce)."""
         block = self.lay.quantized(spec, "gradients", group)
+        size = self.lay.reduce(spec).itemsize
         if block is None:
-            self.comm(op, elems, self.lay.reduce(spec).itemsize, n, factor=2 if op == "all_reduce" else 1, group=group)
+            self.comm(op, elems, size, n, factor=2 if op == "all_reduce" else 1, group=group)
+            if op == "all_reduce" and n > 1:
+                self.res.engine_bytes += self._all_reduce_kernel_bytes(elems * size, n)
             return
         if op == "all_reduce" and n == 2:       # _pair_all_reduce: one all-gather of both quantized tensors
             self.comm(quantized.GRADIENTS_KIND, n * quantized.payload_elems(elems, block), 1, n, group=group)
             self.quantize_cost(elems, 2 * elems)
+            row = quantized.payload_elems(elems, block)
+            # both rows' staging (``empty``), this rank's row copied in (gloo/CPU point to point), then the wait:
+            # copy_ of row 0 and add_ of row 1 into the float32 gradient
+            self.res.engine_bytes += 2 * row + 3 * row * self.lay.staging + 2 * 12 * elems
             return
         length = -(-elems // n)
         row = quantized.payload_elems(length, block)
         for _ in range(2 if op == "all_reduce" else 1):
             self.comm(quantized.GRADIENTS_KIND, n * row, 1, n, group=group)
         self.quantize_cost(n * length, (n - 1) * length)       # the exchange: every row out, the peers' in
+        # the received rows (``empty_like`` of the sent ones: argument and output), this rank's own row copied
+        # (gloo/CPU point to point), then ``_sum_rows``: a float32 zeros, one add_ per row (read both, write the
+        # sum), the copy_ into the output
+        self.res.engine_bytes += 2 * n * row + 3 * row * self.lay.staging
+        self.res.engine_bytes += 4 * length + n * 12 * length + (8 + size) * length
         if op == "all_reduce":                                 # the re-quantized sums: one row out, all in
             self.quantize_cost(length, n * length)
+            self.res.engine_bytes += (8 + size) * n * length   # copy_ of the dequantized sums into the gradient
+
+    def _all_reduce_kernel_bytes(self, nbytes: int, n: int) -> int:
+        """The engine's own kernels of an exact all-reduce of ``nbytes`` on gloo/CPU (`_P2PAllReduce`: a receive
+        buffer per peer's part, ``empty_like`` priced at its argument and output, then the sum of the parts,
+        ``add_`` read both and write one); NCCL and gloo's native ring sum inside the collective."""
+        if not self.lay.staging:
+            return 0
+        part = nbytes // n if n > 2 else nbytes
+        return (n - 1) * (2 * part + 3 * part) + (3 * part * (n - 1) // n if n > 2 else 0)
 
     def quantize_cost(self, quantized_elems: int, dequantized_elems: int) -> None:
         """The quantization's own kernels, priced by the calibration's measured rates (`_time.predict`)."""
@@ -247,17 +321,20 @@ class _Sim:
                 self.check(extra=src)          # the cast copy, gone once copied into the full buffer
                 continue
             held_secondary = self.secondary.pop(h, 0)
+            since = self.issued_inter
             if held_secondary:
                 self.unsharded -= held_secondary
             if held_secondary and self.root.in_backward:     # hpZ: gathered inside the secondary group
                 self.comm("all_gather", spec.padded(lay.shard_size), lay.compute(spec).itemsize, lay.secondary,
                           group="secondary")
                 src = held_secondary                         # the slice is the gather's source until its wait
+                own = held_secondary
             else:
-                self.gather_comm(spec)
-            # gloo/CPU point-to-point all-gather copies this rank's chunk into the full buffer (NCCL: in place);
+                own = self.gather_comm(spec)
+            # gloo/CPU point-to-point all-gather copies this rank's row into the gathered buffer (NCCL: in place);
             # bytes as the fake run's rule prices a copy_: source, destination read and written
-            self.res.engine_bytes += 3 * spec.chunk(lay.shard_size) * lay.compute(spec).itemsize * lay.staging
+            self.res.engine_bytes += 3 * own * lay.staging
+            self.issued(("gather", h), since)
             held = src + inflight_host_bytes("all_gather", self.full[h], lay.shard_size, lay.staging)
             self.inflight[h] = held
             self.reducing += held
@@ -267,9 +344,11 @@ class _Sim:
         """The unit waits for its all-gathers (wait_and_use_views): what they held is released."""
         for h in self.units[u].handles:
             self.reducing -= self.inflight.pop(h, 0)
+            self.waited(("gather", h))
 
     def reshard_handle(self, h: int) -> None:
         self.reducing -= self.inflight.pop(h, 0)     # reshard waits for a prefetch that was not used
+        self.waited(("gather", h))
         if self.unsh[h] and self.full[h]:
             self.unsh[h] = False
             self.unsharded -= self.full[h]
@@ -292,12 +371,14 @@ class _Sim:
         held = g_reduce if cast else 0                 # without a cast the pending one is the flat gradient
         self.res.engine_bytes += (g_compute + g_reduce) if cast else 0
         self.res.engine_bytes += self._reduce_kernel_bytes(spec)
+        since = self.issued_inter
         if lay.shard_size > 1:
             held += spec.chunk(lay.shard_size) * lay.reduce(spec).itemsize
             held += inflight_host_bytes("reduce_scatter", g_reduce, lay.shard_size, lay.staging)
             self.reduce_comm(spec, "reduce_scatter", padded, lay.shard_size)
         elif lay.replicate_size > 1:
             self.reduce_comm(spec, "all_reduce", padded, lay.replicate_size, group="replicate")
+        self.issued(("reduce", h), since)
         self.reducing += held
         self.reduce_bytes[h] = held + (0 if cast else g_compute)
         self.check()
@@ -311,6 +392,10 @@ class _Sim:
         size = lay.reduce(spec).itemsize
         chunk = spec.chunk(lay.shard_size) * size
         summed = (4 + 3 * (lay.shard_size - 2)) * chunk if lay.staging and lay.shard_size > 1 else 0
+        if summed and lay.quantized(spec, "gradients") is None:     # the receive buffer and the output chunk:
+            summed += lay.shard_size * chunk                         # ``empty``, priced at its output's bytes
+        elif summed:                         # the quantized exchange sums in reduce_comm; the output chunk's empty
+            summed = chunk
         averaged = 2 * (chunk if lay.shard_size > 1 else spec.padded(lay.shard_size) * size) if lay.world > 1 else 0
         return summed + averaged
 
@@ -330,8 +415,11 @@ class _Sim:
         in flight (holding the reduced chunk) to the end of backward unless ``final``; True while it is."""
         spec, lay = self.handles[h], self.lay
         chunk = spec.chunk(lay.shard_size)
+        self.waited(("reduce", h))
         if lay.shard_size > 1 and lay.replicate_size > 1 and h not in self.replicating:
+            since = self.issued_inter
             self.reduce_comm(spec, "all_reduce", chunk, lay.replicate_size, group="replicate")
+            self.issued(("replicate", h), since)
             kept = chunk * lay.reduce(spec).itemsize
             self.reducing -= self.reduce_bytes[h] - kept
             self.reduce_bytes[h] = kept
@@ -339,6 +427,7 @@ class _Sim:
             if not final:
                 return True
         self.replicating.discard(h)
+        self.waited(("replicate", h))
         self.reducing -= self.reduce_bytes.pop(h)
         if h not in self.has_grad and not lay.cpu_offload:
             self.has_grad.add(h)
@@ -360,6 +449,7 @@ class _Sim:
                 self.reshard_handle(h)
                 if keep:          # hpZ: the secondary slice (compute dtype) stays until the backward gather
                     self.secondary[h] = self.full[h] // self.lay.secondary
+                    self.res.engine_bytes += 2 * self.secondary[h]      # cloned from the full buffer
                     self.unsharded += self.secondary[h]
                     self.res.max_secondary = max(self.res.max_secondary, sum(self.secondary.values()))
 
@@ -399,6 +489,8 @@ def replay(units, handles, timeline, lay: Layout, static: int, optimizer_step_ex
         sim.act = ev.act_max
         sim.check()                      # the largest activation level between the previous event and this one
         sim.act = ev.act_now
+        if ev.kind not in ("grads_dropped", "end_backward"):    # the fake run computed since the last event
+            sim.epoch += 1
         if ev.kind == "pre_forward":
             sim.pre_forward(ev.index)
         elif ev.kind == "post_forward":
