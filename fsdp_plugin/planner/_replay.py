@@ -294,11 +294,12 @@ class _Sim:
 
     def _all_reduce_kernel_bytes(self, nbytes: int, n: int) -> int:
         """The engine's own kernels of an exact all-reduce of ``nbytes`` on gloo/CPU (`_P2PAllReduce`: a receive
-        buffer per peer's part, ``empty_like`` priced at its argument and output, then the sum of the parts,
-        ``add_`` read both and write one); NCCL and gloo's native ring sum inside the collective."""
+        buffer per peer's part, 1/N of the tensor, ``empty_like`` priced at its argument and output, then the sum
+        of the parts into this rank's own, ``add_`` read both and write one, and above two ranks the copy of the
+        sum into place on N−1 of N ranks); NCCL and gloo's native ring sum inside the collective."""
         if not self.lay.staging:
             return 0
-        part = nbytes // n if n > 2 else nbytes
+        part = nbytes // n
         return (n - 1) * (2 * part + 3 * part) + (3 * part * (n - 1) // n if n > 2 else 0)
 
     def quantize_cost(self, quantized_elems: int, dequantized_elems: int) -> None:
