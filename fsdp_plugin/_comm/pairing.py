@@ -74,7 +74,7 @@ class Gate:
 
     @property
     def tag(self) -> int:
-        """The point-to-point tag of the data collective bound to this gate (``collectives._GATED_TAG_BASE`` +)."""
+        """The point-to-point tag of the data collective bound to this gate (``p2p._GATED_TAG_BASE`` +)."""
         return self.seq % _TAG_SPAN
 
     def then(self, post: Callable[[], None]) -> None:

@@ -1,6 +1,6 @@
 """Identity-tagged collectives: the pairing check of a mesh whose unit collectives are all point to point (issue 26).
 
-On gloo with CPU tensors every per-unit collective is sends and receives (``collectives._P2PWork``). Their tag
+On gloo with CPU tensors every per-unit collective is sends and receives (``p2p._P2PWork``). Their tag
 names what the collective is: this process's **position** (the count of unit collectives it issued, the same
 on every rank while the ranks agree) and the collective's **code** (all-gather or reduction, of which root,
 unit and handle). Gloo moves a message only to a receive of the same tag, so two ranks that diverged never

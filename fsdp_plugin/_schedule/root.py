@@ -25,7 +25,7 @@ from .._reduce.reduction import Reduction
 def tags_suffice(mesh: Mesh, device: torch.device, every_strategy: bool = True) -> bool:
     """Every per-unit collective of ``mesh`` can be point to point with identity tags (gloo, CPU tensors; the
     status thread runs: it finds divergences), so tags check their pairing (``_comm/tagged.py``). Replica
-    all-reduces are tagged too (``collectives._P2PAllReduce``) unless ``every_strategy`` is False
+    all-reduces are tagged too (``p2p._P2PAllReduce``) unless ``every_strategy`` is False
     (``pairing_check="strict"``: announcements for no_shard and hybrid, as before issue 30)."""
     import torch.distributed as dist
     if device.type != "cpu" or mesh.world_size == 1:
