@@ -255,32 +255,29 @@ def wait(work, what: str = "collective", timeout_s: Optional[float] = None) -> N
     op, work = status.waiting(work, what)
     if op is not None and op.kind in _SYNC_KINDS:
         SYNC.waits[op.kind] += 1
-    try:
-        ok = work.wait(timeout=timedelta(seconds=timeout_s)) if timeout_s else work.wait()
-    except CollectiveError:
-        raise                    # a gated collective's pairing verdict: already the whole story
-    except RuntimeError as e:
-        raise _collective_error(what, timeout_s, e, op) from e
-    if ok is False:
-        raise _collective_error(what, timeout_s, None, op)
+    _checked(work.wait, what, timeout_s, op)
     status.finished(op)
 
 
 def advance(work, what: str = "collective", timeout_s: Optional[float] = None) -> bool:
     """Take ``work`` as far as it goes without waiting for a peer's later stage (a tagged all-reduce: its own
     sum done, phase 2 posted); True if a later ``wait`` remains, False if ``work`` has no such stage."""
-    inner = work.work if isinstance(work, status._Tracked) else work
-    if not isinstance(inner, _P2PAllReduce):
+    if not isinstance(work, _P2PAllReduce):
         return False
-    try:
-        ok = inner.advance(timedelta(seconds=timeout_s) if timeout_s else None)
-    except CollectiveError:
-        raise
-    except RuntimeError as e:
-        raise _collective_error(what, timeout_s, e, getattr(work, "fp_op", None)) from e
-    if ok is False:
-        raise _collective_error(what, timeout_s, None, getattr(work, "fp_op", None))
+    _checked(work.advance, what, timeout_s, work.fp_op)
     return True
+
+
+def _checked(wait_fn, what: str, timeout_s: Optional[float], op) -> None:
+    """``wait_fn(timeout=...)``; a failure or a timeout becomes the CollectiveError naming ``what``."""
+    try:
+        ok = wait_fn(timeout=timedelta(seconds=timeout_s)) if timeout_s else wait_fn()
+    except CollectiveError:
+        raise                    # a gated collective's pairing verdict: already the whole story
+    except RuntimeError as e:
+        raise _collective_error(what, timeout_s, e, op) from e
+    if ok is False:
+        raise _collective_error(what, timeout_s, None, op)
 
 
 def _collective_error(what: str, timeout_s, cause, op=None) -> CollectiveError:
