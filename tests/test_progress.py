@@ -86,7 +86,7 @@ def test_calibrate_reports_each_measurement():
 def test_plan_calibrate_shows_progress_on_stderr(capsys, monkeypatch):
     from fsdp_plugin.planner import api
 
-    def fake(device, dtype, progress=None):  # the wiring only: the real measurements are timed above
+    def fake(device, dtype, progress=None, layer=None):  # the wiring only: the real measurements are timed above
         for done in range(4):
             progress(done, 3)
         return "calibration"

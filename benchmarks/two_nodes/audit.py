@@ -31,7 +31,7 @@ ROOT = HERE.parent.parent
 sys.path[:0] = [str(HERE), str(HERE.parent), str(ROOT / "tests")]
 import fsdp_plugin as fp  # noqa: E402
 from _model import GPT, PRESETS, Block, GPTConfig  # noqa: E402
-from configs import CONFIGURATIONS, resolve  # noqa: E402
+from configs import CONFIGURATIONS, preset_layer, resolve  # noqa: E402
 from fsdp_plugin.planner._fake_run import op_cost  # noqa: E402
 
 _PKG = str(ROOT / "fsdp_plugin") + "/"
@@ -90,7 +90,9 @@ def batch(cfg: GPTConfig, per_rank: int, rank: int):
 
 def _rank(rank, world, preset, names, per_node, per_rank, timed):
     cfg = GPTConfig(**PRESETS[preset])
-    out = {"calibration": fp.planner.calibrate(torch.device("cpu"), seconds=0.3).to_dict() if timed else None}
+    layer = preset_layer(cfg, per_rank)      # the preset's own shapes (§ 35d)
+    cal = fp.planner.calibrate(torch.device("cpu"), seconds=0.3, layer=layer).to_dict() if timed else None
+    out = {"calibration": cal}
     for name in names:
         model = fp.shard(GPT(cfg), auto_wrap_policy={Block}, **resolve(CONFIGURATIONS[name], per_node))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -25,7 +25,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 import fsdp_plugin as fp  # noqa: E402
 from _mem import Heap  # noqa: E402
 from _model import GPT, PRESETS, Block, GPTConfig  # noqa: E402
-from configs import CONFIGURATIONS, parse_extra, resolve  # noqa: E402
+from configs import CONFIGURATIONS, parse_extra, preset_layer, resolve  # noqa: E402
 
 
 def link_tx() -> int:
@@ -88,8 +88,9 @@ def main() -> None:
     per_node = int(os.environ["LOCAL_WORLD_SIZE"])
     table = {**CONFIGURATIONS, **parse_extra(a.extra)}
     names = [n for n in a.configs.split(",") if n]
-    cal = fp.planner.calibrate(torch.device("cpu"), seconds=0.3).to_dict() if a.calibrate else None
     cfg, heap = GPTConfig(**PRESETS[a.preset]), Heap()
+    layer = preset_layer(cfg, a.batch)       # the preset's own shapes (§ 35d)
+    cal = fp.planner.calibrate(torch.device("cpu"), seconds=0.3, layer=layer).to_dict() if a.calibrate else None
     models = {}
     for name in names:
         kw = resolve(table[name], per_node)

@@ -6,10 +6,11 @@
 """
 from ._result import Plan, WorldPlan
 from ._time import HARDWARE, Calibration, calibrate
+from ._layer_sizes import LayerSizes
 from ._fit import Fit, fit, parse_bytes
 from .api import plan
 from ._recommend import CANDIDATES, QUANTIZED_CANDIDATES, recommend
 from .errors import PlanError
 
-__all__ = ["plan", "Plan", "WorldPlan", "fit", "Fit", "parse_bytes", "Calibration", "calibrate", "HARDWARE", "PlanError",
-           "recommend", "CANDIDATES", "QUANTIZED_CANDIDATES"]
+__all__ = ["plan", "Plan", "WorldPlan", "fit", "Fit", "parse_bytes", "Calibration", "calibrate", "LayerSizes",
+           "HARDWARE", "PlanError", "recommend", "CANDIDATES", "QUANTIZED_CANDIDATES"]

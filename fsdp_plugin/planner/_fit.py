@@ -12,8 +12,9 @@ from .._sizes import parse_size
 from ..config import ShardingConfig
 from ..errors import ConfigError
 from ._capture import capture
+from ._layer_sizes import LayerSizes
 from ._result import Plan, fmt_bytes
-from .api import _calibration, plan_configs, split_options
+from .api import _calibration, _default_inputs, plan_configs, split_options
 from .errors import PlanError
 
 _PREFERENCE = ("no_shard", "shard_grad_op", "full_shard")   # least communication first
@@ -64,9 +65,11 @@ def fit(model, memory, max_world: int = 1024, config: Optional[ShardingConfig] =
     module = capture(model)
     worlds = [1 << k for k in range(max_world.bit_length()) if (1 << k) <= max_world]
     cfg, run = split_options(config, plan_kwargs)
-    if run["calibration"] == "calibrate":   # measure once, not once per configuration
-        run["calibration"] = _calibration("calibrate", torch.device(run["device"] or (
-            "cuda" if torch.cuda.is_available() else "cpu")), cfg.mixed_precision)
+    if run["calibration"] == "calibrate":   # measure once, not once per configuration, at the model's shapes
+        device = torch.device(run["device"] or ("cuda" if torch.cuda.is_available() else "cpu"))
+        example = (run["inputs"] or _default_inputs(module, run["batch_size"], run["seq_len"]))()
+        run["calibration"] = _calibration("calibrate", device, cfg.mixed_precision,
+                                          LayerSizes.of(module, example, device))
     plans = {}
     for ac in (False, True):
         base = dataclasses.replace(cfg, activation_checkpointing=True if ac else None)

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from .._comm import collectives as comm
+from ._layer_sizes import LayerSizes
 
 
 @dataclass(frozen=True)
@@ -93,13 +94,16 @@ def _sync(device):
 
 
 def calibrate(device: Optional[torch.device] = None, dtype: torch.dtype = torch.float32, group=None,
-              seconds: float = 0.5, progress=None) -> Calibration:
+              seconds: float = 0.5, progress=None, layer: Optional[LayerSizes] = None) -> Calibration:
     """Measure, on this process: the kernel rates of a transformer layer's forward+backward and AdamW step in
     ``dtype`` (`_workload`: matmul and attention FLOP/s, other ops' bytes/s, optimizer bytes/s), streaming memory
     bandwidth, host seconds per op and (under an initialized process group) all-gather bandwidth and
-    latency. ``seconds``: rough budget per measurement (the whole call takes ~4x it). Collective: every rank
-    of ``group`` must call it. ``progress(done, total)``, when given, after each measurement (``fp.plan`` and
-    ``plan --calibrate`` give rank 0 a :class:`fsdp_plugin._progress.Progress` on stderr)."""
+    latency. ``layer``: the layer's shapes (None: `LayerSizes.default`; ``LayerSizes.of(model, batch)`` gives a
+    model's own, as ``fp.plan`` does); the shapes timed are named in ``source``. ``seconds``: rough budget per
+    measurement (the whole call takes ~4x it, and at least 4 replays of the layer: ~4 s for the medium GPT's on
+    two CPU cores). Collective: every rank of ``group`` must call it. ``progress(done, total)``, when given,
+    after each measurement (``fp.plan`` and ``plan --calibrate`` give rank 0 a
+    :class:`fsdp_plugin._progress.Progress` on stderr)."""
     from . import _workload as _workload
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -112,7 +116,8 @@ def calibrate(device: Optional[torch.device] = None, dtype: torch.dtype = torch.
     report = _reporter(progress, group, 4 if world > 1 else 3)
     if world > 1:      # ranks train side by side (sharing memory bandwidth, or cores): measure side by side
         comm.barrier("plan --calibrate", None, group)
-    rates = _workload.measure(device, dtype, seconds)
+    layer = _workload.fitted(layer or LayerSizes.default(device), device)
+    rates = _workload.measure(device, dtype, seconds, layer)
     report()
     big = torch.empty(8 * 2**20 if device.type == "cpu" else 64 * 2**20, device=device)
     mem = 2 * big.numel() * big.element_size() / _timed(lambda: (big.mul_(1.0), _sync(device)), seconds / 2)
@@ -126,8 +131,9 @@ def calibrate(device: Optional[torch.device] = None, dtype: torch.dtype = torch.
     report()
     if world > 1:
         rates = _group_median(rates, group, device)
-    return Calibration(rates["flops_per_s"], rates["mem_bytes_per_s"], bus, latency, overlap,
-                       f"measured on {device.type}, world {world}", op_overhead_s=rates["op_overhead_s"],
+    source = f"measured on {device.type}, world {world}, {layer.describe()}"
+    return Calibration(rates["flops_per_s"], rates["mem_bytes_per_s"], bus, latency, overlap, source,
+                       op_overhead_s=rates["op_overhead_s"],
                        elementwise_bytes_per_s=rates["elementwise_bytes_per_s"],
                        optimizer_bytes_per_s=rates["optimizer_bytes_per_s"],
                        attention_flops_per_s=rates["attention_flops_per_s"],

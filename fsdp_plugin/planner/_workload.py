@@ -13,14 +13,19 @@ fake run's own rule (`_fake_run.op_cost`), then replayed in order, each op timed
   log-softmax, layer norm, are compute-bound: ~3x below a streaming ``mul_``);
 * the optimizer's kernels -> bytes/s of its traffic formula (`_optim.step_traffic`).
 
+The layer's shapes are a `LayerSizes` (`fp.plan(calibration="calibrate")`: the planned model's own), since
+the rates depend on them (§ 35d: 134 GFLOP/s of matmuls at the small GPT's width 256, ~98 at the medium's 768).
+
 Replaying in the recorded order keeps each kernel's inputs as cold or warm in the caches as in training (a
 loop over one class alone runs matmuls on cache-warm operands: ~15% fast in bf16). Replay calls each op
 directly, without autograd or Python modules: their host cost is ``Calibration.op_overhead_s``'s.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -28,12 +33,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _optim as _optim
 from ._fake_run import op_cost
+from ._layer_sizes import LayerSizes, fitted
 
-# Layer sizes: CPU like the small models a CPU trains (a replay ~0.1 s at 1 thread), CUDA like a 1-3 B
-# model's layer at 4096 tokens (a replay ~10 ms on an A100 in bf16; the recorded replay keeps every
-# activation: ~3 GiB in fp32).
-SIZES = {"cpu": dict(batch=4, seq=128, width=256, heads=4, vocab=8192),
-         "cuda": dict(batch=4, seq=1024, width=2048, heads=16, vocab=32768)}
 CLASSES = ("flop", "attention", "bytes", "optimizer")
 
 
@@ -73,10 +74,12 @@ def _layer(device, dtype, batch: int, seq: int, width: int, heads: int, vocab: i
     return params, loss
 
 
-def measure(device: torch.device, dtype: torch.dtype, seconds: float) -> dict:
+def measure(device: torch.device, dtype: torch.dtype, seconds: float, sizes: Optional[LayerSizes] = None) -> dict:
     """{"flops_per_s", "attention_flops_per_s", "elementwise_bytes_per_s", "optimizer_bytes_per_s"} of the
-    workload on ``device``; ~``seconds`` of replays."""
-    params, loss = _layer(device, dtype, **SIZES["cuda" if device.type == "cuda" else "cpu"])
+    workload on ``device`` at ``sizes`` (None: `LayerSizes.default`; either `fitted` to memory first);
+    ~``seconds`` of replays (at least 3)."""
+    sizes = fitted(sizes or LayerSizes.default(device), device)
+    params, loss = _layer(device, dtype, **dataclasses.asdict(sizes))
     # The optimizer steps fp32 master copies, as the engine's does under mixed precision (its traffic formula
     # is per fp32 element); default foreach choice, as in training.
     masters = [torch.zeros(t.shape, device=device, requires_grad=True) for t in params.values()]

@@ -13,6 +13,7 @@ from ..errors import ConfigError
 from . import _latency, _optim as _optim, _tp
 from ._capture import ModelSource, capture, hf_inputs
 from ._fake_run import RunSpec, Timeline, run
+from ._layer_sizes import LayerSizes
 from ._links import Links
 from ._result import Plan, WorldPlan
 from ._time import HARDWARE, Calibration, calibrate, default_for, for_hardware
@@ -107,14 +108,16 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
     run_device = device if (device.type != "cuda" or torch.cuda.is_available()) else torch.device("cpu")
     spec = RunSpec(run_device, mp.param_dtype if mp else None, mp.buffer_dtype if mp else None,
                    mp.cast_forward_inputs if mp else False, ac_policy, regions, fp32_buffers(module, mp, regions))
-    make_inputs = opts["inputs"] or _default_inputs(module, opts["batch_size"], opts["seq_len"])
+    make_inputs = _remembered(opts["inputs"] or _default_inputs(module, opts["batch_size"], opts["seq_len"]))
     try:
         tl = run(module, units, handles, spec, make_inputs, opts["loss_fn"])
     finally:
         if recorder is not None:
             recorder.remove()
     tp_wire = recorder.wire(tp) if recorder is not None else ({}, {})
-    cal = _calibration(opts["calibration"], device, mp)
+    timed = opts["calibration"] in ("calibrate", True)      # the calibration times the model's own shapes
+    cal = _calibration(opts["calibration"], device, mp, LayerSizes.of(module, make_inputs.last, device) if timed
+                       else None)
     foreach = device.type == "cuda" if opts["foreach"] is None else opts["foreach"]
     notes = _notes(run_device, device, cfgs[0].cpu_offload) + _ac_notes(ac_policy) + (
         [f"target {device.type} has no device here: activations measured with CPU kernels"]
@@ -175,6 +178,18 @@ def _default_inputs(module: nn.Module, batch_size: int, seq_len: int) -> Callabl
     return make
 
 
+class _remembered:
+    """``inputs`` keeping the micro-batch it last returned (``last``; None before the first call): the
+    calibration reads the batch and sequence length off it."""
+
+    def __init__(self, inputs: Callable):
+        self.inputs, self.last = inputs, None
+
+    def __call__(self):
+        self.last = self.inputs()
+        return self.last
+
+
 def _world(w, cfg, units, handles, tl, module, opt, cal, foreach, gpus_per_node, device, links=None,
            tp: int = 1, tp_wire: tuple = ({}, {})) -> WorldPlan:
     from ._world import world_plan
@@ -186,8 +201,9 @@ def _world(w, cfg, units, handles, tl, module, opt, cal, foreach, gpus_per_node,
     return dataclasses.replace(out, world_size=w, tp_size=tp, tp_wire_bytes=tp_wire[0], tp_wire_calls=tp_wire[1])
 
 
-def _calibration(calibration, device: torch.device, mp):
-    """A Calibration, or a function of the world size (named hardware: bandwidth depends on nodes)."""
+def _calibration(calibration, device: torch.device, mp, layer: Optional[LayerSizes] = None):
+    """A Calibration, or a function of the world size (named hardware: bandwidth depends on nodes).
+    "calibrate" times ``layer``'s shapes (the planned model's; None: the default layer)."""
     if calibration is None:
         return default_for(device)
     if isinstance(calibration, Calibration):
@@ -200,7 +216,8 @@ def _calibration(calibration, device: torch.device, mp):
         from .._progress import Progress
         shown = not dist.is_initialized() or dist.get_rank() == 0
         progress = Progress("plan --calibrate", unit="measurements") if shown else None
-        return calibrate(device, mp.param_dtype if mp and mp.param_dtype else torch.float32, progress=progress)
+        return calibrate(device, mp.param_dtype if mp and mp.param_dtype else torch.float32, progress=progress,
+                         layer=layer)
     if calibration in HARDWARE:
         return lambda w: for_hardware(calibration, w)
     raise PlanError(f"calibration={calibration!r}: use None, 'calibrate', a Calibration, or one of "
