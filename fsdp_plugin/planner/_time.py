@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from .._comm import collectives as comm
-from ._layer_sizes import LayerSizes
+from ._layer_sizes import LayerSizes, fitted
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def calibrate(device: Optional[torch.device] = None, dtype: torch.dtype = torch.
     report = _reporter(progress, group, 4 if world > 1 else 3)
     if world > 1:      # ranks train side by side (sharing memory bandwidth, or cores): measure side by side
         comm.barrier("plan --calibrate", None, group)
-    layer = _workload.fitted(layer or LayerSizes.default(device), device)
+    layer = fitted(layer or LayerSizes.default(device), device)   # once: timed and named alike
     rates = _workload.measure(device, dtype, seconds, layer)
     report()
     big = torch.empty(8 * 2**20 if device.type == "cpu" else 64 * 2**20, device=device)

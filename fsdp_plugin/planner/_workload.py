@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _optim as _optim
 from ._fake_run import op_cost
-from ._layer_sizes import LayerSizes, fitted
+from ._layer_sizes import LayerSizes
 
 CLASSES = ("flop", "attention", "bytes", "optimizer")
 
@@ -74,11 +73,10 @@ def _layer(device, dtype, batch: int, seq: int, width: int, heads: int, vocab: i
     return params, loss
 
 
-def measure(device: torch.device, dtype: torch.dtype, seconds: float, sizes: Optional[LayerSizes] = None) -> dict:
+def measure(device: torch.device, dtype: torch.dtype, seconds: float, sizes: LayerSizes) -> dict:
     """{"flops_per_s", "attention_flops_per_s", "elementwise_bytes_per_s", "optimizer_bytes_per_s"} of the
-    workload on ``device`` at ``sizes`` (None: `LayerSizes.default`; either `fitted` to memory first);
-    ~``seconds`` of replays (at least 3)."""
-    sizes = fitted(sizes or LayerSizes.default(device), device)
+    workload on ``device`` at ``sizes`` (already `fitted` to memory: `calibrate` fits them once and names
+    them); ~``seconds`` of replays (at least 3)."""
     params, loss = _layer(device, dtype, **dataclasses.asdict(sizes))
     # The optimizer steps fp32 master copies, as the engine's does under mixed precision (its traffic formula
     # is per fp32 element); default foreach choice, as in training.
