@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..errors import CollectiveError
 from . import late, nodes, status, tagged
-from .p2p import _P2PAllGather, _P2PAllReduce, _P2PExchange, _P2PReduceScatter, Recorded, Tagged, _Bound
+from .p2p import _P2PAllGather, _P2PAllReduce, _P2PExchange, _P2PPairSum, _P2PReduceScatter, Recorded, Tagged, _Bound
 from .stats import _SYNC_KINDS, STATS, SYNC, CommStats, SyncStats, _count, _split, ring_bytes  # noqa: F401
 
 FAILED = False   # a collective of this process failed or timed out (fp.shutdown then leaves the groups alone)
@@ -134,7 +134,8 @@ def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = Fa
     n = group_size(group)
     _count(kind, t.numel(), t.element_size(), n, factor=2, group=group)
     if type(gate) is Tagged and _p2p_ok(group, t, t):    # a unit's reduction on gloo/CPU: tagged like the rest
-        work = _P2PAllReduce(t, group, n, _Bound(gate, what or "all-reduce"))
+        bound = _Bound(gate, what or "all-reduce")
+        work = _P2PPairSum(t, group, bound) if n == 2 else _P2PAllReduce(t, group, n, bound)
         return _issued(status.issued(work, kind, group, n, t.numel()), async_op)
     _ungated(gate, what or "all-reduce")
     if what is None:

@@ -221,6 +221,26 @@ class _P2PAllReduce(_P2PWork):
             parts[me].copy_(acc)
 
 
+class _P2PPairSum(_P2PWork):
+    """A unit's reduction over a group of two under identity tags (no_shard at world 2, hybrid's replica pair):
+    each rank sends its whole tensor to the other and adds the peer's in ``wait``. One tagged message each way
+    where the ring's two phases are two each way with a wait between them (each message also costs gloo a
+    ready handshake, measured: RESULTS § 30f); the ring's bytes (``total`` per rank at N = 2); and the same
+    bits on both ranks (one commutative addition). The price: the peer's whole tensor is received into a
+    buffer (the ring's is half) and added on each rank (the ring adds half)."""
+
+    def __init__(self, t: torch.Tensor, group, bound: _Bound):
+        me = dist.get_rank(group)
+        self.t = t.view(-1)
+        self.recv = torch.empty_like(self.t)
+        super().__init__(group, me, [self.t, self.t], [self.recv, self.recv], bound)
+
+    def _finish(self) -> None:
+        recv, self.recv = self.recv, None
+        if not tagged.diverged():    # after a divergence the buffer may hold a complement's scratch
+            self.t.add_(recv)
+
+
 class _Phase2:
     """Phase 2 of a `_P2PAllReduce`: a tagged position of its own, reserved at issue (the same position on every
     rank, wherever each posts its sends); receives posted at once, sends by ``post_sends``. Listed in the
