@@ -161,8 +161,9 @@ def test_after_a_divergence_fp_reset_realigns_and_training_goes_on(mode):
 
 @pytest.mark.parametrize("mode,world", [("tower", 2), ("unused", 2), ("order", 2), ("tower", 3)])
 def test_no_shard_divergence_with_phase_two_reserved_recovers(mode, world):
-    # issue 30: a tagged all-reduce reserves its phase 2's position at issue and posts its sends a unit later;
-    # a rank that diverged complements them, and fp.reset posts any still unposted, so every rank drains
+    # issue 30: at world 3 a tagged all-reduce reserves its phase 2's position at issue and posts its sends a unit
+    # later; a rank that diverged complements them, and fp.reset posts any still unposted, so every rank drains.
+    # At world 2 it is the pair sum (one position, whole tensors): its complements likewise
     for rank, (errors, losses) in enumerate(run_ranks(_recover, world, mode, "no_shard", timeout=90)):
         assert [step for step, _ in errors] == [1], (rank, errors)
         assert "ranks diverged" in errors[0][1], errors

@@ -296,10 +296,11 @@ class _Sim:
         """The engine's own kernels of an exact all-reduce of ``nbytes`` on gloo/CPU (`_P2PAllReduce`: a receive
         buffer per peer's part, 1/N of the tensor, ``empty_like`` priced at its argument and output, then the sum
         of the parts into this rank's own, ``add_`` read both and write one, and above two ranks the copy of the
-        sum into place on N−1 of N ranks); NCCL and gloo's native ring sum inside the collective."""
+        sum into place on N−1 of N ranks; at two ranks `_P2PPairSum`: the same with the whole tensor as the
+        part); NCCL and gloo's native ring sum inside the collective."""
         if not self.lay.staging:
             return 0
-        part = nbytes // n
+        part = nbytes // n if n > 2 else nbytes
         return (n - 1) * (2 * part + 3 * part) + (3 * part * (n - 1) // n if n > 2 else 0)
 
     def quantize_cost(self, quantized_elems: int, dequantized_elems: int) -> None:
