@@ -37,8 +37,9 @@ class Reduction:
         self.window = ReduceWindow.SYNC
         self.state = ReduceState.IDLE
         self._pending: deque = deque()        # handles whose reduction was issued and not finished, oldest first
-        # hybrid handles whose reduce-scatter finished and whose cross-node all-reduce is still in flight: it
-        # overlaps the rest of backward and is waited at its end (``finish_pending``); each holds a 1/S chunk
+        # handles whose reduction has a second stage still in flight: hybrid's cross-replica all-reduce (issued
+        # when its reduce-scatter finished; each holds a 1/S chunk) and a tagged ring all-reduce's phase 2
+        # (no_shard above two ranks). It overlaps the rest of backward and is waited at its end (``finish_pending``)
         self._replicating: deque = deque()
         self._advanced = 0     # leading entries of ``_replicating`` already advanced (``advance_reduce``)
         self._agreement: Optional[UsageAgreement] = None   # the mask all-reduce issued and not yet finished
