@@ -111,9 +111,13 @@ def inflight_host_bytes(kind: str, full_bytes: int, n: int, gloo_cpu: bool) -> i
     """Bytes a sharded collective allocates beside its input and output while in flight (the planner's rule).
 
     The point-to-point gloo path receives every peer's chunk of a reduce-scatter before summing: ``(n - 1)``
-    chunks, ``full_bytes·(n−1)/n``; its all-gather receives in place (0). NCCL writes in place (0)."""
-    if not gloo_cpu or n <= 1 or kind != "reduce_scatter":
+    chunks, ``full_bytes·(n−1)/n``; its all-gather receives in place (0). Its tagged all-reduce (``gloo_cpu``
+    here: pairing check "auto") receives the peer's whole tensor at two ranks (``_P2PPairSum``) and the peers'
+    parts above (``_P2PAllReduce``, ``full_bytes·(n−1)/n``). NCCL writes in place (0)."""
+    if not gloo_cpu or n <= 1 or kind not in ("reduce_scatter", "all_reduce"):
         return 0
+    if kind == "all_reduce" and n == 2:
+        return full_bytes
     return full_bytes * (n - 1) // n
 
 

@@ -60,6 +60,13 @@ class Layout:
         return handle_dtypes(self.config.mixed_precision, h.dtype, h.fp32)[1]
 
     @property
+    def tagged_all_reduce(self) -> bool:
+        """The engine's exact all-reduces are tagged point to point (``root.pairing_mode`` "tags"), summed by the
+        engine's own kernels and holding receive buffers (``inflight_host_bytes``); elsewhere gloo's or NCCL's
+        own, in place."""
+        return self.staging and self.config.pairing_check == "auto"
+
+    @property
     def secondary(self) -> int:
         """hpZ's secondary group size (0: none), as fp.shard decides it (``strategy.secondary_size``)."""
         return secondary_size(self.config, self.shard_size)
@@ -298,7 +305,7 @@ class _Sim:
         of the parts into this rank's own, ``add_`` read both and write one, and above two ranks the copy of the
         sum into place on N−1 of N ranks; at two ranks `_P2PPairSum`: the same with the whole tensor as the
         part); NCCL and gloo's native ring sum inside the collective."""
-        if not self.lay.staging:
+        if not self.lay.tagged_all_reduce:
             return 0
         part = nbytes // n if n > 2 else nbytes
         return (n - 1) * (2 * part + 3 * part) + (3 * part * (n - 1) // n if n > 2 else 0)
@@ -379,11 +386,20 @@ class _Sim:
             held += inflight_host_bytes("reduce_scatter", g_reduce, lay.shard_size, lay.staging)
             self.reduce_comm(spec, "reduce_scatter", padded, lay.shard_size)
         elif lay.replicate_size > 1:
+            held += self._all_reduce_buffer(spec, g_reduce, "replicate")
             self.reduce_comm(spec, "all_reduce", padded, lay.replicate_size, group="replicate")
         self.issued(("reduce", h), since)
         self.reducing += held
         self.reduce_bytes[h] = held + (0 if cast else g_compute)
         self.check()
+
+    def _all_reduce_buffer(self, spec, nbytes: int, group: str) -> int:
+        """The receive buffer an exact tagged all-reduce of ``nbytes`` holds while in flight (0 when quantized:
+        its staging is priced in ``reduce_comm``). Held to the reduction's wait: exact at two replicas; the
+        ring's parts above are freed a unit earlier (phase 1), which this over-counts."""
+        if self.lay.quantized(spec, "gradients", group) is not None or not self.lay.tagged_all_reduce:
+            return 0
+        return inflight_host_bytes("all_reduce", nbytes, self.lay.replicate_size, True)
 
     def _reduce_kernel_bytes(self, spec) -> int:
         """The engine's own arithmetic around a reduction, priced by the fake run's rule (`op_cost`): the
@@ -423,6 +439,7 @@ class _Sim:
             self.reduce_comm(spec, "all_reduce", chunk, lay.replicate_size, group="replicate")
             self.issued(("replicate", h), since)
             kept = chunk * lay.reduce(spec).itemsize
+            kept += self._all_reduce_buffer(spec, kept, "replicate")
             self.reducing -= self.reduce_bytes[h] - kept
             self.reduce_bytes[h] = kept
             self.replicating.add(h)
