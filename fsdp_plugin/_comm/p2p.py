@@ -179,8 +179,8 @@ class _P2PAllReduce(_P2PWork):
     process on a size mismatch, so it is tagged point to point instead, at the ring's bytes (``2·total·(N−1)/N``,
     as the counters say) and the ring's arithmetic: each rank sums 1/N of the tensor, as gloo's own ring does.
 
-    Phase 1 (posted now) sends part ``j`` (near-equal parts, ``tensor_split``; halves at two ranks) to rank
-    ``j``, which sums every rank's part. Phase 2 sends the summed part to every peer. Its tagged position is
+    Above two ranks (two: ``_P2PPairSum``). Phase 1 (posted now) sends part ``j`` (near-equal parts,
+    ``tensor_split``) to rank ``j``, which sums every rank's part. Phase 2 sends the summed part to every peer. Its tagged position is
     reserved and its receives posted here, with phase 1's: a peer's summed part can only arrive after that peer
     received this rank's part ``j`` from the same memory, so receiving into it never races the send. Its sends
     go out at ``advance`` (the reduction queue calls it a unit later, so phase 2 overlaps the rest of backward)
@@ -210,9 +210,6 @@ class _P2PAllReduce(_P2PWork):
         if tagged.diverged():    # fp.reset after a divergence: phase 1 may hold a complement's scratch
             return
         me, parts, n = self.me, self.parts, self.n
-        if n == 2:               # one commutative addition: the bits rank-order summing would give
-            parts[me].add_(recvs[1 - me])
-            return
         # rank order, ((c0 + c1) + c2) + ...: accumulate into rank 0's part (ours, or the buffer it came in)
         acc = parts[0] if me == 0 else recvs[0]
         for j in range(1, n):
