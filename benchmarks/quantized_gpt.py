@@ -31,6 +31,7 @@ CONFIGS = {
     "exact": None,
     "int8 weights + gradients": {"weights": "int8", "gradients": "int8"},
     "int8 weights": {"weights": "int8"},
+    "int8 weights + int4 gradients": {"weights": "int8", "gradients": "int4"},
 }
 
 

@@ -20,24 +20,33 @@ def _bound_ok(err: torch.Tensor, bound: torch.Tensor, exact: torch.Tensor) -> bo
     return bool((err <= bound * (1 + SLACK) + exact.abs() * 2e-7 + 1e-12).all())
 
 
-def _block_scales(rows: torch.Tensor, block: int) -> torch.Tensor:
+QMAX = {"int8": 127, "int4": 7}
+# fewer bytes than float32 at BLOCK, scales included: 3.76x and 7.11x in whole blocks (6.94x for int4 on the
+# reduce-scatter's 1,000-element rows, whose last block is padded)
+RATIO = {"int8": 3.5, "int4": 6.9}
+
+
+def _block_scales(rows: torch.Tensor, block: int, qmax: int = 127) -> torch.Tensor:
     """The scale of the block each element of ``rows`` (R, L) falls in, elementwise (R, L)."""
     r, length = rows.shape
     nb = qz.blocks(length, block)
     x = torch.nn.functional.pad(rows.float(), (0, nb * block - length)).view(r, nb, block)
-    s = x.abs().amax(-1, keepdim=True) / 127
+    s = x.abs().amax(-1, keepdim=True) / qmax
     return s.expand(r, nb, block).reshape(r, nb * block)[:, :length]
 
 
-def test_quantize_round_trip_within_half_a_step():
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantize_round_trip_within_half_a_step(fmt):
     torch.manual_seed(0)
+    bits, qmax = qz.BITS[fmt], QMAX[fmt]
     x = torch.randn(3, 1000) * torch.logspace(-4, 2, 1000)
     x[1, :BLOCK] = 0                                  # an all-zero block: scale 0, exact zeros
-    payload = qz.quantize(x, BLOCK)
-    assert payload.dtype == torch.int8 and payload.shape == (3, qz.payload_elems(1000, BLOCK))
-    back = qz.dequantize(payload, 1000, BLOCK)
-    half = _block_scales(x, BLOCK) / 2
-    assert torch.equal(qz.scales(payload, 1000, BLOCK), _block_scales(x, BLOCK)[:, ::BLOCK])
+    payload = qz.quantize(x, BLOCK, bits=bits)
+    assert payload.dtype == torch.int8 and payload.shape == (3, qz.payload_elems(1000, BLOCK, bits))
+    assert qz.payload_elems(1000, BLOCK, bits) == 16 * (BLOCK * bits // 8 + 4)
+    back = qz.dequantize(payload, 1000, BLOCK, bits)
+    half = _block_scales(x, BLOCK, qmax) / 2
+    assert torch.equal(qz.scales(payload, 1000, BLOCK, bits), _block_scales(x, BLOCK, qmax)[:, ::BLOCK])
     assert _bound_ok((back - x).abs(), half, x)
     assert torch.equal(back[1, :BLOCK], torch.zeros(BLOCK))
     assert (back - x).abs().max() > 0                 # it does quantize
@@ -45,17 +54,20 @@ def test_quantize_round_trip_within_half_a_step():
     assert ((back - x).abs() / half.clamp_min(1e-30)).max() > 0.9
 
 
-def test_stochastic_rounding_is_unbiased_and_within_one_step():
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_stochastic_rounding_is_unbiased_and_within_one_step(fmt):
     """Gradients round stochastically: each error below one step, the mean error over many roundings ≈ 0
     (round-to-nearest fails this: its error is the same every time, up to half a step)."""
     torch.manual_seed(0)
+    bits = qz.BITS[fmt]
     x = torch.randn(1, 4096) * torch.logspace(-3, 1, 4096)
-    step = _block_scales(x, BLOCK)
-    trials = torch.stack([qz.dequantize(qz.quantize(x, BLOCK, stochastic=True), 4096, BLOCK) for _ in range(400)])
+    step = _block_scales(x, BLOCK, QMAX[fmt])
+    trials = torch.stack([qz.dequantize(qz.quantize(x, BLOCK, stochastic=True, bits=bits), 4096, BLOCK, bits)
+                          for _ in range(400)])
     assert _bound_ok((trials - x).abs().amax(0), step, x)
     mean_err = (trials.mean(0) - x).abs()
     assert bool((mean_err <= 6 * step / (2 * 400 ** 0.5) + 1e-12).all()), (mean_err / step).max()
-    nearest = (qz.dequantize(qz.quantize(x, BLOCK), 4096, BLOCK) - x).abs()
+    nearest = (qz.dequantize(qz.quantize(x, BLOCK, bits=bits), 4096, BLOCK, bits) - x).abs()
     assert (nearest > 6 * step / (2 * 400 ** 0.5)).any()        # the check above can fail
 
 
@@ -70,6 +82,9 @@ def test_config_validation():
     with pytest.raises(fp.ConfigError, match="fp.Quantization"):
         fp.ShardingConfig(quantization="int8")
     fp.ShardingConfig(sharding_strategy="no_shard", quantization=fp.Quantization(gradients="int8"))
+    assert fp.Quantization(gradients="int4").gradients == "int4"
+    with pytest.raises(fp.ConfigError, match="gradients only"):
+        fp.Quantization(weights="int4")
 
 
 def _gathered(rank, world, strategy, mesh, dtype, block):
@@ -117,13 +132,13 @@ def test_gathered_weights_within_half_a_step(strategy, mesh, world, dtype):
     assert ratio >= (1.9 if dtype is torch.bfloat16 else 3.5), ratio
 
 
-def _reduced(rank, world, rows_per_rank, group_of):
+def _reduced(rank, world, rows_per_rank, group_of, fmt):
     """Every rank's gradient is ``torch.randn`` of seed (rank, 1); reduce it quantized and exactly."""
     groups = [dist.new_group(g) for g in group_of]
     mine = [g for g, ranks in zip(groups, group_of) if rank in ranks][0]
     n = dist.get_world_size(mine)
     grad = _grad_of(rank, n * rows_per_rank)
-    q = fp.Quantization(gradients="int8", block_size=BLOCK)
+    q = fp.Quantization(gradients=fmt, block_size=BLOCK)
     fp.comm_stats.reset()
     out = torch.empty(rows_per_rank)
     comm.wait(qz.reduce_scatter(q, out, grad.clone(), mine), "test")
@@ -137,44 +152,46 @@ def _grad_of(rank, numel):
     return torch.randn(numel, generator=g) * torch.logspace(-3, 1, numel)
 
 
-@pytest.mark.parametrize("world,groups", [(2, [[0, 1]]), (4, [[0, 1, 2, 3]]), (4, [[0, 2], [1, 3]])])
-def test_quantized_reduce_scatter_within_predicted_bound(world, groups):
+@pytest.mark.parametrize("world,groups,fmt", [(2, [[0, 1]], "int8"), (4, [[0, 1, 2, 3]], "int8"),
+                                              (4, [[0, 2], [1, 3]], "int8"), (4, [[0, 1, 2, 3]], "int4")])
+def test_quantized_reduce_scatter_within_predicted_bound(world, groups, fmt):
     """qgZ, one hop: rank ``me``'s reduced chunk = its exact chunk + the peers' stochastically rounded chunks,
     summed in float32: within Σ over the other ranks of their block scale of the exact sum."""
     chunk = 1000                                    # not a multiple of BLOCK: the padded last block too
-    results = run_ranks(_reduced, world, chunk, groups)
+    results = run_ranks(_reduced, world, chunk, groups, fmt)
     for rank, (out, exact, stats) in enumerate(results):
         members = [g for g in groups if rank in g][0]
         me = members.index(rank)
         n = len(members)
-        bound = sum(_block_scales(_grad_of(r, n * chunk).view(n, chunk), BLOCK)[me]
+        bound = sum(_block_scales(_grad_of(r, n * chunk).view(n, chunk), BLOCK, QMAX[fmt])[me]
                     for r in members if r != rank)
         err = (out - exact).abs()
         assert _bound_ok(err, bound, exact), (err / bound).max()
         assert err.max() > 0
         exact_bytes = n * chunk * 4 * (n - 1) // n
-        assert exact_bytes / stats[qz.GRADIENTS_KIND] >= 3.5
+        assert exact_bytes / stats[qz.gradients_kind(qz.BITS[fmt])] >= RATIO[fmt]
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_quantized_all_reduce_within_predicted_bound(world):
+@pytest.mark.parametrize("world,fmt", [(2, "int8"), (3, "int8"), (2, "int4"), (3, "int4")])
+def test_quantized_all_reduce_within_predicted_bound(world, fmt):
     """qgZ, an all-reduce (no_shard; hybrid's replica hop): the reduce-scatter hop's bound on each piece,
     plus one step of the re-quantized float32 sum (bounded from the exact sum and hop 1's bound); every replica
     holds the same result."""
     total = 959                                     # 5 whole blocks per piece at world 3, one padded element
-    results = run_ranks(_all_reduced, world, total)
+    results = run_ranks(_all_reduced, world, total, fmt)
+    bits, qmax, kind = qz.BITS[fmt], QMAX[fmt], qz.gradients_kind(qz.BITS[fmt])
     if world == 2:
-        return _check_pair_all_reduce(results, total)
+        return _check_pair_all_reduce(results, total, fmt)
     length = -(-total // world)
     grads = [torch.nn.functional.pad(_grad_of(r, total), (0, length * world - total)).view(world, length)
              for r in range(world)]
     exact_pieces = sum(grads)
-    hop1 = torch.stack([sum(_block_scales(grads[r][o:o + 1], BLOCK)[0] for r in range(world) if r != o)
+    hop1 = torch.stack([sum(_block_scales(grads[r][o:o + 1], BLOCK, qmax)[0] for r in range(world) if r != o)
                         for o in range(world)])
     # the owner's float32 sum is within hop1 of the exact one: its block absmax, hence its scale, too
     nb = qz.blocks(length, BLOCK)
     upper = torch.nn.functional.pad(exact_pieces.abs() + hop1, (0, nb * BLOCK - length)).view(world, nb, BLOCK)
-    hop2 = (upper.amax(-1, keepdim=True) / 127).expand(world, nb, BLOCK).reshape(world, -1)[:, :length]
+    hop2 = (upper.amax(-1, keepdim=True) / qmax).expand(world, nb, BLOCK).reshape(world, -1)[:, :length]
     bound = (hop1 + hop2).reshape(-1)[:total]
     out0, exact, stats = results[0]
     for out, _, _ in results[1:]:
@@ -182,29 +199,30 @@ def test_quantized_all_reduce_within_predicted_bound(world):
     err = (out0 - exact).abs()
     assert _bound_ok(err, bound, exact), (err / bound).max()
     assert err.max() > 0
-    assert stats[qz.GRADIENTS_KIND] == 2 * (world - 1) * qz.payload_elems(length, BLOCK)   # two hops
+    assert stats[kind] == 2 * (world - 1) * qz.payload_elems(length, BLOCK, bits)   # two hops
     exact_bytes = 2 * total * 4 * (world - 1) // world
-    assert exact_bytes / stats[qz.GRADIENTS_KIND] >= 3.5
+    assert exact_bytes / stats[kind] >= RATIO[fmt]
 
 
-def _check_pair_all_reduce(results, total):
+def _check_pair_all_reduce(results, total, fmt):
     """Two replicas: both quantized tensors all-gathered, summed dequantized: within s_0 + s_1 per element
     (each rank's block scale of its own gradient), one collective of payload(total) bytes per rank."""
     nb = qz.blocks(total, BLOCK)
     scale = [(torch.nn.functional.pad(_grad_of(r, total).abs(), (0, nb * BLOCK - total)).view(nb, BLOCK)
-              .amax(-1, keepdim=True) / 127).expand(nb, BLOCK).reshape(-1)[:total] for r in range(2)]
+              .amax(-1, keepdim=True) / QMAX[fmt]).expand(nb, BLOCK).reshape(-1)[:total] for r in range(2)]
     (out0, exact, stats), (out1, _, _) = results
     assert torch.equal(out0, out1), "replicas reduced to different gradients"
     err = (out0 - exact).abs()
     assert _bound_ok(err, scale[0] + scale[1], exact), (err / (scale[0] + scale[1])).max()
     assert err.max() > 0
-    assert stats[qz.GRADIENTS_KIND] == qz.payload_elems(total, BLOCK)
-    assert 2 * total * 4 // 2 / stats[qz.GRADIENTS_KIND] >= 3.5
+    kind, bits = qz.gradients_kind(qz.BITS[fmt]), qz.BITS[fmt]
+    assert stats == {kind: qz.payload_elems(total, BLOCK, bits)}
+    assert 2 * total * 4 // 2 / stats[kind] >= RATIO[fmt]
 
 
-def _all_reduced(rank, world, total):
+def _all_reduced(rank, world, total, fmt):
     grad = _grad_of(rank, total)
-    q = fp.Quantization(gradients="int8", block_size=BLOCK)
+    q = fp.Quantization(gradients=fmt, block_size=BLOCK)
     fp.comm_stats.reset()
     out = grad.clone()
     comm.wait(qz.all_reduce(q, out, None), "test")
@@ -225,21 +243,22 @@ def _train(rank, world, strategy, mesh, quant, dtype, steps):
     return losses, dict(fp.comm_stats.bytes)
 
 
-@pytest.mark.parametrize("strategy,mesh,world,dtype", [
-    ("full_shard", None, 2, None), ("shard_grad_op", None, 2, torch.bfloat16), ("hybrid_shard", (2, 2), 4, None),
-    ("no_shard", None, 2, None)])
-def test_training_with_quantized_collectives(strategy, mesh, world, dtype):
+@pytest.mark.parametrize("strategy,mesh,world,dtype,grads", [
+    ("full_shard", None, 2, None, "int8"), ("shard_grad_op", None, 2, torch.bfloat16, "int8"),
+    ("hybrid_shard", (2, 2), 4, None, "int8"), ("no_shard", None, 2, None, "int8"),
+    ("full_shard", None, 2, None, "int4"), ("hybrid_shard", (2, 2), 4, None, "int4")])
+def test_training_with_quantized_collectives(strategy, mesh, world, dtype, grads):
     """Training with both quantizations stays close to exact training (a regression guard: quantized training
     is a different computation, the bounds above are the exact claims), moves no exact unit bytes and fewer
     bytes in all."""
-    quant = fp.Quantization(weights=None if strategy == "no_shard" else "int8", gradients="int8")
+    quant = fp.Quantization(weights=None if strategy == "no_shard" else "int8", gradients=grads)
     got, q_bytes = run_ranks(_train, world, strategy, mesh, quant, dtype, 4)[0]
     want, e_bytes = run_ranks(_train, world, strategy, mesh, None, dtype, 4)[0]
     assert max(abs(a - b) / b for a, b in zip(got, want)) < 0.01, (got, want)
     assert got != want
     assert not {"all_gather", "reduce_scatter", "all_reduce"} & set(q_bytes), q_bytes
     exact = sum(e_bytes.get(k, 0) for k in ("all_gather", "reduce_scatter", "all_reduce"))
-    quantized = q_bytes.get(qz.WEIGHTS_KIND, 0) + q_bytes[qz.GRADIENTS_KIND]
+    quantized = q_bytes.get(qz.WEIGHTS_KIND, 0) + q_bytes[qz.gradients_kind(qz.BITS[grads])]
     assert exact / quantized >= (1.9 if dtype is torch.bfloat16 else 3.5), (e_bytes, q_bytes)
 
 
@@ -260,7 +279,9 @@ def _step_bytes(rank, world, strategy, mesh, quant):
     ("full_shard", None, 2, fp.Quantization(weights="int8", gradients="int8")),
     ("shard_grad_op", None, 3, fp.Quantization(weights="int8")),
     ("hybrid_shard", (2, 2), 4, fp.Quantization(weights="int8", gradients="int8", block_size=64)),
-    ("no_shard", None, 2, fp.Quantization(gradients="int8"))])
+    ("no_shard", None, 2, fp.Quantization(gradients="int8")),
+    ("hybrid_shard", (2, 2), 4, fp.Quantization(gradients="int4")),
+    ("full_shard", None, 3, fp.Quantization(weights="int8", gradients="int4"))])
 def test_plan_wire_bytes_equal_comm_stats(strategy, mesh, world, quant):
     """fp.plan prices the quantized kinds with the engine's payload: bytes and calls equal comm_stats."""
     got, calls = run_ranks(_step_bytes, world, strategy, mesh, quant)[0]
@@ -268,7 +289,7 @@ def test_plan_wire_bytes_equal_comm_stats(strategy, mesh, world, quant):
                    device_mesh=mesh, quantization=quant, inputs=lambda: gpt_batch(0, 0))
     assert plan.worlds[world].wire_bytes == got
     assert plan.worlds[world].wire_calls == calls
-    assert qz.GRADIENTS_KIND in got or quant.gradients is None
+    assert quant.gradients is None or qz.gradients_kind(qz.bits_of(quant, "gradients")) in got
 
 
 def _diverging(rank, world, mode, strategy, quant):

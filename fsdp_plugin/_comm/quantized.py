@@ -35,7 +35,9 @@ from . import nodes
 
 WEIGHTS_KIND = "all_gather_q8"
 GRADIENTS_KIND = "reduce_q8"
-_QMAX = 127.0
+GRADIENTS_KIND_4 = "reduce_q4"
+BITS = {"int8": 8, "int4": 4}
+_QMAX = {8: 127.0, 4: 7.0}       # symmetric: int4 codes -7..7 stored as 1..15 (4 bits), two per byte
 _TINY = torch.finfo(torch.float32).tiny     # an all-zero block divides by this (codes 0), its stored scale is 0
 
 
@@ -44,14 +46,29 @@ def blocks(length: int, block: int) -> int:
     return -(-length // block)
 
 
-def payload_elems(length: int, block: int) -> int:
-    """int8 elements (= bytes) of one quantized row of ``length`` values: codes, then float32 scales."""
+def payload_elems(length: int, block: int, bits: int = 8) -> int:
+    """int8 elements (= bytes) of one quantized row of ``length`` values: codes (``bits`` each), then float32
+    scales."""
     nb = blocks(length, block)
-    return nb * block + 4 * nb
+    return _code_bytes(nb, block, bits) + 4 * nb
 
 
-def quantize(rows: torch.Tensor, block: int, stochastic: bool = False) -> torch.Tensor:
-    """``rows`` (R, L) of any float dtype -> (R, payload_elems(L, block)) int8 rows (see module docstring).
+def _code_bytes(nb: int, block: int, bits: int) -> int:
+    return nb * block * bits // 8          # block % 8 == 0: whole bytes, scales stay 4-aligned
+
+
+def bits_of(quant, what: str) -> int:
+    """Bits per code of ``quant``'s ``what`` ("weights" / "gradients") format."""
+    return BITS[getattr(quant, what)]
+
+
+def gradients_kind(bits: int) -> str:
+    """The ``fp.comm_stats`` kind of a quantized gradient collective with ``bits``-bit codes."""
+    return GRADIENTS_KIND if bits == 8 else GRADIENTS_KIND_4
+
+
+def quantize(rows: torch.Tensor, block: int, stochastic: bool = False, bits: int = 8) -> torch.Tensor:
+    """``rows`` (R, L) of any float dtype -> (R, payload_elems(L, block, bits)) int8 rows (module docstring).
     ``stochastic``: round up with probability frac(x / scale) (unbiased: E[code·scale] = x; error < scale),
     from this process's own noise (`_add_noise`: the user's RNG streams are untouched); else to nearest."""
     r, length = rows.shape
@@ -61,17 +78,36 @@ def quantize(rows: torch.Tensor, block: int, stochastic: bool = False) -> torch.
         x = F.pad(x, (0, nb * block - length))
     x = x.view(r, nb, block)
     # absmax as max(amax, -amin): two reads, no |x| temporary of the whole row
-    scale = torch.maximum(x.amax(dim=-1), x.amin(dim=-1).neg_()).div_(_QMAX)   # (R, nb); 0: all-zero block
+    qmax = _QMAX[bits]
+    scale = torch.maximum(x.amax(dim=-1), x.amin(dim=-1).neg_()).div_(qmax)   # (R, nb); 0: all-zero block
     codes = torch.div(x, scale.clamp_min(_TINY).unsqueeze(-1))
     if stochastic:
         _add_noise(codes.view(-1))
-        codes = codes.floor_().clamp_(-_QMAX, _QMAX)               # x/scale may exceed 127 by a rounding
+        codes = codes.floor_().clamp_(-qmax, qmax)                  # x/scale may exceed qmax by a rounding
     else:
-        codes = codes.round_()     # |x / scale| <= 127 by construction (up to float rounding, far from 127.5)
-    out = torch.empty((r, payload_elems(length, block)), dtype=torch.int8, device=rows.device)
-    out[:, :nb * block].copy_(codes.view(r, nb * block))
-    _scales(out, length, block).copy_(scale)
+        codes = codes.round_()     # |x / scale| <= qmax by construction (up to float rounding, far from +0.5)
+    out = torch.empty((r, payload_elems(length, block, bits)), dtype=torch.int8, device=rows.device)
+    code_bytes = out[:, :_code_bytes(nb, block, bits)]
+    if bits == 8:
+        code_bytes.copy_(codes.view(r, nb * block))
+    else:
+        _pack4(codes.view(r, nb * block // 2, 2), code_bytes)
+    _scales(out, length, block, bits).copy_(scale)
     return out
+
+
+def _pack4(pairs: torch.Tensor, out: torch.Tensor) -> None:
+    """(R, M, 2) float codes in -7..7 -> (R, M) bytes: low nibble the first code + 8, high the second + 8."""
+    lo = pairs[..., 0].to(torch.int8).view(torch.uint8).add_(8)     # two's complement wraps: + 8 lands in 1..15
+    hi = pairs[..., 1].to(torch.int8).view(torch.uint8).add_(8)
+    out.view(torch.uint8).copy_(lo.bitwise_or_(hi.bitwise_left_shift_(4)))
+
+
+def _unpack4(code_bytes: torch.Tensor) -> torch.Tensor:
+    """(R, M) bytes of `_pack4` -> (R, 2M) int8 codes in -7..7."""
+    u = code_bytes.view(torch.uint8)
+    pairs = torch.stack((u.bitwise_and(15), u.bitwise_right_shift(4)), dim=-1).view(torch.int8).sub_(8)
+    return pairs.view(u.shape[0], -1)
 
 
 _SEED_BASE = 0x5EED0000     # + the global rank (benchmarks/quantized_gpt.py --noise-seed shifts it)
@@ -97,21 +133,24 @@ def _generator(device: torch.device) -> torch.Generator:
     return _GENERATORS[key]
 
 
-def dequantize(payload: torch.Tensor, length: int, block: int) -> torch.Tensor:
+def dequantize(payload: torch.Tensor, length: int, block: int, bits: int = 8) -> torch.Tensor:
     """(R, payload) int8 rows -> (R, L) float32 values."""
     r, nb = payload.shape[0], blocks(length, block)
-    codes = payload[:, :nb * block].view(r, nb, block)
-    return (codes.float() * _scales(payload, length, block).unsqueeze(-1)).view(r, nb * block)[:, :length]
+    codes = payload[:, :_code_bytes(nb, block, bits)]
+    if bits == 4:
+        codes = _unpack4(codes)
+    scale = _scales(payload, length, block, bits).unsqueeze(-1)
+    return torch.mul(codes.reshape(r, nb, block), scale).view(r, nb * block)[:, :length]   # int8 * f32 -> f32
 
 
-def scales(payload: torch.Tensor, length: int, block: int) -> torch.Tensor:
+def scales(payload: torch.Tensor, length: int, block: int, bits: int = 8) -> torch.Tensor:
     """The (R, nb) float32 block scales of quantized rows (a view)."""
-    return _scales(payload, length, block)
+    return _scales(payload, length, block, bits)
 
 
-def _scales(payload: torch.Tensor, length: int, block: int) -> torch.Tensor:
+def _scales(payload: torch.Tensor, length: int, block: int, bits: int = 8) -> torch.Tensor:
     # block % 8 == 0 keeps every row's scale bytes 4-aligned, so the int8 bytes can be viewed as float32
-    return payload[:, blocks(length, block) * block:].view(torch.float32)
+    return payload[:, _code_bytes(blocks(length, block), block, bits):].view(torch.float32)
 
 
 class _Then:
@@ -186,21 +225,21 @@ def reduce_scatter(quant, out: torch.Tensor, grad: torch.Tensor, group, gate=Non
     n = comm.group_size(group)
     me = comm.rank_in(group)
     rows = grad.view(n, -1)
-    length, block = rows.shape[1], quant.block_size
-    sent = quantize(rows, block, stochastic=True)
+    length, block, bits = rows.shape[1], quant.block_size, bits_of(quant, "gradients")
+    sent = quantize(rows, block, stochastic=True, bits=bits)
     got = torch.empty_like(sent)
-    work = comm.exchange(got, sent, group, kind=GRADIENTS_KIND, gate=gate, what=what)
+    work = comm.exchange(got, sent, group, kind=gradients_kind(bits), gate=gate, what=what)
 
     def then() -> None:
-        out.copy_(_sum_rows(got, rows[me], me, length, block))
+        out.copy_(_sum_rows(got, rows[me], me, length, block, bits))
     return _Then(work, then)
 
 
-def _sum_rows(got: torch.Tensor, own: torch.Tensor, me: int, length: int, block: int) -> torch.Tensor:
+def _sum_rows(got: torch.Tensor, own: torch.Tensor, me: int, length: int, block: int, bits: int) -> torch.Tensor:
     """float32 sum, in rank order, of ``own`` (exact) and the other rows of ``got`` dequantized."""
     total = torch.zeros(length, dtype=torch.float32, device=own.device)
     for j in range(got.shape[0]):
-        total.add_(own.float() if j == me else dequantize(got[j:j + 1], length, block)[0])
+        total.add_(own.float() if j == me else dequantize(got[j:j + 1], length, block, bits)[0])
     return total
 
 
@@ -214,42 +253,42 @@ def all_reduce(quant, t: torch.Tensor, group, gate=None, what: str = "all-reduce
         # replica hop of hybrid stays asynchronous (waited by the caller)
         named = {"what": what, "timeout_s": timeout_s} if gate is not None else {}
         return comm.all_reduce(t, group, async_op=True, gate=gate, **named)
-    n, total, block = comm.group_size(group), t.numel(), quant.block_size
+    n, total, block, bits = comm.group_size(group), t.numel(), quant.block_size, bits_of(quant, "gradients")
     if n == 2:
-        return _pair_all_reduce(t, group, block, gate, what)
+        return _pair_all_reduce(t, group, block, bits, gate, what)
     length = -(-total // n)
     padded = t.reshape(-1) if length * n == total else F.pad(t.reshape(-1), (0, length * n - total))
     mine = torch.empty(length, dtype=torch.float32, device=t.device)
     first = reduce_scatter(quant, mine, padded, group, gate=gate, what=what)
 
     def then() -> None:
-        sums = quantize(mine.view(1, length), block, stochastic=True)
+        sums = quantize(mine.view(1, length), block, stochastic=True, bits=bits)
         staging = torch.empty((n, sums.shape[1]), dtype=torch.int8, device=t.device)
-        work = comm.all_gather(staging.view(-1), sums.view(-1), group, async_op=True, kind=GRADIENTS_KIND,
+        work = comm.all_gather(staging.view(-1), sums.view(-1), group, async_op=True, kind=gradients_kind(bits),
                                what=what)
         _waited(work, what, timeout_s)
-        t.view(-1).copy_(dequantize(staging, length, block).reshape(-1)[:total])
+        t.view(-1).copy_(dequantize(staging, length, block, bits).reshape(-1)[:total])
     return _Then(first, then)
 
 
-def _pair_all_reduce(t: torch.Tensor, group, block: int, gate, what: str):
+def _pair_all_reduce(t: torch.Tensor, group, block: int, bits: int, gate, what: str):
     """Two replicas (hybrid across two nodes; no_shard at world 2): ONE all-gather of both quantized tensors,
     each rank summing the two dequantized rows in rank order, so both hold the same bits. The same bytes as
     the two-hop form (``payload(L)`` per rank against ``2·payload(L/2)``), but nothing is left to post at
     ``wait``: the whole transfer overlaps backward, and one quantization instead of two. Bound per element:
     ``s_0 + s_1`` (each row's block scale; stochastic rounding, < one step each)."""
     total = t.numel()
-    mine = quantize(t.reshape(1, total), block, stochastic=True)
+    mine = quantize(t.reshape(1, total), block, stochastic=True, bits=bits)
     both = torch.empty((2, mine.shape[1]), dtype=torch.int8, device=t.device)
-    work = comm.all_gather(both.view(-1), mine.view(-1), group, async_op=True, kind=GRADIENTS_KIND, gate=gate,
+    work = comm.all_gather(both.view(-1), mine.view(-1), group, async_op=True, kind=gradients_kind(bits), gate=gate,
                            what=what)
 
     def then() -> None:
         flat = t.view(-1)
         if flat.dtype == torch.float32:      # one row dequantized at a time: the peak holds one, not two
-            flat.copy_(dequantize(both[0:1], total, block)[0])
-            flat.add_(dequantize(both[1:2], total, block)[0])
+            flat.copy_(dequantize(both[0:1], total, block, bits)[0])
+            flat.add_(dequantize(both[1:2], total, block, bits)[0])
         else:                                # a lower-precision gradient: sum in float32, round once
-            rows = dequantize(both, total, block)
+            rows = dequantize(both, total, block, bits)
             flat.copy_(rows[0].add_(rows[1]))
     return _Then(work, then)

@@ -277,18 +277,20 @@ class _Sim:
             if op == "all_reduce" and n > 1:
                 self.res.engine_bytes += self._all_reduce_kernel_bytes(elems * size, n)
             return
+        bits = quantized.bits_of(self.lay.config.quantization, "gradients")
+        kind = quantized.gradients_kind(bits)
         if op == "all_reduce" and n == 2:       # _pair_all_reduce: one all-gather of both quantized tensors
-            self.comm(quantized.GRADIENTS_KIND, n * quantized.payload_elems(elems, block), 1, n, group=group)
+            self.comm(kind, n * quantized.payload_elems(elems, block, bits), 1, n, group=group)
             self.quantize_cost(elems, 2 * elems)
-            row = quantized.payload_elems(elems, block)
+            row = quantized.payload_elems(elems, block, bits)
             # both rows' staging (``empty``), this rank's row copied in (gloo/CPU point to point), then the wait:
             # copy_ of row 0 and add_ of row 1 into the float32 gradient
             self.res.engine_bytes += 2 * row + 3 * row * self.lay.staging + 2 * 12 * elems
             return
         length = -(-elems // n)
-        row = quantized.payload_elems(length, block)
+        row = quantized.payload_elems(length, block, bits)
         for _ in range(2 if op == "all_reduce" else 1):
-            self.comm(quantized.GRADIENTS_KIND, n * row, 1, n, group=group)
+            self.comm(kind, n * row, 1, n, group=group)
         self.quantize_cost(n * length, (n - 1) * length)       # the exchange: every row out, the peers' in
         # the received rows (``empty_like`` of the sent ones: argument and output), this rank's own row copied
         # (gloo/CPU point to point), then ``_sum_rows``: a float32 zeros, one add_ per row (read both, write the
