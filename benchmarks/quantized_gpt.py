@@ -32,6 +32,8 @@ CONFIGS = {
     "int8 weights + gradients": {"weights": "int8", "gradients": "int8"},
     "int8 weights": {"weights": "int8"},
     "int8 weights + int4 gradients": {"weights": "int8", "gradients": "int4"},
+    "int4 gradients block 64": {"gradients": "int4", "block_size": 64},
+    "int4 gradients": {"gradients": "int4"},
 }
 
 

@@ -154,7 +154,7 @@ def trl_vllm_sync_on_an_unknown_trl_version():
 
 
 def unknown_quantization_format():
-    fp.Quantization(gradients="int4")
+    fp.Quantization(gradients="int2")
 
 
 def quantization_block_size_not_a_multiple_of_8():
