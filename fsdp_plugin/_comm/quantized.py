@@ -1,6 +1,7 @@
 """Quantized unit collectives (ZeRO++ qwZ / qgZ), opt-in through ``ShardingConfig(quantization=fp.Quantization())``.
 
-Format (one row per destination or source rank): ``[int8 codes, nb·block | float32 scales, nb]`` as one int8
+Format (one row per destination or source rank): ``[int8 codes, nb·block | float32 scales, nb]`` (``int4``
+gradients: two 4-bit codes per byte, ``nb·block/2`` bytes, scale ``absmax / 7``) as one int8
 tensor of ``payload_elems(L, block)`` elements per row of ``L`` values, ``nb = ceil(L / block)`` (the last block
 is zero-padded). Symmetric: ``scale = absmax(block) / 127``; weights round to nearest, ``code = round(x / scale)``,
 so ``|dequantized − x| ≤ scale / 2`` per element (up to float32 rounding of ``code·scale``); gradients round
@@ -91,16 +92,15 @@ def quantize(rows: torch.Tensor, block: int, stochastic: bool = False, bits: int
     if bits == 8:
         code_bytes.copy_(codes.view(r, nb * block))
     else:
-        _pack4(codes.view(r, nb * block // 2, 2), code_bytes)
+        _pack4(codes, code_bytes)
     _scales(out, length, block, bits).copy_(scale)
     return out
 
 
-def _pack4(pairs: torch.Tensor, out: torch.Tensor) -> None:
-    """(R, M, 2) float codes in -7..7 -> (R, M) bytes: low nibble the first code + 8, high the second + 8."""
-    lo = pairs[..., 0].to(torch.int8).view(torch.uint8).add_(8)     # two's complement wraps: + 8 lands in 1..15
-    hi = pairs[..., 1].to(torch.int8).view(torch.uint8).add_(8)
-    out.view(torch.uint8).copy_(lo.bitwise_or_(hi.bitwise_left_shift_(4)))
+def _pack4(codes: torch.Tensor, out: torch.Tensor) -> None:
+    """Float codes in -7..7 -> ``out`` (R, M) bytes, two codes each: low nibble the first + 8, high the second + 8."""
+    u = codes.to(torch.int8).view(torch.uint8).add_(8).view(out.shape[0], -1, 2)   # two's complement: 1..15
+    out.view(torch.uint8).copy_(u[..., 0].bitwise_or(u[..., 1].bitwise_left_shift(4)))
 
 
 def _unpack4(code_bytes: torch.Tensor) -> torch.Tensor:
