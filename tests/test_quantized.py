@@ -71,6 +71,23 @@ def test_stochastic_rounding_is_unbiased_and_within_one_step(fmt):
     assert (nearest > 6 * step / (2 * 400 ** 0.5)).any()        # the check above can fail
 
 
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_stochastic_rounding_keeps_values_far_below_one_step(fmt):
+    """Values of 1/1000 of a step (one large gradient sets each block's scale) survive on average: the dither
+    has 16 random bits, so they round up one time in ~1,000 (a floor without noise, or an 8-bit dither whose
+    grid is 1/256, loses them every time: the bias round-to-nearest has, which Adam amplifies)."""
+    bits, qmax = qz.BITS[fmt], QMAX[fmt]
+    x = torch.full((1, 4096), 1e-3)
+    x[0, ::BLOCK] = qmax                     # every block's scale is 1.0
+    small = torch.ones(4096, dtype=torch.bool)
+    small[::BLOCK] = False
+    got = torch.stack([qz.dequantize(qz.quantize(x, BLOCK, stochastic=True, bits=bits), 4096, BLOCK, bits)[0]
+                       for _ in range(200)])
+    assert bool((got[:, ~small] == qmax).all())
+    mean = got[:, small].mean().item()      # 806,400 samples: the mean's sd is ~3.5e-5, 3.5% of 1e-3
+    assert abs(mean - 1e-3) < 2e-4, mean
+
 def test_config_validation():
     q = fp.Quantization(weights="int8", gradients="int8")
     assert q.block_size == 256 and fp.ShardingConfig(quantization=q).quantization is q

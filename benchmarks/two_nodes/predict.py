@@ -48,7 +48,11 @@ def main(path: str, calibrations: str = "") -> None:
     for (preset, k, rate, name), r in measured.items():
         cfg = GPTConfig(**PRESETS[preset])
         b = r["batch_per_rank"]
-        kw = resolve(CONFIGURATIONS[name], k)
+        spec = r.get("spec") or CONFIGURATIONS.get(name)          # --extra rows carry their own
+        if spec is None:
+            print(f"| {preset} | 2×{k} | {rate} | {name} | (no spec in the file: rerun with this worker) |")
+            continue
+        kw = resolve(spec, k)
         plan = fp.plan(lambda: GPT(cfg), world_size=2 * k, auto_wrap_policy={Block}, nodes=2, link_gbps=GBPS[rate],
                        inputs=lambda: (torch.zeros(b, cfg.seq_len, dtype=torch.long),
                                        torch.zeros(b, cfg.seq_len, dtype=torch.long)), **kw)

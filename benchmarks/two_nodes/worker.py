@@ -106,6 +106,7 @@ def main() -> None:
         with open(a.out, "a") as f:
             for name in names:
                 f.write(json.dumps({"config": name, "kwargs": {k: str(v) for k, v in models[name][2].items()},
+                                    "spec": table[name],
                                     "preset": a.preset, "nodes": 2, "per_node": per_node,
                                     "rate": os.environ.get("LINK_RATE", "none"), "steps": a.steps,
                                     "batch_per_rank": a.batch, "rounds": rows[name], "calibration": cal}) + "\n")
