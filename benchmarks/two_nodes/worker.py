@@ -84,7 +84,7 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=1200))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     per_node = int(os.environ["LOCAL_WORLD_SIZE"])
     table = {**CONFIGURATIONS, **parse_extra(a.extra)}
     names = [n for n in a.configs.split(",") if n]
