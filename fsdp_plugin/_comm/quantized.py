@@ -84,15 +84,17 @@ def quantize(rows: torch.Tensor, block: int, stochastic: bool = False, bits: int
     out = torch.empty((r, payload_elems(length, block, bits)), dtype=torch.int8, device=rows.device)
     code_bytes = out[:, :_code_bytes(nb, block, bits)]
     divisor = scale.clamp_min(_TINY).unsqueeze(-1)
-    if stochastic:
-        biased = _stochastic_biased(x, divisor, qmax)
-    else:       # |x / scale| <= qmax by construction (up to float rounding, far from +0.5)
-        biased = torch.div(x, divisor).round_().add_(qmax + 1)
-    if bits == 8:
-        code_bytes.view(torch.uint8).copy_(biased.view(r, nb * block))
+    if not stochastic:      # |x / scale| <= qmax by construction (up to float rounding, far from +0.5)
+        codes = torch.div(x, divisor).round_()
+        if bits == 8:
+            code_bytes.copy_(codes.view(r, nb * block))
+        else:
+            _pack4(codes.add_(qmax + 1), code_bytes)
+    elif bits == 8:
+        code_bytes.view(torch.uint8).copy_(_stochastic_biased(x, divisor, qmax).view(r, nb * block))
         code_bytes.view(torch.uint8).bitwise_xor_(0x80)      # code + 128 -> the int8 code (two's complement)
     else:
-        _pack4(biased, code_bytes)
+        _pack4(_stochastic_biased(x, divisor, qmax), code_bytes)
     _scales(out, length, block, bits).copy_(scale)
     return out
 
