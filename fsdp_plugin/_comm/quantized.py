@@ -120,8 +120,9 @@ _DITHER = 2.0 ** -16      # the noise grid: 16 random bits per element
 
 
 def _stochastic_biased(x: torch.Tensor, divisor: torch.Tensor, qmax: float) -> torch.Tensor:
-    """``floor(x / divisor + u) + qmax + 1`` as float32 in ``1 .. 2·qmax + 1`` (the code + its bias, so that a
-    conversion to uint8, which truncates, is the floor), ``u`` uniform on the grid ``k·2⁻¹⁶`` in [0, 1).
+    """``x / divisor + u + qmax + 1`` as float32, clamped to ``1 .. 2·qmax + 1``: its conversion to uint8, which
+    truncates, is the code ``floor(x / divisor + u)`` plus its bias ``qmax + 1``; ``u`` uniform on the grid
+    ``k·2⁻¹⁶`` in [0, 1).
     Stochastic rounding from 16 random bits per element: one 64-bit draw of this process's generator
     (`_generator`: the user's RNG streams are untouched) dithers four elements, ~1 ns per element against
     ~4 ns for ``torch.rand`` (and a cheaper table-based noise was tried and widened the held-out spread over
