@@ -21,6 +21,9 @@ CASES = {"full_shard": {}, "hybrid_shard": {"sharding_strategy": "hybrid_shard"}
          "hpz": {"reshard_after_forward": "node"},
          "hybrid_q8g": {"sharding_strategy": "hybrid_shard", "quantization": fp.Quantization(gradients="int8")},
          "full_q8": {"quantization": fp.Quantization(weights="int8", gradients="int8")},
+         "hybrid_q4g_ef": {"sharding_strategy": "hybrid_shard",
+                           "quantization": fp.Quantization(gradients="int4", error_feedback=True)},
+         "full_q4_ef": {"quantization": fp.Quantization(weights="int8", gradients="int4", error_feedback=True)},
          "zeropp": {"reshard_after_forward": "node", "quantization": fp.Quantization(weights="int8", gradients="int8")}}
 
 
@@ -45,8 +48,8 @@ class _EngineBytes(TorchDispatchMode):
             f = frame.f_code.co_filename
             if f.startswith(_PKG) and "/planner/" not in f:
                 name = frame.f_code.co_name
-                return not (f.endswith("_comm/quantized.py") and name in ("quantize", "dequantize", "_stochastic_biased",
-                                                                           "_scales"))
+                return not (f.endswith("_comm/quantized.py") and name in (
+                    "quantize", "dequantize", "_stochastic_biased", "_scales", "_pack4", "_unpack4"))
             if "/torch/optim/" in f or f.endswith("tests/models.py"):
                 return False
             frame = frame.f_back

@@ -35,7 +35,7 @@ from configs import CONFIGURATIONS, preset_layer, resolve  # noqa: E402
 from fsdp_plugin.planner._fake_run import op_cost  # noqa: E402
 
 _PKG = str(ROOT / "fsdp_plugin") + "/"
-_QUANTIZE_KERNELS = ("quantize", "dequantize", "_stochastic_biased", "_scales")
+_QUANTIZE_KERNELS = ("quantize", "dequantize", "_stochastic_biased", "_scales", "_pack4", "_unpack4")
 _MODEL = str(HERE.parent / "_model.py")
 
 
