@@ -132,32 +132,41 @@ def test_reductions_with_feedback_track_the_exact_sum(world, op, fmt):
     assert all(nbytes == 4 * residual_elems(op, total, world) for _, _, nbytes in results)
 
 
-def _train(rank, world, strategy, mesh, quant, steps):
+def _train(rank, world, strategy, mesh, quant, steps, ckpt):
     torch.manual_seed(0)
     model = fp.shard(GPT(), auto_wrap_policy={Block}, sharding_strategy=strategy, device_mesh=mesh,
                      quantization=quant)
     opt = make_optimizer("sgd", model.parameters())
     losses = train(model, opt, rank, world, steps)
     handles = [h for u in model._fp_root.units for h in u.handles]
-    held = sum(h.feedback.nbytes for h in handles if h.feedback is not None)
+
+    def held():
+        return sum(h.feedback.nbytes for h in handles if h.feedback is not None)
+    kept = held()
     keys = sorted(fp.full_state_dict(model))
+    fp.save_checkpoint(ckpt, model, opt)
+    fp.load_checkpoint(ckpt, model, opt)          # the loaded state continues without the old trajectory's
+    after_load = held()
     model(*gpt_batch(99, rank)).backward()        # a step abandoned after its reductions: fp.reset drops them
+    refilled = held()
     fp.reset(model)
-    after = sum(h.feedback.nbytes for h in handles if h.feedback is not None)
-    return losses, held, after, keys
+    return losses, kept, (after_load, refilled, held()), keys
 
 
 @pytest.mark.parametrize("strategy,mesh,world", [("full_shard", None, 2), ("hybrid_shard", (2, 2), 4),
                                                  ("no_shard", None, 2), ("shard_grad_op", None, 3)])
-def test_training_with_int4_and_feedback(strategy, mesh, world):
+def test_training_with_int4_and_feedback(strategy, mesh, world, tmp_path):
     """int4 gradients with error feedback train close to exact (regression guard; the 300-step claim is RESULTS
-    § 35j), hold exactly the residual bytes fp.plan prices (in its peak), keep them out of the state dict, and
-    fp.reset drops them."""
+    § 35j), hold exactly the residual bytes fp.plan prices (in its peak), keep them out of the state dict and
+    the checkpoint; a load and fp.reset drop them."""
     quant = fp.Quantization(gradients="int4", error_feedback=True)
-    got, held, after, keys = run_ranks(_train, world, strategy, mesh, quant, 4)[0]
-    want, none, _, exact_keys = run_ranks(_train, world, strategy, mesh, None, 4)[0]
+    got, held, after, keys = run_ranks(_train, world, strategy, mesh, quant, 4, str(tmp_path / "q"))[0]
+    want, none, _, exact_keys = run_ranks(_train, world, strategy, mesh, None, 4, str(tmp_path / "e"))[0]
     assert max(abs(a - b) / b for a, b in zip(got, want)) < 0.01, (got, want)
-    assert got != want and none == 0 and after == 0 and keys == exact_keys
+    assert got != want and none == 0 and keys == exact_keys
+    assert after == (0, held, 0), after
+    files = sorted(p.relative_to(tmp_path / "q").as_posix() for p in (tmp_path / "q").rglob("*"))
+    assert files == sorted(p.relative_to(tmp_path / "e").as_posix() for p in (tmp_path / "e").rglob("*"))
     kw = dict(world_size=world, sharding_strategy=strategy, auto_wrap_policy={Block}, device_mesh=mesh,
               inputs=lambda: gpt_batch(0, 0))
     with_fb = fp.plan(GPT, quantization=quant, **kw).worlds[world]

@@ -352,8 +352,13 @@ def test_integrations_map_deepspeeds_keys():
     cfg = sharding_config(settings_from_env(env), GPT())
     assert cfg.quantization == fp.Quantization(weights="int8", gradients="int8", block_size=128)
     assert sharding_config(settings_from_env({"ACCELERATE_USE_FSDP": "true"}), GPT()).quantization is None
-    with pytest.raises(fp.ConfigError, match="FSDP_PLUGIN_QUANTIZATION"):
-        settings_from_env({"ACCELERATE_USE_FSDP": "true", "FSDP_PLUGIN_QUANTIZATION": "int4"})
+    env["FSDP_PLUGIN_QUANTIZATION"] = "gradients=int4, error_feedback"
+    assert sharding_config(settings_from_env(env), GPT()).quantization == fp.Quantization(
+        gradients="int4", error_feedback=True)
+    for bad, why in (("int4", "is not 'weights'"), ("error_feedback", "name 'weights' and/or"),
+                     ("weights=int4", "gradients only")):
+        with pytest.raises(fp.ConfigError, match=f"FSDP_PLUGIN_QUANTIZATION.*{why}"):
+            settings_from_env({"ACCELERATE_USE_FSDP": "true", "FSDP_PLUGIN_QUANTIZATION": bad})
     out = translate({"zero_quantized_gradients": True, "sharding_strategy": "HYBRID_SHARD"})
     assert out["quantization"] == fp.Quantization(gradients="int8") and "zero_quantized_gradients" not in out
     assert translate({"zero_quantized_weights": False})["quantization"] is None

@@ -109,23 +109,34 @@ _Q_NAMES = {"weights": "weights", "zero_quantized_weights": "weights",
 
 def quantization_from_env(env):
     """``FSDP_PLUGIN_QUANTIZATION="weights,gradients"`` (either alone; DeepSpeed's ``zero_quantized_weights`` /
-    ``zero_quantized_gradients`` as names too; ``block_size=N`` optional) → ``fp.Quantization`` with int8 for
-    each named part, or None (unset or empty). accelerate's FSDP config has no such key."""
+    ``zero_quantized_gradients`` as names too; a part may name its format, ``gradients=int4``; ``block_size=N``
+    and ``error_feedback`` optional) → ``fp.Quantization`` (int8 for each part named without a format), or None
+    (unset or empty). accelerate's FSDP config has no such key."""
+    import fsdp_plugin as fp
+
     text = (env.get(QUANTIZATION_ENV) or "").strip()
     if not text:
         return None
-    parts, block = set(), None
+    kwargs: dict = {}
     for item in split_names(text):
         name, _, value = item.partition("=")
-        name = name.strip().lower()
-        if name == "block_size" and value.strip().isdigit():
-            block = int(value)
-        elif name in _Q_NAMES and not value:
-            parts.add(_Q_NAMES[name])
+        name, value = name.strip().lower(), value.strip().lower()
+        if name == "block_size" and value.isdigit():
+            kwargs["block_size"] = int(value)
+        elif name == "error_feedback" and not value:
+            kwargs["error_feedback"] = True
+        elif name in _Q_NAMES and value in ("", "int8", "int4"):
+            kwargs[_Q_NAMES[name]] = value or "int8"
         else:
-            raise config_error(QUANTIZATION_ENV, text, f"{item!r} is not 'weights', 'gradients' or 'block_size=N' "
-                               "(e.g. FSDP_PLUGIN_QUANTIZATION=weights,gradients)")
-    return zero_quantization("weights" in parts, "gradients" in parts, block)
+            raise config_error(QUANTIZATION_ENV, text, f"{item!r} is not 'weights', 'gradients' (=int8 or =int4), "
+                               "'block_size=N' or 'error_feedback' (e.g. FSDP_PLUGIN_QUANTIZATION=weights,gradients)")
+    if "weights" not in kwargs and "gradients" not in kwargs:
+        raise config_error(QUANTIZATION_ENV, text, "name 'weights' and/or 'gradients' (the options alone quantize "
+                           "nothing)")
+    try:
+        return fp.Quantization(**kwargs)
+    except fp.ConfigError as e:
+        raise config_error(QUANTIZATION_ENV, text, str(e)) from None
 
 
 def zero_quantization(weights: bool, gradients: bool, block_size=None):
