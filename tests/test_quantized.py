@@ -376,7 +376,9 @@ def test_the_demo_gpt_benchmark_runs_and_stays_within_one_percent(tmp_path):
 
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "quantized_gpt.py"
     out = tmp_path / "r.json"
-    subprocess.run([sys.executable, str(path), "--steps", "15", "--configs", "exact,int8 weights + gradients",
-                    "--out", str(out)], check=True, timeout=900, cwd=tmp_path)
+    subprocess.run([sys.executable, str(path), "--steps", "15", "--configs",
+                    "exact,int8 weights + gradients,int4 gradients + error feedback", "--out", str(out)],
+                   check=True, timeout=900, cwd=tmp_path)
     results = json.loads(out.read_text())["results"]
     assert results["int8 weights + gradients"]["bytes_per_step"]["reduce_q8"] > 0
+    assert results["int4 gradients + error feedback"]["bytes_per_step"]["reduce_q4"] > 0
