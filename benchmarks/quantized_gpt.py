@@ -1,5 +1,5 @@
 """Quantized vs exact collectives on the demo GPT (examples/train_gpt.py's model and data): same seeds, same
-batches, world 2 (gloo, forked ranks), ``--steps`` AdamW steps each; RESULTS.md § 35q.
+batches, world 2 (gloo, forked ranks), ``--steps`` AdamW (or ``--optimizer sgd``: momentum 0.9) steps each; RESULTS.md § 35q.
 
     python benchmarks/quantized_gpt.py --steps 300 --out benchmarks/results_quantized_gpt.json \
         --plot benchmarks/quantized_gpt_loss.png
@@ -55,7 +55,10 @@ def _worker(rank, world, port, args, quant, queue):
     model = GPT(_text.VOCAB, args.seq, args.dim, args.layers, args.heads)
     q = fp.Quantization(**quant) if quant else None
     fp.shard(model, auto_wrap_policy={Block}, sharding_strategy=args.strategy, quantization=q)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    if args.optimizer == "sgd":         # SGD with momentum: its update is linear in the gradient
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     losses, times = [], []
     for step in range(args.steps):
         x, y = _text.get_batch(train_data, args.batch, args.seq, seed=args.seed, rank=rank, step=step)
@@ -139,6 +142,7 @@ def main(argv=None) -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--strategy", default="full_shard")
     p.add_argument("--noise-seed", type=int, default=0, help="shift of the stochastic rounding's seed")

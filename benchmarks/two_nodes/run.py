@@ -68,7 +68,7 @@ def main() -> int:
     p.add_argument("--preset", default="small")
     p.add_argument("--rates", default="none,1gbit,200mbit")
     p.add_argument("--per-node", default="1,2")
-    p.add_argument("--configs", default="full_shard,shard_grad_op,hybrid_shard,hpz,hybrid_q8g,hybrid_q4g,zeropp,full_q8")
+    p.add_argument("--configs", default="full_shard,shard_grad_op,hybrid_shard,hpz,hybrid_q8g,zeropp,full_q8")
     p.add_argument("--extra", action="append", default=[], help="name={json ShardingConfig kwargs}")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)

@@ -23,10 +23,6 @@ CANDIDATES: dict = {
 # caller passes them): ``recommend(..., candidates={**CANDIDATES, **QUANTIZED_CANDIDATES})``.
 QUANTIZED_CANDIDATES: dict = {
     "hybrid_q8g": dict(sharding_strategy="hybrid_shard", quantization=Quantization(gradients="int8")),
-    # int4 only with error feedback (RESULTS § 35j: without it the demo GPT ends 1.6-2.8% above exact); its
-    # residual is one more gradient shard per rank here (only the cross-node hop is quantized)
-    "hybrid_q4g": dict(sharding_strategy="hybrid_shard",
-                       quantization=Quantization(gradients="int4", error_feedback=True)),
     "zeropp": dict(sharding_strategy="full_shard", reshard_after_forward="node",
                    quantization=Quantization(weights="int8", gradients="int8")),
     "full_q8": dict(sharding_strategy="full_shard", quantization=Quantization(weights="int8", gradients="int8")),
