@@ -34,10 +34,6 @@ CONFIGS = {
     "int8 weights + int4 gradients": {"weights": "int8", "gradients": "int4"},
     "int4 gradients block 64": {"gradients": "int4", "block_size": 64},
     "int4 gradients": {"gradients": "int4"},
-    "int4 gradients + error feedback": {"gradients": "int4", "error_feedback": True},
-    "int8 weights + int4 gradients + error feedback": {"weights": "int8", "gradients": "int4",
-                                                       "error_feedback": True},
-    "int8 weights + gradients + error feedback": {"weights": "int8", "gradients": "int8", "error_feedback": True},
 }
 
 

@@ -199,13 +199,6 @@ class Quantization:
         block 256), each hop's error 18x int8's (still < one scale per element, unbiased). None: exact.
     block_size: elements per scale, a multiple of 8 in [8, 65536]. 256 costs 4/256 bytes of scales per element
         (int8 + scales = 3.94x fewer bytes than float32, 1.97x fewer than bfloat16).
-    error_feedback: each rank adds to the gradient rows it sends the rounding error its previous quantization
-        of those rows left (per unit and hop, ``_comm/feedback.py``), so quantization error is carried into the
-        next step instead of lost: int4's final loss on the demo GPT goes from +1.5..2.8% over exact to within
-        int8's spread (RESULTS § 35i). Costs float32 residuals per rank: (n - 1)/n of each unit's gradient for an
-        n-rank quantized reduce-scatter (nearly a full unsharded gradient under full_shard), the reduced chunk
-        for hybrid's replica hop (one more gradient shard); ``fp.plan`` counts them. Residuals are per rank,
-        never checkpointed and dropped by ``fp.reset`` (a resumed run restarts them from zero).
 
     Where: on one node every collective asked for is quantized. Across nodes (``LOCAL_WORLD_SIZE`` < world) a
     collective whose group lies inside one node stays exact -- hybrid_shard's shard all-gather and
@@ -216,7 +209,6 @@ class Quantization:
     weights: Optional[str] = None
     gradients: Optional[str] = None
     block_size: int = 256
-    error_feedback: bool = False
 
     def __post_init__(self):
         if self.weights == "int4":
@@ -231,11 +223,6 @@ class Quantization:
         if isinstance(b, bool) or not isinstance(b, int) or b < 8 or b > 65536 or b % 8:
             raise ConfigError(f"Quantization(block_size={b!r}): use a multiple of 8 between 8 and 65536 "
                               "(elements per float32 scale; 256 is the default)")
-        if not isinstance(self.error_feedback, bool):
-            raise ConfigError(f"Quantization(error_feedback={self.error_feedback!r}): use True or False")
-        if self.error_feedback and self.gradients is None:
-            raise ConfigError("Quantization(error_feedback=True) without gradients=: error feedback corrects "
-                              "quantized gradient reductions; add gradients='int4' or 'int8', or drop it")
 
     @property
     def enabled(self) -> bool:

@@ -163,7 +163,3 @@ def quantization_block_size_not_a_multiple_of_8():
 
 def quantized_weights_under_no_shard():
     fp.ShardingConfig(sharding_strategy="no_shard", quantization=fp.Quantization(weights="int8"))
-
-
-def error_feedback_without_quantized_gradients():
-    fp.Quantization(weights="int8", error_feedback=True)

@@ -35,8 +35,7 @@ from _error_cases_parallel import (  # tensor parallel, streaming, TRL, quantiza
     trl_vllm_sync_on_an_unknown_trl_version,
     unknown_quantization_format,
     quantization_block_size_not_a_multiple_of_8,
-    quantized_weights_under_no_shard,
-    error_feedback_without_quantized_gradients)
+    quantized_weights_under_no_shard)
 from _error_cases_dcp import (  # DCP conversion, checkpoint directories
     dcp_metadata_naming_a_foreign_global,
     truncated_dcp_data_file,
@@ -495,8 +494,7 @@ CASES = [unknown_strategy, unknown_option, bad_reshard_after_forward, hpz_size_n
          accelerate_tensor_parallel_model_without_plan, accelerate_optimizer_stepped_before_tensor_parallel_prepare,
          stream_with_unknown_names, stream_consumer_fails_on_rank_0, stream_merge_of_a_dora_adapter,
          trl_vllm_sync_on_an_unknown_trl_version,
-         unknown_quantization_format, quantization_block_size_not_a_multiple_of_8, quantized_weights_under_no_shard,
-         error_feedback_without_quantized_gradients]
+         unknown_quantization_format, quantization_block_size_not_a_multiple_of_8, quantized_weights_under_no_shard]
 CASES += [checkpoint_url_without_filesystem, export_dcp_to_a_url_holding_objects]  # issue 33: URLs
 CASES += [checkpoint_replaced_by_another_save_while_uploading]  # issue 33: replace conditional on the manifest read
 CASES += [default_tower_fed_under_an_unknown_input_name,  # issue 32b: the on-demand tower, fp.plan of a VLM

@@ -21,9 +21,8 @@ CASES = {"full_shard": {}, "hybrid_shard": {"sharding_strategy": "hybrid_shard"}
          "hpz": {"reshard_after_forward": "node"},
          "hybrid_q8g": {"sharding_strategy": "hybrid_shard", "quantization": fp.Quantization(gradients="int8")},
          "full_q8": {"quantization": fp.Quantization(weights="int8", gradients="int8")},
-         "hybrid_q4g_ef": {"sharding_strategy": "hybrid_shard",
-                           "quantization": fp.Quantization(gradients="int4", error_feedback=True)},
-         "full_q4_ef": {"quantization": fp.Quantization(weights="int8", gradients="int4", error_feedback=True)},
+         "hybrid_q4g": {"sharding_strategy": "hybrid_shard", "quantization": fp.Quantization(gradients="int4")},
+         "full_q8w_q4g": {"quantization": fp.Quantization(weights="int8", gradients="int4")},
          "zeropp": {"reshard_after_forward": "node", "quantization": fp.Quantization(weights="int8", gradients="int8")}}
 
 

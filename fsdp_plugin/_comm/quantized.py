@@ -230,38 +230,23 @@ def all_gather(quant, out: torch.Tensor, src: torch.Tensor, group, gate=None, wh
 
 
 # ------------------------------------------------------------------ gradients
-def reduce_scatter(quant, out: torch.Tensor, grad: torch.Tensor, group, gate=None, what: str = "reduce-scatter",
-                   feedback=None, hop: str = "shard"):
+def reduce_scatter(quant, out: torch.Tensor, grad: torch.Tensor, group, gate=None, what: str = "reduce-scatter"):
     """Unit reduce-scatter of ``grad`` into ``out`` (this rank's chunk): exact unless ``quant.gradients``;
     then (where it `applies`) an exchange of int8 chunks, summed in float32 with this rank's exact chunk when
-    waited. ``feedback`` (`feedback.Feedback`, with ``quant.error_feedback``): the rows sent carry ``hop``'s
-    residual, added in place when ``grad`` is float32 (the reduction's own copy: only this rank's row is read
-    after quantizing). Async."""
+    waited. Async."""
     if not applies(quant, "gradients", group):
         return comm.reduce_scatter(out, grad, group, async_op=True, gate=gate, what=what)
     n = comm.group_size(group)
     me = comm.rank_in(group)
     rows = grad.view(n, -1)
     length, block, bits = rows.shape[1], quant.block_size, bits_of(quant, "gradients")
-    sent = _quantize_sent(rows.float(), block, bits, feedback, hop, skip=me)
+    sent = quantize(rows, block, stochastic=True, bits=bits)
     got = torch.empty_like(sent)
     work = comm.exchange(got, sent, group, kind=gradients_kind(bits), gate=gate, what=what)
 
     def then() -> None:
         out.copy_(_sum_rows(got, rows[me], me, length, block, bits))
     return _Then(work, then)
-
-
-def _quantize_sent(rows: torch.Tensor, block: int, bits: int, feedback, hop: str,
-                   skip: Optional[int] = None) -> torch.Tensor:
-    """Stochastically quantized ``rows`` (float32), with ``hop``'s error feedback when ``feedback`` is given:
-    its residual added first (in place), the new rounding error kept after (row ``skip``: not sent, none)."""
-    if feedback is None:
-        return quantize(rows, block, stochastic=True, bits=bits)
-    feedback.add(hop, rows, skip)
-    sent = quantize(rows, block, stochastic=True, bits=bits)
-    feedback.keep(hop, rows, sent, block, bits, skip)
-    return sent
 
 
 def _sum_rows(got: torch.Tensor, own: torch.Tensor, me: int, length: int, block: int, bits: int) -> torch.Tensor:
@@ -273,11 +258,10 @@ def _sum_rows(got: torch.Tensor, own: torch.Tensor, me: int, length: int, block:
 
 
 def all_reduce(quant, t: torch.Tensor, group, gate=None, what: str = "all-reduce",
-               timeout_s: Optional[float] = None, feedback=None, hop: str = "replica"):
+               timeout_s: Optional[float] = None):
     """Unit all-reduce of ``t`` in place: exact unless ``quant.gradients``; then a quantized reduce-scatter of
     ``t`` padded to the group (``reduce_scatter``, float32 sums) and, when waited, an all-gather of the
-    re-quantized sums dequantized into ``t`` on every rank (the same values on every replica). ``feedback``:
-    as ``reduce_scatter``'s, on both quantizations (hops ``hop`` and ``hop + "/sums"``). Async."""
+    re-quantized sums dequantized into ``t`` on every rank (the same values on every replica). Async."""
     if not applies(quant, "gradients", group):
         # as before this module: the gated call (no_shard) names itself and blocks with a deadline, the ungated
         # replica hop of hybrid stays asynchronous (waited by the caller)
@@ -285,14 +269,14 @@ def all_reduce(quant, t: torch.Tensor, group, gate=None, what: str = "all-reduce
         return comm.all_reduce(t, group, async_op=True, gate=gate, **named)
     n, total, block, bits = comm.group_size(group), t.numel(), quant.block_size, bits_of(quant, "gradients")
     if n == 2:
-        return _pair_all_reduce(t, group, block, bits, gate, what, feedback, hop)
+        return _pair_all_reduce(t, group, block, bits, gate, what)
     length = -(-total // n)
     padded = t.reshape(-1) if length * n == total else F.pad(t.reshape(-1), (0, length * n - total))
     mine = torch.empty(length, dtype=torch.float32, device=t.device)
-    first = reduce_scatter(quant, mine, padded, group, gate=gate, what=what, feedback=feedback, hop=hop)
+    first = reduce_scatter(quant, mine, padded, group, gate=gate, what=what)
 
     def then() -> None:
-        sums = _quantize_sent(mine.view(1, length), block, bits, feedback, hop + "/sums")
+        sums = quantize(mine.view(1, length), block, stochastic=True, bits=bits)
         staging = torch.empty((n, sums.shape[1]), dtype=torch.int8, device=t.device)
         work = comm.all_gather(staging.view(-1), sums.view(-1), group, async_op=True, kind=gradients_kind(bits),
                                what=what)
@@ -301,16 +285,14 @@ def all_reduce(quant, t: torch.Tensor, group, gate=None, what: str = "all-reduce
     return _Then(first, then)
 
 
-def _pair_all_reduce(t: torch.Tensor, group, block: int, bits: int, gate, what: str, feedback=None,
-                     hop: str = "replica"):
+def _pair_all_reduce(t: torch.Tensor, group, block: int, bits: int, gate, what: str):
     """Two replicas (hybrid across two nodes; no_shard at world 2): ONE all-gather of both quantized tensors,
     each rank summing the two dequantized rows in rank order, so both hold the same bits. The same bytes as
     the two-hop form (``payload(L)`` per rank against ``2·payload(L/2)``), but nothing is left to post at
     ``wait``: the whole transfer overlaps backward, and one quantization instead of two. Bound per element:
     ``s_0 + s_1`` (each row's block scale; stochastic rounding, < one step each)."""
     total = t.numel()
-    # float32: t itself (overwritten by the sum at wait, so the residual may be added in place)
-    mine = _quantize_sent(t.reshape(1, total).float(), block, bits, feedback, hop)
+    mine = quantize(t.reshape(1, total), block, stochastic=True, bits=bits)
     both = torch.empty((2, mine.shape[1]), dtype=torch.int8, device=t.device)
     work = comm.all_gather(both.view(-1), mine.view(-1), group, async_op=True, kind=gradients_kind(bits), gate=gate,
                            what=what)

@@ -18,7 +18,6 @@ from torch import nn
 
 from .._comm import collectives as comm
 from .._comm import quantized
-from .._comm.feedback import Feedback
 from .._groups.mesh import Mesh
 from .._schedule.states import ShardedState
 from .._reduce.usage import SlotUsage
@@ -99,9 +98,6 @@ class FlatParamHandle:
         self.slots, self.mesh, self.dtype, self.requires_grad = slots, mesh, dtype, requires_grad
         # ``fp.Quantization`` of this handle's unit collectives (``_comm/quantized.py``); floating handles only
         self.quantization = quantization if dtype.is_floating_point and quantization is not None else None
-        q = self.quantization
-        # error feedback's residuals (per rank, per hop; not state: never checkpointed, dropped by fp.reset)
-        self.feedback = Feedback() if q is not None and q.gradients and q.error_feedback else None
         self.label, self.timeout_s = label, timeout_s
         self.device, self.compute_dtype, self.reduce_dtype = device, compute_dtype, reduce_dtype
         self.shard_device = shard_device
@@ -274,8 +270,6 @@ class FlatParamHandle:
             except Exception as e:  # noqa: BLE001 - cleanup goes on; the first error is re-raised
                 error = error or e
         self.leaf.grad, self.unsharded_grad_accum = None, None
-        if self.feedback is not None:       # residuals of an abandoned step's reductions: not carried on
-            self.feedback.clear()
         self.drop_secondary()
         self.usage = SlotUsage(len(self.slots))
         if error is not None:
@@ -360,11 +354,11 @@ class FlatParamHandle:
         if self.mesh.shard_size > 1:
             out = torch.empty(self.chunk, dtype=self.reduce_dtype, device=self.device)
             work = quantized.reduce_scatter(self.quantization, out, grad, self.mesh.shard_group, gate=gate,
-                                            what=what, feedback=self.feedback)
+                                            what=what)
             self.pending_reduce = _PendingReduce(work, out, grad, gate=gate)
         elif self.mesh.replicate_size > 1:
             work = quantized.all_reduce(self.quantization, grad, self.mesh.replicate_group, gate=gate, what=what,
-                                        timeout_s=self.timeout_s, feedback=self.feedback)
+                                        timeout_s=self.timeout_s)
             self.pending_reduce = _PendingReduce(work, grad, grad)
         else:
             self.pending_reduce = _PendingReduce(None, grad, grad)
@@ -393,7 +387,7 @@ class FlatParamHandle:
             work = quantized.all_reduce(self.quantization, out, self.mesh.replicate_group,
                                         gate=_replica_gate(pending.gate),
                                         what=f"cross-replica all-reduce of unit {self.label!r}",
-                                        timeout_s=self.timeout_s, feedback=self.feedback)
+                                        timeout_s=self.timeout_s)
             self.pending_reduce = _PendingReduce(work, out, out, replica=True)
             if not final:
                 return True

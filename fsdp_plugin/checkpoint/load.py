@@ -38,26 +38,14 @@ def load_checkpoint(path, model, optimizer=None, strict: bool = True, *, report:
     _async.wait_pending()  # a pending asynchronous save may be writing this very path
     path = resolve(path, "load_checkpoint")
     if layouts.is_dcp_dir(path):  # torch's distributed checkpoint: its own reader
-        extra = load_dcp(path, model, optimizer, strict, report=report)
-        _forget_feedback(model)
-        return extra
+        return load_dcp(path, model, optimizer, strict, report=report)
     err, extra = None, None
     try:
         extra = _load_local(path, model, optim.as_list(optimizer), strict, report)
     except Exception as e:  # noqa: BLE001 - every rank must raise together
         err = e
     _comm.raise_if_any_failed(err)
-    _forget_feedback(model)
     return extra
-
-
-def _forget_feedback(model) -> None:
-    """Error-feedback residuals (``Quantization(error_feedback=True)``) belong to the trajectory before the
-    load and are not in checkpoints: the loaded state continues without them, as a resumed process does."""
-    for p in model.parameters():
-        h = getattr(p, "_fp_handle", None)
-        if getattr(h, "feedback", None) is not None:
-            h.feedback.clear()
 
 
 def _load_local(path, model, optimizers, strict, out_report):

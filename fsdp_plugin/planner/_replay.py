@@ -20,7 +20,6 @@ from typing import Optional
 import torch
 
 from .._comm import quantized
-from .._comm.feedback import residual_elems
 from .._comm.collectives import inflight_host_bytes, ring_bytes
 from .._schedule.protocols import ReducingHandle, ScheduledUnit
 from .._schedule.root import RootState
@@ -88,19 +87,6 @@ class Layout:
                                                  self.secondary)[1] == 0:
             return None
         return q.block_size
-
-    def feedback_bytes(self, h) -> int:
-        """Error feedback's float32 residuals one rank keeps for handle ``h`` all run (`_comm/feedback.py`:
-        ``residual_elems`` of each quantized reduction hop), 0 without ``Quantization(error_feedback=True)``."""
-        q = self.config.quantization
-        if q is None or not q.error_feedback or not h.requires_grad:
-            return 0
-        s, r, elems = self.shard_size, self.replicate_size, 0
-        if s > 1 and self.quantized(h, "gradients") is not None:
-            elems += residual_elems("reduce_scatter", h.padded(s), s)
-        if r > 1 and self.quantized(h, "gradients", "replicate") is not None:
-            elems += residual_elems("all_reduce", h.chunk(s) if s > 1 else h.padded(s), r)
-        return 4 * elems
 
     def casts_source(self, h) -> bool:
         """``unshard`` copies the shard (to the compute dtype / device) before gathering it."""
@@ -293,11 +279,6 @@ class _Sim:
             return
         bits = quantized.bits_of(self.lay.config.quantization, "gradients")
         kind = quantized.gradients_kind(bits)
-        if self.lay.config.quantization.error_feedback:     # add the residual, dequantize what was sent, subtract
-            kept = residual_elems(op, elems, n)
-            self.quantize_cost(0, kept)
-            # add_ (read both, write one), sub with out= (its out argument read too), nan_to_num_ in place
-            self.res.engine_bytes += 12 * kept + 16 * kept + 8 * kept
         if op == "all_reduce" and n == 2:       # _pair_all_reduce: one all-gather of both quantized tensors
             self.comm(kind, n * quantized.payload_elems(elems, block, bits), 1, n, group=group)
             self.quantize_cost(elems, 2 * elems)

@@ -38,7 +38,6 @@ class WorldPlan:
     optimizer_flops: int = 0   # optimizer="muon": the busiest rank's Newton–Schulz FLOPs per step
     # issue 35: hpZ and links (``_links.py``)
     secondary_shards: int = 0  # hpZ: most bytes of secondary shards held between forward and backward (in the peak)
-    feedback_residuals: int = 0   # Quantization(error_feedback=True): residuals kept all run (in the peak's static)
     wire_groups: dict = field(default_factory=dict)   # wire bytes by "kind/group" (shard, replicate, secondary)
     inter_node_bytes: dict = field(default_factory=dict)   # with nodes=: per rank, to other nodes, by kind
     link_bytes_per_node: int = 0   # with nodes=: bytes each node sends on its link per step
@@ -100,13 +99,12 @@ class Plan:
                 ("optimizer state", "optimizer_state"), ("buffers", "buffers"),
                 ("unsharded units (max)", "unsharded_params"), ("activations (peak)", "activations"),
                 ("reduction buffers (max)", "comm_buffers"), ("optimizer step temps", "optimizer_step"),
-                ("CPU runtime state", "runtime"), ("error-feedback residuals", "feedback_residuals"),
+                ("CPU runtime state", "runtime"),
                 ("PEAK per rank", "peak")]
         width = 16
         lines = [head, f"{'per rank':<26}" + "".join(f"{'world ' + str(w):>{width}}" for w in ws)]
-        for row in (("CPU runtime state", "runtime"), ("error-feedback residuals", "feedback_residuals")):
-            if not any(getattr(self.worlds[w], row[1]) for w in ws):
-                rows.remove(row)
+        if not any(self.worlds[w].runtime for w in ws):
+            rows.remove(("CPU runtime state", "runtime"))
         for label, attr in rows:
             lines.append(f"{label:<26}" + "".join(f"{fmt_bytes(getattr(self.worlds[w], attr)):>{width}}" for w in ws))
         lines.append(f"{'wire bytes / step':<26}" + "".join(f"{fmt_bytes(self.worlds[w].wire_total):>{width}}"

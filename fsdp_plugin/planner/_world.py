@@ -51,8 +51,7 @@ def world_plan(world: int, cfg: ShardingConfig, units, handles, tl, module, opt:
     buffers = buffer_bytes(module, cfg.mixed_precision.buffer_dtype if cfg.mixed_precision else None)
     on_device = 0 if cfg.cpu_offload else param_shards + opt_state
     runtime = runtime_bytes(device, lay, handles)
-    feedback = sum(lay.feedback_bytes(h) for h in handles)     # on the compute device, offload or not
-    res = replay(units, handles, tl, lay, on_device + buffers + tl.input_bytes + runtime + feedback,
+    res = replay(units, handles, tl, lay, on_device + buffers + tl.input_bytes + runtime,
                  0 if cfg.cpu_offload else step_temps)
     p = res.peak
     ns_flops = _muon_into(res, handles, s) if opt == "muon" else 0
@@ -78,7 +77,6 @@ def world_plan(world: int, cfg: ShardingConfig, units, handles, tl, module, opt:
                      compute_s=t.get("compute_s"), comm_s=t.get("comm_s"),
                      host_bytes=(param_shards + opt_state + trainable) if cfg.cpu_offload else 0,
                      runtime=runtime, optimizer_flops=ns_flops, secondary_shards=res.max_secondary,
-                     feedback_residuals=feedback,
                      wire_groups={f"{k}/{g}": v for (k, g), v in res.wire_groups.items()},
                      inter_node_bytes=across.get("inter_node_bytes", {}),
                      link_bytes_per_node=across.get("link_bytes_per_node", 0), link_s=across.get("link_s"))

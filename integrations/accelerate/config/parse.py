@@ -110,8 +110,8 @@ _Q_NAMES = {"weights": "weights", "zero_quantized_weights": "weights",
 def quantization_from_env(env):
     """``FSDP_PLUGIN_QUANTIZATION="weights,gradients"`` (either alone; DeepSpeed's ``zero_quantized_weights`` /
     ``zero_quantized_gradients`` as names too; a part may name its format, ``gradients=int4``; ``block_size=N``
-    and ``error_feedback`` optional) → ``fp.Quantization`` (int8 for each part named without a format), or None
-    (unset or empty). accelerate's FSDP config has no such key."""
+    optional) → ``fp.Quantization`` (int8 for each part named without a format), or None (unset or empty).
+    accelerate's FSDP config has no such key."""
     import fsdp_plugin as fp
 
     text = (env.get(QUANTIZATION_ENV) or "").strip()
@@ -123,15 +123,13 @@ def quantization_from_env(env):
         name, value = name.strip().lower(), value.strip().lower()
         if name == "block_size" and value.isdigit():
             kwargs["block_size"] = int(value)
-        elif name == "error_feedback" and not value:
-            kwargs["error_feedback"] = True
         elif name in _Q_NAMES and value in ("", "int8", "int4"):
             kwargs[_Q_NAMES[name]] = value or "int8"
         else:
-            raise config_error(QUANTIZATION_ENV, text, f"{item!r} is not 'weights', 'gradients' (=int8 or =int4), "
-                               "'block_size=N' or 'error_feedback' (e.g. FSDP_PLUGIN_QUANTIZATION=weights,gradients)")
+            raise config_error(QUANTIZATION_ENV, text, f"{item!r} is not 'weights', 'gradients' (=int8 or =int4) or "
+                               "'block_size=N' (e.g. FSDP_PLUGIN_QUANTIZATION=weights,gradients)")
     if "weights" not in kwargs and "gradients" not in kwargs:
-        raise config_error(QUANTIZATION_ENV, text, "name 'weights' and/or 'gradients' (the options alone quantize "
+        raise config_error(QUANTIZATION_ENV, text, "name 'weights' and/or 'gradients' (block_size alone quantizes "
                            "nothing)")
     try:
         return fp.Quantization(**kwargs)
