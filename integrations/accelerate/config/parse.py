@@ -123,7 +123,7 @@ def quantization_from_env(env):
         name, value = name.strip().lower(), value.strip().lower()
         if name == "block_size" and value.isdigit():
             kwargs["block_size"] = int(value)
-        elif name in _Q_NAMES and value in ("", "int8", "int4"):
+        elif name in _Q_NAMES:          # the format is fp.Quantization's to check
             kwargs[_Q_NAMES[name]] = value or "int8"
         else:
             raise config_error(QUANTIZATION_ENV, text, f"{item!r} is not 'weights', 'gradients' (=int8 or =int4) or "
@@ -137,15 +137,14 @@ def quantization_from_env(env):
         raise config_error(QUANTIZATION_ENV, text, str(e)) from None
 
 
-def zero_quantization(weights: bool, gradients: bool, block_size=None):
+def zero_quantization(weights: bool, gradients: bool):
     """DeepSpeed's ``zero_quantized_weights`` / ``zero_quantized_gradients`` → ``fp.Quantization`` (int8 for
     each; DeepSpeed's int4 gradients become int8, whose error bound is proven) or None when both are off."""
     import fsdp_plugin as fp
 
     if not (weights or gradients):
         return None
-    extra = {"block_size": block_size} if block_size is not None else {}
-    return fp.Quantization(weights="int8" if weights else None, gradients="int8" if gradients else None, **extra)
+    return fp.Quantization(weights="int8" if weights else None, gradients="int8" if gradients else None)
 
 
 SOME_RANKS_ENV = "FSDP_PLUGIN_SOME_RANKS_MODULES"
