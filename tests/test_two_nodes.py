@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_two_node_testbed_link_bytes_equal_comm_stats_inter_node_bytes(tmp_path):
     out = tmp_path / "r.jsonl"
     cmd = [sys.executable, str(ROOT / "benchmarks/two_nodes/run.py"), "--preset", "tiny", "--rates", "200mbit",
-           "--per-node", "2", "--configs", "full_shard,hybrid_shard,hpz", "--steps", "1", "--rounds", "1",
+           "--per-node", "2", "--configs", "full_shard,hybrid_shard,hpz,hybrid_q8g", "--steps", "1", "--rounds", "1",
            "--timeout", "400", "--out", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=500, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
                                                                               "TWO_NODES_NET": "10.233.0"})
@@ -30,3 +30,7 @@ def test_two_node_testbed_link_bytes_equal_comm_stats_inter_node_bytes(tmp_path)
     # hpZ's backward all-gathers stay in the node; hybrid sends the least
     assert rows["hybrid_shard"]["rounds"][0]["inter_bytes_per_node"] < rows["hpz"]["rounds"][0]["inter_bytes_per_node"] \
         < rows["full_shard"]["rounds"][0]["inter_bytes_per_node"]
+    # int8 gradients cross as a quarter of hybrid's fp32 bytes plus the block scales; the stored spec reads back
+    q8, exact = (rows[n]["rounds"][0]["inter_bytes_per_node"] for n in ("hybrid_q8g", "hybrid_shard"))
+    assert 0.25 * exact < q8 < 0.3 * exact, (q8, exact)
+    assert rows["hybrid_q8g"]["spec"]["quantization"]["gradients"] == "int8"

@@ -6,6 +6,7 @@ Add one from the command line: ``run.py --extra 'mine={"sharding_strategy": "ful
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from fsdp_plugin import Quantization
@@ -39,3 +40,8 @@ def resolve(kwargs: dict, per_node: int) -> dict:
     if isinstance(kw.get("quantization"), dict):
         kw["quantization"] = Quantization(**kw["quantization"])
     return kw
+
+
+def spec_json(kwargs: dict) -> dict:
+    """A table row as JSON (the worker stores it; `resolve` reads it back): ``fp.Quantization`` -> its dict."""
+    return {k: dataclasses.asdict(v) if isinstance(v, Quantization) else v for k, v in kwargs.items()}

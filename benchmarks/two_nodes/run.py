@@ -22,7 +22,7 @@ from configs import BASELINE  # noqa: E402
 
 
 def campaign(a) -> int:
-    out = Path(a.out).resolve()
+    out, failed = Path(a.out).resolve(), []
     for rate in a.rates.split(","):
         for k in a.per_node.split(","):
             extra = " ".join(f"--extra '{e}'" for e in a.extra)
@@ -37,7 +37,11 @@ def campaign(a) -> int:
             print(r.stdout[-3000:], r.stderr[-2000:], flush=True)
             if r.returncode == 77:
                 return 77
-    return 0
+            if r.returncode != 0:      # go on with the other links, but the campaign did not succeed
+                failed.append(f"rate={rate} 2 x {k}: exit {r.returncode}")
+    for f in failed:
+        print(f"FAILED {f}; both nodes' full logs: rerun that row with netns.sh --logs DIR", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def table(path: str) -> str:

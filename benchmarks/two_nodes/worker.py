@@ -25,7 +25,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 import fsdp_plugin as fp  # noqa: E402
 from _mem import Heap  # noqa: E402
 from _model import GPT, PRESETS, Block, GPTConfig  # noqa: E402
-from configs import CONFIGURATIONS, parse_extra, preset_layer, resolve  # noqa: E402
+from configs import CONFIGURATIONS, parse_extra, preset_layer, resolve, spec_json  # noqa: E402
 
 
 def link_tx() -> int:
@@ -106,7 +106,7 @@ def main() -> None:
         with open(a.out, "a") as f:
             for name in names:
                 f.write(json.dumps({"config": name, "kwargs": {k: str(v) for k, v in models[name][2].items()},
-                                    "spec": table[name],
+                                    "spec": spec_json(table[name]),
                                     "preset": a.preset, "nodes": 2, "per_node": per_node,
                                     "rate": os.environ.get("LINK_RATE", "none"), "steps": a.steps,
                                     "batch_per_rank": a.batch, "rounds": rows[name], "calibration": cal}) + "\n")
