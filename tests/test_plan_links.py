@@ -1,10 +1,13 @@
 """fp.plan across nodes: inter-node bytes per kind equal the engine's ``fp.comm_stats.inter_node_bytes``; links
 price the node egress; hpZ's secondary shards are in the memory plan; ``recommend`` picks a configuration."""
+import dataclasses
+
 import pytest
 import torch
 
 import fsdp_plugin as fp
 from fsdp_plugin.planner._recommend import resolve
+from fsdp_plugin.planner._time import default_for
 from tests._dist import run_ranks
 from tests.models import GPT, Block, gpt_batch
 
@@ -63,7 +66,11 @@ def test_recommend_takes_quantized_options_only_when_asked_and_where_the_link_is
     slow, _ = fp.planner.recommend(GPT, 4, nodes=2, link_gbps=0.01, candidates=table, **opts)
     fast, plans = fp.planner.recommend(GPT, 4, nodes=2, link_gbps=1000, candidates=table, **opts)
     assert slow in fp.planner.QUANTIZED_CANDIDATES and fast in fp.planner.CANDIDATES
-    assert plans["hybrid_q8g"].worlds[4].step_s > plans["hybrid_shard"].worlds[4].step_s   # kernels priced
+    # the kernels are priced: dearer quantization makes the quantized plan, and only it, slower
+    dear = dataclasses.replace(default_for(torch.device("cpu")), quantize_s_per_elem=1e-6)
+    _, dear_plans = fp.planner.recommend(GPT, 4, nodes=2, link_gbps=1000, candidates=table, calibration=dear, **opts)
+    assert dear_plans["hybrid_q8g"].worlds[4].step_s > plans["hybrid_q8g"].worlds[4].step_s
+    assert dear_plans["hybrid_shard"].worlds[4].step_s == pytest.approx(plans["hybrid_shard"].worlds[4].step_s)
 
 
 def test_recommend_prefers_hybrid_or_hpz_on_a_slow_link_and_bad_values_are_refused():

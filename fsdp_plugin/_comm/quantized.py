@@ -157,6 +157,49 @@ def dequantize(payload: torch.Tensor, length: int, block: int, bits: int = 8) ->
     return torch.mul(codes.reshape(r, nb, block), scale).view(r, nb * block)[:, :length]   # int8 * f32 -> f32
 
 
+_TILE_ELEMS_CPU = 1 << 18      # 1 MiB of float32: a tile and its partner stay in a CPU core's cache
+
+
+def dequantize_into(dst: torch.Tensor, payload: torch.Tensor, length: int, block: int, bits: int = 8,
+                    own: Optional[torch.Tensor] = None, me: int = -1) -> None:
+    """``dst`` (1-D, contiguous, ``n ≤ length`` values) = the sum in row order of ``payload``'s (R, P) rows of
+    ``length`` values dequantized (row ``me``: ``own``, exact, instead), in float32, rounded once to ``dst``'s
+    dtype; only the first ``n`` values. On CPU in tiles of ~256 K values, each row's dequantized tile added
+    while in cache: a sum of two 25 M-value rows took 0.6 against 7.5 ns per value untiled (RESULTS § 35k);
+    elsewhere one tile (a GPU kernel streams)."""
+    n, nb = dst.numel(), blocks(min(dst.numel(), length), block)
+    codes = payload[:, :_code_bytes(blocks(length, block), block, bits)]
+    scale = _scales(payload, length, block, bits).unsqueeze(-1)           # (R, blocks, 1)
+    step = min(nb, max(1, _TILE_ELEMS_CPU // block)) if dst.device.type == "cpu" else nb
+    tile = part = None
+    for i in range(0, nb, step):
+        j = min(i + step, nb)
+        e0, e1 = i * block, min(j * block, n)
+        direct = dst.dtype == torch.float32 and e1 - e0 == (j - i) * block
+        if direct:                                       # whole blocks of a float32 destination: sum in place
+            acc = dst[e0:e1].view(j - i, block)
+        else:
+            tile = torch.empty((step, block), dtype=torch.float32, device=dst.device) if tile is None else tile
+            acc = tile[:j - i]
+        for row in range(payload.shape[0]):
+            if row == 0:
+                into = acc
+            else:
+                part = torch.empty((step, block), dtype=torch.float32, device=dst.device) if part is None else part
+                into = part[:j - i]
+            if row == me:
+                into.view(-1)[:e1 - e0].copy_(own[e0:e1])
+            elif bits == 4:
+                torch.mul(_unpack4(codes[row:row + 1, e0 // 2:j * block // 2]).view(j - i, block),
+                          scale[row, i:j], out=into)
+            else:
+                torch.mul(codes[row, e0:j * block].view(j - i, block), scale[row, i:j], out=into)
+            if row > 0:
+                acc.add_(into)
+        if not direct:
+            dst[e0:e1].copy_(acc.view(-1)[:e1 - e0])
+
+
 def scales(payload: torch.Tensor, length: int, block: int, bits: int = 8) -> torch.Tensor:
     """The (R, nb) float32 block scales of quantized rows (a view)."""
     return _scales(payload, length, block, bits)
@@ -225,7 +268,9 @@ def all_gather(quant, out: torch.Tensor, src: torch.Tensor, group, gate=None, wh
                            what=what)
 
     def then() -> None:
-        out.view(n, length).copy_(dequantize(staging, length, block))
+        rows = out.view(n, length)
+        for k in range(n):
+            dequantize_into(rows[k], staging[k:k + 1], length, block)
     return _Then(work, then)
 
 
@@ -244,17 +289,9 @@ def reduce_scatter(quant, out: torch.Tensor, grad: torch.Tensor, group, gate=Non
     got = torch.empty_like(sent)
     work = comm.exchange(got, sent, group, kind=gradients_kind(bits), gate=gate, what=what)
 
-    def then() -> None:
-        out.copy_(_sum_rows(got, rows[me], me, length, block, bits))
+    def then() -> None:        # float32 sum in rank order of this rank's exact chunk and the peers' dequantized
+        dequantize_into(out.view(-1), got, length, block, bits, own=rows[me], me=me)
     return _Then(work, then)
-
-
-def _sum_rows(got: torch.Tensor, own: torch.Tensor, me: int, length: int, block: int, bits: int) -> torch.Tensor:
-    """float32 sum, in rank order, of ``own`` (exact) and the other rows of ``got`` dequantized."""
-    total = torch.zeros(length, dtype=torch.float32, device=own.device)
-    for j in range(got.shape[0]):
-        total.add_(own.float() if j == me else dequantize(got[j:j + 1], length, block, bits)[0])
-    return total
 
 
 def all_reduce(quant, t: torch.Tensor, group, gate=None, what: str = "all-reduce",
@@ -281,7 +318,9 @@ def all_reduce(quant, t: torch.Tensor, group, gate=None, what: str = "all-reduce
         work = comm.all_gather(staging.view(-1), sums.view(-1), group, async_op=True, kind=gradients_kind(bits),
                                what=what)
         _waited(work, what, timeout_s)
-        t.view(-1).copy_(dequantize(staging, length, block, bits).reshape(-1)[:total])
+        flat = t.view(-1)
+        for k in range(n):
+            dequantize_into(flat[k * length:min((k + 1) * length, total)], staging[k:k + 1], length, block, bits)
     return _Then(first, then)
 
 
@@ -297,12 +336,6 @@ def _pair_all_reduce(t: torch.Tensor, group, block: int, bits: int, gate, what: 
     work = comm.all_gather(both.view(-1), mine.view(-1), group, async_op=True, kind=gradients_kind(bits), gate=gate,
                            what=what)
 
-    def then() -> None:
-        flat = t.view(-1)
-        if flat.dtype == torch.float32:      # one row dequantized at a time: the peak holds one, not two
-            flat.copy_(dequantize(both[0:1], total, block, bits)[0])
-            flat.add_(dequantize(both[1:2], total, block, bits)[0])
-        else:                                # a lower-precision gradient: sum in float32, round once
-            rows = dequantize(both, total, block, bits)
-            flat.copy_(rows[0].add_(rows[1]))
+    def then() -> None:      # both rows in rank order, summed in float32, rounded once to the gradient's dtype
+        dequantize_into(t.view(-1), both, total, block, bits)
     return _Then(work, then)

@@ -262,9 +262,9 @@ class _Sim:
         row = quantized.payload_elems(spec.chunk(n), block)
         self.comm(quantized.WEIGHTS_KIND, n * row, 1, n)
         self.quantize_cost(spec.chunk(n), n * spec.chunk(n))
-        # the int8 staging rows (``empty``, priced at its output), then the wait copies the dequantized float32
-        # rows into the full buffer (``copy_``: both read, one written)
-        self.res.engine_bytes += n * row + n * spec.chunk(n) * (2 * lay.compute(spec).itemsize + 4)
+        # the int8 staging rows (``empty``, priced at its output); the wait dequantizes them into the full buffer
+        # (``dequantize_into``, priced per element)
+        self.res.engine_bytes += n * row
         return row
 
     def reduce_comm(self, spec, op: str, elems: int, n: int, group: str = "shard") -> None:
@@ -283,9 +283,9 @@ class _Sim:
             self.comm(kind, n * quantized.payload_elems(elems, block, bits), 1, n, group=group)
             self.quantize_cost(elems, 2 * elems)
             row = quantized.payload_elems(elems, block, bits)
-            # both rows' staging (``empty``), this rank's row copied in (gloo/CPU point to point), then the wait:
-            # copy_ of row 0 and add_ of row 1 into the float32 gradient
-            self.res.engine_bytes += 2 * row + 3 * row * self.lay.staging + 2 * 12 * elems
+            # both rows' staging (``empty``), this rank's row copied in (gloo/CPU point to point); the wait sums
+            # both dequantized into the gradient (``dequantize_into``, priced per element)
+            self.res.engine_bytes += 2 * row + 3 * row * self.lay.staging
             return
         length = -(-elems // n)
         row = quantized.payload_elems(length, block, bits)
@@ -293,13 +293,10 @@ class _Sim:
             self.comm(kind, n * row, 1, n, group=group)
         self.quantize_cost(n * length, (n - 1) * length)       # the exchange: every row out, the peers' in
         # the received rows (``empty_like`` of the sent ones: argument and output), this rank's own row copied
-        # (gloo/CPU point to point), then ``_sum_rows``: a float32 zeros, one add_ per row (read both, write the
-        # sum), the copy_ into the output
+        # (gloo/CPU point to point); the wait sums them into the output (``dequantize_into``, per element)
         self.res.engine_bytes += 2 * n * row + 3 * row * self.lay.staging
-        self.res.engine_bytes += 4 * length + n * 12 * length + (8 + size) * length
         if op == "all_reduce":                                 # the re-quantized sums: one row out, all in
             self.quantize_cost(length, n * length)
-            self.res.engine_bytes += (8 + size) * n * length   # copy_ of the dequantized sums into the gradient
 
     def _all_reduce_kernel_bytes(self, nbytes: int, n: int) -> int:
         """The engine's own kernels of an exact all-reduce of ``nbytes`` on gloo/CPU (`_P2PAllReduce`: a receive
