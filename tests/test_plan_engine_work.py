@@ -48,7 +48,7 @@ class _EngineBytes(TorchDispatchMode):
             if f.startswith(_PKG) and "/planner/" not in f:
                 name = frame.f_code.co_name
                 return not (f.endswith("_comm/quantized.py") and name in (
-                    "quantize", "dequantize", "dequantize_into", "_stochastic_biased", "_scales", "_pack4", "_unpack4"))
+                    "quantize", "dequantize", "dequantize_into", "dequantize_rows_into", "_quantize_tile", "_stochastic_biased", "_scales", "_pack4", "_unpack4"))
             if "/torch/optim/" in f or f.endswith("tests/models.py"):
                 return False
             frame = frame.f_back

@@ -71,32 +71,44 @@ def gradients_kind(bits: int) -> str:
 def quantize(rows: torch.Tensor, block: int, stochastic: bool = False, bits: int = 8) -> torch.Tensor:
     """``rows`` (R, L) of any float dtype -> (R, payload_elems(L, block, bits)) int8 rows (module docstring).
     ``stochastic``: round up with probability frac(x / scale) (unbiased: E[code·scale] = x; error < scale),
-    from this process's own noise (`_stochastic_biased`); else to nearest."""
+    from this process's own noise (`_stochastic_biased`); else to nearest. On CPU in tiles of ~256 K values
+    spanning all rows (`dequantize_into`'s reason: the temporaries stay in cache)."""
     r, length = rows.shape
     nb = blocks(length, block)
     x = rows.float()
     if nb * block != length:
         x = F.pad(x, (0, nb * block - length))
     x = x.view(r, nb, block)
-    # absmax as max(amax, -amin): two reads, no |x| temporary of the whole row
-    qmax = _QMAX[bits]
-    scale = torch.maximum(x.amax(dim=-1), x.amin(dim=-1).neg_()).div_(qmax)   # (R, nb); 0: all-zero block
     out = torch.empty((r, payload_elems(length, block, bits)), dtype=torch.int8, device=rows.device)
-    code_bytes = out[:, :_code_bytes(nb, block, bits)]
+    codes, scale = out[:, :_code_bytes(nb, block, bits)], _scales(out, length, block, bits)
+    step = min(nb, max(1, _TILE_ELEMS_CPU // (r * block))) if rows.device.type == "cpu" else nb
+    for i in range(0, nb, step):
+        j = min(i + step, nb)
+        _quantize_tile(x[:, i:j], codes[:, i * block * bits // 8:j * block * bits // 8], scale[:, i:j],
+                       stochastic, bits)
+    return out
+
+
+def _quantize_tile(x: torch.Tensor, code_bytes: torch.Tensor, scale_out: torch.Tensor, stochastic: bool,
+                   bits: int) -> None:
+    """Blocks ``x`` (R, b, block) -> their codes (R, b·block·bits/8 bytes) and scales (R, b)."""
+    r, b, block = x.shape
+    qmax = _QMAX[bits]
+    # absmax as max(amax, -amin): two reads, no |x| temporary of the whole tile
+    scale = torch.maximum(x.amax(dim=-1), x.amin(dim=-1).neg_()).div_(qmax)   # (R, b); 0: all-zero block
     divisor = scale.clamp_min(_TINY).unsqueeze(-1)
     if not stochastic:      # |x / scale| <= qmax by construction (up to float rounding, far from +0.5)
         codes = torch.div(x, divisor).round_()
         if bits == 8:
-            code_bytes.copy_(codes.view(r, nb * block))
+            code_bytes.copy_(codes.reshape(r, b * block))
         else:
             _pack4(codes.add_(qmax + 1), code_bytes)
     elif bits == 8:
-        code_bytes.view(torch.uint8).copy_(_stochastic_biased(x, divisor, qmax).view(r, nb * block))
+        code_bytes.view(torch.uint8).copy_(_stochastic_biased(x, divisor, qmax).reshape(r, b * block))
         code_bytes.view(torch.uint8).bitwise_xor_(0x80)      # code + 128 -> the int8 code (two's complement)
     else:
         _pack4(_stochastic_biased(x, divisor, qmax), code_bytes)
-    _scales(out, length, block, bits).copy_(scale)
-    return out
+    scale_out.copy_(scale)
 
 
 def _pack4(biased: torch.Tensor, out: torch.Tensor) -> None:
@@ -200,6 +212,31 @@ def dequantize_into(dst: torch.Tensor, payload: torch.Tensor, length: int, block
             dst[e0:e1].copy_(acc.view(-1)[:e1 - e0])
 
 
+def dequantize_rows_into(dst: torch.Tensor, payload: torch.Tensor, length: int, block: int, bits: int = 8) -> None:
+    """``dst`` (R, n ≤ length; rows may be strided) = each of ``payload``'s R rows of ``length`` values
+    dequantized, its first ``n`` values, rounded to ``dst``'s dtype: `dequantize_into`'s tiles spanning all rows
+    (one call per ~256 K values whatever R: a gather over many ranks costs no Python loop per rank)."""
+    r, n = dst.shape
+    nb = blocks(min(n, length), block)
+    codes = payload[:, :_code_bytes(blocks(length, block), block, bits)]
+    scale = _scales(payload, length, block, bits).unsqueeze(-1)           # (R, blocks, 1)
+    step = min(nb, max(1, _TILE_ELEMS_CPU // (r * block))) if dst.device.type == "cpu" else nb
+    tile = None
+    for i in range(0, nb, step):
+        j = min(i + step, nb)
+        e0, e1 = i * block, min(j * block, n)
+        direct = dst.dtype == torch.float32 and e1 - e0 == (j - i) * block
+        if direct:
+            into = dst[:, e0:e1].view(r, j - i, block)
+        else:
+            tile = torch.empty((r, step, block), dtype=torch.float32, device=dst.device) if tile is None else tile
+            into = tile[:, :j - i]
+        c = _unpack4(codes[:, e0 // 2:j * block // 2]) if bits == 4 else codes[:, e0:j * block]
+        torch.mul(c.reshape(r, j - i, block), scale[:, i:j], out=into)
+        if not direct:
+            dst[:, e0:e1].copy_(into.reshape(r, -1)[:, :e1 - e0])
+
+
 def scales(payload: torch.Tensor, length: int, block: int, bits: int = 8) -> torch.Tensor:
     """The (R, nb) float32 block scales of quantized rows (a view)."""
     return _scales(payload, length, block, bits)
@@ -268,9 +305,7 @@ def all_gather(quant, out: torch.Tensor, src: torch.Tensor, group, gate=None, wh
                            what=what)
 
     def then() -> None:
-        rows = out.view(n, length)
-        for k in range(n):
-            dequantize_into(rows[k], staging[k:k + 1], length, block)
+        dequantize_rows_into(out.view(n, length), staging, length, block)
     return _Then(work, then)
 
 
@@ -318,9 +353,10 @@ def all_reduce(quant, t: torch.Tensor, group, gate=None, what: str = "all-reduce
         work = comm.all_gather(staging.view(-1), sums.view(-1), group, async_op=True, kind=gradients_kind(bits),
                                what=what)
         _waited(work, what, timeout_s)
-        flat = t.view(-1)
-        for k in range(n):
-            dequantize_into(flat[k * length:min((k + 1) * length, total)], staging[k:k + 1], length, block, bits)
+        flat, whole = t.view(-1), total // length        # whole rows, then the last one's first values
+        dequantize_rows_into(flat[:whole * length].view(whole, length), staging[:whole], length, block, bits)
+        if whole < n:
+            dequantize_into(flat[whole * length:], staging[whole:whole + 1], length, block, bits)
     return _Then(first, then)
 
 
