@@ -55,6 +55,31 @@ def test_quantize_round_trip_within_half_a_step(fmt):
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_dequantization_equals_the_reference_bit_for_bit(fmt, dtype, monkeypatch):
+    """The waits' tiled kernels (`dequantize_into`: the rows' float32 sum in row order, one row exact;
+    `dequantize_rows_into`: each row into its own, strided destination) give `dequantize`'s values exactly, across
+    tile edges, a padded last block and a destination shorter than the row."""
+    monkeypatch.setattr(qz, "_TILE_ELEMS_CPU", 4 * BLOCK)          # many tiles on small rows
+    torch.manual_seed(0)
+    bits, n = qz.BITS[fmt], 37 * BLOCK + 5
+    x = torch.randn(3, n)
+    payload = qz.quantize(x, BLOCK, stochastic=True, bits=bits)
+    ref = qz.dequantize(payload, n, BLOCK, bits)
+    out = torch.empty(n, dtype=dtype)
+    qz.dequantize_into(out, payload, n, BLOCK, bits)
+    assert torch.equal(out, (torch.zeros(n) + ref[0] + ref[1] + ref[2]).to(dtype))
+    qz.dequantize_into(out, payload, n, BLOCK, bits, own=x[1], me=1)
+    assert torch.equal(out, (torch.zeros(n) + ref[0] + x[1] + ref[2]).to(dtype))
+    short = torch.empty(n - 9, dtype=dtype)
+    qz.dequantize_into(short, payload[2:], n, BLOCK, bits)
+    assert torch.equal(short, ref[2, :n - 9].to(dtype))
+    wide = torch.zeros(3, n + 3, dtype=dtype)
+    qz.dequantize_rows_into(wide[:, :n], payload, n, BLOCK, bits)
+    assert torch.equal(wide[:, :n], ref.to(dtype)) and not wide[:, n:].any()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_stochastic_rounding_is_unbiased_and_within_one_step(fmt):
     """Gradients round stochastically: each error below one step, the mean error over many roundings ≈ 0
     (round-to-nearest fails this: its error is the same every time, up to half a step)."""
