@@ -26,6 +26,11 @@ CASES = {"full_shard": {}, "hybrid_shard": {"sharding_strategy": "hybrid_shard"}
          "zeropp": {"reshard_after_forward": "node", "quantization": fp.Quantization(weights="int8", gradients="int8")}}
 
 
+# the quantization's kernels, priced per element by the calibration rather than by their bytes
+_KERNELS = ("quantize", "_quantize_tile", "_stochastic_biased", "_pack4", "dequantize", "dequantize_into",
+            "dequantize_rows_into", "_tile_codes", "_unpack4", "_scales")
+
+
 class _EngineBytes(TorchDispatchMode):
     """Bytes (op_cost's rule) of the aten kernels whose innermost package frame is the engine's, outside the
     quantization's own quantize/dequantize (priced per element by the calibration) and gloo's c10d ops."""
@@ -47,8 +52,7 @@ class _EngineBytes(TorchDispatchMode):
             f = frame.f_code.co_filename
             if f.startswith(_PKG) and "/planner/" not in f:
                 name = frame.f_code.co_name
-                return not (f.endswith("_comm/quantized.py") and name in (
-                    "quantize", "dequantize", "dequantize_into", "dequantize_rows_into", "_quantize_tile", "_stochastic_biased", "_scales", "_pack4", "_unpack4"))
+                return not (f.endswith("_comm/quantized.py") and name in _KERNELS)
             if "/torch/optim/" in f or f.endswith("tests/models.py"):
                 return False
             frame = frame.f_back

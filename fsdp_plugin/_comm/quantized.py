@@ -201,11 +201,9 @@ def dequantize_into(dst: torch.Tensor, payload: torch.Tensor, length: int, block
                 into = part[:j - i]
             if row == me:
                 into.view(-1)[:e1 - e0].copy_(own[e0:e1])
-            elif bits == 4:
-                torch.mul(_unpack4(codes[row:row + 1, e0 // 2:j * block // 2]).view(j - i, block),
-                          scale[row, i:j], out=into)
             else:
-                torch.mul(codes[row, e0:j * block].view(j - i, block), scale[row, i:j], out=into)
+                torch.mul(_tile_codes(codes[row:row + 1], e0, j * block, bits).view(j - i, block), scale[row, i:j],
+                          out=into)
             if row > 0:
                 acc.add_(into)
         if not direct:
@@ -231,10 +229,14 @@ def dequantize_rows_into(dst: torch.Tensor, payload: torch.Tensor, length: int, 
         else:
             tile = torch.empty((r, step, block), dtype=torch.float32, device=dst.device) if tile is None else tile
             into = tile[:, :j - i]
-        c = _unpack4(codes[:, e0 // 2:j * block // 2]) if bits == 4 else codes[:, e0:j * block]
-        torch.mul(c.reshape(r, j - i, block), scale[:, i:j], out=into)
+        torch.mul(_tile_codes(codes, e0, j * block, bits).reshape(r, j - i, block), scale[:, i:j], out=into)
         if not direct:
             dst[:, e0:e1].copy_(into.reshape(r, -1)[:, :e1 - e0])
+
+
+def _tile_codes(codes: torch.Tensor, e0: int, e1: int, bits: int) -> torch.Tensor:
+    """The int8 codes of values ``e0 .. e1`` (whole blocks) of each row of ``codes`` (the payload's code bytes)."""
+    return _unpack4(codes[:, e0 // 2:e1 // 2]) if bits == 4 else codes[:, e0:e1]
 
 
 def scales(payload: torch.Tensor, length: int, block: int, bits: int = 8) -> torch.Tensor:
