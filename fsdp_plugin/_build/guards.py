@@ -13,6 +13,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch import nn
 
 from .._flat.dtensor import tp_spec
+from .._flat.offload import fast_host_step
 from .._flat.layout import param_info
 from ..errors import OptimizerError, StateDictError
 from ..optim import owner_step
@@ -29,6 +30,9 @@ _checked_optimizers: "weakref.WeakSet" = weakref.WeakSet()
 # the checked ones that run the owner step (decided once, at their first step): a set lookup per step after that
 _owner_optimizers: "weakref.WeakSet" = weakref.WeakSet()
 _hook_handle = None
+# optimizers over cpu_offload parameters -> their models' HostCopiers (``_flat/offload.py``): each step first waits
+# for copies still reading the master shards (none after a backward: that wait was the backward's own)
+_offloaded: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def install_guards(model: nn.Module, root) -> None:
@@ -58,6 +62,8 @@ def _install_optimizer_check() -> None:
 
 def _check_optimizer(optimizer, args, kwargs) -> None:
     if optimizer in _checked_optimizers:
+        for copier in _offloaded.get(optimizer, ()):
+            copier.before_host_update()
         if optimizer in _owner_optimizers:
             owner_step.before(optimizer)
         return
@@ -72,6 +78,7 @@ def _check_optimizer(optimizer, args, kwargs) -> None:
     if not sharded:
         return
     _check_tensor_parallel(optimizer, sharded)
+    _check_offload(optimizer, sharded)
     if owner_step.applies(type(optimizer)):      # its state lives whole on the rank that steps each parameter
         _checked_optimizers.add(optimizer)
         _owner_optimizers.add(optimizer)
@@ -86,6 +93,18 @@ def _check_optimizer(optimizer, args, kwargs) -> None:
                     "after fp.shard(model) from model.parameters(), or restore its state with fp.load_checkpoint")
     _check_per_tensor(optimizer, sharded)
     _checked_optimizers.add(optimizer)
+
+
+def _check_offload(optimizer, sharded: list) -> None:
+    """cpu_offload parameters: remember their copiers (waited on before each step) and give torch's Adam/AdamW/SGD
+    their fused CPU kernel when the user chose no implementation (else one warning naming the fix)."""
+    copiers = {id(c): c for c in (p._fp_handle.offload for p in sharded) if c is not None}
+    if not copiers:
+        return
+    _offloaded[optimizer] = list(copiers.values())
+    for c in copiers.values():
+        c.before_host_update()
+    fast_host_step(optimizer, [p for p in sharded if p._fp_handle.offload is not None])
 
 
 def _after_step(optimizer, args, kwargs) -> None:

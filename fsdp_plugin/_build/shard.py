@@ -10,6 +10,7 @@ from torch import nn
 
 from .._comm import collectives as comm
 from .. import _log
+from .._flat import offload as _offload
 from .._flat.flat_param import FlatParamHandle, ParamSlot
 from .checkpointing import apply_activation_checkpointing
 from .guards import install_guards
@@ -57,9 +58,11 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
     regions = fp32_regions(model, cfg.mixed_precision)
     units = select_unit_modules(model, cfg.auto_wrap_policy, cfg.ignored_modules, some_ranks)
     apply_activation_checkpointing(model, cfg.activation_checkpointing, [m for f, m in units if f])
-    if device.type == "cpu" and mesh.world_size > 1:
-        keep_freed_host_memory()    # per-step buffers are malloc blocks on the CPU (see _host_alloc)
+    copier = _offload.for_config(cfg.cpu_offload, device)   # cpu_offload on CUDA (a warning on CPU: a no-op)
+    if (device.type == "cpu" and mesh.world_size > 1) or copier is not None:
+        keep_freed_host_memory()    # per-step buffers (and the host optimizer's temporaries) are malloc blocks
     root = RootState(cfg, mesh, device)
+    root.offload = copier
     root.tp_mesh = tp_mesh
     root.on_demand = cfg.some_ranks_modules is None and bool(some_ranks)   # default encoders: schedule/on_demand.py
     _build_units(model, units, cfg, mesh, device, root, some_ranks, regions)
@@ -128,7 +131,7 @@ def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: Ro
                 _empty_meta_buffers(buffer_sites[fqn], device)
             policy = unit_policy(cfg, mesh, fqn, module)
             handles = [_build_handle(group, dtype, fp32, sites, names, policy.mesh, cfg, device, mat, scatter,
-                                     fqn or "<root>")
+                                     fqn or "<root>", root.offload)
                        for (dtype, _, fp32), group in group_params(owned[fqn], cfg.mixed_precision,
                                                                    fp32_ids).items()]
             some = fqn in some_ranks    # held from the root's pre-forward to the end of backward: never resharded
@@ -195,7 +198,7 @@ def group_params(params: list, mp=None, fp32_ids: frozenset = frozenset()) -> "O
 
 
 def _build_handle(params, dtype: torch.dtype, fp32: bool, sites, names, mesh: Mesh, cfg: ShardingConfig, device,
-                  mat: Materializer, scatter: bool, label: str) -> FlatParamHandle:
+                  mat: Materializer, scatter: bool, label: str, offload=None) -> FlatParamHandle:
     """One flat handle whose master shard is ``dtype`` (the loaded values are cast into it)."""
     requires_grad = params[0].requires_grad
     if dtype != params[0].dtype and fp32:
@@ -210,7 +213,7 @@ def _build_handle(params, dtype: torch.dtype, fp32: bool, sites, names, mesh: Me
     shard_device = torch.device("cpu") if cfg.cpu_offload else device
     handle = FlatParamHandle(slots, mesh, dtype, requires_grad, device, compute, reduce, shard_device,
                              label=label, timeout_s=comm.default_timeout_s(cfg.timeout_s),
-                             quantization=cfg.quantization)
+                             quantization=cfg.quantization, offload=offload)
     if scatter:
         _scatter_from_rank0(handle, values, mesh)
     else:

@@ -94,7 +94,7 @@ class FlatParamHandle:
     def __init__(self, slots: list[ParamSlot], mesh: Mesh, dtype: torch.dtype, requires_grad: bool,
                  device: torch.device, compute_dtype: torch.dtype, reduce_dtype: torch.dtype,
                  shard_device: torch.device, label: str = "", timeout_s: Optional[float] = None,
-                 quantization=None):
+                 quantization=None, offload=None):
         self.slots, self.mesh, self.dtype, self.requires_grad = slots, mesh, dtype, requires_grad
         # ``fp.Quantization`` of this handle's unit collectives (``_comm/quantized.py``); floating handles only
         self.quantization = quantization if dtype.is_floating_point and quantization is not None else None
@@ -108,8 +108,11 @@ class FlatParamHandle:
             s.offset = o
         self.chunk = self.padded // n
         self.chunk_start = mesh.shard_rank * self.chunk
-        self.flat_shard = torch.zeros(self.chunk, dtype=dtype, device=shard_device)
-        self._aliases_shard = n == 1 and compute_dtype == dtype and shard_device == device
+        # cpu_offload: ``offload`` is the model's HostCopier (``offload.py``: pinned host buffers, side-stream copies)
+        self.offload = offload
+        self.flat_shard = (offload.new_shard(self.chunk, dtype) if offload is not None
+                           else torch.zeros(self.chunk, dtype=dtype, device=shard_device))
+        self._aliases_shard = n == 1 and compute_dtype == dtype and shard_device == device and offload is None
         self._init_leaf()
         self._bind_local_pieces()
         self._gather: Optional[tuple] = None    # (work, source) while UNSHARDING
@@ -210,7 +213,7 @@ class FlatParamHandle:
         held = self.secondary.take() if self.secondary is not None else None
         self._alloc_full()
         if self.mesh.shard_size == 1:
-            self._full.copy_(self.flat_shard.to(self.device, self.compute_dtype, non_blocking=True))
+            self._full.copy_(self._master_on_device(self.compute_dtype))
             self.state = ShardedState.UNSHARDED
             return
         if held is not None and use_secondary:     # hpZ: exact, inside the secondary group, from the held slice
@@ -221,13 +224,21 @@ class FlatParamHandle:
             q = self.quantization
             # int8 blocks are cut from the exact master (one rounding, not the compute cast's and then the codes')
             dtype = self.dtype if quantized.applies(q, "weights", self.mesh.shard_group) else self.compute_dtype
-            src = self.flat_shard.to(self.device, dtype, non_blocking=True)
+            src = self._master_on_device(dtype)
             work = quantized.all_gather(q, self._full, src, self.mesh.shard_group, gate=gate,
                                         what=f"all-gather of unit {self.label!r}")
         self._gather = (work, src)
         self.state = ShardedState.UNSHARDING
         if not async_op:
             self.wait_unshard()
+
+    def _master_on_device(self, dtype: torch.dtype) -> torch.Tensor:
+        """The master shard on the device in ``dtype`` (offload: copied on the copier's stream, cast on this one;
+        at world 1 the caller's copy into ``_full`` casts)."""
+        if self.offload is not None:
+            out = self.offload.to_device(self.flat_shard)
+            return out if self.mesh.shard_size == 1 else out.to(dtype)
+        return self.flat_shard.to(self.device, dtype, non_blocking=True)
 
     @_traced("wait_unshard")
     def wait_unshard(self) -> None:
@@ -421,6 +432,8 @@ class FlatParamHandle:
     def _accumulate_shard_grad(self, reduced: torch.Tensor) -> None:
         """Add the reduced chunk to ``p.grad`` of every slot; remember which slots had no gradient before
         (``SlotUsage.restore_none`` puts None back for those no rank used)."""
+        if self.offload is not None:      # pinned buffers, no host wait (``offload.py``)
+            return self.offload.accumulate_grad(self, reduced)
         reduced = reduced.to(self.shard_device, self.dtype)
         base = self._grad_base()
         self.usage.had_grad = [s.param.grad is not None for s in self.slots]

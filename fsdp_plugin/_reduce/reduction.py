@@ -128,6 +128,9 @@ class Reduction:
         self.state = ReduceState.IDLE
         if agreement is not None:
             agreement.finish()
+        offload = getattr(self.root, "offload", None)
+        if offload is not None:      # cpu_offload: the one host wait for this backward's gradient copies (late
+            offload.finish_backward()    # no_sync reductions included), after the mask all-reduce it overlapped
 
     def abandon(self) -> Optional[Exception]:
         """fp.reset: any state -> IDLE, unfinished reductions forgotten (the handles wait for their own work),
@@ -135,6 +138,9 @@ class Reduction:
         self._pending.clear()
         self._replicating.clear()
         self._advanced = 0
+        offload = getattr(self.root, "offload", None)
+        if offload is not None:      # cpu_offload: gradient copies already issued land before anything is freed
+            offload.abandon()
         agreement, self._agreement = self._agreement, None
         self.state = ReduceState.IDLE
         if agreement is not None:

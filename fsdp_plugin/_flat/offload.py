@@ -1,0 +1,352 @@
+"""CPU offload's host side (issue 49): pinned master shards and gradient buffers, copies on side streams, one
+host wait per backward, and the counters that prove it.
+
+One :class:`HostCopier` per sharded model (``RootState.offload``; each offloaded handle's ``offload``) when
+``cpu_offload=True`` on a CUDA device. What it does, and why (research/cpu-offload.md, suspects S1-S6):
+
+* **Pinned, exact size.** Every host buffer (a handle's fp32 master shard, its gradient buffer, its accumulation
+  staging buffer) is an anonymous ``mmap`` registered with ``cudaHostRegister``. Not torch's pinned caching host
+  allocator: it rounds every block up to a power of two (a 1.05 GB embedding shard would take 2 GiB, 4.94 GB of
+  masters ~6 GiB pinned), and keeps freed blocks pinned for the process's lifetime. Registration pins exactly the
+  bytes asked for, once, and the block is unregistered before it is unmapped (``_PinnedBlock.__del__``).
+* **Host-to-device** (``to_device``): the copy of the master runs on its own stream (``h2d``), the current stream
+  waits for it on the GPU (an event; the host does not wait), and the cast to the compute dtype runs on the current
+  stream, as FSDP2 does (fp32 crosses PCIe; the cast is a GPU kernel).
+* **Device-to-host** (``accumulate_grad``): the reduced gradient chunk is copied ``non_blocking`` on a second
+  stream (``d2h``) after an event from the current stream, into the handle's persistent pinned gradient buffer; the
+  slots' ``p.grad`` views are bound into it at once. The host waits ONCE, at the end of backward
+  (``finish_backward``: the last copy's event; copies on one stream finish in order), never per unit.
+* **Gradient buffer reuse.** The engine's rule without offload: ``p.grad`` are views of one flat buffer that the
+  handle does not keep, so ``zero_grad(set_to_none=True)`` frees it. Under offload the pinned buffer is kept and
+  reused at the next backward *only if nothing outside holds it* (storage use count): a gradient the user kept a
+  reference to keeps its values, and a fresh pinned buffer is made (counted in ``stats.host_allocs``). Gradients
+  still bound (``set_to_none=False``, accumulation over micro-batches) are added to: the copy lands in a
+  persistent pinned staging buffer and is added after the end-of-backward wait.
+
+Streams and events exist only on CUDA (``_CudaBackend``). Tests drive the same code on CPU through a backend whose
+streams and events are recorders (``tests/test_offload.py``): every copy, wait and allocation goes through the
+backend, and :class:`OffloadStats` counts them.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+
+@dataclass
+class OffloadStats:
+    """Counts since the copier was made (``reset`` zeroes them): host waits (``syncs``), host buffers created
+    (``host_allocs``, ``host_alloc_bytes``), copies and their bytes each way."""
+
+    syncs: int = 0
+    host_allocs: int = 0
+    host_alloc_bytes: int = 0
+    h2d_copies: int = 0
+    h2d_bytes: int = 0
+    d2h_copies: int = 0
+    d2h_bytes: int = 0
+    sync_sites: dict = field(default_factory=dict)   # why the host waited -> count
+
+    def reset(self) -> None:
+        self.__init__()
+
+    def snapshot(self) -> dict:
+        return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
+
+
+# ------------------------------------------------------------------ pinned memory, exact size
+class _PinnedBlock(mmap.mmap):
+    """Anonymous memory that ``unregister`` un-pins before it is unmapped (``__del__`` runs before mmap's own
+    deallocation). Tensors made with ``torch.frombuffer`` keep it alive."""
+
+    unregister: Optional[Callable] = None
+    ptr: int = 0
+
+    def __del__(self):
+        if self.unregister is not None:
+            try:
+                self.unregister(self.ptr)
+            except Exception:  # noqa: BLE001 - at interpreter exit CUDA may already be gone
+                pass
+
+
+def host_block(numel: int, dtype: torch.dtype, register: Optional[Callable] = None,
+               unregister: Optional[Callable] = None) -> torch.Tensor:
+    """A zero-filled host tensor of exactly ``numel`` elements on its own pages, ``register(ptr, nbytes)``'d
+    (pinned) when given; ``unregister(ptr)`` runs when the last tensor using it is gone."""
+    nbytes = numel * dtype.itemsize
+    block = _PinnedBlock(-1, max(nbytes, 1))
+    out = torch.frombuffer(block, dtype=dtype, count=numel) if numel else torch.empty(0, dtype=dtype)
+    if register is not None and nbytes:
+        register(out.data_ptr(), nbytes)
+        block.ptr, block.unregister = out.data_ptr(), unregister
+    return out
+
+
+def _cuda_register(ptr: int, nbytes: int) -> None:
+    rt = torch.cuda.cudart()
+    err = rt.cudaHostRegister(ptr, nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed ({err}): pinned host memory is limited by "
+                           "`ulimit -l` and the machine's RAM; cpu_offload needs the master shards, gradients and "
+                           "optimizer state in host memory")
+
+
+def _cuda_unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+# ------------------------------------------------------------------ backends
+class _CudaBackend:
+    """Real streams and events on one CUDA device; pinned host blocks by cudaHostRegister."""
+
+    non_blocking = True
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.h2d = torch.cuda.Stream(device)
+        self.d2h = torch.cuda.Stream(device)
+
+    def current(self):
+        return torch.cuda.current_stream(self.device)
+
+    def use(self, stream):
+        return torch.cuda.stream(stream)
+
+    def event(self, stream):
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
+
+    def pinned(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return host_block(numel, dtype, _cuda_register, _cuda_unregister)
+
+    def keep_until(self, tensor: torch.Tensor, stream) -> None:
+        tensor.record_stream(stream)
+
+
+class FakeBackend:
+    """The copier's backend on CPU, for tests: copies run at once; streams and events are recorders that count
+    GPU-side waits (``gpu_waits``) and the events the host synchronized on; pinned blocks come from
+    ``host_block`` with counting register/unregister (``registered``: pointers pinned now)."""
+
+    non_blocking = False
+
+    class Stream:
+        def __init__(self, name: str):
+            self.name, self.waited = name, 0
+
+        def wait_event(self, event) -> None:
+            self.waited += 1
+
+    class Event:
+        def __init__(self, stream):
+            self.stream, self.synced = stream, 0
+
+        def synchronize(self) -> None:
+            self.synced += 1
+
+    def __init__(self, device: torch.device = torch.device("cpu")):
+        self.device = device
+        self.h2d, self.d2h, self._current = self.Stream("h2d"), self.Stream("d2h"), self.Stream("current")
+        self.registered: dict = {}
+        self.kept = 0
+
+    def current(self):
+        return self._current
+
+    def use(self, stream):
+        import contextlib
+        return contextlib.nullcontext()
+
+    def event(self, stream):
+        return self.Event(stream)
+
+    def pinned(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return host_block(numel, dtype, self.registered.__setitem__, self.registered.pop)
+
+    def keep_until(self, tensor: torch.Tensor, stream) -> None:
+        self.kept += 1
+
+
+_TEST_BACKEND: Optional[Callable] = None    # tests: a factory(device) -> backend that makes CPU runs offload too
+
+
+def for_config(cpu_offload: bool, device: torch.device) -> Optional["HostCopier"]:
+    """The model's copier: ``cpu_offload`` on CUDA (or under a test backend); None otherwise. On a CPU device
+    ``cpu_offload`` does nothing (the shards already live in host memory): one warning says so."""
+    if not cpu_offload:
+        return None
+    if _TEST_BACKEND is not None:
+        return HostCopier(device, _TEST_BACKEND(device))
+    if device.type == "cuda":
+        return HostCopier(device, _CudaBackend(device))
+    warnings.warn(f"cpu_offload=True does nothing on a {device.type} device: the shards, gradients and optimizer "
+                  "state are in host memory already; drop cpu_offload (or train on a CUDA device to offload)",
+                  UserWarning, stacklevel=3)
+    return None
+
+
+def _use_count(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+# ------------------------------------------------------------------ the copier
+class HostCopier:
+    """Host buffers and the copies between them and the device for every offloaded handle of one model."""
+
+    def __init__(self, device: torch.device, backend):
+        self.device, self.backend = torch.device(device), backend
+        self.stats = OffloadStats()
+        self._grad_bufs: dict = {}      # id(handle) -> its persistent pinned gradient buffer (reused when free)
+        self._staging: dict = {}        # id(handle) -> pinned staging buffer for accumulating backwards
+        self._adds: list = []           # (destination, source) additions waiting for the end-of-backward wait
+        self._last_d2h = None           # the newest device-to-host copy's event (one stream: they finish in order)
+        self._h2d_unsynced = False      # a host-to-device copy was issued after the last copy the host waits on
+        self._lone = _use_count(torch.empty(1))   # a tensor's storage use count when nothing else holds it
+
+    # ---------------------------------------------------------------- host memory
+    def host_tensor(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A new pinned (registered) zero-filled host buffer; counted."""
+        self.stats.host_allocs += 1
+        self.stats.host_alloc_bytes += numel * dtype.itemsize
+        return self.backend.pinned(numel, dtype)
+
+    def new_shard(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.host_tensor(numel, dtype)
+
+    # ---------------------------------------------------------------- host -> device
+    def to_device(self, shard: torch.Tensor) -> torch.Tensor:
+        """A device copy of ``shard`` (its dtype), ready on the current stream: copied on the h2d stream, which
+        the current stream waits for on the GPU; the host does not wait."""
+        b = self.backend
+        current = b.current()
+        with b.use(b.h2d):
+            out = torch.empty(shard.shape, dtype=shard.dtype, device=self.device)
+            out.copy_(shard, non_blocking=b.non_blocking)
+            done = b.event(b.h2d)
+        current.wait_event(done)
+        b.keep_until(out, current)        # allocated on h2d, used on current
+        self.stats.h2d_copies += 1
+        self.stats.h2d_bytes += shard.numel() * shard.element_size()
+        self._h2d_unsynced = True
+        return out
+
+    # ---------------------------------------------------------------- device -> host
+    def accumulate_grad(self, handle, reduced: torch.Tensor) -> None:
+        """``FlatParamHandle._accumulate_shard_grad`` under offload: the reduced chunk (device) goes to the handle's
+        pinned gradient buffer without the host waiting; ``p.grad`` views are bound at once and hold the values
+        after ``finish_backward``."""
+        b = self.backend
+        if reduced.dtype != handle.dtype:
+            reduced = reduced.to(handle.dtype)          # on the GPU (FSDP2 and DeepSpeed send fp32 too)
+        base = handle._grad_base()
+        handle.usage.had_grad = [s.param.grad is not None for s in handle.slots]
+        if base is not None:              # accumulating: land in staging, add after the wait
+            staging = self._staging.get(id(handle))
+            if staging is None or staging.numel() != reduced.numel():
+                staging = self._staging[id(handle)] = self.host_tensor(reduced.numel(), handle.dtype)
+            self._copy_to_host(staging, reduced)
+            self._adds.append((base, staging))
+        else:
+            base = self._grad_buffer(handle, reduced.numel())
+            self._copy_to_host(base, reduced)
+            for s, had in zip(handle.slots, handle.usage.had_grad):
+                if had:      # some slots kept an older gradient (unused, or the user set others to None)
+                    self._adds.append((base[handle.local_slice(s)], s.param.grad.reshape(-1)))
+        for s in handle.slots:
+            s.param.grad = base[handle.local_slice(s)].view(s.param.shape)
+
+    def _grad_buffer(self, handle, numel: int) -> torch.Tensor:
+        """The handle's persistent pinned gradient buffer if nothing outside holds it, else a new one."""
+        buf = self._grad_bufs.get(id(handle))
+        if buf is None or buf.numel() != numel or _use_count(buf) > self._lone:
+            buf = self._grad_bufs[id(handle)] = self.host_tensor(numel, handle.dtype)
+        return buf
+
+    def _copy_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        b = self.backend
+        ready = b.event(b.current())       # the gradient is produced on the current stream
+        b.d2h.wait_event(ready)
+        with b.use(b.d2h):
+            dst.copy_(src, non_blocking=b.non_blocking)
+            self._last_d2h = b.event(b.d2h)
+        b.keep_until(src, b.d2h)            # the current stream may reuse its memory only after the copy
+        self.stats.d2h_copies += 1
+        self.stats.d2h_bytes += src.numel() * src.element_size()
+        self._h2d_unsynced = False          # every earlier h2d copy was waited for by the current stream before it
+
+    # ---------------------------------------------------------------- host waits
+    def _sync(self, event, site: str) -> None:
+        event.synchronize()
+        self.stats.syncs += 1
+        self.stats.sync_sites[site] = self.stats.sync_sites.get(site, 0) + 1
+
+    def finish_backward(self) -> None:
+        """End of backward: the one host wait (the newest gradient copy; all earlier ones and every host-to-device
+        copy the current stream waited for are done then), then the deferred accumulations."""
+        last, self._last_d2h = self._last_d2h, None
+        if last is not None:
+            self._sync(last, "end_of_backward")
+            self._h2d_unsynced = False
+        adds, self._adds = self._adds, []
+        for dst, src in adds:
+            dst.add_(src.reshape(dst.shape))
+
+    def before_host_update(self) -> None:
+        """Before the host writes master shards (an optimizer step): wait for copies that read them if any are
+        possibly in flight (a forward without backward); after a backward nothing is."""
+        self.finish_backward()
+        if self._h2d_unsynced:
+            b = self.backend
+            self._sync(b.event(b.current()), "before_optimizer_step")
+            self._h2d_unsynced = False
+
+    abandon = finish_backward
+
+    def host_bytes(self) -> int:
+        """Bytes of pinned host buffers the copier holds beyond the master shards (gradients, staging)."""
+        return sum(t.numel() * t.element_size() for t in (*self._grad_bufs.values(), *self._staging.values()))
+
+
+# ------------------------------------------------------------------ the optimizer step on the host
+# torch's Adam/AdamW/SGD run their one-tensor-at-a-time loop on CPU tensors unless ``fused=True`` (CPU is not a
+# foreach device). Their fused CPU kernels: SGD bit-identical to the loop; Adam/AdamW within one float32 ulp of it
+# (1.2e-7 on values ~1 after 10 steps, tests/test_offload.py). Switched on for offloaded parameters when the user
+# set neither ``fused`` nor ``foreach``; ``FSDP_PLUGIN_OFFLOAD_FUSED=0`` keeps torch's loop.
+_FUSABLE = ("Adam", "AdamW", "SGD")
+_advised: set = set()
+
+
+def fast_host_step(optimizer, params: list) -> Optional[str]:
+    """At an optimizer's first step over offloaded ``params``: switch torch's Adam/AdamW/SGD to their fused CPU
+    kernel when the user chose no implementation; otherwise warn once when its CPU path is the slow loop.
+    Returns what was done ("fused", "warned") or None."""
+    cls = type(optimizer)
+    groups = optimizer.param_groups
+    if not all(p.device.type == "cpu" for p in params) or "fused" not in optimizer.defaults \
+            or all(g.get("fused") for g in groups):
+        return None       # not on the host, not torch's kind (DeepSpeedCPUAdam is fast already), or fused already
+    if cls.__module__.startswith("torch.optim") and cls.__name__ in _FUSABLE:
+        if os.environ.get("FSDP_PLUGIN_OFFLOAD_FUSED", "1") == "0":
+            return None   # the user keeps torch's loop on purpose
+        chosen = any(g.get("foreach") is not None or g.get("fused") is not None or g.get("differentiable")
+                     for g in groups)
+        if not chosen and all(p.dtype in (torch.float32, torch.float64) for p in params):
+            for g in groups:
+                g["fused"], g["foreach"] = True, False
+            optimizer.defaults["fused"], optimizer.defaults["foreach"] = True, False
+            return "fused"
+    key = id(optimizer)
+    if key not in _advised:
+        _advised.add(key)
+        warnings.warn(f"cpu_offload: {cls.__name__} steps the offloaded parameters on the CPU with torch's "
+                      "one-tensor-at-a-time loop (about 3-5x slower than its fused CPU kernel): construct it with "
+                      f"fused=True (torch.optim.{cls.__name__}(..., fused=True))", UserWarning, stacklevel=4)
+        return "warned"
+    return None
