@@ -183,6 +183,15 @@ class Accelerator(accelerate.Accelerator):
         fp.shard(model, cfg)
         tensor_parallel.remap_optimizers(self._optimizers, before, model)
 
+    def _get_parameters_to_remap(self, *args, **kwargs):
+        """accelerate >= 1.16's ``prepare()`` records, for FSDP, the parameters that torch FSDP1's init may replace
+        (reading ``state.fsdp_plugin``, which our runs never set) so that it can point optimizers at the new ones
+        afterwards. ``fp.shard`` keeps every Parameter object (tensor parallelism remaps in ``_shard``): nothing
+        to remap. Never called by accelerate < 1.16."""
+        if getattr(self, "_fp_active", False):
+            return {}
+        return super()._get_parameters_to_remap(*args, **kwargs)
+
     def _prepare_tp(self, *args):
         """Stock accelerate's TP preparation (DTensor-replicating the plain parameters for FSDP2, remapping
         optimizers by storage address) is replaced by ``_shard``'s: here only the data loaders, optimizers
