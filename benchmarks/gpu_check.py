@@ -1,118 +1,92 @@
-"""CUDA checks for the engine, run on a machine with GPUs (one command, prints a summary).
+"""Every device check of the wave, one command: ``python benchmarks/gpu_check.py`` on a machine with GPUs.
 
-    python benchmarks/gpu_check.py            # uses min(#GPUs, 4) NCCL ranks (1 GPU: world 1)
+Each check is a module of ``benchmarks/gpu/`` run in its own subprocess (a CUDA or NCCL failure in one does not
+take the others down), in the order of ``SECTIONS``; each prints one ``GPU_CHECK_JSON {...}`` line per row, and
+this driver echoes them and sums up. Budget: under 8 minutes on one H200 (each section's ``budget_s`` is its cap).
 
-1. parity: fp32 full_shard vs one-process training on the global batch (max loss / param diff),
-   and bf16 (MixedPrecision) vs a same-casts reference;
-2. overlap: step time with and without backward/forward prefetch (median of 10 steps);
-3. offload: cpu_offload=True trains and matches the non-offloaded run;
-4. peak CUDA memory per rank for each run.
-Prints one JSON line per check and a summary table; exit code 1 if a parity check fails.
+    python benchmarks/gpu_check.py              # every section, on the GPU(s)
+    python benchmarks/gpu_check.py --dry        # the same script on CPU, tiny sizes: rehearse before device time
+    python benchmarks/gpu_check.py --only offload,entry_points
+
+The device machine runs the project from its working tree with the image's python and no network, where
+``integrations/`` is importable as ``fsdp_plugin.integrations`` only once installed: the driver installs the
+checkout (``pip install --no-deps --no-build-isolation --target``) into a temporary folder first and puts it
+first on every section's ``PYTHONPATH``, so the sections run against the wheel's layout, not the checkout's.
 """
 from __future__ import annotations
 
-import functools
+import argparse
 import json
 import os
-import statistics
+import subprocess
 import sys
 import tempfile
 import time
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-import fsdp_plugin as fp  # noqa: E402
-from _parity import same_casts_reference  # noqa: E402
-from models import GPT, Block, gpt_batch  # noqa: E402
-
-STEPS = 10
-SIZE = dict(vocab=512, d=256, n_layer=4, seq=64)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# (module under benchmarks/gpu/, wall-clock cap in seconds on the device); the sum stays under ~8 minutes
+SECTIONS = (
+    ("parity", 60),          # fp32/bf16 parity, prefetch, offload parity, peak memory (world = min(#GPUs, 4))
+    ("host_waits", 120),     # issue 48: run-ahead, host-blocking calls per step, FSDP2 side by side, fake world 8
+    ("offload", 120),        # issue 49: ours vs FSDP2 CPUOffloadPolicy, phases, page faults, pinned bandwidth
+    ("entry_points", 170),   # issue 50: Lightning, accelerate launch, HF Trainer, PEFT, TRL weight sync
+)
 
 
-def batch(step, rank, device):
-    x, y = _cpu_batch(step, rank)
-    return x.to(device), y.to(device)
+def install(target: str) -> None:
+    """The checkout installed as users get it (``fsdp_plugin.integrations`` included) into ``target``."""
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+           "--target", target, ROOT]
+    subprocess.run(cmd, check=True, cwd=tempfile.gettempdir())
 
 
-def reference(world, device, dtype=None):
-    model = functools.partial(GPT, **SIZE)
-    return same_casts_reference(world, STEPS, dtype, model_fn=model, batch_fn=_cpu_batch, device=device)[0]
+def run_section(name: str, cap_s: float, dry: bool, pythonpath: str) -> tuple[int, list, float]:
+    env = dict(os.environ, PYTHONPATH=pythonpath + os.pathsep + os.path.join(ROOT, "benchmarks", "gpu")
+               + os.pathsep + os.path.join(ROOT, "tests"), PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "gpu", f"{name}.py")] + (["--dry"] if dry else [])
+    t0 = time.perf_counter()
+    rows: list = []
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=cap_s * (4 if dry else 1),
+                           cwd=tempfile.gettempdir())
+        out, rc = p.stdout + p.stderr, p.returncode
+    except subprocess.TimeoutExpired as e:
+        out, rc = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), 124
+    for line in out.splitlines():
+        if line.startswith("GPU_CHECK_JSON "):
+            rows.append(json.loads(line[len("GPU_CHECK_JSON "):]))
+    if rc != 0:
+        sys.stdout.write(f"--- {name} exited {rc}; its last output:\n" + "\n".join(out.splitlines()[-40:]) + "\n")
+    return rc, rows, time.perf_counter() - t0
 
 
-def _cpu_batch(step, rank):
-    return gpt_batch(step, rank, batch=4, seq=SIZE["seq"], vocab=SIZE["vocab"])
-
-
-def run(rank, world, device, **cfg):
-    torch.manual_seed(0)
-    model = fp.shard(GPT(**SIZE), auto_wrap_policy={Block}, device=device, **cfg)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    torch.cuda.reset_peak_memory_stats(device)
-    losses, times = [], []
-    for s in range(STEPS):
-        torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        loss = model(*batch(s, rank, device))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-        t = loss.detach().float()
-        if world > 1:
-            dist.all_reduce(t)
-        losses.append(t.item() / world)
-    return losses, statistics.median(times[2:]), torch.cuda.max_memory_allocated(device)
-
-
-def worker(rank, world, store_path, out_path):
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    dist.init_process_group("nccl", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
-    bf16 = fp.MixedPrecision(param_dtype=torch.bfloat16)
-    runs = {
-        "fp32": dict(),
-        "bf16": dict(mixed_precision=bf16),
-        "no_prefetch": dict(backward_prefetch=False, forward_prefetch=False),
-        "forward_prefetch": dict(forward_prefetch=True),
-        "cpu_offload": dict(cpu_offload=True),
-    }
-    results = {name: run(rank, world, device, **cfg) for name, cfg in runs.items()}
-    if rank == 0:
-        ref32, ref16 = reference(world, device), reference(world, device, torch.bfloat16)
-        rows = []
-        for name, (losses, step_s, peak) in results.items():
-            ref = ref16 if name == "bf16" else ref32
-            rows.append({"check": name, "world": world, "max_loss_diff": max(abs(a - b) for a, b in zip(losses, ref)),
-                         "step_ms": round(step_s * 1e3, 2), "peak_mib": round(peak / 2**20, 1)})
-        with open(out_path, "w") as f:
-            json.dump(rows, f)
-    dist.destroy_process_group()
-
-
-def main():
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device here; run this on a GPU machine")
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry", action="store_true", help="run every section on CPU at tiny sizes (rehearsal)")
+    ap.add_argument("--only", default="", help="comma-separated section names")
+    args = ap.parse_args()
+    import torch
+    if not args.dry and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; run it on a GPU machine, or --dry to rehearse on CPU")
         return 0
-    world = min(torch.cuda.device_count(), 4)
+    only = {s for s in args.only.split(",") if s}
+    failed = []
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.json")
-        mp.spawn(worker, args=(world, os.path.join(tmp, "store"), out), nprocs=world)
-        rows = json.load(open(out))
-    ok = True
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, world {world}")
-    print(f"{'check':<18}{'max loss diff':>15}{'step ms':>10}{'peak MiB':>10}")
-    for r in rows:
-        print(f"{r['check']:<18}{r['max_loss_diff']:>15.2e}{r['step_ms']:>10}{r['peak_mib']:>10}")
-        print("GPU_CHECK_JSON " + json.dumps(r))
-        ok &= r["max_loss_diff"] <= 1e-4
-    base = {r["check"]: r for r in rows}
-    speed = base["no_prefetch"]["step_ms"] / max(base["fp32"]["step_ms"], 1e-9)
-    print(f"prefetch speed-up (no_prefetch / default step time): {speed:.2f}x")
-    return 0 if ok else 1
+        site = os.path.join(tmp, "site")
+        install(site)
+        print(f"gpu_check: torch {torch.__version__}, "
+              f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU'}, dry={args.dry}")
+        for name, cap in SECTIONS:
+            if only and name not in only:
+                continue
+            rc, rows, took = run_section(name, cap, args.dry, site)
+            for r in rows:
+                print("GPU_CHECK_JSON " + json.dumps(dict(r, section=name)))
+            print(f"== {name}: exit {rc}, {len(rows)} rows, {took:.0f} s (cap {cap} s)")
+            if rc != 0 or not rows:
+                failed.append(name)
+    print("gpu_check: " + ("all sections passed" if not failed else f"FAILED: {', '.join(failed)}"))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@
     model = fp.shard(model, fp.ShardingConfig(auto_wrap_policy={Block}))
     optimizer = torch.optim.AdamW(model.parameters())
 """
+from . import _compat
+_compat.check_torch()   # a torch outside the supported range: one clear ImportError here, naming the range
 from . import planner  # noqa: F401 - fp.planner: fit, calibrate, parse_bytes
 from ._log import configure_from_env as _configure_log
 from .api import (clip_grad_norm_, comm_stats, compile, deferred_init, full_params, full_state_dict, is_sharded,

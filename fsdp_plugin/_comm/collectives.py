@@ -18,8 +18,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .. import _compat
 from ..errors import CollectiveError
-from . import late, nodes, status, tagged
+from . import late, native, nodes, status, tagged
 from .p2p import _P2PAllGather, _P2PAllReduce, _P2PExchange, _P2PPairSum, _P2PReduceScatter, Recorded, Tagged, _Bound
 from .stats import _SYNC_KINDS, STATS, SYNC, CommStats, SyncStats, _count, _split, ring_bytes  # noqa: F401
 
@@ -43,7 +44,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = Fal
         work = _P2PAllGather(out, inp, group, n, _Bound.of(gate, what))
         return _issued(status.issued(work, kind, group, n, out.numel()), async_op)
     _ungated(gate, what)
-    return status.issued(dist.all_gather_single(out, inp, group=group, async_op=async_op), kind, group, n,
+    return status.issued(_compat.all_gather_into(out, inp, group=group, async_op=async_op), kind, group, n,
                          out.numel())
 
 
@@ -59,7 +60,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool =
         work = _P2PReduceScatter(out, inp, group, n, _Bound.of(gate, what))
         return _issued(status.issued(work, "reduce_scatter", group, n, inp.numel()), async_op)
     _ungated(gate, what)
-    return status.issued(dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op),
+    return status.issued(_compat.reduce_scatter_into(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op),
                          "reduce_scatter", group, n, inp.numel())
 
 
@@ -88,7 +89,7 @@ def announce(everyone: torch.Tensor, mine: torch.Tensor, group):
     not the point-to-point one: its future runs the callback that posts a gated collective."""
     n = group_size(group)
     _count("control", everyone.numel(), everyone.element_size(), n, group=group)
-    work = dist.all_gather_single(everyone, mine, group=group, async_op=True)
+    work = _compat.all_gather_into(everyone, mine, group=group, async_op=True)
     return status.issued(work, "pairing", group, n, everyone.numel()), work.get_future()
 
 
@@ -104,7 +105,7 @@ def _ungated(gate, what: str) -> None:
 
 def _p2p_ok(group, out: torch.Tensor, inp: torch.Tensor) -> bool:
     return (out.device.type == "cpu" and inp.device.type == "cpu" and out.is_contiguous() and inp.is_contiguous()
-            and dist.get_backend(group) == "gloo")
+            and native.point_to_point(group))
 
 
 def inflight_host_bytes(kind: str, full_bytes: int, n: int, gloo_cpu: bool) -> int:

@@ -36,6 +36,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from . import native
+
 RING = 256              # operations kept per rank (a step issues a few dozen)
 INTERVAL_S = 0.5        # publication period of the status thread; bounds how stale a live rank's status is
 READ_TIMEOUT_S = 2.0    # store reads at a deadline: a dead store host must not add minutes to the error
@@ -145,7 +147,8 @@ def issued(work, kind: str, group, n: int, numel: int = 0):
 
 def publishing() -> bool:
     """Start the status thread now if it is not running; whether one runs (the tagged pairing check needs it)."""
-    if ENABLED and _S.publisher is None and not _S.unpublishable and dist.is_initialized():
+    if ENABLED and _S.publisher is None and not _S.unpublishable and dist.is_initialized() and not native.is_fake():
+        # (torch's fake group has no rendezvous store and no peers to report on: no status thread there)
         _S.publisher = _Publisher.start()
         _S.unpublishable = _S.publisher is None      # no store or no clone: not retried at every collective
     return _S.publisher is not None

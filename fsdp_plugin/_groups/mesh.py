@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from .._build.strategy import ShardScope
-from .._comm import nodes
+from .._comm import native, nodes
 from ..errors import ConfigError
 
 _GROUP_CACHE: dict = {}
@@ -51,7 +51,10 @@ def _ensure_control_group() -> None:
     """A gloo group of every rank that carries the pairing announcements (``_comm.pairing``) and nothing else;
     created here, where every rank is in fp.shard (new_group is collective), once per process group."""
     if "control" not in _GROUP_CACHE:
-        _GROUP_CACHE["control"] = (dist.new_group(backend="gloo"), None)
+        # torch's fake group cannot host a gloo group (its store is not a rendezvous): its own world group
+        # carries the (no-op) control traffic, and pairing is off there (``root.pairing_mode``)
+        group = dist.group.WORLD if native.is_fake() else dist.new_group(backend="gloo")
+        _GROUP_CACHE["control"] = (group, None)
 
 
 def control_group():

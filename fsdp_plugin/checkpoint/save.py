@@ -16,11 +16,13 @@ import json
 import os
 import time
 import uuid
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
+from .._comm import native
 from .asyncsave import _async
 from . import _comm, _model, optim
 from .format import _format, boxes, codec, manifest
@@ -109,6 +111,9 @@ def _write_and_publish(err, tmp: str, job, group=None) -> None:
         except Exception as e:  # noqa: BLE001
             err = e
     _fail_and_clean(err, tmp, rank, group)
+    if native.is_fake():
+        _discard_fake(tmp, rank)
+        return
     records = _comm.gather_bytes(json.dumps(job.record).encode(), group=group)
     if rank == 0:
         try:
@@ -121,6 +126,18 @@ def _write_and_publish(err, tmp: str, job, group=None) -> None:
         except Exception as e:  # noqa: BLE001
             err = e
     _fail_and_clean(err, tmp, rank, group)
+
+
+def _discard_fake(tmp: str, rank: int) -> None:
+    """torch's fake process group: this process plays one rank of a world that does not exist, so it wrote that
+    rank's files (their bytes and the host memory of writing them are real: what a memory estimate wants) but
+    publishes no checkpoint, which could never be complete: the staging directory is removed, and a warning
+    (shown once per call site, Python's default) says so."""
+    written = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(tmp) for f in fs)
+    storage_for(tmp).remove_tree(tmp)
+    warnings.warn(f"fsdp_plugin: fake process group: fp.save_checkpoint wrote rank {rank}'s files ({written:,} "
+                  "bytes) and published nothing: the other ranks are not real, so there is no checkpoint to load.",
+                  stacklevel=4)
 
 
 def _prepare(path: str, uid: str):

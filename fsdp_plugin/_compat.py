@@ -1,0 +1,155 @@
+"""Every torch API whose name or behaviour differs across the supported range, behind one name each.
+
+The supported range is ``SUPPORTED`` (pyproject's ``torch`` bound says the same; README says why): the oldest
+torch is what vLLM 0.20–0.26 pin (TRL's RL users), the newest is untested-but-allowed (no upper cap; CI runs the
+newest the registry installs). Nothing else in the package branches on ``torch.__version__``: callers use the
+names here, which pick the available form once, by feature where possible (an attribute, a probe), so a build
+that back-ports a fix is judged by what it has, not by its number. docs/INTERNALS.md lists each API the engine
+uses and the first torch that has it.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.distributed as dist
+
+SUPPORTED = (2, 11)          # the oldest torch on which the whole suite passes (CI lane "torch-oldest")
+SUPPORTED_TEXT = "torch >= 2.11"
+
+
+def _version_tuple(text: str) -> tuple[int, int]:
+    m = re.match(r"(\d+)\.(\d+)", text)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def check_torch(version: str = torch.__version__) -> None:
+    """One clear error at ``import fsdp_plugin`` for a torch outside the range (instead of an AttributeError
+    from deep inside a step): the installed version, the range, and the command that fixes it."""
+    if _version_tuple(version) < SUPPORTED:
+        raise ImportError(
+            f"fsdp_plugin needs {SUPPORTED_TEXT}; this environment has torch {version}. Install a supported "
+            f"torch (e.g. `pip install 'torch>={SUPPORTED[0]}.{SUPPORTED[1]}'`, or the build your CUDA image "
+            "ships), or use an fsdp_plugin release that supports it.")
+
+
+# ------------------------------------------------------------------ collectives into flat tensors
+# torch 2.13 renamed all_gather_into_tensor/reduce_scatter_tensor to *_single (PR #186123) and deprecates the old
+# names (a FutureWarning for the private _base forms); 2.11 and 2.12 have only the old names. New name first.
+_ALL_GATHER_INTO = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_INTO = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
+    """torch's native all-gather of equal chunks into one flat ``out`` (rank order)."""
+    return _ALL_GATHER_INTO(out, inp, group=group, async_op=async_op)
+
+
+def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, op=dist.ReduceOp.SUM, group=None,
+                        async_op: bool = False):
+    """torch's native reduce-scatter of one flat ``inp`` into this rank's chunk ``out``."""
+    return _REDUCE_SCATTER_INTO(out, inp, op=op, group=group, async_op=async_op)
+
+
+# ------------------------------------------------------------------ FLOP counting (planner)
+# torch.utils.flop_counter's attention formulas count grouped-query attention (fewer key/value heads than query
+# heads: what a GQA model hands SDPA with enable_gqa) only from torch 2.12 (PRs #177169/#177188); 2.11's raise
+# "sdpa_flop_count: query/key/value shapes are incompatible", which crashed fp.plan on every GQA model. Each
+# installed SDPA formula is asked once for a GQA count; one that refuses, or answers other than 2.12's
+# formula, is replaced by that formula (below, term for term), so every torch counts a model alike.
+# Left as torch has them: the varlen/nested internals (_flash_attention_forward, _efficient_attention_*,
+# flex attention), which a fake run of SDPA never dispatches (the fused op's fake kernel is the leaf).
+import functools as _functools
+
+from torch.utils import flop_counter as _flop_counter
+
+_SDPA_OPS = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_cudnn_attention")
+
+
+def _dims(shape) -> tuple:
+    return tuple(shape.shape if isinstance(shape, torch.Tensor) else shape)
+
+
+def _gqa_shapes(name: str, query, key, value, grad_out=None) -> tuple:
+    """(b, h_q, s_q, s_k, d_qk, d_v) of ``(batch, heads, seq, dim)`` shapes whose key/value heads divide the
+    query's; AssertionError otherwise, as torch's formulas raise."""
+    b, h_q, s_q, d_q = query
+    b_k, h_kv, s_k, d_k = key
+    b_v, h_v, s_v, d_v = value
+    ok = b == b_k == b_v and h_kv == h_v and d_q == d_k and s_k == s_v and h_kv > 0 and h_q % h_kv == 0
+    if grad_out is not None:
+        ok = ok and tuple(grad_out) == (b, h_q, s_q, d_v)
+    if not ok:
+        raise AssertionError(f"{name}: query/key/value shapes are incompatible: q={tuple(query)}, k={tuple(key)}, "
+                             f"v={tuple(value)}" + (f", grad_out={tuple(grad_out)}" if grad_out is not None else ""))
+    return b, h_q, s_q, s_k, d_q, d_v
+
+
+def sdpa_flop_count(query_shape, key_shape, value_shape) -> int:
+    """Forward FLOPs of attention (torch >= 2.12's count, GQA included: key/value heads are broadcast to the
+    query's): ``q @ k^T`` then ``scores @ v`` per query head, 2 FLOPs per multiply-add; causal masking is not
+    discounted (torch's neither)."""
+    b, h, s_q, s_k, d_q, d_v = _gqa_shapes("sdpa_flop_count", _dims(query_shape), _dims(key_shape),
+                                           _dims(value_shape))
+    scores = 2 * (b * h) * s_q * s_k * d_q          # [s_q, d_q] @ [d_q, s_k]
+    out = 2 * (b * h) * s_q * d_v * s_k             # [s_q, s_k] @ [s_k, d_v]
+    return scores + out
+
+
+def sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape) -> int:
+    """Backward FLOPs of attention (torch >= 2.12's count): the scores recomputed, then the gradients of
+    ``scores @ v`` (two matmuls) and of ``q @ k^T`` (two)."""
+    b, h, s_q, s_k, d_q, d_v = _gqa_shapes("sdpa_backward_flop_count", _dims(query_shape), _dims(key_shape),
+                                           _dims(value_shape), _dims(grad_out_shape))
+    scores = 2 * (b * h) * s_q * s_k * d_q          # q @ k^T again
+    grad_scores = 2 * (b * h) * s_q * s_k * d_v     # grad_out @ v^T
+    grad_v = 2 * (b * h) * s_k * d_v * s_q          # scores^T @ grad_out
+    grad_q = 2 * (b * h) * s_q * d_q * s_k          # grad_scores @ k
+    grad_k = 2 * (b * h) * d_q * s_k * s_q          # q^T @ grad_scores
+    return scores + grad_scores + grad_v + grad_q + grad_k
+
+
+def _sdpa_flop(query, key, value, *args, out_val=None, **kwargs) -> int:
+    return sdpa_flop_count(query, key, value)
+
+
+def _sdpa_backward_flop(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+# a GQA probe with unequal sequence lengths and head dims (MLA's d_v != d_qk), so a formula is judged on it all
+_PROBE_Q, _PROBE_KV, _PROBE_V, _PROBE_GRAD = (2, 4, 3, 8), (2, 2, 5, 8), (2, 2, 5, 6), (2, 4, 3, 6)
+
+
+def _counts_gqa(formula, backward: bool) -> bool:
+    try:
+        if backward:
+            return formula(_PROBE_GRAD, _PROBE_Q, _PROBE_KV, _PROBE_V) == sdpa_backward_flop_count(
+                _PROBE_GRAD, _PROBE_Q, _PROBE_KV, _PROBE_V)
+        return formula(_PROBE_Q, _PROBE_KV, _PROBE_V) == sdpa_flop_count(_PROBE_Q, _PROBE_KV, _PROBE_V)
+    except Exception:        # 2.11: AssertionError ("shapes are incompatible")
+        return False
+
+
+@_functools.lru_cache(maxsize=None)
+def _flop_formulas() -> dict:
+    formulas = dict(_flop_counter.flop_registry)
+    aten = torch.ops.aten
+    for name in _SDPA_OPS:
+        for op, ours, backward in ((getattr(aten, name, None), _sdpa_flop, False),
+                                   (getattr(aten, name + "_backward", None), _sdpa_backward_flop, True)):
+            if op is not None and not _counts_gqa(formulas.get(op, lambda *a: None), backward):
+                formulas[op] = ours
+    return formulas
+
+
+def flop_formulas() -> dict:
+    """torch's ``flop_registry`` (op packet -> ``formula(*args, out_val=None, **kwargs)``: FLOPs), with the SDPA
+    forward/backward formulas that cannot count grouped-query attention replaced by GQA-safe ones (a copy)."""
+    return dict(_flop_formulas())
+
+
+def stock_sdpa_counts_gqa() -> bool:
+    """Whether the installed torch's own SDPA formulas count GQA (torch >= 2.12), i.e. nothing was replaced."""
+    return all(_flop_formulas()[op] is _flop_counter.flop_registry[op] for op in _flop_counter.flop_registry)
