@@ -263,3 +263,25 @@ def test_cuda_streams_exist_only_on_cuda():
     assert offload.for_config(False, torch.device("cpu")) is None
     with pytest.warns(UserWarning, match="does nothing"):
         assert offload.for_config(True, torch.device("cpu")) is None
+
+
+# ------------------------------------------------------------------ world 2: the all-gather's source is the copy
+def _world2(rank, world, offloaded):
+    from _parity import train
+    if offloaded:
+        offload._TEST_BACKEND = offload.FakeBackend     # forked rank: the same CPU stand-in as the fixture
+    torch.manual_seed(0)
+    model = fp.shard(GPT(), auto_wrap_policy={Block}, cpu_offload=offloaded, mixed_precision=BF16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    losses = train(model, opt, rank, world, 3)
+    stats = model._fp_root.offload.stats.snapshot() if offloaded else None
+    return losses, fp.full_state_dict(model), stats
+
+
+def test_offload_at_world_2_trains_like_no_offload():
+    from _dist import run_ranks
+    want_losses, want, _ = run_ranks(_world2, 2, False)[0]
+    losses, got, stats = run_ranks(_world2, 2, True)[0]
+    assert stats["h2d_copies"] and stats["d2h_copies"] and stats["syncs"] == 3
+    assert max(abs(a - b) for a, b in zip(losses, want_losses)) <= 1e-6
+    assert max((want[k] - got[k]).abs().max().item() for k in want) <= 1e-6

@@ -38,6 +38,17 @@ def step_traffic(name: str, trainable_elems: int) -> int:
     return _STEP_TRAFFIC[check(name)] * trainable_elems
 
 
+# The host step under cpu_offload: fp.shard gives torch's Adam/AdamW/SGD their fused CPU kernel (``_flat/offload.py``),
+# one pass reading every operand once and writing the updated ones: SGD read p, g + write p 12; momentum + buf 20;
+# Adam(W) read p, g, m, v + write p, m, v 28 (weight decay is inside the pass). Muon keeps its passes.
+_FUSED_HOST_TRAFFIC = {"sgd": 12, "sgd-momentum": 20, "adam": 28, "adamw": 28, "muon": 48}
+
+
+def host_step_traffic(name: str, trainable_elems: int) -> int:
+    """Bytes one fused host optimizer step streams (fp32 masters) under cpu_offload."""
+    return _FUSED_HOST_TRAFFIC[check(name)] * trainable_elems
+
+
 def step_ops(name: str, n_tensors: int, foreach: bool) -> int:
     """Ops one step dispatches: about a dozen per parameter tensor (for-loop) or per group (foreach)."""
     per = {"sgd": 3, "sgd-momentum": 6, "adam": 12, "adamw": 12, "muon": 30}[check(name)]

@@ -131,6 +131,10 @@ class ReplayResult:
     # bytes to other nodes (per rank) of collectives waited with no compute since their issue (`_Sim.waited`):
     # the root's first all-gather, the reductions issued after backward's last kernel; no compute hides them
     exposed_inter_bytes: int = 0
+    # cpu_offload (issue 49, ``_flat/offload.py``): master shards copied host -> device (master dtype, once per
+    # unshard) and reduced gradient chunks copied device -> host (master dtype, once per finished reduction)
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
 
 
 class _SimUnit(ScheduledUnit):
@@ -323,6 +327,8 @@ class _Sim:
             self.unsharded += self.full[h]
             spec, lay = self.handles[h], self.lay
             src = spec.chunk(lay.shard_size) * lay.compute(spec).itemsize if lay.casts_source(spec) else 0
+            if lay.cpu_offload:
+                self.res.h2d_bytes += spec.chunk(lay.shard_size) * spec.dtype.itemsize
             if src:
                 self.res.engine_bytes += src + spec.chunk(lay.shard_size) * spec.dtype.itemsize
             if lay.shard_size == 1:
@@ -447,6 +453,8 @@ class _Sim:
         self.replicating.discard(h)
         self.waited(("replicate", h))
         self.reducing -= self.reduce_bytes.pop(h)
+        if lay.cpu_offload:
+            self.res.d2h_bytes += chunk * spec.dtype.itemsize
         if h not in self.has_grad and not lay.cpu_offload:
             self.has_grad.add(h)
             self.grad_shards += chunk * spec.dtype.itemsize

@@ -48,6 +48,10 @@ class WorldPlan:
     tp_size: int = 1
     tp_wire_bytes: dict = field(default_factory=dict)   # the TP dimension's (torch's own collectives), by kind
     tp_wire_calls: dict = field(default_factory=dict)
+    # issue 49: the optimizer step's seconds (device: memory-bound; cpu_offload: the host step plus the copies' part
+    # compute does not hide), and cpu_offload's counted bytes and priced seconds (``_time.offload_seconds``)
+    optimizer_s: Optional[float] = None
+    offload: dict = field(default_factory=dict)
 
     @property
     def wire_total(self) -> int:
@@ -115,6 +119,13 @@ class Plan:
         if all(self.worlds[w].step_s is not None for w in ws):
             lines.append(f"{'step time (predicted)':<26}" + "".join(f"{self.worlds[w].step_s * 1e3:>{width - 3}.1f} ms"
                                                                    for w in ws))
+        if all(self.worlds[w].offload for w in ws):     # cpu_offload: PCIe each way and the host step
+            lines.append(f"{'offload PCIe h2d / d2h':<26}" + "".join(
+                f"{fmt_bytes(self.worlds[w].offload['h2d_bytes']) + ' / ' + fmt_bytes(self.worlds[w].offload['d2h_bytes']):>{width + 8}}"
+                for w in ws))
+            if all("host_step_s" in self.worlds[w].offload for w in ws):
+                lines.append(f"{'offload host step':<26}" + "".join(
+                    f"{self.worlds[w].offload['host_step_s'] * 1e3:>{width - 3}.1f} ms" for w in ws))
         if all(self.worlds[w].latency for w in ws):
             lines.append(f"{'collectives / step':<26}" + "".join(
                 f"{self.worlds[w].latency['unit_collectives'] + self.worlds[w].latency['control_collectives']:>{width}}"

@@ -44,6 +44,10 @@ class Calibration:
     # float32 streaming passes)
     quantize_s_per_elem: Optional[float] = None
     dequantize_s_per_elem: Optional[float] = None
+    # cpu_offload (issue 49): pinned host<->device copy bandwidth per direction (None: PCIE_BYTES_PER_S) and the host
+    # memory bandwidth the CPU optimizer step streams at (None: HOST_MEMORY_BYTES_PER_S)
+    pcie_bytes_per_s: Optional[float] = None
+    host_memory_bytes_per_s: Optional[float] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -59,6 +63,13 @@ HARDWARE = {
     "h100-80gb": dict(flops_per_s=0.6 * 989e12, mem_bytes_per_s=3.35e12, memory=80 * 2**30, gpus_per_node=8,
                       intra_bus_bytes_per_s=360e9, inter_bus_bytes_per_s=0.75 * 3.2e12 / 8, hop_latency_s=5e-6),
 }
+
+
+# cpu_offload's links (research/cpu-offload.md §2d): pinned copies over PCIe Gen5 x16 measure ~55 GB/s per direction
+# (nvbandwidth); a 16-core slice of a DDR5 host streams ~100 GB/s (working assumption; the fused CPU AdamW's rate
+# benchmarks/offload_optim_step.py measures is the one to pass as host_memory_bytes_per_s).
+PCIE_BYTES_PER_S = 55e9
+HOST_MEMORY_BYTES_PER_S = 100e9
 
 
 def for_hardware(name: str, world: int, overlap: float = 1.0) -> Calibration:
@@ -253,18 +264,52 @@ def quantization_seconds(quantized: int, dequantized: int, cal: Calibration) -> 
     return quantized * q + dequantized * d
 
 
+def optimizer_seconds(optimizer_bytes: int, cal: Calibration) -> float:
+    """The device optimizer step: memory-bound, its bytes (``_optim.step_traffic``: bytes per parameter x
+    parameters) at the optimizer rate (None: the streaming memory rate, e.g. HBM for named hardware)."""
+    return optimizer_bytes / (cal.optimizer_bytes_per_s or cal.mem_bytes_per_s)
+
+
 def predict(flops: int, other_bytes: int, optimizer_bytes: int, wire_bytes: int, calls: int,
-            cal: Calibration, ops: int = 0, attention_flops: int = 0, quantization_s: float = 0.0) -> dict:
+            cal: Calibration, ops: int = 0, attention_flops: int = 0, quantization_s: float = 0.0,
+            offload: Optional[dict] = None) -> dict:
     """Seconds per step. ``flops`` includes ``attention_flops``. Host op overhead adds to the kernels where
     they share cores (overlap 0, CPU) and bounds them from below where the host runs ahead of the device
-    (overlap 1, CUDA)."""
+    (overlap 1, CUDA). The optimizer step (``optimizer_s``) follows backward: no collective overlaps it.
+    ``offload``: cpu_offload's counted bytes (``offload_seconds``): the step runs on the host instead
+    (``optimizer_bytes`` is then the host step's) and the copies' exposed part is added."""
     kernels = ((flops - attention_flops) / cal.flops_per_s
                + attention_flops / (cal.attention_flops_per_s or cal.flops_per_s)
                + other_bytes / (cal.elementwise_bytes_per_s or cal.mem_bytes_per_s)
-               + optimizer_bytes / (cal.optimizer_bytes_per_s or cal.mem_bytes_per_s)
                + quantization_s)
     host = ops * cal.op_overhead_s
     compute = kernels + host if cal.overlap < 1 else max(kernels, host)
     communication = wire_bytes / cal.bus_bytes_per_s + calls * cal.latency_s
     step = compute + communication - cal.overlap * min(compute, communication)
-    return {"step_s": step, "compute_s": compute, "comm_s": communication}
+    out = {"compute_s": compute, "comm_s": communication}
+    if offload is None:
+        opt_s = optimizer_seconds(optimizer_bytes, cal)
+        out["optimizer_s"] = opt_s
+    else:
+        priced = offload_seconds(offload["h2d_bytes"], offload["d2h_bytes"], optimizer_bytes, cal, compute)
+        out["offload"] = priced
+        out["optimizer_s"] = opt_s = priced["host_step_s"] + priced["exposed_copy_s"]
+    out["compute_s"] = compute + out["optimizer_s"]     # compute_s: everything but communication, as before
+    out["step_s"] = step + opt_s
+    return out
+
+
+def offload_seconds(h2d_bytes: int, d2h_bytes: int, host_step_bytes: int, cal: Calibration,
+                    compute_s: float) -> dict:
+    """cpu_offload's time terms as the engine schedules them (``_flat/offload.py``): host-to-device copies of the
+    master shards and device-to-host copies of the reduced gradients each on their own stream (the two directions
+    side by side), hidden under the step's compute by ``cal.overlap``; the optimizer step on the host after
+    backward's one wait, serial, at the host memory rate."""
+    pcie = cal.pcie_bytes_per_s or PCIE_BYTES_PER_S
+    host = cal.host_memory_bytes_per_s or HOST_MEMORY_BYTES_PER_S
+    h2d_s, d2h_s = h2d_bytes / pcie, d2h_bytes / pcie
+    copies = max(h2d_s, d2h_s)
+    exposed = copies - cal.overlap * min(copies, compute_s)
+    return {"h2d_bytes": h2d_bytes, "d2h_bytes": d2h_bytes, "h2d_s": h2d_s, "d2h_s": d2h_s,
+            "host_step_bytes": host_step_bytes, "host_step_s": host_step_bytes / host, "exposed_copy_s": exposed,
+            "pcie_bytes_per_s": pcie, "host_memory_bytes_per_s": host}

@@ -58,9 +58,14 @@ def world_plan(world: int, cfg: ShardingConfig, units, handles, tl, module, opt:
     cal_w = cal(world) if callable(cal) else cal
     n_tensors = sum(len(h.param_ids) for h in handles if h.requires_grad)
     ops = tl.ops + _optim.step_ops(opt, n_tensors, foreach)
-    t = predict(tl.flops + ns_flops, tl.other_bytes + res.engine_bytes, _optim.step_traffic(opt, trainable_elems),
+    # cpu_offload (issue 49): the copies the replay counted, and the optimizer step on the host (fused kernel)
+    offload = {"h2d_bytes": res.h2d_bytes, "d2h_bytes": res.d2h_bytes} if cfg.cpu_offload else None
+    opt_bytes = (_optim.host_step_traffic(opt, trainable_elems) if cfg.cpu_offload
+                 else _optim.step_traffic(opt, trainable_elems))
+    t = predict(tl.flops + ns_flops, tl.other_bytes + res.engine_bytes, opt_bytes,
                 sum(res.wire.values()), sum(res.calls.values()), cal_w, ops, tl.attention_flops,
-                quantization_seconds(res.quantized_elems, res.dequantized_elems, cal_w)) if cal_w is not None else {}
+                quantization_seconds(res.quantized_elems, res.dequantized_elems, cal_w),
+                offload=offload) if cal_w is not None else {}
     across = {}
     if links is not None:      # nodes and a link: each collective at the link its group uses
         across = price(links, world, lay, res, t.get("compute_s") or 0.0,
@@ -74,7 +79,8 @@ def world_plan(world: int, cfg: ShardingConfig, units, handles, tl, module, opt:
                                             "grad_shards": p.grad_shards, "activations": p.activations,
                                             "unsharded_units": list(p.unsharded_units)},
                      wire_bytes=dict(res.wire), wire_calls=dict(res.calls), step_s=t.get("step_s"),
-                     compute_s=t.get("compute_s"), comm_s=t.get("comm_s"),
+                     compute_s=t.get("compute_s"), comm_s=t.get("comm_s"), optimizer_s=t.get("optimizer_s"),
+                     offload=t.get("offload") or ({**offload, "host_step_bytes": opt_bytes} if offload else {}),
                      host_bytes=(param_shards + opt_state + trainable) if cfg.cpu_offload else 0,
                      runtime=runtime, optimizer_flops=ns_flops, secondary_shards=res.max_secondary,
                      wire_groups={f"{k}/{g}": v for (k, g), v in res.wire_groups.items()},

@@ -1,0 +1,81 @@
+"""fp.plan prices cpu_offload (issue 49): PCIe bytes each way (counted by the replay, equal to what the engine's
+copier counts), the host optimizer step's bytes (fused kernel), their seconds at named bandwidths, and the device
+optimizer step as a memory-bound term after backward."""
+import pytest
+import torch
+
+import fsdp_plugin as fp
+from fsdp_plugin._flat import offload
+from fsdp_plugin.planner import Calibration
+from fsdp_plugin.planner._time import HOST_MEMORY_BYTES_PER_S, PCIE_BYTES_PER_S, offload_seconds, predict
+from models import GPT, Block, gpt_batch
+
+BF16 = fp.MixedPrecision(param_dtype=torch.bfloat16)
+CAL = Calibration(flops_per_s=1e12, mem_bytes_per_s=1e11, bus_bytes_per_s=1e10, overlap=1.0)
+
+
+def _plan(**kw):
+    return fp.plan(lambda: GPT(), world_size=1, auto_wrap_policy={Block}, optimizer="adamw",
+                   inputs=lambda: gpt_batch(0, 0), loss_fn=None, calibration=CAL, **kw).worlds[1]
+
+
+def _engine_step_bytes(monkeypatch, **kw):
+    """The copier's counted bytes of one training step (the second: the first allocates), on CPU."""
+    monkeypatch.setattr(offload, "_TEST_BACKEND", offload.FakeBackend)
+    torch.manual_seed(0)
+    model = fp.shard(GPT(), auto_wrap_policy={Block}, cpu_offload=True, **kw)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    stats = model._fp_root.offload.stats
+    for s in range(2):
+        stats.reset()
+        loss = model(*gpt_batch(s, 0))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    trainable = sum(h.chunk for u in model._fp_root.units for h in u.handles if h.requires_grad)
+    return stats.h2d_bytes, stats.d2h_bytes, trainable
+
+
+@pytest.mark.parametrize("mp", [None, BF16], ids=["fp32", "bf16"])
+def test_planned_pcie_bytes_are_the_engines(monkeypatch, mp):
+    kw = {} if mp is None else {"mixed_precision": mp}
+    h2d, d2h, trainable = _engine_step_bytes(monkeypatch, **kw)
+    plan = _plan(cpu_offload=True, **kw)
+    assert (plan.offload["h2d_bytes"], plan.offload["d2h_bytes"]) == (h2d, d2h)
+    assert d2h == 4 * trainable, "fp32 gradients, once each"
+    assert h2d > d2h, "resharded units are copied again for backward (fp32 masters cross PCIe, as FSDP2's)"
+    assert plan.offload["host_step_bytes"] == 28 * trainable, "fused AdamW: read p, g, m, v; write p, m, v"
+
+
+def test_offload_seconds_default_and_overridden_bandwidths():
+    t = offload_seconds(55 * 10**9, 11 * 10**9, 28 * 10**9, CAL, compute_s=0.5)
+    assert t["h2d_s"] == pytest.approx(55e9 / PCIE_BYTES_PER_S) and t["d2h_s"] == pytest.approx(0.2)
+    assert t["host_step_s"] == pytest.approx(28e9 / HOST_MEMORY_BYTES_PER_S)
+    assert t["exposed_copy_s"] == pytest.approx(1.0 - 0.5), "directions side by side; compute hides its length"
+    own = Calibration(**{**CAL.to_dict(), "pcie_bytes_per_s": 25e9, "host_memory_bytes_per_s": 50e9})
+    t = offload_seconds(50 * 10**9, 0, 100 * 10**9, own, compute_s=0.0)
+    assert (t["h2d_s"], t["host_step_s"], t["exposed_copy_s"]) == pytest.approx((2.0, 2.0, 2.0))
+
+
+def test_plan_prices_the_host_step_instead_of_the_device_step():
+    on, off = _plan(cpu_offload=True), _plan()
+    assert off.offload == {} and off.optimizer_s == pytest.approx(80 * on.offload["host_step_bytes"] / 28 / 1e11)
+    o = on.offload
+    assert on.optimizer_s == pytest.approx(o["host_step_s"] + o["exposed_copy_s"])
+    assert on.step_s == pytest.approx(on.compute_s, rel=1e-9), "world 1: compute (the optimizer term included)"
+    assert on.step_s - on.optimizer_s >= off.step_s - off.optimizer_s, "plus the engine's copies of the masters"
+    assert "offload PCIe h2d / d2h" in str(fp.plan(lambda: GPT(), world_size=[1, 2], auto_wrap_policy={Block},
+                                                  inputs=lambda: gpt_batch(0, 0), loss_fn=None, calibration=CAL,
+                                                  cpu_offload=True))
+
+
+def test_device_optimizer_step_is_memory_bound_and_follows_backward():
+    """bytes per parameter x parameters / memory rate, added after compute and communication overlap (no
+    collective runs beside the step)."""
+    cal = Calibration(flops_per_s=1e12, mem_bytes_per_s=4.8e12, bus_bytes_per_s=1e11, overlap=1.0)
+    adamw_llama_1b = 80 * 1_235_814_400
+    t = predict(10**12, 0, adamw_llama_1b, 2 * 10**11, 0, cal)
+    assert t["optimizer_s"] == pytest.approx(adamw_llama_1b / 4.8e12)
+    assert t["step_s"] == pytest.approx(max(1.0, 2.0) + t["optimizer_s"])
+    own = Calibration(**{**cal.to_dict(), "optimizer_bytes_per_s": 2.4e12})
+    assert predict(0, 0, adamw_llama_1b, 0, 0, own)["optimizer_s"] == pytest.approx(2 * t["optimizer_s"])
