@@ -20,19 +20,44 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.flop_counter import flop_registry
 
 from .._build.precision import forward_restorer, install_casts
+from .._compat import flop_formulas
 
 _aten = torch.ops.aten
-# torch's formulas, plus the CPU flash-attention kernels (same arguments as the CUDA ones, absent from the
-# registry: without them CPU attention would be priced as memory traffic).
-_FLOP_FORMULAS = {
-    **flop_registry,
-    _aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[_aten._scaled_dot_product_flash_attention],
+# torch's formulas (GQA-safe attention on every torch: `_compat`), plus the CPU flash-attention kernels (same
+# arguments as the CUDA ones, absent from the registry: without them CPU attention would be priced as memory
+# traffic).
+_FLOP_FORMULAS = flop_formulas()
+_FLOP_FORMULAS.update({
+    _aten._scaled_dot_product_flash_attention_for_cpu: _FLOP_FORMULAS[_aten._scaled_dot_product_flash_attention],
     _aten._scaled_dot_product_flash_attention_for_cpu_backward:
-        flop_registry[_aten._scaled_dot_product_flash_attention_backward],
-}
+        _FLOP_FORMULAS[_aten._scaled_dot_product_flash_attention_backward],
+})
+
+
+def _grouped_mm_flop(mat_a, mat_b, *args, out_val=None, **kwargs) -> int:
+    """``aten._grouped_mm`` (transformers' grouped MoE experts, forward and backward), absent from torch's registry:
+    every row of ``mat_a`` meets one group's matrix, 2 FLOPs per multiply-add. 2-D x 2-D (the weight gradient:
+    the groups split the contraction) contracts each of ``mat_a``'s elements with one row of ``mat_b``."""
+    if mat_a.dim() == 2 and mat_b.dim() == 2:
+        return 2 * mat_a.numel() * mat_b.shape[-1]
+    return 2 * out_val.numel() * mat_a.shape[-1]
+
+
+_FLOP_FORMULAS[_aten._grouped_mm] = _grouped_mm_flop
+
+
+def _fake_call(func, args, kwargs):
+    """``func`` on fake tensors. ``aten._grouped_mm``'s meta kernel enforces the CUDA kernel's bfloat16 while the
+    CPU kernel (what transformers' MoE experts call there) takes any float: shaped by the meta kernel on bfloat16
+    stand-ins, returned in the real dtype."""
+    if func is _aten._grouped_mm.default and (args[0].dtype != torch.bfloat16 or args[1].dtype != torch.bfloat16):
+        dtype = kwargs.get("out_dtype") or args[0].dtype
+        stand_in = func(args[0].to(torch.bfloat16), args[1].to(torch.bfloat16), *args[2:],
+                        **{**kwargs, "out_dtype": None})
+        return stand_in.to(dtype)
+    return func(*args, **kwargs)
 
 from .errors import PlanError
 
@@ -80,7 +105,7 @@ class _Tracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _aten._local_scalar_dense.default:
             return _scalar_of(args[0])
-        out = func(*args, **(kwargs or {}))
+        out = _fake_call(func, args, kwargs or {})
         kind, amount = op_cost(func, args, kwargs, out)
         if kind == "meta":
             return out
