@@ -98,13 +98,13 @@ def _check_optimizer(optimizer, args, kwargs) -> None:
 def _check_offload(optimizer, sharded: list) -> None:
     """cpu_offload parameters: remember their copiers (waited on before each step) and give torch's Adam/AdamW/SGD
     their fused CPU kernel when the user chose no implementation (else one warning naming the fix)."""
-    copiers = {id(c): c for c in (p._fp_handle.offload for p in sharded) if c is not None}
+    copiers = {id(c): c for c in (getattr(p._fp_handle, "offload", None) for p in sharded) if c is not None}
     if not copiers:
         return
     _offloaded[optimizer] = list(copiers.values())
     for c in copiers.values():
         c.before_host_update()
-    fast_host_step(optimizer, [p for p in sharded if p._fp_handle.offload is not None])
+    fast_host_step(optimizer, [p for p in sharded if getattr(p._fp_handle, "offload", None) is not None])
 
 
 def _after_step(optimizer, args, kwargs) -> None:

@@ -421,7 +421,8 @@ class FlatParamHandle:
         """The flat sharded gradient, found through the slots' ``p.grad`` views.
 
         The handle keeps no reference of its own: once the user drops every ``p.grad``
-        (``zero_grad(set_to_none=True)``) the buffer is freed at once, not at the next backward.
+        (``zero_grad(set_to_none=True)``) the buffer is freed at once, not at the next backward. Under cpu_offload
+        the copier keeps its pinned buffer and reuses it when nothing else holds it (``offload.py``).
         """
         grads = [s.param.grad for s in self.slots]
         if any(g is None for g in grads):
