@@ -285,3 +285,41 @@ def test_offload_at_world_2_trains_like_no_offload():
     assert stats["h2d_copies"] and stats["d2h_copies"] and stats["syncs"] == 3
     assert max(abs(a - b) for a, b in zip(losses, want_losses)) <= 1e-6
     assert max((want[k] - got[k]).abs().max().item() for k in want) <= 1e-6
+
+
+# ------------------------------------------------------------------ unused parameters and slots without gradients
+class _Partly(torch.nn.Module):
+    """One unit whose ``spare`` is used only on even steps: its slot's gradient comes and goes."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.spare, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, x, use_spare):
+        h = self.a(x)
+        if use_spare:
+            h = self.spare(h)
+        return self.b(h).square().mean()
+
+
+def _partly_grads(offloaded, set_to_none):
+    torch.manual_seed(0)
+    model = fp.shard(_Partly(), cpu_offload=offloaded)
+    out = []
+    for s in range(4):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(s))
+        if s % 2 == 0 or set_to_none:
+            model.zero_grad(set_to_none=set_to_none)
+        model(x, s % 2 == 0).backward()
+        out.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+    return out
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_slots_without_gradients_match_no_offload(fake_offload, set_to_none):
+    """``p.grad`` None for a slot no backward used (and kept, added to, where it had one), as without offload."""
+    want, got = _partly_grads(False, set_to_none), _partly_grads(True, set_to_none)
+    assert any(x is None for w in want for x in w) == set_to_none, "the unused slot's gradient comes and goes"
+    for w, g in zip(want, got):
+        assert [x is None for x in w] == [x is None for x in g]
+        assert all(x is None or torch.allclose(x, y, rtol=0, atol=1e-7) for x, y in zip(w, g))
