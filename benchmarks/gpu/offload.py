@@ -43,6 +43,7 @@ LLAMA_1B = dict(vocab=128256, d=2048, n_layer=16, n_head=32, n_kv=8, ffn=8192)
 TINY = dict(vocab=256, d=64, n_layer=2, n_head=4, n_kv=2, ffn=128)
 SMALL = dict(vocab=512, d=128, n_layer=2, n_head=4, n_kv=2, ffn=256)
 ROWS: list = []
+MEASURED: dict = {}     # the bandwidth row's rates, for the copies' share of the offload step
 
 
 def emit(check: str, ok: bool, **facts) -> None:
@@ -161,6 +162,7 @@ def bandwidth(device, nbytes: int) -> None:
            "d2h_pinned_gb_s": rate(lambda: pinned.copy_(dev, non_blocking=True)),
            "d2h_pageable_gb_s": rate(lambda: pageable.copy_(dev)),
            "d2h_pageable_fresh_gb_s": rate(lambda: dev.to("cpu"))}
+    MEASURED.update(out)
     emit("bandwidth", True, bytes=nbytes, thp=thp(), s=round(time.perf_counter() - t0, 1), **out)
 
 
@@ -200,6 +202,9 @@ def train(name, model, opt, shape, vocab, device, steps, copier=None, extra=None
         row.update(h2d_gb=round(st["h2d_bytes"] / 1e9, 3), d2h_gb=round(st["d2h_bytes"] / 1e9, 3),
                    host_waits=st["syncs"], host_allocs=st["host_allocs"],
                    fused=all(g.get("fused") for g in opt.param_groups))
+        if MEASURED.get("h2d_pinned_gb_s"):     # the copies' phase: their bytes at the measured pinned rates
+            row.update(h2d_ms_at_pinned=round(st["h2d_bytes"] / MEASURED["h2d_pinned_gb_s"] / 1e6, 1),
+                       d2h_ms_at_pinned=round(st["d2h_bytes"] / MEASURED["d2h_pinned_gb_s"] / 1e6, 1))
     return row
 
 
