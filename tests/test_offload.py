@@ -323,3 +323,20 @@ def test_slots_without_gradients_match_no_offload(fake_offload, set_to_none):
     for w, g in zip(want, got):
         assert [x is None for x in w] == [x is None for x in g]
         assert all(x is None or torch.allclose(x, y, rtol=0, atol=1e-7) for x, y in zip(w, g))
+
+
+def test_world_1_copy_is_waited_where_the_unit_uses_it(fake_offload):
+    """At world 1 the current stream waits for a handle's copy in its wait_unshard, not when the copy is issued (a
+    prefetch runs beside the prefetching unit's compute); the filled buffer is the master in the compute dtype."""
+    model = _model(cpu_offload=True, mixed_precision=BF16)
+    _train(model, _optimizer(model, "sgd"), 1)
+    fake = fake_offload[-1]
+    h = model._fp_root.units[1].handles[0]
+    assert h.state.value == "sharded"
+    before = fake.current().waited
+    h.unshard()
+    assert h.state.value == "unsharding" and fake.current().waited == before
+    h.wait_unshard()
+    assert h.state.value == "unsharded" and fake.current().waited == before + 1
+    assert torch.equal(h._full, h.flat_shard.to(torch.bfloat16))
+    h.reshard()

@@ -212,8 +212,14 @@ class FlatParamHandle:
             return
         held = self.secondary.take() if self.secondary is not None else None
         self._alloc_full()
+        if self.mesh.shard_size == 1 and self.offload is not None:   # copied on the copier's stream; the
+            self._gather = (self.offload, self.offload.to_device(self.flat_shard, self))   # stream using it waits
+            self.state = ShardedState.UNSHARDING                        # in wait_unshard (``offload.fill``)
+            if not async_op:
+                self.wait_unshard()
+            return
         if self.mesh.shard_size == 1:
-            self._full.copy_(self._master_on_device(self.compute_dtype))
+            self._full.copy_(self.flat_shard.to(self.device, self.compute_dtype, non_blocking=True))
             self.state = ShardedState.UNSHARDED
             return
         if held is not None and use_secondary:     # hpZ: exact, inside the secondary group, from the held slice
@@ -233,16 +239,17 @@ class FlatParamHandle:
             self.wait_unshard()
 
     def _master_on_device(self, dtype: torch.dtype) -> torch.Tensor:
-        """The master shard on the device in ``dtype`` (offload: copied on the copier's stream, cast on this one;
-        at world 1 the caller's copy into ``_full`` casts)."""
+        """The master shard on the device in ``dtype`` (offload: copied on the copier's stream, cast on this one)."""
         if self.offload is not None:
-            out = self.offload.to_device(self.flat_shard)
-            return out if self.mesh.shard_size == 1 else out.to(dtype)
+            return self.offload.to_device(self.flat_shard).to(dtype)
         return self.flat_shard.to(self.device, dtype, non_blocking=True)
 
     @_traced("wait_unshard")
     def wait_unshard(self) -> None:
         """-> UNSHARDED, from either other state."""
+        if self.state is ShardedState.UNSHARDING and self.offload is not None and self._gather[0] is self.offload:
+            copy, self._gather, self.state = self._gather[1], None, ShardedState.UNSHARDED   # cpu_offload, world 1
+            return self.offload.fill(copy, self._full)
         if self.state is ShardedState.UNSHARDING:
             work, self._gather = self._gather[0], None
             self.state = ShardedState.UNSHARDED    # the buffer is ours again even if the wait raises

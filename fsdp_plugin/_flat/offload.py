@@ -11,7 +11,9 @@ One :class:`HostCopier` per sharded model (``RootState.offload``; each offloaded
   bytes asked for, once, and the block is unregistered before it is unmapped (``_PinnedBlock.__del__``).
 * **Host-to-device** (``to_device``): the copy of the master runs on its own stream (``h2d``), the current stream
   waits for it on the GPU (an event; the host does not wait), and the cast to the compute dtype runs on the current
-  stream, as FSDP2 does (fp32 crosses PCIe; the cast is a GPU kernel).
+  stream, as FSDP2 does (fp32 crosses PCIe; the cast is a GPU kernel). At world 1 the current stream waits only at
+  the handle's ``wait_unshard`` (``fill``): a prefetched unit's copy runs beside the compute of the unit that
+  prefetched it (backward prefetch by default; ``forward_prefetch=True`` does the same for forward).
 * **Device-to-host** (``accumulate_grad``): the reduced gradient chunk is copied ``non_blocking`` on a second
   stream (``d2h``) after an event from the current stream, into the handle's persistent pinned gradient buffer; the
   slots' ``p.grad`` views are bound into it at once. The host waits ONCE, at the end of backward
@@ -208,6 +210,7 @@ class HostCopier:
         self._adds: list = []           # (destination, source) additions waiting for the end-of-backward wait
         self._last_d2h = None           # the newest device-to-host copy's event (one stream: they finish in order)
         self._h2d_unsynced = False      # a host-to-device copy was issued after the last copy the host waits on
+        self._in_flight = 0             # world-1 copies issued and not yet waited for by the current stream
         self._lone = _use_count(torch.empty(1))   # a tensor's storage use count when nothing else holds it
 
     # ---------------------------------------------------------------- host memory
@@ -221,21 +224,37 @@ class HostCopier:
         return self.host_tensor(numel, dtype)
 
     # ---------------------------------------------------------------- host -> device
-    def to_device(self, shard: torch.Tensor) -> torch.Tensor:
-        """A device copy of ``shard`` (its dtype), ready on the current stream: copied on the h2d stream, which
-        the current stream waits for on the GPU; the host does not wait."""
+    def to_device(self, shard: torch.Tensor, handle=None):
+        """A device copy of ``shard`` (its dtype) made on the h2d stream; the host does not wait. Without
+        ``handle``: ready on the current stream (it waits for the copy on the GPU now: an all-gather's source).
+        With ``handle`` (world 1): ``(event, copy)`` for ``fill`` at the handle's ``wait_unshard``, so the compute
+        queued before then (the unit that prefetched it) runs beside the copy."""
         b = self.backend
-        current = b.current()
         with b.use(b.h2d):
             out = torch.empty(shard.shape, dtype=shard.dtype, device=self.device)
             out.copy_(shard, non_blocking=b.non_blocking)
             done = b.event(b.h2d)
-        current.wait_event(done)
-        b.keep_until(out, current)        # allocated on h2d, used on current
         self.stats.h2d_copies += 1
         self.stats.h2d_bytes += shard.numel() * shard.element_size()
         self._h2d_unsynced = True
+        if handle is not None:
+            self._in_flight += 1
+            return done, out
+        current = b.current()
+        current.wait_event(done)
+        b.keep_until(out, current)        # allocated on h2d, used on current
         return out
+
+    def fill(self, copy, full: torch.Tensor) -> None:
+        """The current stream waits (on the GPU) for a ``to_device(..., handle)`` copy and casts it into ``full``."""
+        done, out = copy
+        b = self.backend
+        current = b.current()
+        current.wait_event(done)
+        full.copy_(out)
+        b.keep_until(out, current)
+        self._in_flight -= 1
+        self._h2d_unsynced = True
 
     # ---------------------------------------------------------------- device -> host
     def accumulate_grad(self, handle, reduced: torch.Tensor) -> None:
@@ -279,7 +298,8 @@ class HostCopier:
         b.keep_until(src, b.d2h)            # the current stream may reuse its memory only after the copy
         self.stats.d2h_copies += 1
         self.stats.d2h_bytes += src.numel() * src.element_size()
-        self._h2d_unsynced = False          # every earlier h2d copy was waited for by the current stream before it
+        if not self._in_flight:             # every earlier h2d copy was waited for by the current stream before it
+            self._h2d_unsynced = False
 
     # ---------------------------------------------------------------- host waits
     def _sync(self, event, site: str) -> None:
@@ -293,7 +313,6 @@ class HostCopier:
         last, self._last_d2h = self._last_d2h, None
         if last is not None:
             self._sync(last, "end_of_backward")
-            self._h2d_unsynced = False
         adds, self._adds = self._adds, []
         for dst, src in adds:
             dst.add_(src.reshape(dst.shape))
@@ -302,9 +321,9 @@ class HostCopier:
         """Before the host writes master shards (an optimizer step): wait for copies that read them if any are
         possibly in flight (a forward without backward); after a backward nothing is."""
         self.finish_backward()
-        if self._h2d_unsynced:
+        if self._h2d_unsynced:      # every copy reading the masters runs on the h2d stream, in order
             b = self.backend
-            self._sync(b.event(b.current()), "before_optimizer_step")
+            self._sync(b.event(b.h2d), "before_optimizer_step")
             self._h2d_unsynced = False
 
     abandon = finish_backward
