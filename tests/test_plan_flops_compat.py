@@ -203,3 +203,17 @@ def test_cli_plans_a_gqa_config(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["flops_per_step"] == dense_llama() + L * attn_fused(B, HEADS, S, S, D, D)
     assert out["peak_bytes"]["1"] > out["peak_bytes"]["2"]
+
+
+def _backward_in_a_forked_child(rank, world):
+    z = torch.randn(4, requires_grad=True)
+    (z * 2).sum().backward()
+    return float(z.grad.sum())
+
+
+def test_a_forked_child_can_run_backward_after_a_plan():
+    """torch 2.11 starts autograd device threads at a first backward on fake tensors, after which every fork-based
+    child's backward fails: the planner starts the engine with a real CPU backward first."""
+    from _dist import run_ranks
+    fp.plan(ZOO["llama_gqa"][0], world_size=2, batch_size=B, seq_len=S, device="cpu")
+    assert run_ranks(_backward_in_a_forked_child, 2, timeout=120) == [8.0, 8.0]

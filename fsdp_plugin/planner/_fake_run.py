@@ -11,6 +11,7 @@ be complete, then dropped: the replay accounts them as the unit's flat gradient.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -190,8 +191,20 @@ class RunSpec:
     fp32_buffers: set = field(default_factory=set)     # (id(module), name) of buffers kept in their dtype
 
 
+@functools.lru_cache(maxsize=None)
+def _start_autograd_engine() -> None:
+    """One real backward on CPU before the first fake one. The autograd engine sizes its device threads once, at
+    its first backward; when that backward is on fake tensors, torch 2.11 starts device threads (not 2.13), and
+    every fork-based child of the process then fails its first backward ("Unable to handle autograd's threading
+    in combination with fork-based multiprocessing": multiprocessing ranks or tests started after fp.plan).
+    Started by a real CPU backward, the engine has only the threads the process's devices need, as in training."""
+    with torch.enable_grad():
+        torch.ones(1, requires_grad=True).sum().backward()
+
+
 def run(model: nn.Module, units, handles, spec: RunSpec, inputs: Callable, loss_fn) -> Timeline:
     """Fake forward+backward of ``model`` (left as it was found) with the engine's unit boundaries marked."""
+    _start_autograd_engine()
     tl = Timeline()
     restore_fwd = _checkpoint(model, spec.checkpoint_policy)
     restore_casts = install_casts(spec.fp32_regions, spec.compute_dtype, spec.device.type)
