@@ -79,3 +79,13 @@ def test_device_optimizer_step_is_memory_bound_and_follows_backward():
     assert t["step_s"] == pytest.approx(max(1.0, 2.0) + t["optimizer_s"])
     own = Calibration(**{**cal.to_dict(), "optimizer_bytes_per_s": 2.4e12})
     assert predict(0, 0, adamw_llama_1b, 0, 0, own)["optimizer_s"] == pytest.approx(2 * t["optimizer_s"])
+
+
+def test_offload_rates_are_measured_here():
+    """What ``calibrate`` measures on CUDA for cpu_offload (run here on CPU: the same code, unpinned)."""
+    from fsdp_plugin.planner._time import offload_rates
+    r = offload_rates(torch.device("cpu"), 0.01, elems=2**18)
+    assert r["pcie_bytes_per_s"] > 0 and r["host_memory_bytes_per_s"] > 0
+    cal = Calibration(**{**CAL.to_dict(), **r})
+    assert offload_seconds(10**9, 0, 28 * 10**6, cal, 0.0)["host_step_s"] == pytest.approx(
+        28e6 / r["host_memory_bytes_per_s"])

@@ -139,6 +139,8 @@ def calibrate(device: Optional[torch.device] = None, dtype: torch.dtype = torch.
         report()
     overlap = 1.0 if device.type == "cuda" else 0.0
     rates.update(mem_bytes_per_s=mem, op_overhead_s=_op_overhead(device, seconds), **_quantization_rates(device))
+    if device.type == "cuda":      # cpu_offload's links: pinned copies each way, the host's fused AdamW
+        rates.update(offload_rates(device, seconds / 4))
     report()
     if world > 1:
         rates = _group_median(rates, group, device)
@@ -149,7 +151,25 @@ def calibrate(device: Optional[torch.device] = None, dtype: torch.dtype = torch.
                        optimizer_bytes_per_s=rates["optimizer_bytes_per_s"],
                        attention_flops_per_s=rates["attention_flops_per_s"],
                        quantize_s_per_elem=rates["quantize_s_per_elem"],
-                       dequantize_s_per_elem=rates["dequantize_s_per_elem"])
+                       dequantize_s_per_elem=rates["dequantize_s_per_elem"],
+                       pcie_bytes_per_s=rates.get("pcie_bytes_per_s"),
+                       host_memory_bytes_per_s=rates.get("host_memory_bytes_per_s"))
+
+
+def offload_rates(device, seconds: float, elems: int = 16 * 2**20) -> dict:
+    """cpu_offload's rates on this machine: the slower direction of a pinned host<->device copy of ``elems`` fp32
+    values (bytes/s), and the host memory rate of torch's fused CPU AdamW step over ``elems`` fp32 parameters (at
+    the 28 B/param `_optim.host_step_traffic` counts), the kernel fp.shard gives offloaded AdamW."""
+    host = torch.empty(elems, pin_memory=device.type == "cuda")
+    dev = torch.empty(elems, device=device)
+    nbytes = elems * 4
+    h2d = _timed(lambda: (dev.copy_(host, non_blocking=True), _sync(device)), seconds)
+    d2h = _timed(lambda: (host.copy_(dev, non_blocking=True), _sync(device)), seconds)
+    p = torch.nn.Parameter(torch.zeros(elems))
+    p.grad = torch.full((elems,), 1e-3)
+    opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+    step = _timed(opt.step, seconds)
+    return {"pcie_bytes_per_s": nbytes / max(h2d, d2h), "host_memory_bytes_per_s": 28 * elems / step}
 
 
 def _quantization_rates(device) -> dict:
