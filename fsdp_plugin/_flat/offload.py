@@ -34,6 +34,7 @@ from __future__ import annotations
 import mmap
 import os
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -339,7 +340,7 @@ class HostCopier:
 # (1.2e-7 on values ~1 after 10 steps, tests/test_offload.py). Switched on for offloaded parameters when the user
 # set neither ``fused`` nor ``foreach``; ``FSDP_PLUGIN_OFFLOAD_FUSED=0`` keeps torch's loop.
 _FUSABLE = ("Adam", "AdamW", "SGD")
-_advised: set = set()
+_advised: "weakref.WeakSet" = weakref.WeakSet()     # optimizers already told about their slow host loop
 
 
 def fast_host_step(optimizer, params: list) -> Optional[str]:
@@ -361,9 +362,8 @@ def fast_host_step(optimizer, params: list) -> Optional[str]:
                 g["fused"], g["foreach"] = True, False
             optimizer.defaults["fused"], optimizer.defaults["foreach"] = True, False
             return "fused"
-    key = id(optimizer)
-    if key not in _advised:
-        _advised.add(key)
+    if optimizer not in _advised:
+        _advised.add(optimizer)
         warnings.warn(f"cpu_offload: {cls.__name__} steps the offloaded parameters on the CPU with torch's "
                       "one-tensor-at-a-time loop (about 3-5x slower than its fused CPU kernel): construct it with "
                       f"fused=True (torch.optim.{cls.__name__}(..., fused=True))", UserWarning, stacklevel=4)
