@@ -2,6 +2,7 @@
 
     accelerate launch --config_file examples/accelerate_fsdp_cpu.yaml --main_process_port 0 \
         examples/accelerate_train.py --steps 20 --save-state ckpt --save-model final
+    # on GPUs (one process per GPU, NCCL, bf16): examples/accelerate_fsdp_gpu.yaml instead
     # continue to step 40 (--steps is the total, as in the other examples)
     accelerate launch --config_file examples/accelerate_fsdp_cpu.yaml --main_process_port 0 \
         examples/accelerate_train.py --steps 40 --resume ckpt
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+import _hardware
 from _text import VOCAB, load_corpus
 from fsdp_plugin.integrations.accelerate import Accelerator  # was: from accelerate import Accelerator
 
@@ -42,6 +44,8 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     """Byte-level GPT with tied input/output embeddings."""
+
+    _no_split_modules = ["Block"]  # the FSDP units when a config names no classes (accelerate_fsdp_gpu.yaml)
 
     def __init__(self, d: int = 64, layers: int = 2, heads: int = 4, seq: int = 64):
         super().__init__()
@@ -112,6 +116,7 @@ def train(accelerator, model, optimizer, scheduler, loader, start: int, steps: i
 def main() -> None:
     args = parse_args()
     accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum)
+    accelerator.print(_hardware.report(accelerator.num_processes, accelerator.device, accelerator.mixed_precision))
     torch.manual_seed(0)
     model = GPT(seq=args.seq)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # before prepare: still valid after it

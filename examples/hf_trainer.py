@@ -18,6 +18,7 @@ import json
 import os
 
 import fsdp_plugin.integrations.transformers  # the one-line change: Trainer (and subclasses) → fsdp_plugin
+import _hardware
 from _tiny_hf import text_dataset, tiny_llama, tokenizer
 from trl import SFTConfig, SFTTrainer
 
@@ -27,7 +28,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--out", default="runs/sft")
     p.add_argument("--max-steps", type=int, default=20)
     p.add_argument("--save-steps", type=int, default=10)
-    p.add_argument("--bf16", action="store_true", help="bf16 compute (fp32 master weights)")
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="bf16 compute (fp32 master weights); default: on with a GPU that supports it, off on CPU")
     p.add_argument("--fsdp-args", action="store_true", help="select FSDP in SFTConfig instead of the accelerate config")
     p.add_argument("--resume", default=None, help="a checkpoint-<step> folder")
     return p.parse_args()
@@ -46,9 +48,12 @@ def main() -> None:
     tok = tokenizer()
     fsdp = dict(fsdp=True, fsdp_config={"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}) if a.fsdp_args else {}
     args = SFTConfig(output_dir=a.out, max_steps=a.max_steps, per_device_train_batch_size=4, learning_rate=3e-3,
-                     max_grad_norm=1.0, logging_steps=5, save_steps=a.save_steps, max_length=96, bf16=a.bf16,
-                     report_to=[], disable_tqdm=True, use_cpu=True, seed=0, **fsdp)
+                     max_grad_norm=1.0, logging_steps=5, save_steps=a.save_steps, max_length=96,
+                     report_to=[], disable_tqdm=True, seed=0, **_hardware.trainer_flags(a.bf16), **fsdp)
     trainer = SFTTrainer(model=tiny_llama(len(tok)), args=args, train_dataset=text_dataset(), processing_class=tok)
+    if trainer.is_world_process_zero():
+        acc = trainer.accelerator
+        print(_hardware.report(acc.num_processes, acc.device, acc.mixed_precision), flush=True)
     start = resumed_step(a.resume)
     if start >= a.max_steps and trainer.is_world_process_zero():  # say so: the Trainer would just return
         print(f"nothing left to train: {a.resume} is at step {start} and --max-steps {a.max_steps} is the total; "

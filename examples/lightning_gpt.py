@@ -2,7 +2,8 @@
 
 The text is Python's own documentation (``pydoc_data.topics``, shipped with CPython): no downloads.
 
-    # 2 CPU processes (gloo); ModelCheckpoint writes sharded checkpoint directories under out/gpt/
+    # 2 GPUs (NCCL, bf16-mixed where supported) when there are GPUs, else 2 CPU processes (gloo, 32-true);
+    # the first line printed says which. ModelCheckpoint writes sharded checkpoint directories under out/gpt/
     python examples/lightning_gpt.py --devices 2 --max-steps 40
     # resume from out/gpt/last.ckpt (any number of devices) and keep training
     python examples/lightning_gpt.py --devices 2 --max-steps 80 --resume last
@@ -20,6 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.nn import functional as F
 
+import _hardware
 import fsdp_plugin  # the one-line change: registers strategy="fsdp_plugin" with Lightning
 
 
@@ -137,22 +139,29 @@ class ReportSteps(pl.Callback):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--devices", type=int, default=2, help="GPUs (at most the machine's), or CPU processes")
+    p.add_argument("--accelerator", default="auto", choices=("auto", "gpu", "cpu"),
+                   help="auto: the GPUs when there are any, else the CPU")
     p.add_argument("--max-steps", type=int, default=40)
     p.add_argument("--batch-size", type=int, default=16, help="per process")
     p.add_argument("--ckpt-dir", default="out/gpt")
     p.add_argument("--save-every", type=int, default=20, help="checkpoint every N steps (and last.ckpt)")
     p.add_argument("--sample", type=int, default=120, help="characters to generate after training")
     p.add_argument("--resume", default=None, help='a checkpoint directory, or "last"')
-    p.add_argument("--precision", default="32-true", help="32-true | bf16-mixed | bf16-true")
+    p.add_argument("--precision", default=None,
+                   help="32-true | bf16-mixed | bf16-true | 16-mixed (GPU); default: bf16-mixed on a GPU with bf16, "
+                        "else 32-true")
     args = p.parse_args()
+    accelerator, devices, precision, hardware = _hardware.lightning(args.devices, args.accelerator, args.precision)
+    if _hardware.is_launcher_process():
+        print(hardware, flush=True)
 
     pl.seed_everything(0)
     data = CharData(corpus(), ctx=64)
     model = LitGPT(data.vocab, max_steps=args.max_steps)
     report = ReportSteps()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=args.devices, strategy="fsdp_plugin", precision=args.precision,
+        accelerator=accelerator, devices=devices, strategy="fsdp_plugin", precision=precision,
         max_steps=args.max_steps, log_every_n_steps=5, logger=False, enable_model_summary=False,
         callbacks=[ModelCheckpoint(args.ckpt_dir, every_n_train_steps=args.save_every, save_last=True), report],
     )

@@ -17,6 +17,7 @@ import os
 import torch
 
 import fsdp_plugin.integrations.transformers  # the one-line change: Trainer (and subclasses) → fsdp_plugin
+import _hardware
 from _tiny_hf import text_dataset, tiny_llama, tokenizer
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, Trainer, TrainingArguments
@@ -26,6 +27,8 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/lora")
     p.add_argument("--max-steps", type=int, default=20)
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="bf16 compute; default: on with a GPU that supports it, off on CPU")
     return p.parse_args()
 
 
@@ -47,7 +50,7 @@ def main() -> None:
     tok = tokenizer()
     args = TrainingArguments(output_dir=a.out, max_steps=a.max_steps, per_device_train_batch_size=4,
                              learning_rate=1e-2, logging_steps=5, save_strategy="no", report_to=[],
-                             disable_tqdm=True, use_cpu=True, seed=0)
+                             disable_tqdm=True, seed=0, **_hardware.trainer_flags(a.bf16))
     base = tiny_llama(len(tok))
     if args.process_index == 0:
         base.save_pretrained(os.path.join(a.out, "base"))  # the weights the adapter will be merged into
@@ -56,6 +59,9 @@ def main() -> None:
     data = text_dataset().map(lambda b: tok(b["text"]), batched=True, remove_columns=["text"])
     trainer = Trainer(model=model, args=args, train_dataset=data,
                       data_collator=DataCollatorForLanguageModeling(tok, mlm=False))
+    if trainer.is_world_process_zero():
+        acc = trainer.accelerator
+        print(_hardware.report(acc.num_processes, acc.device, acc.mixed_precision), flush=True)
     trainer.train()
     model.save_pretrained(os.path.join(a.out, "adapter"))  # collective; adapter weights only
     if trainer.is_world_process_zero():

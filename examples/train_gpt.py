@@ -1,4 +1,5 @@
-"""Train a small GPT on real text with fsdp_plugin, on CPU (gloo; nccl where CUDA exists, untested).
+"""Train a small GPT on real text with fsdp_plugin: one GPU per process (NCCL, bf16 where supported) when there
+are GPUs, else CPU processes (gloo, float32); the first line printed says which.
 
     torchrun --nproc_per_node 2 examples/train_gpt.py --steps 300 --save /tmp/ckpt
     torchrun --nproc_per_node 2 examples/train_gpt.py --steps 400 --resume /tmp/ckpt
@@ -27,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _hardware  # noqa: E402
 import _text  # noqa: E402
 
 import fsdp_plugin as fp  # noqa: E402
@@ -165,6 +167,9 @@ def parse_args(argv=None):
     p.add_argument("--save", metavar="DIR", help="write a sharded checkpoint here at the end")
     p.add_argument("--resume", metavar="DIR", help="load this checkpoint and continue from its step")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / local ranks)")
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="bf16 parameters and compute, fp32 reduction and master weights; default: on with a GPU "
+                        "that supports it, off on CPU")
     return p.parse_args(argv)
 
 
@@ -178,6 +183,8 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))
     rank, world, device = init_distributed()
     log = print if rank == 0 else (lambda *a, **k: None)
+    bf16 = _hardware.bf16_ok() if args.bf16 is None else args.bf16
+    log(_hardware.report(world, device, "bf16-mixed" if bf16 else "32-true"), flush=True)
 
     train_data, val_data = _text.split(_text.load_corpus())
     log(f"data: {len(train_data) / 1e6:.2f} MB of Python stdlib source ({_text.stdlib_dir()}), byte tokens; "
@@ -195,7 +202,8 @@ def main(argv=None) -> None:
     # sharded pieces keep their ndim and names survive fp.shard, so deciding after it gives the same groups.
     decay_names = {n for n, p in model.named_parameters() if p.dim() == 2 and "pos_emb" not in n}
 
-    cfg = fp.ShardingConfig(sharding_strategy=args.strategy, auto_wrap_policy={Block})
+    mp = fp.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    cfg = fp.ShardingConfig(sharding_strategy=args.strategy, auto_wrap_policy={Block}, mixed_precision=mp)
     model = fp.shard(model, cfg)
     named = list(model.named_parameters())
     groups = [

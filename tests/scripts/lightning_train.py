@@ -217,6 +217,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--out", required=True)
     p.add_argument("--strategy", default="fsdp_plugin")
     p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--accelerator", default="cpu", help="cpu (the tests) or gpu (benchmarks/gpu/entry_points.py)")
     p.add_argument("--max-steps", type=int, default=8)
     p.add_argument("--deferred", action="store_true")
     p.add_argument("--precision", default="32-true")
@@ -261,7 +262,7 @@ def main() -> None:
         callbacks.append(ModelCheckpoint(args.keep_last[1], monitor="step", mode="max",
                                          save_top_k=int(args.keep_last[0]), every_n_train_steps=1))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=args.devices, strategy=build_strategy(args), precision=args.precision,
+        accelerator=args.accelerator, devices=args.devices, strategy=build_strategy(args), precision=args.precision,
         max_steps=args.max_steps, accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip_val,
         gradient_clip_algorithm=args.clip_algo, callbacks=callbacks, logger=False,
         enable_checkpointing=bool(args.ckpt_dir or args.root_dir or args.keep_last), enable_progress_bar=False,
@@ -351,6 +352,9 @@ def _report(args, trainer, model, recorder, weights) -> None:
         "compiled_units": sorted(u.name for u in getattr(getattr(model, "_fp_root", None), "units", ())
                                  if "_fp_eager_forward" in u.module.__dict__),
         "async_saves": getattr(trainer.strategy, "async_saves", 0),
+        "scaler": type(getattr(trainer.precision_plugin, "scaler", None)).__module__ + "."
+                  + type(getattr(trainer.precision_plugin, "scaler", None)).__name__,
+        "device": str(next(model.parameters()).device),
     }
     mp = getattr(getattr(trainer.strategy, "precision_plugin", None), "mixed_precision", None)
     info["param_dtype"] = str(getattr(mp() if callable(mp) else None, "param_dtype", None))
