@@ -29,19 +29,21 @@ def _engine_step_bytes(monkeypatch, **kw):
     for s in range(2):
         stats.reset()
         loss = model(*gpt_batch(s, 0))
+        forward = stats.h2d_bytes
         opt.zero_grad()
         loss.backward()
         opt.step()
     trainable = sum(h.chunk for u in model._fp_root.units for h in u.handles if h.requires_grad)
-    return stats.h2d_bytes, stats.d2h_bytes, trainable
+    return stats.h2d_bytes, stats.d2h_bytes, trainable, stats.h2d_bytes - forward
 
 
 @pytest.mark.parametrize("mp", [None, BF16], ids=["fp32", "bf16"])
 def test_planned_pcie_bytes_are_the_engines(monkeypatch, mp):
     kw = {} if mp is None else {"mixed_precision": mp}
-    h2d, d2h, trainable = _engine_step_bytes(monkeypatch, **kw)
+    h2d, d2h, trainable, h2d_backward = _engine_step_bytes(monkeypatch, **kw)
     plan = _plan(cpu_offload=True, **kw)
     assert (plan.offload["h2d_bytes"], plan.offload["d2h_bytes"]) == (h2d, d2h)
+    assert plan.offload["h2d_backward_bytes"] == h2d_backward > 0, "backward gathers the resharded units again"
     assert d2h == 4 * trainable, "fp32 gradients, once each"
     assert h2d > d2h, "resharded units are copied again for backward (fp32 masters cross PCIe, as FSDP2's)"
     assert plan.offload["host_step_bytes"] == 28 * trainable, "fused AdamW: read p, g, m, v; write p, m, v"
@@ -51,7 +53,11 @@ def test_offload_seconds_default_and_overridden_bandwidths():
     t = offload_seconds(55 * 10**9, 11 * 10**9, 28 * 10**9, CAL, compute_s=0.5)
     assert t["h2d_s"] == pytest.approx(55e9 / PCIE_BYTES_PER_S) and t["d2h_s"] == pytest.approx(0.2)
     assert t["host_step_s"] == pytest.approx(28e9 / HOST_MEMORY_BYTES_PER_S)
-    assert t["exposed_copy_s"] == pytest.approx(1.0 - 0.5), "directions side by side; compute hides its length"
+    assert t["exposed_copy_s"] == pytest.approx(1.0 - 0.5 / 3), "forward's copies beyond forward's compute"
+    t = offload_seconds(55 * 10**9, 11 * 10**9, 0, CAL, compute_s=3.0, h2d_backward_bytes=22 * 10**9)
+    assert t["exposed_copy_s"] == pytest.approx((0.6 - 0.6) + (0.4 - 0.4)), "each phase's copies hidden by its compute"
+    t = offload_seconds(55 * 10**9, 33 * 10**9, 0, CAL, compute_s=0.6, h2d_backward_bytes=22 * 10**9)
+    assert t["exposed_copy_s"] == pytest.approx((0.6 - 0.2) + (0.6 - 0.4)), "backward: both directions side by side"
     own = Calibration(**{**CAL.to_dict(), "pcie_bytes_per_s": 25e9, "host_memory_bytes_per_s": 50e9})
     t = offload_seconds(50 * 10**9, 0, 100 * 10**9, own, compute_s=0.0)
     assert (t["h2d_s"], t["host_step_s"], t["exposed_copy_s"]) == pytest.approx((2.0, 2.0, 2.0))

@@ -135,6 +135,7 @@ class ReplayResult:
     # unshard) and reduced gradient chunks copied device -> host (master dtype, once per finished reduction)
     h2d_bytes: int = 0
     d2h_bytes: int = 0
+    h2d_backward_bytes: int = 0      # the part of h2d_bytes copied during backward (units gathered again)
 
 
 class _SimUnit(ScheduledUnit):
@@ -328,7 +329,9 @@ class _Sim:
             spec, lay = self.handles[h], self.lay
             src = spec.chunk(lay.shard_size) * lay.compute(spec).itemsize if lay.casts_source(spec) else 0
             if lay.cpu_offload:
-                self.res.h2d_bytes += spec.chunk(lay.shard_size) * spec.dtype.itemsize
+                copied = spec.chunk(lay.shard_size) * spec.dtype.itemsize
+                self.res.h2d_bytes += copied
+                self.res.h2d_backward_bytes += copied if self.root.in_backward else 0
             if src:
                 self.res.engine_bytes += src + spec.chunk(lay.shard_size) * spec.dtype.itemsize
             if lay.shard_size == 1:

@@ -311,7 +311,8 @@ def predict(flops: int, other_bytes: int, optimizer_bytes: int, wire_bytes: int,
         opt_s = optimizer_seconds(optimizer_bytes, cal)
         out["optimizer_s"] = opt_s
     else:
-        priced = offload_seconds(offload["h2d_bytes"], offload["d2h_bytes"], optimizer_bytes, cal, compute)
+        priced = offload_seconds(offload["h2d_bytes"], offload["d2h_bytes"], optimizer_bytes, cal, compute,
+                                 offload.get("h2d_backward_bytes", 0))
         out["offload"] = priced
         out["optimizer_s"] = opt_s = priced["host_step_s"] + priced["exposed_copy_s"]
     out["compute_s"] = compute + out["optimizer_s"]     # compute_s: everything but communication, as before
@@ -319,17 +320,25 @@ def predict(flops: int, other_bytes: int, optimizer_bytes: int, wire_bytes: int,
     return out
 
 
+FORWARD_SHARE = 1 / 3     # forward's part of a step's compute (backward: twice forward's FLOPs)
+
+
 def offload_seconds(h2d_bytes: int, d2h_bytes: int, host_step_bytes: int, cal: Calibration,
-                    compute_s: float) -> dict:
+                    compute_s: float, h2d_backward_bytes: int = 0) -> dict:
     """cpu_offload's time terms as the engine schedules them (``_flat/offload.py``): host-to-device copies of the
-    master shards and device-to-host copies of the reduced gradients each on their own stream (the two directions
-    side by side), hidden under the step's compute by ``cal.overlap``; the optimizer step on the host after
-    backward's one wait, serial, at the host memory rate."""
+    master shards and device-to-host copies of the reduced gradients each on their own stream, hidden by
+    ``cal.overlap`` under the compute of their phase: forward's copies (``h2d_bytes - h2d_backward_bytes``) under
+    forward's compute (``FORWARD_SHARE``), backward's (its gathers again, and every gradient, the two directions
+    side by side) under backward's; the optimizer step on the host after backward's one wait, serial, at the host
+    memory rate."""
     pcie = cal.pcie_bytes_per_s or PCIE_BYTES_PER_S
     host = cal.host_memory_bytes_per_s or HOST_MEMORY_BYTES_PER_S
     h2d_s, d2h_s = h2d_bytes / pcie, d2h_bytes / pcie
-    copies = max(h2d_s, d2h_s)
-    exposed = copies - cal.overlap * min(copies, compute_s)
-    return {"h2d_bytes": h2d_bytes, "d2h_bytes": d2h_bytes, "h2d_s": h2d_s, "d2h_s": d2h_s,
+    fwd_copies, bwd_copies = (h2d_bytes - h2d_backward_bytes) / pcie, max(h2d_backward_bytes / pcie, d2h_s)
+    fwd_compute, bwd_compute = FORWARD_SHARE * compute_s, (1 - FORWARD_SHARE) * compute_s
+    exposed = (fwd_copies - cal.overlap * min(fwd_copies, fwd_compute)
+               + bwd_copies - cal.overlap * min(bwd_copies, bwd_compute))
+    return {"h2d_bytes": h2d_bytes, "d2h_bytes": d2h_bytes, "h2d_backward_bytes": h2d_backward_bytes,
+            "h2d_s": h2d_s, "d2h_s": d2h_s,
             "host_step_bytes": host_step_bytes, "host_step_s": host_step_bytes / host, "exposed_copy_s": exposed,
             "pcie_bytes_per_s": pcie, "host_memory_bytes_per_s": host}

@@ -59,7 +59,8 @@ def world_plan(world: int, cfg: ShardingConfig, units, handles, tl, module, opt:
     n_tensors = sum(len(h.param_ids) for h in handles if h.requires_grad)
     ops = tl.ops + _optim.step_ops(opt, n_tensors, foreach)
     # cpu_offload (issue 49): the copies the replay counted, and the optimizer step on the host (fused kernel)
-    offload = {"h2d_bytes": res.h2d_bytes, "d2h_bytes": res.d2h_bytes} if cfg.cpu_offload else None
+    offload = ({"h2d_bytes": res.h2d_bytes, "d2h_bytes": res.d2h_bytes, "h2d_backward_bytes": res.h2d_backward_bytes}
+               if cfg.cpu_offload else None)
     opt_bytes = (_optim.host_step_traffic(opt, trainable_elems) if cfg.cpu_offload
                  else _optim.step_traffic(opt, trainable_elems))
     t = predict(tl.flops + ns_flops, tl.other_bytes + res.engine_bytes, opt_bytes,
