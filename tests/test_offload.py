@@ -340,3 +340,56 @@ def test_world_1_copy_is_waited_where_the_unit_uses_it(fake_offload):
     assert h.state.value == "unsharded" and fake.current().waited == before + 1
     assert torch.equal(h._full, h.flat_shard.to(torch.bfloat16))
     h.reshard()
+
+
+def test_cuda_backend_calls_on_stand_ins(monkeypatch):
+    """The CUDA backend's own calls (streams, events, record_stream, cudaHostRegister/Unregister) on stand-ins
+    for torch.cuda, training on CPU."""
+    calls = {"stream": 0, "record": 0, "sync": 0, "wait": 0, "record_stream": 0}
+    registered = {}
+
+    class Stream:
+        def __init__(self, device=None):
+            calls["stream"] += 1
+
+        def wait_event(self, ev):
+            calls["wait"] += 1
+
+    class Event:
+        def record(self, stream=None):
+            calls["record"] += 1
+
+        def synchronize(self):
+            calls["sync"] += 1
+
+    class CudaRT:
+        @staticmethod
+        def cudaHostRegister(ptr, nbytes, flags):
+            registered[ptr] = nbytes
+            return 0
+
+        @staticmethod
+        def cudaHostUnregister(ptr):
+            del registered[ptr]
+            return 0
+
+    main = Stream()
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: CudaRT)
+    monkeypatch.setattr(torch.Tensor, "record_stream",
+                        lambda self, s: calls.__setitem__("record_stream", calls["record_stream"] + 1))
+    monkeypatch.setattr(offload, "_TEST_BACKEND", offload._CudaBackend)
+    model = _model(cpu_offload=True, mixed_precision=BF16)
+    handles = [h for u in model._fp_root.units for h in u.handles]
+    assert calls["stream"] == 1 + 2 and len(registered) == len(handles), "two copy streams; one block per shard"
+    _train(model, _optimizer(model, "adamw"), 2)
+    assert calls["sync"] == 2 and len(registered) == 2 * len(handles), "one host wait per step; gradient blocks"
+    assert calls["record_stream"] >= 2 * len(handles)
+    t = offload.host_block(100, torch.float32, offload._cuda_register, offload._cuda_unregister)
+    assert registered[t.data_ptr()] == 400
+    del t
+    gc.collect()
+    assert len(registered) == 2 * len(handles), "a block is unregistered when its last tensor goes"
