@@ -10,6 +10,7 @@ uses and the first torch that has it.
 from __future__ import annotations
 
 import re
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -23,9 +24,10 @@ def _version_tuple(text: str) -> tuple[int, int]:
     return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
 
 
-def check_torch(version: str = torch.__version__) -> None:
+def check_torch(version: Optional[str] = None) -> None:
     """One clear error at ``import fsdp_plugin`` for a torch outside the range (instead of an AttributeError
     from deep inside a step): the installed version, the range, and the command that fixes it."""
+    version = version or torch.__version__
     if _version_tuple(version) < SUPPORTED:
         raise ImportError(
             f"fsdp_plugin needs {SUPPORTED_TEXT}; this environment has torch {version}. Install a supported "

@@ -13,9 +13,9 @@ import pytest
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "fake_world.py")
 
 
-def _rows(world):
+def _rows(world, *flags):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK")}
-    p = subprocess.run([sys.executable, SCRIPT, str(world)], capture_output=True, text=True, timeout=300, env=env)
+    p = subprocess.run([sys.executable, SCRIPT, str(world), *flags], capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     return {r["strategy"]: r for r in map(json.loads, (ln for ln in p.stdout.splitlines() if ln.startswith("{")))}
 
@@ -38,3 +38,18 @@ def test_fake_world_bytes_equal_the_plan(world, hybrid):
     full, none = rows["full_shard"]["param_bytes"], rows["no_shard"]["param_bytes"]
     assert full <= none * 1.1 / min(world, 64), (full, none)
     assert rows["hybrid_shard"]["param_bytes"] <= none * 1.1 / hybrid[1]
+
+
+def test_no_host_wait_inside_a_step_on_a_native_backend():
+    """Issue 48: on every backend but gloo (here torch's fake one, the branch NCCL takes) a training step passes
+    no deadline to a backend wait (each would block the host until the GPU is done: 29 per step of a 5-unit
+    Llama before), polls nothing on the host, and hands each wait to the deadline monitor instead; the one value
+    the engine reads (the unused-parameter masks) is a host tensor when the model is on a GPU."""
+    rows = _rows(8, "--host-waits")
+    mask_read = {"fsdp_plugin/_reduce/usage.py"}
+    for strategy, r in rows.items():
+        for step in r["steps"]:
+            assert step["timed"] == {} and step["host"] == {}, (strategy, step)
+            assert step["watched"] >= 4, (strategy, step)      # every unit's all-gather/reduction: monitored
+            assert {site.split(":")[0] for site in step["reads"]} <= mask_read, (strategy, step["reads"])
+        assert r["cuda_mask_device"] == "cpu", r

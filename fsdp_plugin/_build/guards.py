@@ -12,6 +12,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch import nn
 
+from .._comm import collectives as comm
 from .._flat.dtensor import tp_spec
 from .._flat.offload import fast_host_step
 from .._flat.layout import param_info
@@ -61,6 +62,7 @@ def _install_optimizer_check() -> None:
 
 
 def _check_optimizer(optimizer, args, kwargs) -> None:
+    comm.MONITOR.check()    # a collective past its deadline (``_comm/deadlines.py``): no step on its buffers
     if optimizer in _checked_optimizers:
         for copier in _offloaded.get(optimizer, ()):
             copier.before_host_update()

@@ -20,11 +20,23 @@ import torch.distributed as dist
 
 from .. import _compat
 from ..errors import CollectiveError
-from . import late, native, nodes, status, tagged
+from . import deadlines, late, native, nodes, status, tagged
+from . import p2p
 from .p2p import _P2PAllGather, _P2PAllReduce, _P2PExchange, _P2PPairSum, _P2PReduceScatter, Recorded, Tagged, _Bound
-from .stats import _SYNC_KINDS, STATS, SYNC, CommStats, SyncStats, _count, _split, ring_bytes  # noqa: F401
+from .stats import _SYNC_KINDS, STATS, SYNC, CommStats, SyncStats, _split, ring_bytes  # noqa: F401
+from .stats import _count as _count_bytes
 
 FAILED = False   # a collective of this process failed or timed out (fp.shutdown then leaves the groups alone)
+# deadlines of collectives waited without blocking the host (every backend but gloo): ``deadlines.py``
+MONITOR = deadlines.Monitor(lambda *a: _collective_error(*a), deadlines.abort_group)
+os.register_at_fork(after_in_child=lambda: globals().__setitem__(
+    "MONITOR", deadlines.Monitor(lambda *a: _collective_error(*a), deadlines.abort_group)))
+
+
+def _count(*args, **kwargs) -> None:
+    """Every collective's first line: a deadline the monitor found raises here, before anything is issued."""
+    MONITOR.check()
+    _count_bytes(*args, **kwargs)
 
 
 def group_size(group) -> int:
@@ -244,7 +256,7 @@ def device() -> torch.device:
 
 
 def _blocking(work, what: str, timeout_s: Optional[float]) -> None:
-    wait(work, what, default_timeout_s(timeout_s))
+    wait(work, what, default_timeout_s(timeout_s), host=True)
 
 
 def scatter(out: torch.Tensor, chunks: Optional[list], src: int, group) -> None:
@@ -254,15 +266,44 @@ def scatter(out: torch.Tensor, chunks: Optional[list], src: int, group) -> None:
     status.issued(dist.scatter(out, chunks, src=src, group=group), "scatter", group, n, out.numel())
 
 
-def wait(work, what: str = "collective", timeout_s: Optional[float] = None) -> None:
-    """Wait for ``work``; a peer that died or diverged becomes a CollectiveError within ``timeout_s``."""
+def wait(work, what: str = "collective", timeout_s: Optional[float] = None, host: bool = False) -> None:
+    """Wait for ``work``; a peer that died or diverged becomes a CollectiveError within ``timeout_s``.
+
+    gloo (and our point-to-point works): the wait blocks the host anyway, so it carries the deadline. Every
+    other backend (NCCL): the plain ``wait()``, which only orders the current stream after the collective, and
+    the deadline goes to the monitor (``deadlines.py``); the host never waits for the device here unless
+    ``host`` (a value it reads at once), and then it polls, never ``wait(timeout=)``."""
     if work is None:
         return
+    MONITOR.check()
+    blocks = _host_blocks(work)
     op, work = status.waiting(work, what)
     if op is not None and op.kind in _SYNC_KINDS:
         SYNC.waits[op.kind] += 1
-    _checked(work.wait, what, timeout_s, op)
+    if blocks:
+        _checked(work.wait, what, timeout_s, op)
+    else:
+        _checked(work.wait, what, None, op)
+        # torch's FakeWork never reports completion, though a fake collective has nothing left to do
+        watched = deadlines.DONE if _backend_of(op) == "fake" else work
+        MONITOR.watch(watched, op, what, default_timeout_s(timeout_s), op.group if op is not None else None)
+        if host:
+            SYNC.host[_backend_of(op)] += 1
+            MONITOR.wait_done(watched)
     status.finished(op)
+
+
+def _host_blocks(work) -> bool:
+    """Whether waiting for ``work`` blocks the host in any case (gloo; our point-to-point works)."""
+    if isinstance(work, p2p._P2PWork):
+        return True
+    return _backend_of(getattr(work, "fp_op", None)) == "gloo"
+
+
+def _backend_of(op) -> str:
+    if op is not None and op.backend is not None:
+        return op.backend
+    return dist.get_backend() if dist.is_initialized() else "gloo"
 
 
 def advance(work, what: str = "collective", timeout_s: Optional[float] = None) -> bool:
@@ -277,6 +318,8 @@ def advance(work, what: str = "collective", timeout_s: Optional[float] = None) -
 def _checked(wait_fn, what: str, timeout_s: Optional[float], op) -> None:
     """``wait_fn(timeout=...)``; a failure or a timeout becomes the CollectiveError naming ``what``."""
     try:
+        if timeout_s:
+            SYNC.timed[_backend_of(op)] += 1
         ok = wait_fn(timeout=timedelta(seconds=timeout_s)) if timeout_s else wait_fn()
     except CollectiveError:
         raise                    # a gated collective's pairing verdict: already the whole story

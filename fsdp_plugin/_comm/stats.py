@@ -40,12 +40,19 @@ class SyncStats:
     transfer, not a meeting point added by the engine."""
 
     waits: Counter = field(default_factory=Counter)
+    # issue 48, by backend: ``timed`` waits passed a deadline to the backend's own ``wait(timeout=)`` (on NCCL
+    # each blocks the host until the GPU has finished: the engine makes none on a backend other than gloo);
+    # ``host`` waits polled a collective to completion on purpose (a value the host reads at once: checkpoint
+    # metadata, Join's counts; never inside a step on a device)
+    timed: Counter = field(default_factory=Counter)
+    host: Counter = field(default_factory=Counter)
 
     def reset(self) -> None:
-        self.waits.clear()
+        for counter in (self.waits, self.timed, self.host):
+            counter.clear()
 
     def snapshot(self) -> dict:
-        return {"waits": dict(self.waits)}
+        return {"waits": dict(self.waits), "timed": dict(self.timed), "host": dict(self.host)}
 
 
 SYNC = SyncStats()

@@ -62,10 +62,11 @@ TICKS: list = []        # (publisher) -> None, every publication period (``tagge
 class _Op:
     """One collective of this rank: ``seq`` (per group; None for point to point), wall-clock times (s)."""
 
-    __slots__ = ("seq", "group", "kind", "what", "step", "numel", "t_issue", "t_wait", "t_done")
+    __slots__ = ("seq", "group", "kind", "what", "step", "numel", "t_issue", "t_wait", "t_done", "backend")
 
-    def __init__(self, seq, group: str, kind: str, step: int, numel: int):
+    def __init__(self, seq, group: str, kind: str, step: int, numel: int, backend: Optional[str] = None):
         self.seq, self.group, self.kind, self.step, self.numel = seq, group, kind, step, numel
+        self.backend = backend        # the group's backend: whether its wait blocks the host (``collectives.wait``)
         self.what: Optional[str] = None
         self.t_issue, self.t_wait, self.t_done = time.time(), None, None
 
@@ -97,6 +98,7 @@ class _State:
         self.ring: deque = deque(maxlen=RING)
         self.seq: dict = {}          # group name -> collectives issued
         self.members: dict = {}      # group name -> global ranks
+        self.backends: dict = {}     # group name -> its backend ("gloo", "nccl", "fake", ...)
         self.step = 0
         self.current: Optional[_Op] = None    # being waited for
         self.last: Optional[_Op] = None       # last finished
@@ -123,7 +125,7 @@ def issued(work, kind: str, group, n: int, numel: int = 0):
     if n <= 1 or not ENABLED:
         return work
     if group == "p2p":
-        name, seq = "p2p", None
+        name, seq, backend = "p2p", None, dist.get_backend()
     else:
         pg = group if group is not None else dist.distributed_c10d._get_default_group()
         name = pg.group_name
@@ -131,7 +133,9 @@ def issued(work, kind: str, group, n: int, numel: int = 0):
         _S.seq[name] = seq
         if name not in _S.members:
             _S.members[name] = dist.get_process_group_ranks(pg)
-    op = _Op(seq, name, kind, _S.step, numel)
+            _S.backends[name] = dist.get_backend(pg)
+        backend = _S.backends[name]
+    op = _Op(seq, name, kind, _S.step, numel, backend)
     _S.ring.append(op)
     if _S.publisher is None and not _S.unpublishable:
         publishing()

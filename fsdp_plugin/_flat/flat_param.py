@@ -26,6 +26,7 @@ from .dtensor import as_dtensor, local_grad, tp_spec
 from .owners import choose_owners
 from .rows import local_shape, piece, row_aligned_offsets
 from .secondary import SecondaryShard
+from . import streams
 
 
 def set_param_data(param: nn.Parameter, tensor: torch.Tensor) -> None:
@@ -122,6 +123,8 @@ class FlatParamHandle:
         self.usage = SlotUsage(len(slots))
         self.grad_divisor: Optional[int] = None   # Join, divide_by_initial_world_size=False: active ranks
         self.secondary: Optional[SecondaryShard] = None   # hpZ (``secondary.py``), set by fp.shard
+        # CUDA: the all-gather and reduction side streams (``streams.py``); None on CPU (no stream, as before)
+        self.streams = streams.for_device(device) if (mesh.shard_size > 1 or mesh.replicate_size > 1) else None
 
     # ----------------------------------------------------------------- layout
     def _init_leaf(self) -> None:
@@ -222,18 +225,19 @@ class FlatParamHandle:
             self._full.copy_(self.flat_shard.to(self.device, self.compute_dtype, non_blocking=True))
             self.state = ShardedState.UNSHARDED
             return
-        if held is not None and use_secondary:     # hpZ: exact, inside the secondary group, from the held slice
-            src = held
-            work = comm.all_gather(self._full, src, self.secondary.group, async_op=True, gate=gate,
-                                   what=f"all-gather of unit {self.label!r}")
-        else:
-            q = self.quantization
-            # int8 blocks are cut from the exact master (one rounding, not the compute cast's and then the codes')
-            dtype = self.dtype if quantized.applies(q, "weights", self.mesh.shard_group) else self.compute_dtype
-            src = self._master_on_device(dtype)
-            work = quantized.all_gather(q, self._full, src, self.mesh.shard_group, gate=gate,
-                                        what=f"all-gather of unit {self.label!r}")
-        self._gather = (work, src)
+        with streams.on(self.streams, "gather"):     # CUDA: copy-in and issue beside the compute stream
+            if held is not None and use_secondary:     # hpZ: exact, inside the secondary group, from the held slice
+                src = held
+                work = comm.all_gather(self._full, src, self.secondary.group, async_op=True, gate=gate,
+                                       what=f"all-gather of unit {self.label!r}")
+            else:
+                q = self.quantization
+                # int8 blocks are cut from the exact master (one rounding, not the compute cast's and the codes')
+                dtype = self.dtype if quantized.applies(q, "weights", self.mesh.shard_group) else self.compute_dtype
+                src = self._master_on_device(dtype)
+                work = quantized.all_gather(q, self._full, src, self.mesh.shard_group, gate=gate,
+                                            what=f"all-gather of unit {self.label!r}")
+        self._gather = (work, src)     # src is dropped only after wait_unshard's wait (``streams.py``: why)
         self.state = ShardedState.UNSHARDING
         if not async_op:
             self.wait_unshard()
@@ -367,19 +371,20 @@ class FlatParamHandle:
         the replicas right away; hybrid all-reduces the reduced chunk across replicas from ``finish_reduce``
         (issued after the reduce-scatter's wait: its pairing verdict covers both). ``gate``: as for ``unshard``.
         """
-        grad = grad.to(self.reduce_dtype)
         what = f"gradient reduction of unit {self.label!r}"
-        if self.mesh.shard_size > 1:
-            out = torch.empty(self.chunk, dtype=self.reduce_dtype, device=self.device)
-            work = quantized.reduce_scatter(self.quantization, out, grad, self.mesh.shard_group, gate=gate,
-                                            what=what)
-            self.pending_reduce = _PendingReduce(work, out, grad, gate=gate)
-        elif self.mesh.replicate_size > 1:
-            work = quantized.all_reduce(self.quantization, grad, self.mesh.replicate_group, gate=gate, what=what,
-                                        timeout_s=self.timeout_s)
-            self.pending_reduce = _PendingReduce(work, grad, grad)
-        else:
-            self.pending_reduce = _PendingReduce(None, grad, grad)
+        with streams.on(self.streams, "reduce"):     # CUDA: cast and issue beside the rest of backward
+            grad = grad.to(self.reduce_dtype)
+            if self.mesh.shard_size > 1:
+                out = torch.empty(self.chunk, dtype=self.reduce_dtype, device=self.device)
+                work = quantized.reduce_scatter(self.quantization, out, grad, self.mesh.shard_group, gate=gate,
+                                                what=what)
+                self.pending_reduce = _PendingReduce(work, out, grad, gate=gate)
+            elif self.mesh.replicate_size > 1:
+                work = quantized.all_reduce(self.quantization, grad, self.mesh.replicate_group, gate=gate,
+                                            what=what, timeout_s=self.timeout_s)
+                self.pending_reduce = _PendingReduce(work, grad, grad)
+            else:
+                self.pending_reduce = _PendingReduce(None, grad, grad)
 
     @_traced("wait_reduce")
     def finish_reduce(self, final: bool = True) -> bool:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import weakref
+from datetime import timedelta
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from .._build.strategy import ShardScope
-from .._comm import native, nodes
+from .._comm import collectives as comm, native, nodes
 from ..errors import ConfigError
 
 _GROUP_CACHE: dict = {}
@@ -47,13 +48,23 @@ def build_mesh(scope: ShardScope, device_mesh, tp_size: int = 1) -> Mesh:
     return mesh
 
 
+BACKSTOP_MARGIN_S = 120.0
+
+
+def backstop_timeout() -> timedelta:
+    """The process-group timeout of the engine's own groups: the engine's deadline (``FSDP_PLUGIN_TIMEOUT_S``,
+    600 s by default) plus a margin, so that the deadline monitor (``_comm/deadlines.py``) fires first and names
+    the late rank, and torch's watchdog stays the backstop if the monitor itself is stuck."""
+    return timedelta(seconds=comm.default_timeout_s(None) + BACKSTOP_MARGIN_S)
+
+
 def _ensure_control_group() -> None:
     """A gloo group of every rank that carries the pairing announcements (``_comm.pairing``) and nothing else;
     created here, where every rank is in fp.shard (new_group is collective), once per process group."""
     if "control" not in _GROUP_CACHE:
         # torch's fake group cannot host a gloo group (its store is not a rendezvous): its own world group
         # carries the (no-op) control traffic, and pairing is off there (``root.pairing_mode``)
-        group = dist.group.WORLD if native.is_fake() else dist.new_group(backend="gloo")
+        group = dist.group.WORLD if native.is_fake() else dist.new_group(backend="gloo", timeout=backstop_timeout())
         _GROUP_CACHE["control"] = (group, None)
 
 
@@ -128,11 +139,11 @@ def _hybrid_groups(world: int, replicate: int, shard: int):
         rank = dist.get_rank()
         mine_shard = mine_rep = None
         for r in range(replicate):
-            g = dist.new_group(list(range(r * shard, (r + 1) * shard)))
+            g = dist.new_group(list(range(r * shard, (r + 1) * shard)), timeout=backstop_timeout())
             if rank // shard == r:
                 mine_shard = g
         for s in range(shard):
-            g = dist.new_group(list(range(s, world, shard)))
+            g = dist.new_group(list(range(s, world, shard)), timeout=backstop_timeout())
             if rank % shard == s:
                 mine_rep = g
         _GROUP_CACHE[key] = (mine_shard, mine_rep)
@@ -187,7 +198,7 @@ def secondary_group(mesh: Mesh, size: int):
         for row in mesh.shard_rows:
             for i in range(0, len(row), size):
                 ranks = list(row[i:i + size])
-                g = dist.new_group(ranks)
+                g = dist.new_group(ranks, timeout=backstop_timeout())
                 if mesh.rank in ranks:
                     mine = g
         _GROUP_CACHE[key] = (mine, None)

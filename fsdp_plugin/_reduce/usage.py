@@ -73,7 +73,10 @@ class UsageAgreement:
         self.hashed = root.pairing == "hash"
         if self.handles and root.mesh.world_size > 1:
             data = b"".join(self.masks) + (ledger.token() if self.hashed else b"")
-            group, dev = (control_group(), torch.device("cpu")) if self.hashed else (None, root.device)
+            # on a device the masks would make a host->device->host round trip (a host sync at every backward's
+            # end, issue 48): they go on the gloo control group with CPU tensors, as the hash does
+            on_control = self.hashed or root.device.type != "cpu"
+            group, dev = (control_group(), torch.device("cpu")) if on_control else (None, root.device)
             self.flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
             self.work = comm.all_reduce(self.flat, group, op=dist.ReduceOp.MAX, async_op=True, kind="control")
 

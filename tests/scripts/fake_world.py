@@ -1,6 +1,7 @@
 """One process plays rank 0 of a world of any size under torch's fake process group (tests/test_fake_world.py).
 
-    python tests/scripts/fake_world.py WORLD        # prints one JSON line per strategy
+    python tests/scripts/fake_world.py WORLD                # prints one JSON line per strategy
+    python tests/scripts/fake_world.py WORLD --host-waits   # host waits per training step instead (issue 48)
 
 For each strategy: fp.shard, two AdamW training steps, fp.save_checkpoint, fp.plan of the same job; the row holds
 this rank's real parameter-shard and optimizer-state bytes beside the plan's. No patching of the engine.
@@ -52,12 +53,82 @@ def row(world, strategy, mesh, tmp):
             "save_warning": "; ".join(str(c.message) for c in caught)}
 
 
+class ValueReads:
+    """Counts the engine's reads of tensor values (``item``/``tolist``/``cpu``/``numpy``: each one a host sync when
+    the tensor is on a GPU) by call site, and every ``torch.cuda`` synchronization, while active."""
+
+    METHODS = ("item", "tolist", "cpu", "numpy")
+
+    def __init__(self):
+        self.sites, self._saved = {}, {}
+
+    def _wrap(self, name, fn):
+        def counted(*a, **k):
+            frame = sys._getframe(1)
+            if frame.f_globals.get("__name__", "").startswith("fsdp_plugin"):
+                site = f"{os.path.relpath(frame.f_code.co_filename, ROOT)}:{frame.f_lineno} {name}"
+                self.sites[site] = self.sites.get(site, 0) + 1
+            return fn(*a, **k)
+        return counted
+
+    def __enter__(self):
+        for name in self.METHODS:
+            self._saved[name] = getattr(torch.Tensor, name)
+            setattr(torch.Tensor, name, self._wrap(name, self._saved[name]))
+        self._saved["synchronize"] = torch.cuda.synchronize
+        torch.cuda.synchronize = self._wrap("cuda.synchronize", lambda *a, **k: None)
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.synchronize = self._saved.pop("synchronize")
+        for name, fn in self._saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def host_waits(world, strategy, mesh):
+    """Per training step (after a first one): waits that passed a deadline to the backend, deliberate host
+    polls, waits handed to the deadline monitor, and the engine's value reads by call site."""
+    from fsdp_plugin._comm import collectives as comm
+    torch.manual_seed(0)
+    cfg = fp.ShardingConfig(auto_wrap_policy={Block}, sharding_strategy=strategy, device_mesh=mesh)
+    model = fp.shard(GPT(**SIZE), cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rows = []
+    for s in range(3):
+        fp.sync_stats.reset()
+        watched = comm.MONITOR.watched
+        with ValueReads() as reads:
+            loss = model(*gpt_batch(s, 0, batch=2, seq=16, vocab=SIZE["vocab"]))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        rows.append({"timed": dict(fp.sync_stats.timed), "host": dict(fp.sync_stats.host),
+                     "watched": comm.MONITOR.watched - watched, "reads": reads.sites})
+    # where a CUDA root's unused-parameter masks travel (the one value the engine reads in a step): host tensors
+    from fsdp_plugin._reduce.usage import UsageAgreement
+    root = model._fp_root
+    root.device, cpu = torch.device("cuda"), root.device
+    try:
+        agreement = UsageAgreement(root)
+        mask_device = agreement.flat.device.type if agreement.flat is not None else None
+        agreement.drain()
+    finally:
+        root.device = cpu
+    return {"world": world, "strategy": strategy, "steps": rows[1:], "cuda_mask_device": mask_device}
+
+
 def main():
     world = int(sys.argv[1])
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     with tempfile.TemporaryDirectory() as tmp:
         for strategy, mesh in meshes(world).items():
-            print(json.dumps(row(world, strategy, mesh, tmp)), flush=True)
+            if "--host-waits" in sys.argv:
+                print(json.dumps(host_waits(world, strategy, mesh)), flush=True)
+            else:
+                print(json.dumps(row(world, strategy, mesh, tmp)), flush=True)
     fp.shutdown()
 
 

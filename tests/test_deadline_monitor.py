@@ -1,0 +1,133 @@
+"""Issue 48: deadlines without host waits. On every backend but gloo ``collectives.wait`` calls the plain
+``work.wait()`` and hands the deadline to a monitor thread (``_comm/deadlines.py``), which polls completion, names
+the late rank from the store, aborts the stuck group and makes the training thread raise at its next engine entry.
+"""
+import time
+from datetime import timedelta
+
+import pytest
+
+from _dist import run_ranks
+
+import fsdp_plugin as fp
+from fsdp_plugin._comm import collectives as comm, deadlines, status
+
+
+class RecordingWork:
+    """A torch Work stand-in: records how it was waited; completes when told."""
+
+    def __init__(self, done=False):
+        self.done, self.waits = done, []
+
+    def wait(self, timeout=None):
+        self.waits.append(timeout)
+        return True
+
+    def is_completed(self):
+        return self.done
+
+
+def _tracked(backend, work, t_issue=None):
+    op = status._Op(1, "0", "all_gather", 0, 16, backend=backend)
+    if t_issue is not None:
+        op.t_issue = t_issue
+    return status._Tracked(work, op)
+
+
+@pytest.mark.parametrize("backend", ["nccl", "fake", "ucc"])
+def test_a_native_wait_passes_no_timeout_and_is_watched(backend, monkeypatch):
+    monitor = deadlines.Monitor(comm._collective_error, lambda name: None)
+    monkeypatch.setattr(comm, "MONITOR", monitor)
+    work = RecordingWork()
+    fp.sync_stats.reset()
+    comm.wait(_tracked(backend, work), "all-gather of unit 'x'", timeout_s=600)
+    assert work.waits == [None]                     # wait(): a stream dependency, never wait(timeout=)
+    assert monitor.watched == 1
+    if backend != "fake":              # torch's FakeWork never completes: watched as done (``deadlines.DONE``)
+        assert monitor.pending() == 1
+    assert fp.sync_stats.timed == {} and fp.sync_stats.host == {}
+
+
+def test_gloo_keeps_its_timed_wait(monkeypatch):
+    """gloo's wait blocks the host anyway: it carries the deadline itself (behaviour as before)."""
+    monitor = deadlines.Monitor(comm._collective_error, lambda name: None)
+    monkeypatch.setattr(comm, "MONITOR", monitor)
+    work = RecordingWork()
+    fp.sync_stats.reset()
+    comm.wait(_tracked("gloo", work), "all-gather", timeout_s=600)
+    assert work.waits == [timedelta(seconds=600)] and monitor.watched == 0
+    assert fp.sync_stats.timed == {"gloo": 1}
+
+
+def test_a_host_read_polls_instead_of_a_timed_wait(monkeypatch):
+    monitor = deadlines.Monitor(comm._collective_error, lambda name: None)
+    monkeypatch.setattr(comm, "MONITOR", monitor)
+    work = RecordingWork(done=True)
+    fp.sync_stats.reset()
+    comm.wait(_tracked("nccl", work), "checkpoint metadata", timeout_s=600, host=True)
+    assert work.waits == [None] and fp.sync_stats.host == {"nccl": 1} and fp.sync_stats.timed == {}
+
+
+def test_the_monitor_retires_in_order_and_fails_the_oldest_past_its_deadline():
+    aborted = []
+    monitor = deadlines.Monitor(comm._collective_error, aborted.append)
+    now = time.time()
+    done, stuck, later = RecordingWork(True), RecordingWork(), RecordingWork()
+    monitor._thread = object()            # drive poll() by hand: no thread
+    monitor.watch(done, _tracked("nccl", done, now - 100).fp_op, "first", 10, "0")
+    monitor.watch(stuck, _tracked("nccl", stuck, now - 5).fp_op, "all-gather of unit 'blocks.1'", 10, "3")
+    monitor.watch(later, _tracked("nccl", later, now).fp_op, "third", 10, "0")
+    monitor.poll(now)
+    assert monitor.pending() == 2 and monitor.error is None and not aborted    # 'first' retired, 'stuck' in time
+    monitor.check()
+    monitor.poll(now + 6)                 # 11 s after the stuck one's issue: past its 10 s
+    assert aborted == ["3"] and monitor.pending() == 0
+    with pytest.raises(fp.CollectiveError, match=r"all-gather of unit 'blocks.1'.*did not complete within 10s"):
+        monitor.check()
+    with pytest.raises(fp.CollectiveError):         # every later engine entry raises the same
+        monitor.watch(RecordingWork(), None, "next", 10)
+
+
+def test_a_failed_work_fails_at_once():
+    class Broken(RecordingWork):
+        def is_completed(self):
+            raise RuntimeError("NCCL communicator was aborted on rank 1")
+    monitor = deadlines.Monitor(comm._collective_error, lambda name: None)
+    monitor._thread = object()
+    monitor.watch(Broken(), None, "reduce-scatter", 600)
+    monitor.poll()
+    with pytest.raises(fp.CollectiveError, match="reduce-scatter failed.*aborted on rank 1"):
+        monitor.check()
+
+
+def _late_peer(rank, world):
+    """Rank 0 'issues' a collective rank 1 never joins; the monitor thread names rank 1 as late."""
+    import torch.distributed as dist
+    comm.FAILED = False
+    status.publishing()
+    dist.barrier()
+    if rank == 1:
+        time.sleep(6)
+        return None
+    work = status.issued(RecordingWork(), "all_gather", None, world, 16)
+    work.fp_op.backend = "nccl"           # as on a GPU: the wait takes the monitor's path
+    aborted = []
+    comm.MONITOR._abort = aborted.append
+    t0 = time.time()
+    comm.wait(work, "all-gather of unit 'blocks.0'", timeout_s=1.5)     # returns at once: stream order only
+    returned = time.time() - t0
+    while True:
+        try:
+            comm.MONITOR.check()
+        except fp.CollectiveError as e:
+            return returned, time.time() - t0, str(e), aborted
+        time.sleep(0.05)
+
+
+def test_a_late_rank_is_named_by_the_monitor_on_the_training_thread():
+    returned, raised_after, message, aborted = run_ranks(_late_peer, 2, timeout=60)[0]
+    assert returned < 0.5
+    assert 1.4 < raised_after < 4.0, raised_after
+    assert "did not complete within 2s" in message or "did not complete within 1s" in message, message
+    assert "rank 1" in message and "Not arrived" in message, message
+    assert len(aborted) == 1
