@@ -1,6 +1,6 @@
 """CUDA checks for the engine, run on a machine with GPUs (one command, prints a summary).
 
-    python benchmarks/gpu_check.py            # uses min(#GPUs, 4) NCCL ranks (1 GPU: world 1)
+    python benchmarks/gpu/parity.py [--dry]   # min(#GPUs, 4) NCCL ranks (1 GPU: world 1); --dry: 2 gloo CPU ranks
 
 1. parity: fp32 full_shard vs one-process training on the global batch (max loss / param diff),
    and bf16 (MixedPrecision) vs a same-casts reference;
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
 import fsdp_plugin as fp  # noqa: E402
 from _parity import same_casts_reference  # noqa: E402
 from models import GPT, Block, gpt_batch  # noqa: E402
@@ -50,28 +50,35 @@ def run(rank, world, device, **cfg):
     torch.manual_seed(0)
     model = fp.shard(GPT(**SIZE), auto_wrap_policy={Block}, device=device, **cfg)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    torch.cuda.reset_peak_memory_stats(device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
     losses, times = [], []
     for s in range(STEPS):
-        torch.cuda.synchronize(device)
+        if cuda:
+            torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         loss = model(*batch(s, rank, device))
         opt.zero_grad()
         loss.backward()
         opt.step()
-        torch.cuda.synchronize(device)
+        if cuda:
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
         t = loss.detach().float()
         if world > 1:
             dist.all_reduce(t)
         losses.append(t.item() / world)
-    return losses, statistics.median(times[2:]), torch.cuda.max_memory_allocated(device)
+    return losses, statistics.median(times[2:]), torch.cuda.max_memory_allocated(device) if cuda else 0
 
 
-def worker(rank, world, store_path, out_path):
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    dist.init_process_group("nccl", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+def worker(rank, world, store_path, out_path, dry=False):
+    if dry:
+        device, backend = torch.device("cpu"), "gloo"
+    else:
+        torch.cuda.set_device(rank)
+        device, backend = torch.device("cuda", rank), "nccl"
+    dist.init_process_group(backend, store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     bf16 = fp.MixedPrecision(param_dtype=torch.bfloat16)
     runs = {
         "fp32": dict(),
@@ -94,16 +101,17 @@ def worker(rank, world, store_path, out_path):
 
 
 def main():
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device here; run this on a GPU machine")
+    dry = "--dry" in sys.argv
+    if not dry and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; run this on a GPU machine (or --dry)")
         return 0
-    world = min(torch.cuda.device_count(), 4)
+    world = 2 if dry else min(torch.cuda.device_count(), 4)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        mp.spawn(worker, args=(world, os.path.join(tmp, "store"), out), nprocs=world)
+        mp.spawn(worker, args=(world, os.path.join(tmp, "store"), out, dry), nprocs=world)
         rows = json.load(open(out))
     ok = True
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, world {world}")
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0) if not dry else 'CPU (dry)'}, world {world}")
     print(f"{'check':<18}{'max loss diff':>15}{'step ms':>10}{'peak MiB':>10}")
     for r in rows:
         print(f"{r['check']:<18}{r['max_loss_diff']:>15.2e}{r['step_ms']:>10}{r['peak_mib']:>10}")
