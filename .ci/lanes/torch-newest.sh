@@ -3,7 +3,7 @@
 # Catches a torch release or a library release that breaks us (accelerate 1.16.0's prepare() did) before users do.
 # bash .ci/lane torch-newest   (a fresh .venv-lane-torch-newest; its versions are printed before the tests)
 TORCH_PIN="torch==2.14.1"
-PINS=(lightning accelerate transformers peft trl "pytest-xdist==3.8.0" "pytest-timeout==2.4.0")
+PINS=(lightning accelerate transformers peft trl)
 # shellcheck source=.ci/lanes/_engine_tests.sh
 source "$(dirname "${BASH_SOURCE[0]}")/_engine_tests.sh"
 # shellcheck source=.ci/lanes/libs-newest.sh
