@@ -47,7 +47,7 @@ class FakeCuda:
             self.current = prev
 
 
-def _worker(rank, world, fake, strategy):
+def _worker(rank, world, fake, strategy, mesh=None):
     import torch
 
     import fsdp_plugin as fp
@@ -60,7 +60,7 @@ def _worker(rank, world, fake, strategy):
     cuda = FakeCuda(log)
     torch.manual_seed(0)
     model = GPT()
-    fp.shard(model, auto_wrap_policy={Block}, sharding_strategy=strategy)
+    fp.shard(model, auto_wrap_policy={Block}, sharding_strategy=strategy, **({"device_mesh": mesh} if mesh else {}))
     if fake:
         side = streams.CommStreams(torch.device("cpu"), backend=cuda)
         handles = [h for u in model._fp_root.units for h in u.handles]
@@ -76,6 +76,15 @@ def _worker(rank, world, fake, strategy):
             log.append(("reduce_scatter", cuda.current.name))
             return real_rs(*a, **k)
         _compat.all_gather_into, _compat.reduce_scatter_into = ag, rs
+        import torch.distributed as dist
+        real_ar = dist.all_reduce
+
+        def ar(t, *a, **k):      # the engine's gradients (float; the masks' uint8 one is the control group's)
+            import sys
+            if t.is_floating_point() and sys._getframe(1).f_globals["__name__"].startswith("fsdp_plugin"):
+                log.append(("all_reduce", cuda.current.name))
+            return real_ar(t, *a, **k)
+        dist.all_reduce = ar
         sync = torch.cuda.synchronize
         torch.cuda.synchronize = lambda *a, **k: log.append(("cuda.synchronize",))
     try:
@@ -86,20 +95,32 @@ def _worker(rank, world, fake, strategy):
     return losses, log
 
 
-def _check_protocol(log):
-    issues = [e for e in log if e[0] in ("all_gather", "reduce_scatter")]
-    assert set(issues) == {("all_gather", "gather"), ("reduce_scatter", "reduce")}, set(issues)
+STREAM_OF = {"all_gather": "gather", "reduce_scatter": "reduce", "all_reduce": "reduce"}
+
+
+def _check_protocol(log, hybrid=False):
+    issues = [e for e in log if e[0] in STREAM_OF]
+    want = {("all_gather", "gather"), ("reduce_scatter", "reduce")} | ({("all_reduce", "reduce")} if hybrid else set())
+    assert set(issues) == want, set(issues)
     # every issue is preceded (since the previous one) by its stream's wait on the compute stream
     waited = set()
     for e in log:
         if e[0] == "wait_stream":
             assert e[2] == "compute", e
             waited.add(e[1])
-        elif e[0] in ("all_gather", "reduce_scatter"):
-            stream = "gather" if e[0] == "all_gather" else "reduce"
+        elif e[0] in STREAM_OF:
+            stream = STREAM_OF[e[0]]
             assert stream in waited, e
             waited.discard(stream)
     assert not any(e[0] in ("synchronize", "cuda.synchronize") for e in log), log
+
+
+def test_hybrids_replica_all_reduce_issues_on_the_reduction_stream():
+    plain = run_ranks(_worker, 4, False, "hybrid_shard", (2, 2), env=NATIVE, timeout=120)
+    faked = run_ranks(_worker, 4, True, "hybrid_shard", (2, 2), env=NATIVE, timeout=120)
+    assert_close_losses(faked[0][0], plain[0][0], tol=0.0)
+    for _, log in faked:
+        _check_protocol(log, hybrid=True)
 
 
 _RUNS: dict = {}

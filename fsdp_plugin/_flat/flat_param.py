@@ -407,10 +407,11 @@ class FlatParamHandle:
         out = pending.out
         if not pending.replica and self.mesh.shard_size > 1 and self.mesh.replicate_size > 1:
             # the reduce-scatter's input is released now; only the 1/S chunk stays until the all-reduce ends
-            work = quantized.all_reduce(self.quantization, out, self.mesh.replicate_group,
-                                        gate=_replica_gate(pending.gate),
-                                        what=f"cross-replica all-reduce of unit {self.label!r}",
-                                        timeout_s=self.timeout_s)
+            with streams.on(self.streams, "reduce"):     # CUDA: beside the rest of backward, as the reduce-scatter
+                work = quantized.all_reduce(self.quantization, out, self.mesh.replicate_group,
+                                            gate=_replica_gate(pending.gate),
+                                            what=f"cross-replica all-reduce of unit {self.label!r}",
+                                            timeout_s=self.timeout_s)
             self.pending_reduce = _PendingReduce(work, out, out, replica=True)
             if not final:
                 return True
