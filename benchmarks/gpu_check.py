@@ -8,6 +8,9 @@ this driver echoes them and sums up. Budget: under 8 minutes on one H200 (each s
     python benchmarks/gpu_check.py --dry        # the same script on CPU, tiny sizes: rehearse before device time
     python benchmarks/gpu_check.py --only offload,entry_points
 
+On the device (its image has no trl and no datasets): run ``bash benchmarks/gpu/carry_wheels.sh`` here first and
+name ``.whl`` in the run's ``carry``; then one command: ``python3 benchmarks/gpu_check.py``.
+
 The device machine runs the project from its working tree with the image's python and no network, where
 ``integrations/`` is importable as ``fsdp_plugin.integrations`` only once installed: the driver installs the
 checkout (``pip install --no-deps --no-build-isolation --target``) into a temporary folder first and puts it
@@ -16,6 +19,7 @@ first on every section's ``PYTHONPATH``, so the sections run against the wheel's
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import subprocess
@@ -34,10 +38,14 @@ SECTIONS = (
 
 
 def install(target: str) -> None:
-    """The checkout installed as users get it (``fsdp_plugin.integrations`` included) into ``target``."""
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-           "--target", target, ROOT]
-    subprocess.run(cmd, check=True, cwd=tempfile.gettempdir())
+    """The checkout installed as users get it (``fsdp_plugin.integrations`` included) into ``target``, with the
+    wheels ``benchmarks/gpu/carry_wheels.sh`` put in ``.whl/`` (packages the device image lacks: trl, datasets)."""
+    base = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+            "--target", target]
+    wheels = sorted(glob.glob(os.path.join(ROOT, ".whl", "*.whl")))
+    if wheels:
+        subprocess.run(base + wheels, check=True, cwd=tempfile.gettempdir())
+    subprocess.run(base + [ROOT], check=True, cwd=tempfile.gettempdir())
 
 
 def run_section(name: str, cap_s: float, dry: bool, pythonpath: str) -> tuple[int, list, float]:
