@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib.util
 import json
 import os
 import subprocess
@@ -43,7 +44,7 @@ def install(target: str) -> None:
     base = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
             "--target", target]
     wheels = sorted(glob.glob(os.path.join(ROOT, ".whl", "*.whl")))
-    if wheels:
+    if wheels and importlib.util.find_spec("trl") is None:     # only where they are missing (the device image)
         subprocess.run(base + wheels, check=True, cwd=tempfile.gettempdir())
     subprocess.run(base + [ROOT], check=True, cwd=tempfile.gettempdir())
 
