@@ -56,7 +56,7 @@ def run_section(name: str, cap_s: float, dry: bool, pythonpath: str) -> tuple[in
     t0 = time.perf_counter()
     rows: list = []
     try:
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=cap_s * (4 if dry else 1),
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=cap_s * (10 if dry else 1),
                            cwd=tempfile.gettempdir())
         out, rc = p.stdout + p.stderr, p.returncode
     except subprocess.TimeoutExpired as e:
