@@ -13,6 +13,13 @@ import fsdp_plugin as fp
 from fsdp_plugin._comm import collectives as comm, deadlines, status
 
 
+@pytest.fixture(autouse=True)
+def _no_failure_left_behind(monkeypatch):
+    """A deadline error marks the process failed (``collectives.FAILED``: fp.shutdown then leaves the groups
+    alone); these in-process tests must not leave that mark for the tests after them in the same worker."""
+    monkeypatch.setattr(comm, "FAILED", False)
+
+
 class RecordingWork:
     """A torch Work stand-in: records how it was waited; completes when told."""
 
