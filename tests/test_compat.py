@@ -5,7 +5,6 @@ that differs across the supported range. These tests keep it that way and check 
 (CI's lanes run them on the oldest and the newest supported torch too).
 """
 import ast
-import os
 import pathlib
 import subprocess
 import sys

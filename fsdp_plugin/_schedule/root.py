@@ -27,7 +27,6 @@ def tags_suffice(mesh: Mesh, device: torch.device, every_strategy: bool = True) 
     status thread runs: it finds divergences), so tags check their pairing (``_comm/tagged.py``). Replica
     all-reduces are tagged too (``p2p._P2PAllReduce``) unless ``every_strategy`` is False
     (``pairing_check="strict"``: announcements for no_shard and hybrid, as before issue 30)."""
-    import torch.distributed as dist
     if device.type != "cpu" or mesh.world_size == 1:
         return False
     groups = [g for g, n in ((mesh.shard_group, mesh.shard_size), (mesh.replicate_group, mesh.replicate_size)) if n > 1]
