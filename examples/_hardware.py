@@ -67,6 +67,9 @@ def report(processes: int, device: torch.device | str, precision: str) -> str:
     precision = ACCELERATE_PRECISION.get(precision, precision)
     kind = torch.device(device).type
     why = "no GPU found" if kind == "cpu" and gpu_count() == 0 else ""
+    if kind == "cpu" and gpu_count() > 0:      # a CPU config (use_cpu: true) on a GPU box: say so, name the fix
+        why = (f"the config asks for the CPU (use_cpu) although {gpu_count()} GPU(s) are here: launch with "
+               "--config_file examples/accelerate_fsdp_gpu.yaml to use them")
     if kind == "cuda" and processes < gpu_count():
         n = gpu_count()
         why = (f"{n} GPUs here, {processes} used: one process per GPU is accelerate launch --num_processes {n} "
