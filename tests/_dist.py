@@ -1,7 +1,7 @@
 """Fork-based multi-rank harness for engine tests.
 
 ``run_ranks(fn, world_size, *args)`` forks one process per rank, rendezvous through a FileStore,
-initializes a gloo process group, runs ``fn(rank, world_size, *args)`` and returns the list of return
+initializes a gloo process group (``nccl_sim`` under ``FSDP_TEST_BACKEND=nccl_sim``), runs ``fn(rank, world_size, *args)`` and returns the list of return
 values (they must be picklable: this is test-only plumbing, never a load path). The first rank that
 fails or the deadline kills every rank and raises ``RankFailure`` with the failing rank's traceback.
 """
@@ -45,12 +45,25 @@ def _from_wire(x):
     return tree_map(lambda v: v.restore() if isinstance(v, _WireTensor) else v, x)
 
 
+BACKEND_ENV = "FSDP_TEST_BACKEND"
+
+
+def backend() -> str:
+    """The ranks' backend: gloo, or ``nccl_sim`` (NCCL's completion semantics on CPU: ``fsdp_plugin.testing``) when
+    ``FSDP_TEST_BACKEND=nccl_sim`` (.ci/run's nccl_sim lane runs the parity, quantized, deadline and checkpoint
+    suites so)."""
+    name = os.environ.get(BACKEND_ENV, "gloo")
+    if name == "nccl_sim":
+        import fsdp_plugin.testing  # noqa: F401 - registers the backend
+    return name
+
+
 def _worker(rank, world_size, store_path, fn, args, env, queue):
     try:
         os.environ.update(env)
         torch.set_num_threads(1)
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        dist.init_process_group(backend(), store=store, rank=rank, world_size=world_size)
         try:
             result = fn(rank, world_size, *args)
         finally:
