@@ -50,6 +50,6 @@ def test_no_host_wait_inside_a_step_on_a_native_backend():
     for strategy, r in rows.items():
         for step in r["steps"]:
             assert step["timed"] == {} and step["host"] == {}, (strategy, step)
-            assert step["watched"] >= 4, (strategy, step)      # every unit's all-gather/reduction: monitored
+            assert step["watched"] == 0, (strategy, step)      # fake works have nothing left to do: none watched
             assert {site.split(":")[0] for site in step["reads"]} <= mask_read, (strategy, step["reads"])
         assert r["cuda_mask_device"] == "cpu", r

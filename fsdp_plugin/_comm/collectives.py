@@ -20,11 +20,12 @@ import torch.distributed as dist
 
 from .. import _compat
 from ..errors import CollectiveError
-from . import deadlines, late, native, nodes, status, tagged
+from . import deadlines, late, native, nodes, status, tagged, transport
 from . import p2p
 from .p2p import _P2PAllGather, _P2PAllReduce, _P2PExchange, _P2PPairSum, _P2PReduceScatter, Recorded, Tagged, _Bound
 from .stats import _SYNC_KINDS, STATS, SYNC, CommStats, SyncStats, _split, ring_bytes  # noqa: F401
 from .stats import _count as _count_bytes
+from .transport import Transport
 
 FAILED = False   # a collective of this process failed or timed out (fp.shutdown then leaves the groups alone)
 # deadlines of collectives waited without blocking the host (every backend but gloo): ``deadlines.py``
@@ -146,7 +147,7 @@ def _issued(work, async_op: bool):
 def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False, kind: str = "all_reduce",
                what: Optional[str] = None, timeout_s: Optional[float] = None, gate=None):
     """In-place all-reduce; ``kind="control"`` keeps small bookkeeping out of the training-bytes formula.
-    With ``what``, a blocking call waited with a deadline (see module docstring). ``gate``: its pairing
+    With ``what`` and not ``async_op``, a blocking call waited with a deadline (see module docstring). ``gate``: its pairing
     announcement, waited before the (native, so ungated) all-reduce is issued."""
     n = group_size(group)
     _count(kind, t.numel(), t.element_size(), n, factor=2, group=group)
@@ -155,7 +156,7 @@ def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = Fa
         work = _P2PPairSum(t, group, bound) if n == 2 else _P2PAllReduce(t, group, n, bound)
         return _issued(status.issued(work, kind, group, n, t.numel()), async_op)
     _ungated(gate, what or "all-reduce")
-    if what is None:
+    if what is None or async_op:     # ``what`` names a blocking call; an asynchronous one is named at its wait
         return status.issued(dist.all_reduce(t, op=op, group=group, async_op=async_op), kind, group, n, t.numel())
     _blocking(status.issued(dist.all_reduce(t, op=op, group=group, async_op=True), kind, group, n, t.numel()),
               what, timeout_s)
@@ -269,35 +270,42 @@ def scatter(out: torch.Tensor, chunks: Optional[list], src: int, group) -> None:
 def wait(work, what: str = "collective", timeout_s: Optional[float] = None, host: bool = False) -> None:
     """Wait for ``work``; a peer that died or diverged becomes a CollectiveError within ``timeout_s``.
 
-    gloo (and our point-to-point works): the wait blocks the host anyway, so it carries the deadline. Every
-    other backend (NCCL): the plain ``wait()``, which only orders the current stream after the collective, and
-    the deadline goes to the monitor (``deadlines.py``); the host never waits for the device here unless
-    ``host`` (a value it reads at once), and then it polls, never ``wait(timeout=)``."""
+    By the transport of the work's group (``transport.py``): ``BLOCKING`` (gloo, our point-to-point works): the
+    wait blocks the host anyway, so it carries the deadline. ``STREAM`` (NCCL, ``nccl_sim``...): the monitor
+    watches the collective from before the plain ``wait()`` (which only orders the current stream after it), so
+    even a wait that does block has the deadline; the host never waits for the device here unless ``host`` (a
+    value it reads at once), and then it polls, never ``wait(timeout=)``. The collective counts as finished for
+    the late-rank report when it has completed, not when the host passed its wait."""
     if work is None:
         return
     MONITOR.check()
-    blocks = _host_blocks(work)
+    mode = _transport_of(work)
     op, work = status.waiting(work, what)
     if op is not None and op.kind in _SYNC_KINDS:
         SYNC.waits[op.kind] += 1
-    if blocks:
+    if mode is Transport.BLOCKING:
         _checked(work.wait, what, timeout_s, op)
-    else:
+        status.finished(op)
+        return
+    if mode is Transport.FAKE:       # torch's FakeWork never reports completion, though it has nothing left to do
         _checked(work.wait, what, None, op)
-        # torch's FakeWork never reports completion, though a fake collective has nothing left to do
-        watched = deadlines.DONE if _backend_of(op) == "fake" else work
-        MONITOR.watch(watched, op, what, default_timeout_s(timeout_s), op.group if op is not None else None)
-        if host:
-            SYNC.host[_backend_of(op)] += 1
-            MONITOR.wait_done(watched)
-    status.finished(op)
+        status.finished(op)
+        return
+    handle = MONITOR.watch(work, op, what, default_timeout_s(timeout_s), op.group if op is not None else None,
+                           on_retire=status.retired)
+    if host:
+        SYNC.host[_backend_of(op)] += 1
+        MONITOR.wait_done(handle)
+    _checked(work.wait, what, None, op)
+    handle.after_wait(device())
+    status.passed(op)
 
 
-def _host_blocks(work) -> bool:
-    """Whether waiting for ``work`` blocks the host in any case (gloo; our point-to-point works)."""
+def _transport_of(work) -> Transport:
+    """The transport of ``work``'s group; our point-to-point works are gloo's."""
     if isinstance(work, p2p._P2PWork):
-        return True
-    return _backend_of(getattr(work, "fp_op", None)) == "gloo"
+        return Transport.BLOCKING
+    return transport.of_backend(_backend_of(getattr(work, "fp_op", None)))
 
 
 def _backend_of(op) -> str:

@@ -2,20 +2,27 @@
 
 On NCCL, ``work.wait(timeout=...)`` blocks the calling thread until the GPU has finished everything queued before
 the collective (torch ≥ 2.6: with a timeout, ProcessGroupNCCL polls on the host), so a deadline passed to every
-wait costs a host–GPU round trip per unit and the CPU can never run ahead. Instead, on every backend whose wait
-does not already block the host (anything but gloo), ``collectives.wait`` calls the plain ``work.wait()`` (it only
-orders the current stream after the collective) and hands the work to this module:
+wait costs a host–GPU round trip per unit and the CPU can never run ahead. Instead, on every transport whose wait
+does not already block the host (``transport.STREAM``: NCCL, ``nccl_sim``, any non-gloo backend),
+``collectives.wait`` hands the collective to this module *before* its plain ``work.wait()`` (so a wait that does
+block, e.g. NCCL's barrier or ``TORCH_NCCL_BLOCKING_WAIT=1``, has the deadline too):
 
-- ``watch`` appends it to a queue with its deadline, counted from the collective's issue (as torch's own
-  watchdog counts it). Microseconds; no device call.
-- A daemon thread polls the oldest entries every ``POLL_S`` with ``work.is_completed()`` (an event query: never
-  blocks), retiring them in order. When the oldest is past its deadline it builds the `CollectiveError` that a
-  timed wait would have raised (``collectives._collective_error``: the late ranks named from the rendezvous store,
-  no collective), stores it, marks the process failed and aborts the stuck group, which releases a training
-  thread blocked in C (a ``.item()``, the allocator, a full launch queue) with garbage in the buffers.
+- ``watch`` appends a `Handle` with its deadline, counted from the collective's issue (as torch's own watchdog
+  counts it), on a monotonic clock. Microseconds; no device call. After the plain wait, on CUDA, the handle
+  trades the work for an event recorded on the current stream (``Handle.after_wait``): every work type (torch's,
+  quantized wrappers) is then polled the same way, and the handle keeps no collective's buffers alive.
+- A daemon thread polls every entry every ``POLL_S`` (``Handle.done``: an event query or ``is_completed()``,
+  never blocking), retiring completed ones (``on_retire``: the collective is marked finished for the late-rank
+  report) and failing at the first entry past its deadline, wherever it sits in the queue. It builds the
+  `CollectiveError` that a timed wait would have raised (``collectives._collective_error``: the late ranks named
+  from the rendezvous store, no collective), stores it, marks the process failed and aborts the stuck group, which
+  releases a training thread blocked in C (a ``.item()``, the allocator, a full launch queue).
 - The training thread raises the stored error at its next engine entry (``check``: every collective issue and
-  wait, the optimizer step's pre-hook), before any buffer of an aborted collective is used: nothing is
-  half-applied.
+  wait, the optimizer step's pre-hook). On CUDA the host may already have queued kernels behind the stuck
+  collective (waits do not block), which run on garbage once the group is aborted: a deadline is fatal to the
+  process's training state, as with torch's ``TORCH_NCCL_ASYNC_ERROR_HANDLING``. The engine therefore refuses
+  further steps and saves after a failure (``_build/guards.refuse_after_failure``), naming the last checkpoint
+  saved before it; nothing computed after the failure reaches a checkpoint.
 
 torch's own watchdog stays the backstop: the engine's groups are created with a process-group timeout longer
 than the deadline (``_groups/mesh.py``), so ours fires first and names the late rank.
@@ -30,13 +37,43 @@ from typing import Callable, Optional
 POLL_S = 0.05           # how often the monitor looks at the oldest pending collective
 
 
-class _Entry:
-    __slots__ = ("work", "op", "what", "timeout_s", "deadline", "group")
+class Handle:
+    """What the monitor polls for one collective: the work until its plain wait, then (on CUDA) an event recorded
+    on the current stream right after it, which completes when the collective has, whatever object issued it,
+    and holds none of its buffers. The work itself is unwrapped to torch's (``.work`` chains: our `_Tracked`
+    records, quantized collectives' ``_Then``), so every work type is polled the same way."""
 
-    def __init__(self, work, op, what: str, timeout_s: float, group):
-        self.work, self.op, self.what, self.timeout_s, self.group = work, op, what, timeout_s, group
-        start = op.t_issue if op is not None else time.time()
-        self.deadline = start + timeout_s
+    __slots__ = ("work", "event")
+
+    def __init__(self, work):
+        while hasattr(work, "work"):
+            work = work.work
+        self.work, self.event = work, None
+
+    def after_wait(self, device) -> None:
+        """The plain wait was issued: on CUDA, poll an event behind it instead of the work (and drop the work)."""
+        if device is not None and device.type == "cuda":
+            import torch
+            event = torch.cuda.Event()
+            event.record()
+            self.event, self.work = event, None
+
+    def done(self) -> bool:
+        """Completed (never blocks); a failed work raises here (the watchdog's story, told now)."""
+        if self.event is not None:
+            return self.event.query()
+        return self.work.is_completed()
+
+
+class _Entry:
+    __slots__ = ("handle", "op", "what", "timeout_s", "deadline", "group", "on_retire")
+
+    def __init__(self, handle: Handle, op, what: str, timeout_s: float, group, on_retire):
+        self.handle, self.op, self.what, self.timeout_s, self.group = handle, op, what, timeout_s, group
+        self.on_retire = on_retire
+        # counted from the issue, on the monotonic clock (a wall-clock step must not fire or hide a deadline)
+        age = max(time.time() - op.t_issue, 0.0) if op is not None else 0.0
+        self.deadline = time.monotonic() - age + timeout_s
 
 
 class Monitor:
@@ -47,19 +84,37 @@ class Monitor:
         self._pending: deque = deque()
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._stop = False
         self.error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
-        self.watched = 0          # collectives handed over (a counted fact for tests)
+        self.watched = 0          # collectives handed over (tests count them)
 
-    def watch(self, work, op, what: str, timeout_s: float, group=None) -> None:
+    def watch(self, work, op, what: str, timeout_s: float, group=None, on_retire=None) -> Handle:
+        """Watch ``work`` (or a `Handle`) until it completes, at most ``timeout_s`` after its issue; returns the
+        handle (``after_wait`` it once the plain wait is issued). ``on_retire(op)``: called when it completes."""
         if self.error is not None:
             raise self.error
+        handle = work if isinstance(work, Handle) else Handle(work)
         with self._lock:
-            self._pending.append(_Entry(work, op, what, timeout_s, group))
+            self._pending.append(_Entry(handle, op, what, timeout_s, group, on_retire))
             self.watched += 1
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="fsdp_plugin-deadlines", daemon=True)
-            self._thread.start()
+            if self._thread is None:      # under the lock: async-checkpoint threads wait too
+                self._stop = False
+                self._thread = threading.Thread(target=self._run, name="fsdp_plugin-deadlines", daemon=True)
+                self._thread.start()
+        return handle
+
+    def stop(self) -> None:
+        """fp.shutdown / destroy: the thread ends, nothing stays watched, a stored error is forgotten (the
+        process groups it named are gone; a new ``init_process_group`` starts clean)."""
+        with self._lock:
+            self._stop, thread, self._thread = True, self._thread, None
+            self._pending.clear()
+        self._wake.set()
+        if thread is not None and thread is not threading.current_thread() and thread.is_alive():
+            thread.join(timeout=2 * POLL_S + 1)
+        self._wake.clear()
+        self.error = None
 
     def check(self) -> None:
         """On the training thread: raise the deadline error the monitor found, if any."""
@@ -70,39 +125,48 @@ class Monitor:
         return len(self._pending)
 
     def poll(self, now: Optional[float] = None) -> None:
-        """Retire completed collectives oldest first; at an expired one, fail (the thread calls this)."""
-        now = time.time() if now is None else now
-        while True:
-            with self._lock:
-                if not self._pending:
-                    return
-                entry = self._pending[0]
+        """Retire every completed collective; fail at the first one past its deadline (the thread calls this).
+        Every entry is looked at: one with a long deadline (a checkpoint gather) must not hide an expired one
+        behind it. ``now``: a ``time.monotonic()`` reading."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            entries = list(self._pending)
+        retired = []
+        for entry in entries:
             try:
-                done = entry.work.is_completed()
+                done = entry.handle.done()
             except Exception as e:  # noqa: BLE001 - the watchdog marked it failed: the same story, now
                 self._fail(entry, e)
                 return
             if done:
-                with self._lock:
-                    if self._pending and self._pending[0] is entry:
-                        self._pending.popleft()
-                continue
-            if now >= entry.deadline:
+                retired.append(entry)
+            elif now >= entry.deadline:
                 self._fail(entry, None)
-            return
+                return
+        if retired:
+            with self._lock:
+                gone = set(map(id, retired))
+                self._pending = deque(e for e in self._pending if id(e) not in gone)
+            for entry in retired:
+                if entry.on_retire is not None:
+                    entry.on_retire(entry.op)
 
     def _fail(self, entry: _Entry, cause) -> None:
         if self.error is not None:
             return
-        self.error = self._make_error(entry.what, entry.timeout_s, cause, entry.op)
         try:
-            self._abort(entry.group)
+            self.error = self._make_error(entry.what, entry.timeout_s, cause, entry.op)
+        except Exception as e:  # noqa: BLE001 - reading the store failed: the deadline is still the story
+            self.error = e
         finally:
-            with self._lock:
-                self._pending.clear()
+            try:
+                self._abort(entry.group)    # always: a thread blocked in the group must be released
+            finally:
+                with self._lock:
+                    self._pending.clear()
 
     def _run(self) -> None:
-        while self.error is None:
+        while self.error is None and not self._stop:
             try:
                 self.poll()
             except Exception as e:  # noqa: BLE001 - the monitor must not die silently: the error is the report
@@ -111,24 +175,13 @@ class Monitor:
                 return
             self._wake.wait(POLL_S)
 
-    def wait_done(self, work, poll_s: float = 0.001) -> None:
-        """A deliberate host wait (a control value the host reads at once, outside a step): poll ``work`` until
-        it completes or the monitor fails it, never with ``wait(timeout=)``."""
-        while not work.is_completed():
+    def wait_done(self, handle: Handle, poll_s: float = 0.001) -> None:
+        """A deliberate host wait (a control value the host reads at once, outside a step): poll ``handle``
+        until it completes or the monitor fails it, never with ``wait(timeout=)``."""
+        while not handle.done():
             self.check()
             time.sleep(poll_s)
         self.check()
-
-
-class _Done:
-    """A work with nothing left to do (torch's fake group: its FakeWork never reports completion)."""
-
-    @staticmethod
-    def is_completed() -> bool:
-        return True
-
-
-DONE = _Done()
 
 
 def abort_group(name: Optional[str]) -> None:

@@ -48,7 +48,8 @@ def report(op: Optional[_Op]) -> str:
         statuses = _read(store, [r for r in status._S.members.get(op.group, []) if r != me])
     except Exception as e:  # noqa: BLE001 - the store host died too: say so, keep the plain message
         return f"(The ranks' status could not be read from the rendezvous store: {str(e).splitlines()[0][:120]}.)"
-    path = status.write_trace(f"deadline in {op.label()}")
+    pub = status._S.publisher       # the monitor's thread reports: the stack worth writing is the training thread's
+    path = status.write_trace(f"deadline in {op.label()}", tid=pub.tid if pub is not None else None)
     return " ".join(filter(None, [_describe(op, statuses), _trace_note(path)]))
 
 
@@ -84,7 +85,9 @@ def _classify(op: _Op, statuses: dict) -> tuple[list, list, list, list]:
         cur = s.get("cur")
         if n < op.seq:
             late.append(r)
-        elif cur and cur[0] == op.seq and cur[1] == op.group:
+        elif (cur and cur[0] == op.seq and cur[1] == op.group) or ("done" in s and s["done"].get(op.group, 0) < op.seq):
+            # blocked in it on the host, or (a stream transport: the host ran ahead) issued but not completed
+            # there either: the same collective is stuck on both ranks, a hang rather than a divergence
             same.append(r)
         else:
             past.append(r)

@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveError
-from . import collectives as comm, tagged
+from . import collectives as comm, tagged, transport
+from .transport import Transport
 from .divergence import divergence_message
 
 TOKEN_BYTES = 16
@@ -58,7 +59,7 @@ def verify(merged: bytes, group, timeout_s: Optional[float], hint: str = "") -> 
     message = tagged.first_divergence(codes) or divergence_message(
         "every rank issued the same codes, but their ledger hashes differ")
     counts = {len(c) for c in codes.values()}
-    if len(counts) > 1 and dist.is_initialized() and dist.get_backend() == "nccl":
+    if len(counts) > 1 and transport.of_group() is Transport.STREAM:
         message += (" One rank issued more collectives than another: the NCCL groups may hold a collective that "
                     "can never complete, so they are aborted; restart the process group (the job).")
         _abort_native()

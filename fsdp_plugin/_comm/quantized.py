@@ -251,7 +251,8 @@ def _scales(payload: torch.Tensor, length: int, block: int, bits: int = 8) -> to
 
 class _Then:
     """A work whose ``wait`` waits ``work`` and then runs ``then`` once (dequantize, sum): waited like a torch
-    Work by ``collectives.wait`` (its ``fp_op`` is the inner collective's record, for deadline reports)."""
+    Work by ``collectives.wait`` (its ``fp_op`` is the inner collective's record, for deadline reports; the
+    deadline monitor polls the inner ``work``, ``deadlines.Handle``)."""
 
     def __init__(self, work, then: Callable[[], None]):
         self.work, self.then = work, then
@@ -337,10 +338,9 @@ def all_reduce(quant, t: torch.Tensor, group, gate=None, what: str = "all-reduce
     ``t`` padded to the group (``reduce_scatter``, float32 sums) and, when waited, an all-gather of the
     re-quantized sums dequantized into ``t`` on every rank (the same values on every replica). Async."""
     if not applies(quant, "gradients", group):
-        # as before this module: the gated call (no_shard) names itself and blocks with a deadline, the ungated
-        # replica hop of hybrid stays asynchronous (waited by the caller)
-        named = {"what": what, "timeout_s": timeout_s} if gate is not None else {}
-        return comm.all_reduce(t, group, async_op=True, gate=gate, **named)
+        # asynchronous on every transport, waited by the caller (``flat_param.wait_reduce``): a blocking wait
+        # here was a host poll per unit inside backward on NCCL (no_shard, hybrid's replica hop)
+        return comm.all_reduce(t, group, async_op=True, gate=gate, what=what)
     n, total, block, bits = comm.group_size(group), t.numel(), quant.block_size, bits_of(quant, "gradients")
     if n == 2:
         return _pair_all_reduce(t, group, block, bits, gate, what)

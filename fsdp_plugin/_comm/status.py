@@ -97,6 +97,7 @@ class _State:
     def __init__(self):
         self.ring: deque = deque(maxlen=RING)
         self.seq: dict = {}          # group name -> collectives issued
+        self.done: dict = {}         # group name -> highest collective number completed
         self.members: dict = {}      # group name -> global ranks
         self.backends: dict = {}     # group name -> its backend ("gloo", "nccl", "fake", ...)
         self.step = 0
@@ -170,9 +171,28 @@ def waiting(work, what: str):
 
 
 def finished(op: Optional[_Op]) -> None:
+    """``op`` completed and the training thread has passed its wait (a blocking transport: both at once)."""
     if op is not None:
-        op.t_done = time.time()
-        _S.last, _S.current = op, None
+        passed(op)
+        retired(op)
+
+
+def passed(op: Optional[_Op]) -> None:
+    """The training thread passed ``op``'s wait (on a stream transport the collective may still be running)."""
+    if op is not None and _S.current is op:
+        _S.current = None
+
+
+def retired(op: Optional[_Op]) -> None:
+    """``op`` completed (from the deadline monitor's thread on a stream transport): the late-rank report counts
+    it as done in its group (``done``: the highest such number per group)."""
+    if op is None:
+        return
+    op.t_done = time.time()
+    if op.seq is not None and op.seq > _S.done.get(op.group, 0):
+        _S.done[op.group] = op.seq
+    if _S.last is None or _S.last.t_done is None or op.t_done >= _S.last.t_done:
+        _S.last = op
 
 
 # ------------------------------------------------------------------ publication
@@ -203,7 +223,7 @@ def _where(tid: Optional[int]) -> Optional[str]:
 def _snapshot(tid: Optional[int]) -> dict:
     cur, last = _S.current, _S.last
     return {"rank": dist.get_rank(), "host": socket.gethostname(), "pid": os.getpid(), "t": time.time(),
-            "step": _S.step, "seq": dict(_S.seq),
+            "step": _S.step, "seq": dict(_S.seq), "done": dict(_S.done),
             "cur": [cur.seq, cur.group, cur.label(), cur.t_wait] if cur is not None else None,
             "last": [last.seq, last.group, last.label(), last.t_done] if last is not None else None,
             "where": _where(tid) if cur is None else None, **{k: v for f in EXTRAS for k, v in f().items()}}

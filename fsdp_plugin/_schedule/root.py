@@ -8,7 +8,8 @@ import torch
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
-from .._comm import native, pairing, tagged
+from .._comm import native, pairing, tagged, transport
+from .._comm.transport import Transport
 from .._comm.collectives import Recorded, Tagged
 from .._comm.pairing import Entering
 from .._comm import status as comm_status
@@ -44,9 +45,15 @@ def pairing_mode(config: ShardingConfig, mesh: Optional[Mesh], device: torch.dev
         return "off"      # torch's fake group: one process plays every rank, there is no peer to diverge from
     if tags_suffice(mesh, device, every_strategy=check == "auto"):
         return "tags"
-    if check == "strict" or (device.type == "cpu" and not native.forced()):
+    if check == "strict" or (device.type == "cpu" and _blocking_unit_groups(mesh) and not native.forced()):
         return "announce"    # gloo/CPU without the status thread: a mismatched gloo collective would abort
-    return "hash"
+    return "hash"            # NCCL, nccl_sim...: a mismatched collective hangs; the step's hash finds it
+
+
+def _blocking_unit_groups(mesh: Mesh) -> bool:
+    """Some group of ``mesh``'s unit collectives is gloo (``transport.BLOCKING``)."""
+    groups = [g for g, n in ((mesh.shard_group, mesh.shard_size), (mesh.replicate_group, mesh.replicate_size)) if n > 1]
+    return any(transport.of_group(g) is Transport.BLOCKING for g in groups)
 
 
 class RootState:
