@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._comm import collectives as comm
+from ._comm import collectives as comm, failure
 from ._flat.dtensor import full_tensor, tp_spec
 from ._flat.layout import is_persistent_buffer
 from ._schedule.join import note_clip
@@ -77,6 +77,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict:
 
     Streams unit by unit: only one unit is unsharded at a time and the result is built once, on CPU.
     """
+    failure.refuse("fp.full_state_dict")
     root = _root(model)
     keep = not rank0_only or root.mesh.rank == 0
     values: dict[int, torch.Tensor] = {}

@@ -41,7 +41,7 @@ def _tracked(backend, work, t_issue=None):
     return status._Tracked(work, op)
 
 
-@pytest.mark.parametrize("backend", ["nccl", "fake", "ucc"])
+@pytest.mark.parametrize("backend", ["nccl", "nccl_sim", "ucc"])
 def test_a_native_wait_passes_no_timeout_and_is_watched(backend, monkeypatch):
     monitor = deadlines.Monitor(comm._collective_error, lambda name: None)
     monkeypatch.setattr(comm, "MONITOR", monitor)
@@ -49,10 +49,32 @@ def test_a_native_wait_passes_no_timeout_and_is_watched(backend, monkeypatch):
     fp.sync_stats.reset()
     comm.wait(_tracked(backend, work), "all-gather of unit 'x'", timeout_s=600)
     assert work.waits == [None]                     # wait(): a stream dependency, never wait(timeout=)
-    assert monitor.watched == 1
-    if backend != "fake":              # torch's FakeWork never completes: watched as done (``deadlines.DONE``)
-        assert monitor.pending() == 1
+    assert monitor.watched == 1 and monitor.pending() == 1
     assert fp.sync_stats.timed == {} and fp.sync_stats.host == {}
+
+
+def test_a_fake_wait_is_not_watched(monkeypatch):
+    """torch's fake group: its works never report completion, though nothing is left to do: not watched."""
+    monitor = deadlines.Monitor(comm._collective_error, lambda name: None)
+    monkeypatch.setattr(comm, "MONITOR", monitor)
+    work = RecordingWork()
+    comm.wait(_tracked("fake", work), "all-gather of unit 'x'", timeout_s=600)
+    assert work.waits == [None] and monitor.watched == 0
+
+
+def test_the_deadline_is_watched_before_the_wait(monkeypatch):
+    """Finding 4: a wait that blocks the host (NCCL's barrier, TORCH_NCCL_BLOCKING_WAIT) still has the deadline:
+    the monitor holds the collective before its plain wait is called."""
+    monitor = deadlines.Monitor(comm._collective_error, lambda name: None)
+    monkeypatch.setattr(comm, "MONITOR", monitor)
+    seen = []
+
+    class Blocking(RecordingWork):
+        def wait(self, timeout=None):
+            seen.append(monitor.pending())
+            return super().wait(timeout)
+    comm.wait(_tracked("nccl", Blocking()), "barrier", timeout_s=600)
+    assert seen == [1]
 
 
 def test_gloo_keeps_its_timed_wait(monkeypatch):
@@ -75,17 +97,18 @@ def test_a_host_read_polls_instead_of_a_timed_wait(monkeypatch):
     assert work.waits == [None] and fp.sync_stats.host == {"nccl": 1} and fp.sync_stats.timed == {}
 
 
-def test_the_monitor_retires_in_order_and_fails_the_oldest_past_its_deadline():
-    aborted = []
+def test_the_monitor_retires_completed_work_and_fails_one_past_its_deadline():
+    aborted, retired = [], []
     monitor = deadlines.Monitor(comm._collective_error, aborted.append)
-    now = time.time()
+    wall, now = time.time(), time.monotonic()
     done, stuck, later = RecordingWork(True), RecordingWork(), RecordingWork()
     monitor._thread = object()            # drive poll() by hand: no thread
-    monitor.watch(done, _tracked("nccl", done, now - 100).fp_op, "first", 10, "0")
-    monitor.watch(stuck, _tracked("nccl", stuck, now - 5).fp_op, "all-gather of unit 'blocks.1'", 10, "3")
-    monitor.watch(later, _tracked("nccl", later, now).fp_op, "third", 10, "0")
+    monitor.watch(done, _tracked("nccl", done, wall - 100).fp_op, "first", 10, "0", on_retire=retired.append)
+    monitor.watch(stuck, _tracked("nccl", stuck, wall - 5).fp_op, "all-gather of unit 'blocks.1'", 10, "3")
+    monitor.watch(later, _tracked("nccl", later, wall).fp_op, "third", 10, "0")
     monitor.poll(now)
     assert monitor.pending() == 2 and monitor.error is None and not aborted    # 'first' retired, 'stuck' in time
+    assert len(retired) == 1
     monitor.check()
     monitor.poll(now + 6)                 # 11 s after the stuck one's issue: past its 10 s
     assert aborted == ["3"] and monitor.pending() == 0
@@ -93,6 +116,29 @@ def test_the_monitor_retires_in_order_and_fails_the_oldest_past_its_deadline():
         monitor.check()
     with pytest.raises(fp.CollectiveError):         # every later engine entry raises the same
         monitor.watch(RecordingWork(), None, "next", 10)
+
+
+def test_an_expired_collective_behind_a_longer_deadline_still_fails():
+    """Finding 11: the queue is scanned whole; a checkpoint gather with an hour's deadline at its head must not
+    hide a unit collective that expired behind it."""
+    aborted = []
+    monitor = deadlines.Monitor(comm._collective_error, aborted.append)
+    monitor._thread = object()
+    wall, now = time.time(), time.monotonic()
+    monitor.watch(RecordingWork(), _tracked("nccl", None, wall).fp_op, "checkpoint gather", 3600, "0")
+    monitor.watch(RecordingWork(), _tracked("nccl", None, wall).fp_op, "reduce-scatter of unit 'b'", 10, "2")
+    monitor.poll(now + 11)
+    assert aborted == ["2"]
+    with pytest.raises(fp.CollectiveError, match="reduce-scatter of unit 'b'"):
+        monitor.check()
+
+
+def test_stop_ends_the_thread_and_forgets_the_queue():
+    monitor = deadlines.Monitor(comm._collective_error, lambda name: None)
+    monitor.watch(RecordingWork(), None, "x", 600)
+    thread = monitor._thread
+    monitor.stop()
+    assert monitor.pending() == 0 and monitor._thread is None and not thread.is_alive()
 
 
 def test_a_failed_work_fails_at_once():

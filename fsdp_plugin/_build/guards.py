@@ -12,7 +12,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch import nn
 
-from .._comm import collectives as comm
+from .._comm import collectives as comm, failure
 from .._flat.dtensor import tp_spec
 from .._flat.offload import fast_host_step
 from .._flat.layout import param_info
@@ -62,7 +62,9 @@ def _install_optimizer_check() -> None:
 
 
 def _check_optimizer(optimizer, args, kwargs) -> None:
-    comm.MONITOR.check()    # a collective past its deadline (``_comm/deadlines.py``): no step on its buffers
+    # a collective failed by the deadline monitor poisons the process: no step, ever (``_comm/failure.py``)
+    failure.refuse(f"{type(optimizer).__name__}.step()")
+    comm.MONITOR.check()
     if optimizer in _checked_optimizers:
         for copier in _offloaded.get(optimizer, ()):
             copier.before_host_update()

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .. import _compat
 from ..errors import CollectiveError
-from . import deadlines, late, native, nodes, status, tagged, transport
+from . import deadlines, failure, late, native, nodes, status, tagged, transport
 from . import p2p
 from .p2p import _P2PAllGather, _P2PAllReduce, _P2PExchange, _P2PPairSum, _P2PReduceScatter, Recorded, Tagged, _Bound
 from .stats import _SYNC_KINDS, STATS, SYNC, CommStats, SyncStats, _split, ring_bytes  # noqa: F401
@@ -29,9 +29,10 @@ from .transport import Transport
 
 FAILED = False   # a collective of this process failed or timed out (fp.shutdown then leaves the groups alone)
 # deadlines of collectives waited without blocking the host (every backend but gloo): ``deadlines.py``
-MONITOR = deadlines.Monitor(lambda *a: _collective_error(*a), deadlines.abort_group)
+# (its failures poison the process's training state: ``failure.py``)
+MONITOR = deadlines.Monitor(lambda *a: failure.poison(_collective_error(*a)), deadlines.abort_group)
 os.register_at_fork(after_in_child=lambda: globals().__setitem__(
-    "MONITOR", deadlines.Monitor(lambda *a: _collective_error(*a), deadlines.abort_group)))
+    "MONITOR", deadlines.Monitor(lambda *a: failure.poison(_collective_error(*a)), deadlines.abort_group)))
 
 
 def _count(*args, **kwargs) -> None:
@@ -332,6 +333,8 @@ def _checked(wait_fn, what: str, timeout_s: Optional[float], op) -> None:
     except CollectiveError:
         raise                    # a gated collective's pairing verdict: already the whole story
     except RuntimeError as e:
+        if MONITOR.error is not None:    # the monitor failed it (a deadline) and aborted the group: its story
+            raise MONITOR.error from e
         raise _collective_error(what, timeout_s, e, op) from e
     if ok is False:
         raise _collective_error(what, timeout_s, None, op)

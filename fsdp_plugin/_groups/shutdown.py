@@ -77,6 +77,7 @@ def destroy() -> bool:
     Also useful after a plain ``dist.destroy_process_group()``: the groups this package still referenced
     go away here. Returns True when nothing else references them, i.e. their C++ threads were joined.
     """
+    comm.MONITOR.stop()  # nothing is watched past the groups (a failure stays recorded: ``_comm/failure.py``)
     if comm.FAILED:
         # a timed-out collective may still occupy a gloo thread: joining it would block until gloo's own
         # timeout, so the groups are left to the process exit

@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 
-from .._comm import native
+from .._comm import failure, native
 from .asyncsave import _async
 from . import _comm, _model, optim
 from .format import _format, boxes, codec, manifest
@@ -66,6 +66,7 @@ def save_checkpoint(path, model, optimizer=None, extra=None, *,
     """
     if async_save not in (False, True, "deferred"):
         raise CheckpointError(f"async_save must be False, True or 'deferred', not {async_save!r}")
+    failure.refuse("fp.save_checkpoint")
     _async.wait_pending()
     path = resolve(path, "save_checkpoint")
     rank, world = _comm.rank(), _comm.world_size()
@@ -126,6 +127,7 @@ def _write_and_publish(err, tmp: str, job, group=None) -> None:
         except Exception as e:  # noqa: BLE001
             err = e
     _fail_and_clean(err, tmp, rank, group)
+    failure.saved(job.path)
 
 
 def _discard_fake(tmp: str, rank: int) -> None:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._comm import collectives as comm
+from .._comm import collectives as comm, failure
 from ..errors import CollectiveError, UsageError
 from . import _comm, _model
 from .stream_plan import StreamPlan, build
@@ -59,6 +59,7 @@ def iter_full_params(model: nn.Module, dtype: torch.dtype | None = None, names: 
     holds its unit's gathered buffer while referenced). Iterate in a ``for`` loop (or
     ``contextlib.closing``): a consumer error then ends the iteration on every rank.
     """
+    failure.refuse("fp.iter_full_params")
     plan = build(model, dtype, names, merge_lora)
     if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
         raise UsageError(f"bucket_bytes={bucket_bytes!r}: pass a positive number of bytes, or None for one "

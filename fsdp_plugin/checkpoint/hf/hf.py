@@ -21,6 +21,7 @@ import uuid
 import torch
 
 from ... import _progress
+from ..._comm import failure
 from .. import _comm, _model
 from ..format import _format
 from . import hf_convert
@@ -241,6 +242,7 @@ def save_pretrained(model, path, max_shard_size="5GB", dtype: torch.dtype | None
     tensors gathered whole on rank 0, one group at a time), and ``config.json`` (+ ``generation_config.json``)
     are written, so ``from_pretrained(path)`` reads it back.
     """
+    failure.refuse("fp.save_pretrained")
     if is_url(os.fspath(path)):  # rank 0 gathers into a local temporary directory, then uploads (hf_remote.py)
         from .hf_remote import save_pretrained_remote
 
