@@ -32,9 +32,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (module under benchmarks/gpu/, wall-clock cap in seconds on the device); the sum stays under ~8 minutes
 SECTIONS = (
     ("parity", 60),          # fp32/bf16 parity, prefetch, offload parity, peak memory (world = min(#GPUs, 4))
-    ("host_waits", 120),     # issue 48: run-ahead, host-blocking calls per step, FSDP2 side by side, fake world 8
-    ("offload", 120),        # issue 49: ours vs FSDP2 CPUOffloadPolicy, phases, page faults, pinned bandwidth
-    ("entry_points", 170),   # issue 50: Lightning, accelerate launch, HF Trainer, PEFT, TRL weight sync
+    ("cuda_path", 80),       # issue 53: stream sanitizer on bf16/fp32-reduce, world 2 on one GPU (gloo), int8 on NCCL
+    ("host_waits", 90),      # issue 48: run-ahead, host-blocking calls per step, FSDP2 side by side, fake world 8
+    ("offload", 100),        # issue 49: ours vs FSDP2 CPUOffloadPolicy, phases, page faults, pinned bandwidth
+    ("entry_points", 150),   # issue 50: Lightning, accelerate launch, HF Trainer, PEFT, TRL weight sync
 )
 
 

@@ -155,3 +155,31 @@ def flop_formulas() -> dict:
 def stock_sdpa_counts_gqa() -> bool:
     """Whether the installed torch's own SDPA formulas count GQA (torch >= 2.12), i.e. nothing was replaced."""
     return all(_flop_formulas()[op] is _flop_counter.flop_registry[op] for op in _flop_counter.flop_registry)
+
+
+# ---------------------------------------------------------------- process groups by name (torch's private registry)
+def default_group():
+    """The default process group, or None before ``init_process_group``."""
+    if not dist.is_initialized():
+        return None
+    return dist.distributed_c10d._get_default_group()
+
+
+def group_named(name: str):
+    """The live process group registered under ``name`` (``pg.group_name``), or None: torch keeps the registry
+    in ``_world.pg_names`` (group -> name) on every supported version; absent, nothing is found."""
+    names = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", None) or {}
+    return next((g for g, n in names.items() if n == name), None)
+
+
+def abort_group(pg) -> bool:
+    """``pg.abort()`` where the backend has one (NCCL, nccl_sim; torch ≥ 2.6 on ProcessGroup): True if it ran.
+    A backend without abort is left to its own timeout (the process-group timeout, set past our deadline)."""
+    abort = getattr(pg, "abort", None)
+    if abort is None:
+        return False
+    try:
+        abort()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True

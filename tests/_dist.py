@@ -64,6 +64,7 @@ def _worker(rank, world_size, store_path, fn, args, env, queue):
         torch.set_num_threads(1)
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(backend(), store=store, rank=rank, world_size=world_size)
+        assert dist.get_backend() == backend()     # a lane that silently ran gloo would prove nothing
         try:
             result = fn(rank, world_size, *args)
         finally:

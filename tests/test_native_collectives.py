@@ -1,9 +1,10 @@
-"""The branch NCCL users take, executed on CPU: ``FSDP_PLUGIN_NATIVE_COLLECTIVES=1`` sends gloo through torch's
-native collectives into flat tensors and the ledger-hash pairing mode (``_comm/native.py``).
+"""The branch NCCL users take, executed on CPU: under ``nccl_sim`` (``fsdp_plugin.testing``: NCCL's completion
+semantics) the engine sends every unit collective through torch's native collectives into flat tensors and
+checks pairing by the ledger hash; on gloo it keeps the point-to-point emulation and identity tags.
 
-These tests prove the switch changes the branch (counted calls, not times); ``.ci/run``'s "native" lane runs the
-parity suite (every strategy at world 2-4, hybrid, activation checkpointing, mixed precision, checkpoints) with
-the switch on.
+These tests prove the backend changes the branch (counted calls, not times); ``.ci/run``'s nccl_sim lane runs the
+parity suite (every strategy at world 2-4, hybrid, activation checkpointing, mixed precision, checkpoints,
+quantized collectives, deadlines) with ``FSDP_TEST_BACKEND=nccl_sim``.
 """
 import pytest
 
@@ -12,7 +13,7 @@ from _parity import assert_close_losses, assert_close_state, single_process
 
 import fsdp_plugin as fp
 
-NATIVE = {"FSDP_PLUGIN_NATIVE_COLLECTIVES": "1"}
+NATIVE = {"FSDP_TEST_BACKEND": "nccl_sim"}
 
 
 def _counting_worker(rank, world, strategy, mesh):
@@ -54,9 +55,9 @@ def _counting_worker(rank, world, strategy, mesh):
 
 
 @pytest.mark.parametrize("strategy,mesh", [("full_shard", None), ("hybrid_shard", (2, 2))])
-def test_switch_takes_the_native_branch(strategy, mesh):
-    """Switch on: every unit collective is torch's native one and pairing is the NCCL mode ("hash");
-    switch off (gloo's default): the point-to-point emulation and identity tags. Same numbers both ways."""
+def test_nccl_sim_takes_the_native_branch(strategy, mesh):
+    """nccl_sim: every unit collective is torch's native one and pairing is the NCCL mode ("hash"); gloo: the
+    point-to-point emulation and identity tags. Same numbers both ways."""
     world = 4
     native = run_ranks(_counting_worker, world, strategy, mesh, env=NATIVE, timeout=120)
     p2p = run_ranks(_counting_worker, world, strategy, mesh, timeout=120)
@@ -71,16 +72,3 @@ def test_switch_takes_the_native_branch(strategy, mesh):
     want_losses, want_state = single_process(world, "sgd", steps=4)
     assert_close_losses(native[0][0], want_losses)
     assert_close_state(native[0][3], want_state)
-
-
-def test_switch_is_read_by_the_decision():
-    """The one decision point reads the switch (a typo'd variable would make the native lane vacuous)."""
-    import os
-    from unittest import mock
-
-    from fsdp_plugin._comm import native
-    with mock.patch.dict(os.environ, NATIVE):
-        assert native.forced()
-    with mock.patch.dict(os.environ, {native.ENV: "0"}):
-        assert not native.forced()
-    assert native.ENV == "FSDP_PLUGIN_NATIVE_COLLECTIVES"

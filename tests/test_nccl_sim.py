@@ -152,11 +152,13 @@ def _late_then_save(rank, world, tmp):
     if rank == 1:                   # never joins the next step: rank 0's first all-gather can never complete
         time.sleep(8)
         return None
+    import fsdp_plugin.testing as T
     out = {}
     try:
         model(*gpt_batch(1, rank)).sum().backward()
     except fp.CollectiveError as e:
         out["deadline"] = str(e)
+    out["aborts"] = T.COUNTERS.aborts          # the monitor aborted the real group (deadlines.abort_group)
     for name, call in (("save", lambda: fp.save_checkpoint(f"{tmp}/step2", model, opt)), ("step", opt.step),
                        ("export", lambda: fp.full_state_dict(model))):
         try:
@@ -176,3 +178,36 @@ def test_after_a_deadline_nothing_is_saved_and_no_step_is_taken(tmp_path):
         assert out[name] is not None and "refused" in out[name], (name, out[name])
         assert f"{tmp_path}/step1" in out[name], out[name]
     assert not (tmp_path / "step2").exists()
+    assert out["aborts"] == 1
+
+
+def _hang_everywhere(rank, world):
+    """A network fault: every rank's collectives stop completing while the hosts run ahead (NCCL's waits do not
+    block). The report must say the collective is stuck everywhere, not that the ranks diverged."""
+    import torch
+    import torch.distributed as dist
+
+    from _parity import make_optimizer
+    from models import GPT, Block, gpt_batch
+
+    torch.manual_seed(0)
+    model = GPT()
+    fp.shard(model, auto_wrap_policy={Block}, timeout_s=2)
+    opt = make_optimizer("sgd", model.parameters())
+    dist.distributed_c10d._get_default_group().hang()
+    for s in range(200):
+        try:
+            loss = model(*gpt_batch(s, rank))
+            loss.backward()
+            opt.step()
+            time.sleep(0.05)
+        except fp.CollectiveError as e:
+            return str(e)
+    return None
+
+
+def test_a_hang_on_every_rank_is_reported_as_a_hang_not_a_divergence():
+    for message in run_ranks(_hang_everywhere, 2, env=SIM, timeout=120):
+        assert message is not None and "did not complete within 2s" in message, message
+        assert "ran different collectives" not in message, message
+        assert "Waiting in #" in message or "Every rank is inside this collective" in message, message

@@ -185,12 +185,10 @@ class Monitor:
 
 
 def abort_group(name: Optional[str]) -> None:
-    """Release every thread blocked on the group named ``name`` (None: the default group): its communicator is
-    lost. (The monitor keeps group names, not groups: holding a group would keep it alive past fp.shutdown.)"""
-    import torch.distributed as dist
-    c10d = dist.distributed_c10d
-    pg = next((g for g, n in getattr(c10d._world, "pg_names", {}).items() if n == name), None) if name else None
-    try:
-        (pg if pg is not None else c10d._get_default_group()).abort()
-    except Exception:  # noqa: BLE001 - a backend without abort(): torch's watchdog (a longer timeout) is the backstop
-        pass
+    """Release every thread blocked on the group named ``name`` (None or "p2p": the default group, which carries
+    point-to-point sends): its communicator is lost. (The monitor keeps group names, not groups: holding a group
+    would keep it alive past fp.shutdown.) A name no live group has any more aborts nothing."""
+    from .. import _compat
+    pg = _compat.group_named(name) if name not in (None, "p2p") else _compat.default_group()
+    if pg is not None:
+        _compat.abort_group(pg)

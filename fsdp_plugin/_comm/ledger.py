@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveError
-from . import collectives as comm, tagged, transport
+from . import collectives as comm, deadlines, tagged, transport
 from .transport import Transport
 from .divergence import divergence_message
 
@@ -68,9 +68,6 @@ def verify(merged: bytes, group, timeout_s: Optional[float], hint: str = "") -> 
 
 
 def _abort_native() -> None:
-    """Release a native collective that can never complete (best effort: the process group is lost anyway)."""
+    """Release a native collective that can never complete (the process group is lost anyway)."""
     comm.FAILED = True
-    try:
-        dist.distributed_c10d._get_default_group().abort()
-    except Exception:  # noqa: BLE001 - an older torch without abort(): the deadline ends the wait instead
-        pass
+    deadlines.abort_group(None)

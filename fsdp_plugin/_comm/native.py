@@ -2,29 +2,18 @@
 
 On gloo with CPU tensors the engine sends a unit's chunks point to point (``p2p.py``: no temporary full-size
 buffer, identity tags that check pairing for free); every other backend (NCCL, torch's fake group, any custom
-one) takes torch's native collectives into flat tensors and checks pairing by the ledger hash. CPU CI only has
-gloo, so ``FSDP_PLUGIN_NATIVE_COLLECTIVES=1`` forces gloo through the native branch, pairing mode included: the
-code every NCCL user runs executes on every CI run (tests/test_native_collectives.py). It is a test switch,
-read at each decision so that a test can set it for the ranks it forks; users never need it.
+one) takes torch's native collectives into flat tensors and checks pairing by the ledger hash. CPU CI runs that
+branch through ``nccl_sim`` (``fsdp_plugin.testing``), a backend with NCCL's completion semantics.
 """
 from __future__ import annotations
 
-import os
-
 import torch.distributed as dist
-
-ENV = "FSDP_PLUGIN_NATIVE_COLLECTIVES"
-
-
-def forced() -> bool:
-    """Gloo takes the native branch (the test switch above)."""
-    return os.environ.get(ENV, "") not in ("", "0")
 
 
 def point_to_point(group) -> bool:
-    """``group``'s unit collectives may use the point-to-point emulation (gloo, not forced native). The caller
-    still checks that the tensors are CPU and contiguous."""
-    return dist.get_backend(group) == "gloo" and not forced()
+    """``group``'s unit collectives may use the point-to-point emulation (gloo). The caller still checks that
+    the tensors are CPU and contiguous."""
+    return dist.get_backend(group) == "gloo"
 
 
 def is_fake(group=None) -> bool:

@@ -45,7 +45,7 @@ def pairing_mode(config: ShardingConfig, mesh: Optional[Mesh], device: torch.dev
         return "off"      # torch's fake group: one process plays every rank, there is no peer to diverge from
     if tags_suffice(mesh, device, every_strategy=check == "auto"):
         return "tags"
-    if check == "strict" or (device.type == "cpu" and _blocking_unit_groups(mesh) and not native.forced()):
+    if check == "strict" or (device.type == "cpu" and _blocking_unit_groups(mesh)):
         return "announce"    # gloo/CPU without the status thread: a mismatched gloo collective would abort
     return "hash"            # NCCL, nccl_sim...: a mismatched collective hangs; the step's hash finds it
 

@@ -201,7 +201,8 @@ class SimGroup(dist.ProcessGroup):
                     self._pending.remove(work)
 
     def _agree(self, header: list) -> bool:
-        mine = torch.tensor(header, dtype=torch.int64)
+        # a fixed-size digest: gloo aborts the process on an all-gather whose sizes differ between ranks
+        mine = torch.tensor([header[0], len(header), zlib.crc32(repr(header).encode())], dtype=torch.int64)
         everyone = [torch.empty_like(mine) for _ in range(self._size)]
         self._inner.allgather([everyone], [mine]).wait()
         return all(torch.equal(e, mine) for e in everyone)
@@ -214,6 +215,11 @@ class SimGroup(dist.ProcessGroup):
             pending, self._pending = self._pending, []
         for w in pending:
             w._fail(self._aborted)
+
+    def hang(self) -> None:
+        """From now on no collective of this group completes, on this rank (call it on every rank for a network
+        fault): their waits return, the host runs ahead over NaN, ``is_completed()`` stays False until abort."""
+        self._stuck = True
 
     def shutdown(self) -> None:
         self._queue.put(None)
