@@ -184,3 +184,48 @@ def test_a_late_rank_is_named_by_the_monitor_on_the_training_thread():
     assert "did not complete within 2s" in message or "did not complete within 1s" in message, message
     assert "rank 1" in message and "Not arrived" in message, message
     assert len(aborted) == 1
+
+
+def test_the_group_is_aborted_even_when_the_report_fails():
+    """Finding 11: building the error reads the rendezvous store; if that raises, the stuck group is still
+    aborted (a training thread blocked in it must be released) and the failure is still raised."""
+    aborted = []
+
+    def broken_report(*args):
+        raise OSError("store host unreachable")
+    monitor = deadlines.Monitor(broken_report, aborted.append)
+    monitor._thread = object()
+    monitor.watch(RecordingWork(), _tracked("nccl", None, time.time()).fp_op, "all-gather", 1, "5")
+    monitor.poll(time.monotonic() + 2)
+    assert aborted == ["5"] and monitor.pending() == 0
+    with pytest.raises(OSError, match="store host unreachable"):
+        monitor.check()
+
+
+def test_on_cuda_the_monitor_polls_an_event_and_keeps_no_work(monkeypatch):
+    """Findings 1 and 11: after the plain wait the handle trades the work (which holds the collective's output
+    buffers: NCCL's Work keeps them) for an event recorded on the current stream, and polls that; any work type
+    (a quantized ``_Then`` wrapping a tracked torch Work) is unwrapped the same way."""
+    import torch
+
+    class Event:
+        recorded = 0
+
+        def record(self):
+            Event.recorded += 1
+
+        def query(self):
+            return True
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+
+    class Then:                       # the shape of quantized._Then: a wrapper around a tracked work
+        def __init__(self, work):
+            self.work = work
+    inner = RecordingWork()
+    handle = deadlines.Handle(Then(_tracked("nccl", inner)))
+    assert handle.work is inner and not handle.done()
+    handle.after_wait(torch.device("cuda", 0))
+    assert handle.work is None and Event.recorded == 1 and handle.done()
+    cpu = deadlines.Handle(RecordingWork(done=True))
+    cpu.after_wait(torch.device("cpu"))
+    assert cpu.work is not None and cpu.done()
