@@ -324,3 +324,36 @@ def test_the_pool_model_can_fail():
             m.wait("compute", "reduce")
         m.run("compute", ops.zeros.default, ([8],), {})
         assert bool(m.violations) is not ordered, m.violations
+
+
+def _source_worker(rank, world):
+    import torch
+
+    import fsdp_plugin as fp
+    from fsdp_plugin._comm import collectives
+    from _parity import make_optimizer, train
+    from models import GPT, Block
+
+    torch.manual_seed(0)
+    model = fp.shard(GPT(), auto_wrap_policy={Block})
+    handles = [h for u in model._fp_root.units for h in u.handles]
+    held, plain = [], collectives.wait
+
+    def wait(work, what="collective", *a, **k):
+        if what.startswith("all-gather of unit"):
+            held.append(any(h._gather is not None and h._gather[0] is work and h._gather[1] is not None
+                            for h in handles))
+        return plain(work, what, *a, **k)
+    collectives.wait = wait
+    try:
+        train(model, make_optimizer("sgd", model.parameters()), rank, world, 2)
+    finally:
+        collectives.wait = plain
+    return held
+
+
+def test_an_all_gathers_source_is_held_until_its_wait_returns():
+    """Finding 12: the all-gather's source (read on NCCL's stream) is still referenced by the handle while
+    ``wait_unshard`` waits, so a wait that raises cannot free it with no stream ordering."""
+    for held in run_ranks(_source_worker, 2, env=NATIVE, timeout=120):
+        assert len(held) >= 2 * 3 and all(held), held
