@@ -40,6 +40,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import _compat
+
 
 @dataclass
 class OffloadStats:
@@ -92,16 +94,15 @@ def host_block(numel: int, dtype: torch.dtype, register: Optional[Callable] = No
 
 
 def _cuda_register(ptr: int, nbytes: int) -> None:
-    rt = torch.cuda.cudart()
-    err = rt.cudaHostRegister(ptr, nbytes, 0)
-    if int(err) != 0:
+    err = _compat.cuda_host_register(ptr, nbytes)
+    if err != 0:
         raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed ({err}): pinned host memory is limited by "
                            "`ulimit -l` and the machine's RAM; cpu_offload needs the master shards, gradients and "
                            "optimizer state in host memory")
 
 
 def _cuda_unregister(ptr: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(ptr)
+    _compat.cuda_host_unregister(ptr)
 
 
 # ------------------------------------------------------------------ backends
@@ -196,7 +197,8 @@ def for_config(cpu_offload: bool, device: torch.device) -> Optional["HostCopier"
 
 
 def _use_count(t: torch.Tensor) -> int:
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+    n = _compat.storage_use_count(t.untyped_storage())
+    return n if n is not None else 1 << 30     # unknown: referenced (a fresh buffer, never a reused one)
 
 
 # ------------------------------------------------------------------ the copier
