@@ -263,3 +263,11 @@ def fake_grouped_mm(func, args, kwargs):
                         **{**kwargs, "out_dtype": None})
         return stand_in.to(dtype)
     return func(*args, **kwargs)
+
+
+# ------------------------------------------------------------------ torch's fake process group
+def fake_store():
+    """torch's ``FakeStore`` (the store ``init_process_group("fake", ...)`` takes). torch ships it only under
+    ``torch.testing._internal`` (every supported torch); users reach it through ``fsdp_plugin.testing.fake_world``."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    return FakeStore()

@@ -6,6 +6,7 @@ import torch
 
 import fsdp_plugin as fp
 from fsdp_plugin._flat import offload
+from fsdp_plugin.testing import fake
 from fsdp_plugin.planner import Calibration
 from fsdp_plugin.planner._time import HOST_MEMORY_BYTES_PER_S, PCIE_BYTES_PER_S, offload_seconds, predict
 from models import GPT, Block, gpt_batch
@@ -21,7 +22,7 @@ def _plan(**kw):
 
 def _engine_step_bytes(monkeypatch, **kw):
     """The copier's counted bytes of one training step (the second: the first allocates), on CPU."""
-    monkeypatch.setattr(offload, "_TEST_BACKEND", offload.FakeBackend)
+    monkeypatch.setattr(offload, "for_config", fake.offloading_for_config())
     torch.manual_seed(0)
     model = fp.shard(GPT(), auto_wrap_policy={Block}, cpu_offload=True, **kw)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -126,7 +126,7 @@ class FlatParamHandle:
         self.chunk_start = mesh.shard_rank * self.chunk
         # cpu_offload: ``offload`` is the model's HostCopier (``offload.py``: pinned host buffers, side-stream copies)
         self.offload = offload
-        self.flat_shard = (offload.new_shard(self.chunk, dtype) if offload is not None
+        self.flat_shard = (offload.host_tensor(self.chunk, dtype) if offload is not None
                            else torch.zeros(self.chunk, dtype=dtype, device=shard_device))
         self._aliases_shard = n == 1 and compute_dtype == dtype and shard_device == device and offload is None
         self._init_leaf()
@@ -197,6 +197,8 @@ class FlatParamHandle:
     def fill_from_full(self, slot: ParamSlot, full: torch.Tensor) -> None:
         """Copy this rank's piece of ``full`` (the whole parameter) into the shard."""
         piece = full.detach().reshape(-1)[slot.local_start:slot.local_end]
+        if self.offload is not None:      # pinned masters a host-to-device copy may still be reading
+            self.offload.before_host_write()
         self.flat_shard[self.local_slice(slot)].copy_(piece)
 
     # ---------------------------------------------------------- unshard/reshard
@@ -332,6 +334,8 @@ class FlatParamHandle:
 
     def write_back(self, full: torch.Tensor) -> None:
         """Copy this rank's chunk of a full padded flat tensor (from ``gather_master``) into the shard."""
+        if self.offload is not None:      # pinned masters a host-to-device copy may still be reading
+            self.offload.before_host_write()
         self.flat_shard.copy_(full[self.chunk_start:self.chunk_start + self.chunk].to(self.flat_shard.device))
 
     def split_full(self, full: torch.Tensor) -> list[torch.Tensor]:
