@@ -94,7 +94,11 @@ def test_default_adamw_gets_the_fused_kernel_and_explicit_choices_are_kept(fake_
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         _train(model, opt, 2)
-    assert all(g["fused"] for g in opt.param_groups) and not [x for x in w if "cpu_offload" in str(x.message)]
+    assert all(g["fused"] for g in opt.param_groups)
+    said = [x for x in w if "cpu_offload" in str(x.message)]
+    assert len(said) == 1 and "fused CPU kernel" in str(said[0].message), "one warning that it was switched"
+    assert "FSDP_PLUGIN_OFFLOAD_FUSED=0" in str(said[0].message) and "fused=True" in str(said[0].message)
+    assert opt.defaults["fused"] is None and opt.defaults["foreach"] is None, "defaults stay the user's"
 
     model = _model(cpu_offload=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
@@ -104,6 +108,19 @@ def test_default_adamw_gets_the_fused_kernel_and_explicit_choices_are_kept(fake_
     slow = [x for x in w if "one-tensor-at-a-time" in str(x.message)]
     assert len(slow) == 1 and "fused=True" in str(slow[0].message), "one warning, at the first step, naming the fix"
     assert not any(g["fused"] for g in opt.param_groups)
+
+
+def test_a_group_with_a_parameter_the_fused_kernel_cannot_take_is_not_switched(fake_offload):
+    """Every parameter of every group is checked, not only the offloaded ones: a bfloat16 extra parameter keeps
+    the optimizer on torch's loop (with the one warning naming fused=True)."""
+    model = _model(cpu_offload=True)
+    extra = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    opt = torch.optim.AdamW([{"params": list(model.parameters())}, {"params": [extra]}], lr=1e-3)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        _train(model, opt, 1)
+    assert not any(g["fused"] for g in opt.param_groups)
+    assert [x for x in w if "one-tensor-at-a-time" in str(x.message)]
 
 
 def test_fused_switch_can_be_turned_off(fake_offload, monkeypatch):
