@@ -271,3 +271,28 @@ def fake_store():
     ``torch.testing._internal`` (every supported torch); users reach it through ``fsdp_plugin.testing.fake_world``."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
     return FakeStore()
+
+
+HAS_DEFAULT_STORE = hasattr(_C10D, "_get_default_store")
+HAS_PG_MAP = hasattr(getattr(_C10D, "_world", None), "pg_map")
+
+
+def default_store():
+    """The default group's store (the rendezvous store every rank shares), or None before init."""
+    return _C10D._get_default_store() if dist.is_initialized() and HAS_DEFAULT_STORE else None
+
+
+def live_groups() -> list:
+    """Every process group torch still holds (``_World.pg_map``); the world group alone where it cannot say."""
+    if not dist.is_initialized():
+        return []
+    return list(_C10D._world.pg_map) if HAS_PG_MAP else [dist.group.WORLD]
+
+
+# ------------------------------------------------------------------ autograd
+_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def in_backward() -> bool:
+    """Whether this thread is running autograd's backward now (a graph task is current)."""
+    return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .. import _compat
 from ..errors import CollectiveError
 from . import collectives as comm, tagged
 from .divergence import divergence_message
@@ -70,6 +71,6 @@ def _abort_native() -> None:
     """Release a native collective that can never complete (best effort: the process group is lost anyway)."""
     comm.FAILED = True
     try:
-        dist.distributed_c10d._get_default_group().abort()
-    except Exception:  # noqa: BLE001 - an older torch without abort(): the deadline ends the wait instead
+        _compat.abort_group(_compat.default_group())   # False without abort(): the deadline ends the wait
+    except Exception:  # noqa: BLE001 - best effort: the group is lost anyway, the caller raises the named error
         pass
