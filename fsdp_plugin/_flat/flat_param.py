@@ -60,8 +60,8 @@ class _PendingReduce:
     """One issued gradient reduction and the buffers it owns (FSDP2's ``ReduceScatterState``): the collective's
     input and output stay referenced here until ``wait`` has ordered the current stream after the collective,
     so neither goes back to the caching allocator while a side stream (or NCCL's) may still read or write it.
-    ``wait`` is the only way to the output; it releases the input (``tests/test_streams.py``: the allocator
-    model that fails when a block read on one stream is freed before its pool's stream has passed the read)."""
+    ``wait`` releases the input (``tests/test_streams.py``: the allocator model that fails when a block read on
+    one stream is freed before its pool's stream has passed the read)."""
 
     __slots__ = ("work", "out", "keep", "replica", "gate")
 
@@ -73,8 +73,8 @@ class _PendingReduce:
         self.gate = gate           # its pairing (hybrid: the replica all-reduce in ``finish_reduce`` takes its tag)
 
     def wait(self, what: str, timeout_s) -> torch.Tensor:
-        """Wait for the collective (the current stream is ordered after it), then release its input;
-        the output. A failed wait keeps the input referenced (the collective may still read it)."""
+        """Wait for the collective (the current stream is ordered after it), then release its input; the
+        output."""
         comm.wait(self.work, what, timeout_s)
         self.keep = None
         return self.out
