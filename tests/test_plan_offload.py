@@ -28,11 +28,7 @@ def _fused_step_bytes_per_elem(name: str) -> int:
     n = 1000
     p = torch.zeros(n, requires_grad=True)
     p.grad = torch.ones(n)
-    make = {"adamw": lambda q: torch.optim.AdamW(q, lr=1e-3, fused=True),
-            "adam": lambda q: torch.optim.Adam(q, lr=1e-3, fused=True),
-            "sgd": lambda q: torch.optim.SGD(q, lr=0.1, fused=True),
-            "sgd-momentum": lambda q: torch.optim.SGD(q, lr=0.1, momentum=0.9, fused=True)}[name]
-    opt, counted = make([p]), []
+    opt, counted = _MAKE[name]([p], fused=True), []
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -52,10 +48,44 @@ def _fused_step_bytes_per_elem(name: str) -> int:
     return sum(counted)
 
 
-@pytest.mark.parametrize("name", ["adamw", "adam", "sgd", "sgd-momentum"])
-def test_planned_host_step_bytes_are_torchs_fused_kernels(name):
-    from fsdp_plugin.planner._optim import host_step_traffic
+def _loop_step_bytes_per_elem(name: str) -> int:
+    """Bytes per parameter element torch's one-tensor-at-a-time step streams, read from its kernels: every aten op
+    of a real step (foreach=False) counts each distinct per-element operand it reads once and each tensor it
+    returns (written) once."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+    n = 1000
+    p = torch.zeros(n, requires_grad=True)
+    p.grad = torch.ones(n)
+    opt = _MAKE[name]([p], foreach=False)
+    total = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            reads = {id(t): t for t in tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor) and t.numel() == n}
+            out = func(*args, **(kwargs or {}))
+            writes = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.numel() == n]
+            total.append(sum(t.nbytes for t in reads.values()) + sum(t.nbytes for t in writes))
+            return out
+    opt.step()                     # the first step creates state outside the update
+    with Count():
+        opt.step()
+    return sum(total) // n
+
+
+_MAKE = {"adamw": lambda q, **kw: torch.optim.AdamW(q, lr=1e-3, **kw),
+         "adam": lambda q, **kw: torch.optim.Adam(q, lr=1e-3, **kw),
+         "sgd": lambda q, **kw: torch.optim.SGD(q, lr=0.1, **kw),
+         "sgd-momentum": lambda q, **kw: torch.optim.SGD(q, lr=0.1, momentum=0.9, **kw)}
+
+
+@pytest.mark.parametrize("name", list(_MAKE))
+def test_planned_optimizer_step_bytes_are_torchs_kernels(name):
+    """The planner's per-element step traffic, device (torch's loop) and host (the fused CPU kernel offload
+    picks), against what torch's kernels read and write."""
+    from fsdp_plugin.planner._optim import host_step_traffic, step_traffic
     assert host_step_traffic(name, 1) == _fused_step_bytes_per_elem(name)
+    assert step_traffic(name, 1) == _loop_step_bytes_per_elem(name)
 
 
 def _engine_step_bytes(monkeypatch, **kw):
@@ -104,7 +134,8 @@ def test_offload_seconds_default_and_overridden_bandwidths():
 
 def test_plan_prices_the_host_step_instead_of_the_device_step():
     on, off = _plan(cpu_offload=True), _plan()
-    assert off.offload == {} and off.optimizer_s == pytest.approx(80 * on.offload["host_step_bytes"] / 28 / 1e11)
+    per_elem = _loop_step_bytes_per_elem("adamw") / _fused_step_bytes_per_elem("adamw")   # torch's kernels
+    assert off.offload == {} and off.optimizer_s == pytest.approx(per_elem * on.offload["host_step_bytes"] / 1e11)
     o = on.offload
     assert on.optimizer_s == pytest.approx(o["host_step_s"] + o["exposed_copy_s"])
     assert on.step_s == pytest.approx(on.compute_s, rel=1e-9), "world 1: compute (the optimizer term included)"
