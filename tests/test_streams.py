@@ -298,13 +298,14 @@ def _pool_worker(rank, world, strategy, mixed, steps=2, mesh=None):
 
 
 def test_no_block_read_on_a_side_stream_is_reused_before_its_pool_passed_the_read():
-    """bf16 compute, fp32 reduction (the default GPU recipe) at world 2, full_shard and no_shard: no gradient,
-    cast or collective buffer goes back to a pool whose stream may reuse it before another stream's access of
-    it is ordered before. On the code before issue 53 the bf16 gradient was cast on the reduce stream and
-    freed to the compute pool with no wait: the next unit's backward could overwrite it before the cast."""
-    for strategy in ("full_shard", "no_shard"):
-        for losses, violations, checked, cross in run_ranks(_pool_worker, 2, strategy, True, env=NATIVE,
-                                                            timeout=120):
+    """bf16 compute, fp32 reduction (the default GPU recipe): full_shard and no_shard at world 2, hybrid (2 x 2,
+    its replica all-reduce on the reduce stream) at world 4: no gradient, cast or collective buffer goes back to
+    a pool whose stream may reuse it before another stream's access of it is ordered before. On the code before
+    issue 53 the bf16 gradient was cast on the reduce stream and freed to the compute pool with no wait: the
+    next unit's backward could overwrite it before the cast."""
+    for strategy, world, mesh in (("full_shard", 2, None), ("no_shard", 2, None), ("hybrid_shard", 4, (2, 2))):
+        for losses, violations, checked, cross in run_ranks(_pool_worker, world, strategy, True, 2, mesh,
+                                                            env=NATIVE, timeout=120):
             assert violations == [], (strategy, violations[:3])
             assert checked > 50 and cross > 0, (strategy, checked, cross)    # it saw the blocks it models
 
