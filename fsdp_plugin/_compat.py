@@ -157,29 +157,142 @@ def stock_sdpa_counts_gqa() -> bool:
     return all(_flop_formulas()[op] is _flop_counter.flop_registry[op] for op in _flop_counter.flop_registry)
 
 
-# ---------------------------------------------------------------- process groups by name (torch's private registry)
-def default_group():
-    """The default process group, or None before ``init_process_group``."""
-    if not dist.is_initialized():
+# ------------------------------------------------------------------ process groups: c10d's private state
+# Each name below is private torch API the engine cannot do without; each is probed here once, by attribute, and
+# tests/test_compat.py asserts every probe holds on the running torch (so a rename fails CI, not a job).
+from datetime import timedelta as _timedelta
+
+_C10D = dist.distributed_c10d
+HAS_GROUP_BACKEND = hasattr(dist.ProcessGroup, "_get_backend")          # ProcessGroup._get_backend(device)
+HAS_PG_NAMES = hasattr(getattr(_C10D, "_world", None), "pg_names")       # _World.pg_names: {group: name}
+HAS_DEFAULT_GROUP = hasattr(_C10D, "_get_default_group")
+HAS_GROUP_ABORT = hasattr(dist.ProcessGroup, "abort")
+
+
+def group_timeout(group, device: torch.device) -> Optional[_timedelta]:
+    """The timeout ``group``'s backend for ``device`` was created with (ProcessGroupNCCL's watchdog, gloo's own
+    deadline; None: the default group). None where the backend exposes none (torch's fake group, a backend
+    without options) — the caller then cannot check it."""
+    if not HAS_GROUP_BACKEND:
         return None
-    return dist.distributed_c10d._get_default_group()
+    group = group if group is not None else default_group()
+    if group is None:
+        return None
+    try:
+        backend = group._get_backend(torch.device(device.type))
+    except RuntimeError:        # no backend for this device type in the group
+        return None
+    return getattr(getattr(backend, "options", None), "_timeout", None)
 
 
 def group_named(name: str):
-    """The live process group registered under ``name`` (``pg.group_name``), or None: torch keeps the registry
-    in ``_world.pg_names`` (group -> name) on every supported version; absent, nothing is found."""
-    names = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", None) or {}
+    """The live process group torch registered under ``name`` (``group_name``), or None."""
+    names = getattr(_C10D._world, "pg_names", {}) if HAS_PG_NAMES else {}
     return next((g for g, n in names.items() if n == name), None)
 
 
-def abort_group(pg) -> bool:
-    """``pg.abort()`` where the backend has one (NCCL, nccl_sim; torch ≥ 2.6 on ProcessGroup): True if it ran.
-    A backend without abort is left to its own timeout (the process-group timeout, set past our deadline)."""
-    abort = getattr(pg, "abort", None)
+def default_group():
+    """The default (world) process group, or None before ``init_process_group``."""
+    if not dist.is_initialized():
+        return None
+    return _C10D._get_default_group() if HAS_DEFAULT_GROUP else dist.group.WORLD
+
+
+def abort_group(group) -> bool:
+    """``group.abort()``: every thread blocked on its communicator is released, the communicator is lost.
+    False where this torch's ProcessGroup has no abort (torch's watchdog, a longer timeout, is then the
+    backstop); errors of the abort itself propagate."""
+    abort = getattr(group, "abort", None) if HAS_GROUP_ABORT else None
     if abort is None:
         return False
-    try:
-        abort()
-    except (RuntimeError, NotImplementedError):
-        return False
+    abort()
     return True
+
+
+# ------------------------------------------------------------------ storages and pinned host memory
+_STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def storage_use_count(storage: "torch.UntypedStorage") -> Optional[int]:
+    """References to the StorageImpl (tensors, views, Parameters, storage objects); None where torch has no
+    such probe (callers then assume it is referenced)."""
+    return _STORAGE_USE_COUNT(storage._cdata) if _STORAGE_USE_COUNT is not None else None
+
+
+def cuda_host_register(ptr: int, nbytes: int) -> int:
+    """Page-lock ``nbytes`` of host memory at ``ptr`` (``cudaHostRegister``, flags 0); the CUDA error code."""
+    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+
+
+def cuda_host_unregister(ptr: int) -> int:
+    return int(torch.cuda.cudart().cudaHostUnregister(ptr))
+
+
+# ------------------------------------------------------------------ autograd's device threads (torch 2.11)
+@_functools.lru_cache(maxsize=None)
+def start_autograd_engine() -> None:
+    """One real backward on CPU before the first fake one. The autograd engine sizes its device threads once, at
+    its first backward; when that backward is on fake tensors, torch 2.11 starts device threads (not 2.13), and
+    every fork-based child of the process then fails its first backward ("Unable to handle autograd's threading
+    in combination with fork-based multiprocessing": multiprocessing ranks or tests started after fp.plan).
+    Started by a real CPU backward, the engine has only the threads the process's devices need, as in training.
+    Harmless on every torch, so not gated on the version: a back-ported fix changes nothing."""
+    with torch.enable_grad():
+        torch.ones(1, requires_grad=True).sum().backward()
+
+
+# ------------------------------------------------------------------ _grouped_mm's meta kernel
+@_functools.lru_cache(maxsize=None)
+def grouped_mm_meta_needs_bf16() -> bool:
+    """Whether ``aten._grouped_mm``'s meta kernel refuses float32 (it enforces the CUDA kernel's bfloat16, while
+    the CPU kernel — what transformers' MoE experts call there — takes any float). Probed once on meta tensors."""
+    a, b = torch.empty(16, 16, device="meta"), torch.empty(2, 16, 16, device="meta")   # shapes valid in bf16
+    try:
+        torch.ops.aten._grouped_mm.default(a, b, torch.tensor([8, 16], dtype=torch.int32, device="meta"))
+    except RuntimeError as e:
+        return "BF16" in str(e)
+    return False
+
+
+def fake_grouped_mm(func, args, kwargs):
+    """``aten._grouped_mm`` on fake/meta tensors of any float dtype: where the meta kernel wants bfloat16, shaped
+    on bfloat16 stand-ins and returned in the real dtype; else as is."""
+    if grouped_mm_meta_needs_bf16() and (args[0].dtype != torch.bfloat16 or args[1].dtype != torch.bfloat16):
+        dtype = kwargs.get("out_dtype") or args[0].dtype
+        stand_in = func(args[0].to(torch.bfloat16), args[1].to(torch.bfloat16), *args[2:],
+                        **{**kwargs, "out_dtype": None})
+        return stand_in.to(dtype)
+    return func(*args, **kwargs)
+
+
+# ------------------------------------------------------------------ torch's fake process group
+def fake_store():
+    """torch's ``FakeStore`` (the store ``init_process_group("fake", ...)`` takes). torch ships it only under
+    ``torch.testing._internal`` (every supported torch); users reach it through ``fsdp_plugin.testing.fake_world``."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    return FakeStore()
+
+
+HAS_DEFAULT_STORE = hasattr(_C10D, "_get_default_store")
+HAS_PG_MAP = hasattr(getattr(_C10D, "_world", None), "pg_map")
+
+
+def default_store():
+    """The default group's store (the rendezvous store every rank shares), or None before init."""
+    return _C10D._get_default_store() if dist.is_initialized() and HAS_DEFAULT_STORE else None
+
+
+def live_groups() -> list:
+    """Every process group torch still holds (``_World.pg_map``); the world group alone where it cannot say."""
+    if not dist.is_initialized():
+        return []
+    return list(_C10D._world.pg_map) if HAS_PG_MAP else [dist.group.WORLD]
+
+
+# ------------------------------------------------------------------ autograd
+_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def in_backward() -> bool:
+    """Whether this thread is running autograd's backward now (a graph task is current)."""
+    return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fsdp_plugin as fp
-from fsdp_plugin._flat import offload as _offload
+from fsdp_plugin.testing import fake
 
 LLAMA_1B = dict(vocab=128256, d=2048, n_layer=16, n_head=32, n_kv=8, ffn=8192)
 TINY = dict(vocab=256, d=64, n_layer=2, n_head=4, n_kv=2, ffn=128)
@@ -299,7 +299,7 @@ def main() -> int:
     want = set(args.rows.split(","))
     if args.dry:
         device, cfg, shape, nbytes = torch.device("cpu"), TINY, (2, 32), 16 * 2**20
-        _offload._TEST_BACKEND = _offload.FakeBackend     # our offload path on CPU (recording streams/events)
+        fake.offload_on_cpu()     # our offload path on CPU (recording streams/events)
     else:
         if not torch.cuda.is_available():
             print("offload.py: no CUDA device (use --dry to rehearse on CPU)")

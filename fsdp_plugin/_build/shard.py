@@ -18,7 +18,8 @@ from .host_alloc import keep_freed_host_memory
 from .precision import fp32_buffers, fp32_param_ids, fp32_regions, install_casts
 from .._materialize.materialize import Materializer, decide_scatter, model_kind
 from .._materialize.hf_init import retie
-from .._groups.mesh import Mesh, build_mesh, secondary_group
+from .._groups import timeouts as group_timeouts
+from .._groups.mesh import Mesh, build_mesh, control_group, secondary_group
 from .._flat.secondary import SecondaryShard
 from .._groups.shutdown import register_at_exit
 from .._schedule.join import make_joinable
@@ -48,10 +49,12 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
                             "units with auto_wrap_policy")
     cfg = ShardingConfig.from_kwargs(config, **kwargs)
     tp_mesh = strip_dtensors(model, cfg.device_mesh, cfg.param_init_fn)   # DTensor params -> local + spec
-    mesh = build_mesh(STRATEGIES[cfg.sharding_strategy].scope, cfg.device_mesh, tp_rank_and_size(tp_mesh)[1])
+    mesh = build_mesh(STRATEGIES[cfg.sharding_strategy].scope, cfg.device_mesh, tp_rank_and_size(tp_mesh)[1],
+                      cfg.timeout_s)
     if mesh.world_size > 1:
         register_at_exit()  # process groups are in use: destroy them before interpreter exit
     device = _pick_device(model, cfg)
+    group_timeouts.check(mesh, cfg.timeout_s, device, control_group())   # torch's timeouts outlast our deadline
     _check_reducible(model, cfg)
     retie(model)
     some_ranks = set(some_ranks_fqns(model, cfg.some_ranks_modules, cfg.ignored_modules))
@@ -119,7 +122,7 @@ def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: Ro
     built: list = []
     progress = _progress(model, mesh)
     hpz = secondary_size(cfg, mesh.shard_size)
-    hpz_group = secondary_group(mesh, hpz) if hpz else None
+    hpz_group = secondary_group(mesh, hpz, cfg.timeout_s) if hpz else None
     # Scattering an eagerly built model: last unit first, so that the big early units (embeddings in the
     # root) are scattered once most of the model is already sharded and freed (setup peak ~ model + one unit).
     order = list(reversed(units)) if scatter else units

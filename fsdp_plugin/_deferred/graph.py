@@ -8,6 +8,8 @@ from typing import Any, Iterable
 
 import torch
 
+from .. import _compat
+
 
 aten = torch.ops.aten
 
@@ -124,8 +126,8 @@ def _active() -> _Recording | None:
 
 def _use_count(storage: torch.UntypedStorage) -> int:
     """References to the StorageImpl (tensors, views, Parameters, our own storage object)."""
-    counter = getattr(torch._C, "_storage_Use_Count", None)
-    return counter(storage._cdata) if counter is not None else 2  # unknown: assume referenced
+    n = _compat.storage_use_count(storage)
+    return n if n is not None else 2  # unknown: assume referenced
 
 
 def _keep_roots(rec: _Recording) -> None:

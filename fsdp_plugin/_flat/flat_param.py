@@ -56,13 +56,28 @@ class ParamSlot:
         return self.shape.numel()
 
 
-@dataclass
 class _PendingReduce:
-    work: object
-    out: torch.Tensor            # this rank's reduced chunk (reduce dtype), valid after work.wait()
-    keep: torch.Tensor           # input kept alive until the collective finishes
-    replica: bool = False        # hybrid's second stage: the cross-replica all-reduce of ``out``
-    gate: object = None          # its pairing (hybrid: the replica all-reduce in ``finish_reduce`` takes its tag)
+    """One issued gradient reduction and the buffers it owns (FSDP2's ``ReduceScatterState``): the collective's
+    input and output stay referenced here until ``wait`` has ordered the current stream after the collective,
+    so neither goes back to the caching allocator while a side stream (or NCCL's) may still read or write it.
+    ``wait`` releases the input (``tests/test_streams.py``: the allocator model that fails when a block read on
+    one stream is freed before its pool's stream has passed the read)."""
+
+    __slots__ = ("work", "out", "keep", "replica", "gate")
+
+    def __init__(self, work, out: torch.Tensor, keep: torch.Tensor, replica: bool = False, gate=None):
+        self.work = work
+        self.out = out             # this rank's reduced chunk (reduce dtype), valid after ``wait``
+        self.keep = keep           # the collective's input, released only after its wait
+        self.replica = replica     # hybrid's second stage: the cross-replica all-reduce of ``out``
+        self.gate = gate           # its pairing (hybrid: the replica all-reduce in ``finish_reduce`` takes its tag)
+
+    def wait(self, what: str, timeout_s) -> torch.Tensor:
+        """Wait for the collective (the current stream is ordered after it), then release its input; the
+        output."""
+        comm.wait(self.work, what, timeout_s)
+        self.keep = None
+        return self.out
 
 
 def _replica_gate(gate):
@@ -111,7 +126,7 @@ class FlatParamHandle:
         self.chunk_start = mesh.shard_rank * self.chunk
         # cpu_offload: ``offload`` is the model's HostCopier (``offload.py``: pinned host buffers, side-stream copies)
         self.offload = offload
-        self.flat_shard = (offload.new_shard(self.chunk, dtype) if offload is not None
+        self.flat_shard = (offload.host_tensor(self.chunk, dtype) if offload is not None
                            else torch.zeros(self.chunk, dtype=dtype, device=shard_device))
         self._aliases_shard = n == 1 and compute_dtype == dtype and shard_device == device and offload is None
         self._init_leaf()
@@ -182,6 +197,8 @@ class FlatParamHandle:
     def fill_from_full(self, slot: ParamSlot, full: torch.Tensor) -> None:
         """Copy this rank's piece of ``full`` (the whole parameter) into the shard."""
         piece = full.detach().reshape(-1)[slot.local_start:slot.local_end]
+        if self.offload is not None:      # pinned masters a host-to-device copy may still be reading
+            self.offload.before_host_write()
         self.flat_shard[self.local_slice(slot)].copy_(piece)
 
     # ---------------------------------------------------------- unshard/reshard
@@ -237,7 +254,7 @@ class FlatParamHandle:
                 src = self._master_on_device(dtype)
                 work = quantized.all_gather(q, self._full, src, self.mesh.shard_group, gate=gate,
                                             what=f"all-gather of unit {self.label!r}")
-        self._gather = (work, src)     # src is dropped only after wait_unshard's wait (``streams.py``: why)
+        self._gather = (work, src)     # src is released only after wait_unshard's wait (``streams.py``: why)
         self.state = ShardedState.UNSHARDING
         if not async_op:
             self.wait_unshard()
@@ -255,9 +272,12 @@ class FlatParamHandle:
             copy, self._gather, self.state = self._gather[1], None, ShardedState.UNSHARDED   # cpu_offload, world 1
             return self.offload.fill(copy, self._full)
         if self.state is ShardedState.UNSHARDING:
-            work, self._gather = self._gather[0], None
+            work = self._gather[0]
             self.state = ShardedState.UNSHARDED    # the buffer is ours again even if the wait raises
             comm.wait(work, f"all-gather of unit {self.label!r}", self.timeout_s)
+            # the source (read by the collective on NCCL's stream) is released only once the wait ordered the
+            # current stream after it; a failed wait leaves it referenced (the collective may still read it)
+            self._gather = None
         elif self.state is ShardedState.SHARDED:
             self.unshard(async_op=False)
 
@@ -300,7 +320,7 @@ class FlatParamHandle:
     def _drop_pending_reduce(self) -> None:
         pending, self.pending_reduce = self.pending_reduce, None
         if pending is not None:
-            comm.wait(pending.work, f"gradient reduction of unit {self.label!r}", self.timeout_s)
+            pending.wait(f"gradient reduction of unit {self.label!r}", self.timeout_s)
 
     def gather_master(self) -> torch.Tensor:
         """A new padded flat tensor with the full master values (original dtype; not the compute buffer)."""
@@ -314,6 +334,8 @@ class FlatParamHandle:
 
     def write_back(self, full: torch.Tensor) -> None:
         """Copy this rank's chunk of a full padded flat tensor (from ``gather_master``) into the shard."""
+        if self.offload is not None:      # pinned masters a host-to-device copy may still be reading
+            self.offload.before_host_write()
         self.flat_shard.copy_(full[self.chunk_start:self.chunk_start + self.chunk].to(self.flat_shard.device))
 
     def split_full(self, full: torch.Tensor) -> list[torch.Tensor]:
@@ -372,8 +394,13 @@ class FlatParamHandle:
         (issued after the reduce-scatter's wait: its pairing verdict covers both). ``gate``: as for ``unshard``.
         """
         what = f"gradient reduction of unit {self.label!r}"
-        with streams.on(self.streams, "reduce"):     # CUDA: cast and issue beside the rest of backward
-            grad = grad.to(self.reduce_dtype)
+        # Copy-in on the CURRENT stream (FSDP2's ``foreach_reduce``): the cast reads the gradient on the stream
+        # that wrote it, so when the caller drops it the block returns to that stream's pool with every use
+        # ordered there. Cast on the reduce stream, the block would be reused by the next unit's backward
+        # before the reduce stream had read it. The reduce stream then waits for the cast (``streams.on``) and
+        # the pending reduction keeps the cast input until its wait (`_PendingReduce`).
+        grad = grad.to(self.reduce_dtype)
+        with streams.on(self.streams, "reduce"):     # CUDA: issue beside the rest of backward
             if self.mesh.shard_size > 1:
                 out = torch.empty(self.chunk, dtype=self.reduce_dtype, device=self.device)
                 work = quantized.reduce_scatter(self.quantization, out, grad, self.mesh.shard_group, gate=gate,
@@ -403,8 +430,7 @@ class FlatParamHandle:
         if not final and comm.advance(pending.work, f"{what} of unit {self.label!r}", self.timeout_s):
             self.pending_reduce = pending      # a tagged all-reduce's phase 2 overlaps the rest of backward
             return True
-        comm.wait(pending.work, f"{what} of unit {self.label!r}", self.timeout_s)
-        out = pending.out
+        out = pending.wait(f"{what} of unit {self.label!r}", self.timeout_s)
         if not pending.replica and self.mesh.shard_size > 1 and self.mesh.replicate_size > 1:
             # the reduce-scatter's input is released now; only the 1/S chunk stays until the all-reduce ends
             with streams.on(self.streams, "reduce"):     # CUDA: beside the rest of backward, as the reduce-scatter

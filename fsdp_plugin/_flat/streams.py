@@ -5,17 +5,21 @@ and issue, off the compute stream, ordered by stream waits — never by a host s
 stream waits on the compute stream (``wait_stream``: a device-side dependency recorded where the host is, i.e.
 before the compute the prefetch should hide behind). NCCL's own stream waits on this one at issue, so unit k+1's
 gather depends only on its copy-in and overlaps unit k's compute; ``wait_unshard``'s plain ``work.wait()`` makes
-the compute stream wait on it. ``reduce``: ``start_reduce`` casts the gradient, allocates the output and issues
-the reduce-scatter (or no_shard's all-reduce) here, overlapping the rest of backward; ``finish_reduce``'s wait
-orders the compute stream after it.
+the compute stream wait on it. ``reduce``: ``start_reduce`` casts the gradient on the CURRENT stream (as FSDP2's
+``foreach_reduce``), then allocates the output and issues the reduce-scatter (or no_shard's all-reduce) here,
+overlapping the rest of backward; ``finish_reduce``'s wait orders the compute stream after it.
 
-Why freed memory stays safe without ``record_stream``: every block written on a side stream is either
-(a) allocated on the compute stream (the unsharded ``_full`` buffer: its reuse by later compute is stream-ordered,
-and a side stream writes into it only after waiting on the compute stream), or (b) allocated on the side stream
-(the cast shard, the reduction's input cast and output) and dropped by the host only after the compute stream has
-waited on the collective that read it; the side stream's next write into a reused block comes after its next
-``wait_stream(compute)``, hence after that collective. Memory in flight is bounded by the schedule — the prefetch
-depth for gathers, one pending reduction (``_reduce/reduction.py``) — with no host sync.
+Why freed memory stays safe without ``record_stream`` (the caching allocator hands a freed block to the next
+allocation on the stream it was allocated on, with no other ordering):
+(a) a block allocated on the compute stream and read or written by a side stream or NCCL's (the unsharded
+``_full`` buffer, the reduction's cast input, hpZ's held slice) is released by the host only after the compute
+stream waited on that collective (``wait_unshard``, `_PendingReduce.wait`); a gradient block backward wrote is
+read only on the compute stream (the cast), never on a side stream;
+(b) a block allocated on a side stream (the cast shard, the reduction's output) is reused by that side stream only
+after its next ``wait_stream(compute)``, which comes after every compute-stream use the host queued before.
+Memory in flight is bounded by the schedule — the prefetch depth for gathers, one pending reduction
+(``_reduce/reduction.py``) — with no host sync. ``tests/test_streams.py`` checks (a) and (b) with a model of the
+allocator's per-stream pools.
 
 CPU tensors (gloo, and every test here) take no stream: ``for_device`` returns None and the code path is the one
 it always was. The protocol is unit-tested with a fake stream module (``tests/test_streams.py``).

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import os
 import weakref
-from datetime import timedelta
 from dataclasses import dataclass
+from typing import Optional
 
 import torch.distributed as dist
 
 from .._build.strategy import ShardScope
 from .._comm import collectives as comm, native, nodes
 from ..errors import ConfigError
+from .timeouts import backstop_timeout
 
 _GROUP_CACHE: dict = {}
 # every mesh built, by id (Mesh compares by value, so no WeakSet), so that fp.shutdown can drop their groups
@@ -37,34 +38,26 @@ class Mesh:
         return self.shard_size * self.replicate_size
 
 
-def build_mesh(scope: ShardScope, device_mesh, tp_size: int = 1) -> Mesh:
+def build_mesh(scope: ShardScope, device_mesh, tp_size: int = 1, timeout_s: Optional[float] = None) -> Mesh:
     """The mesh of a strategy's ``ShardScope`` (see ``_strategy.STRATEGIES``); ``tp_size``: the tensor-parallel
-    dimension a DeviceMesh ``device_mesh`` leaves out (its size times ``tp_size`` is the world)."""
+    dimension a DeviceMesh ``device_mesh`` leaves out (its size times ``tp_size`` is the world); ``timeout_s``:
+    the deadline (``ShardingConfig.timeout_s``) the groups created here outlast (``timeouts.py``)."""
     if not dist.is_initialized():
         return Mesh(1, 0, 1, 0, 1, 0)
-    mesh = _build(scope, device_mesh, tp_size)
-    _ensure_control_group()
+    mesh = _build(scope, device_mesh, tp_size, timeout_s)
+    _ensure_control_group(timeout_s)
     _LIVE_MESHES[id(mesh)] = mesh
     return mesh
 
 
-BACKSTOP_MARGIN_S = 120.0
-
-
-def backstop_timeout() -> timedelta:
-    """The process-group timeout of the engine's own groups: the engine's deadline (``FSDP_PLUGIN_TIMEOUT_S``,
-    600 s by default) plus a margin, so that the deadline monitor (``_comm/deadlines.py``) fires first and names
-    the late rank, and torch's watchdog stays the backstop if the monitor itself is stuck."""
-    return timedelta(seconds=comm.default_timeout_s(None) + BACKSTOP_MARGIN_S)
-
-
-def _ensure_control_group() -> None:
+def _ensure_control_group(timeout_s: Optional[float] = None) -> None:
     """A gloo group of every rank that carries the pairing announcements (``_comm.pairing``) and nothing else;
     created here, where every rank is in fp.shard (new_group is collective), once per process group."""
     if "control" not in _GROUP_CACHE:
         # torch's fake group cannot host a gloo group (its store is not a rendezvous): its own world group
         # carries the (no-op) control traffic, and pairing is off there (``root.pairing_mode``)
-        group = dist.group.WORLD if native.is_fake() else dist.new_group(backend="gloo", timeout=backstop_timeout())
+        group = dist.group.WORLD if native.is_fake() else \
+            dist.new_group(backend="gloo", timeout=backstop_timeout(timeout_s))
         _GROUP_CACHE["control"] = (group, None)
 
 
@@ -93,7 +86,7 @@ def referenced_groups() -> list:
     return [g for g in groups if g is not None]
 
 
-def _build(scope: ShardScope, device_mesh, tp_size: int = 1) -> Mesh:
+def _build(scope: ShardScope, device_mesh, tp_size: int = 1, timeout_s: Optional[float] = None) -> Mesh:
     world, rank = dist.get_world_size(), dist.get_rank()
     if device_mesh is not None and not isinstance(device_mesh, tuple):
         return _from_device_mesh(scope, world, rank, device_mesh, tp_size)
@@ -102,7 +95,7 @@ def _build(scope: ShardScope, device_mesh, tp_size: int = 1) -> Mesh:
                     shard_rows=(tuple(range(world)),))
     if scope is ShardScope.NONE:
         return Mesh(world, rank, 1, 0, world, rank, replicate_group=dist.group.WORLD, shard_rank_of=(0,) * world)
-    return _hybrid_mesh(world, rank, device_mesh)
+    return _hybrid_mesh(world, rank, device_mesh, timeout_s)
 
 
 def mesh_dims(scope: ShardScope, world: int, local_world: int, device_mesh=None) -> tuple[int, int]:
@@ -122,16 +115,16 @@ def mesh_dims(scope: ShardScope, world: int, local_world: int, device_mesh=None)
     return shard, replicate
 
 
-def _hybrid_mesh(world: int, rank: int, device_mesh) -> Mesh:
+def _hybrid_mesh(world: int, rank: int, device_mesh, timeout_s: Optional[float] = None) -> Mesh:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     shard, replicate = mesh_dims(ShardScope.NODE, world, local, device_mesh)
-    shard_group, replicate_group = _hybrid_groups(world, replicate, shard)
+    shard_group, replicate_group = _hybrid_groups(world, replicate, shard, timeout_s)
     return Mesh(world, rank, shard, rank % shard, replicate, rank // shard, shard_group=shard_group,
                 replicate_group=replicate_group, shard_rank_of=tuple(r % shard for r in range(world)),
                 shard_rows=tuple(tuple(range(i * shard, (i + 1) * shard)) for i in range(replicate)))
 
 
-def _hybrid_groups(world: int, replicate: int, shard: int):
+def _hybrid_groups(world: int, replicate: int, shard: int, timeout_s: Optional[float] = None):
     """Shard groups are consecutive ranks (one node under torchrun); replicate groups stride by ``shard``.
     Every rank creates every group in the same order, as new_group requires."""
     key = (world, replicate, shard)
@@ -139,11 +132,11 @@ def _hybrid_groups(world: int, replicate: int, shard: int):
         rank = dist.get_rank()
         mine_shard = mine_rep = None
         for r in range(replicate):
-            g = dist.new_group(list(range(r * shard, (r + 1) * shard)), timeout=backstop_timeout())
+            g = dist.new_group(list(range(r * shard, (r + 1) * shard)), timeout=backstop_timeout(timeout_s))
             if rank // shard == r:
                 mine_shard = g
         for s in range(shard):
-            g = dist.new_group(list(range(s, world, shard)), timeout=backstop_timeout())
+            g = dist.new_group(list(range(s, world, shard)), timeout=backstop_timeout(timeout_s))
             if rank % shard == s:
                 mine_rep = g
         _GROUP_CACHE[key] = (mine_shard, mine_rep)
@@ -189,7 +182,7 @@ def _shard_coordinates(mesh, world: int) -> tuple:
     return tuple(out), tuple(tuple(row) for row in rows)
 
 
-def secondary_group(mesh: Mesh, size: int):
+def secondary_group(mesh: Mesh, size: int, timeout_s: Optional[float] = None):
     """hpZ's secondary group of this rank: ``size`` consecutive ranks of its shard group (every rank creates
     every such group of every shard group, in the same order, as new_group requires); cached."""
     key = ("secondary", mesh.shard_rows, size)
@@ -198,7 +191,7 @@ def secondary_group(mesh: Mesh, size: int):
         for row in mesh.shard_rows:
             for i in range(0, len(row), size):
                 ranks = list(row[i:i + size])
-                g = dist.new_group(ranks, timeout=backstop_timeout())
+                g = dist.new_group(ranks, timeout=backstop_timeout(timeout_s))
                 if mesh.rank in ranks:
                     mine = g
         _GROUP_CACHE[key] = (mine, None)

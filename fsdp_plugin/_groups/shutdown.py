@@ -33,6 +33,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from .. import _compat
 from .._comm import collectives as comm
 from .._comm import status as comm_status
 from . import mesh as _mesh
@@ -126,11 +127,9 @@ def _any_runnable(tasks: str, me: str) -> bool:
 
 def _group_refs() -> list:
     """Weak references to every live process group, to check that they are really gone afterwards."""
-    from torch.distributed import distributed_c10d as c10d
-
     groups = list(_mesh.referenced_groups())
-    if dist.is_available() and dist.is_initialized():
-        groups += list(getattr(getattr(c10d, "_world", None), "pg_map", None) or [dist.group.WORLD])
+    if dist.is_available():
+        groups += _compat.live_groups()
     refs, seen = [], set()
     for g in groups:
         if id(g) in seen:

@@ -140,7 +140,7 @@ class Reduction:
         self._advanced = 0
         offload = getattr(self.root, "offload", None)
         if offload is not None:      # cpu_offload: gradient copies already issued land before anything is freed
-            offload.abandon()
+            offload.finish_backward()
         agreement, self._agreement = self._agreement, None
         self.state = ReduceState.IDLE
         if agreement is not None:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import warnings
 
+from .._flat.offload import before_any_host_write
 from .errors import CheckpointMismatchWarning, MismatchReport
 
 
 def finish_load(path: str, copy_back: list, finishers: list, report: MismatchReport, out_report) -> None:
+    if copy_back:
+        before_any_host_write()     # cpu_offload: no host-to-device copy still reads a master written here
     for dst, src in copy_back:
         dst.copy_(src)
     for fin in finishers:

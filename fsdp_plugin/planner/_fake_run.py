@@ -11,7 +11,6 @@ be complete, then dropped: the replay accounts them as the unit's flat gradient.
 """
 from __future__ import annotations
 
-import functools
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -23,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .._build.precision import forward_restorer, install_casts
+from .. import _compat
 from .._compat import flop_formulas
 
 _aten = torch.ops.aten
@@ -50,17 +50,10 @@ _FLOP_FORMULAS[_aten._grouped_mm] = _grouped_mm_flop
 
 
 def _fake_call(func, args, kwargs):
-    """``func`` on fake tensors. ``aten._grouped_mm``'s meta kernel enforces the CUDA kernel's bfloat16 while the
-    CPU kernel (what transformers' MoE experts call there) takes any float: shaped by the meta kernel on bfloat16
-    stand-ins, returned in the real dtype."""
-    if func is _aten._grouped_mm.default and (args[0].dtype != torch.bfloat16 or args[1].dtype != torch.bfloat16):
-        dtype = kwargs.get("out_dtype") or args[0].dtype
-        stand_in = func(args[0].to(torch.bfloat16), args[1].to(torch.bfloat16), *args[2:],
-                        **{**kwargs, "out_dtype": None})
-        return stand_in.to(dtype)
+    """``func`` on fake tensors (``aten._grouped_mm``: through ``_compat``, whose meta kernel may want bfloat16)."""
+    if func is _aten._grouped_mm.default:
+        return _compat.fake_grouped_mm(func, args, kwargs)
     return func(*args, **kwargs)
-
-from .errors import PlanError
 
 
 @dataclass
@@ -191,20 +184,9 @@ class RunSpec:
     fp32_buffers: set = field(default_factory=set)     # (id(module), name) of buffers kept in their dtype
 
 
-@functools.lru_cache(maxsize=None)
-def _start_autograd_engine() -> None:
-    """One real backward on CPU before the first fake one. The autograd engine sizes its device threads once, at
-    its first backward; when that backward is on fake tensors, torch 2.11 starts device threads (not 2.13), and
-    every fork-based child of the process then fails its first backward ("Unable to handle autograd's threading
-    in combination with fork-based multiprocessing": multiprocessing ranks or tests started after fp.plan).
-    Started by a real CPU backward, the engine has only the threads the process's devices need, as in training."""
-    with torch.enable_grad():
-        torch.ones(1, requires_grad=True).sum().backward()
-
-
 def run(model: nn.Module, units, handles, spec: RunSpec, inputs: Callable, loss_fn) -> Timeline:
     """Fake forward+backward of ``model`` (left as it was found) with the engine's unit boundaries marked."""
-    _start_autograd_engine()
+    _compat.start_autograd_engine()   # torch 2.11: before the first fake backward (why: there)
     tl = Timeline()
     restore_fwd = _checkpoint(model, spec.checkpoint_policy)
     restore_casts = install_casts(spec.fp32_regions, spec.compute_dtype, spec.device.type)

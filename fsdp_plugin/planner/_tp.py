@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .. import _compat
 from .._comm.stats import ring_bytes
 
 from .errors import PlanError
@@ -166,7 +167,7 @@ class Recorder:
                 lambda m, args, out, kind=kind, style=style: self.calls.append(
                     (kind, style, isinstance(m, nn.Embedding), _io(args), _io(out),
                      [p.numel() * p.element_size() for p in m.parameters(recurse=False) if p.requires_grad],
-                     torch._C._current_graph_task_id() != -1))))
+                     _compat.in_backward()))))
 
     def remove(self) -> None:
         for h in self._hooks:
