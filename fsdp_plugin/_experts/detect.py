@@ -38,17 +38,11 @@ def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def check_experts(model: nn.Module, ep: int, shard_size: int, strategy: str) -> list[tuple[str, nn.Module]]:
     """The experts modules of ``model`` for ``expert_parallel=ep`` over a shard group of ``shard_size`` ranks;
     every refusal at once, naming the fix."""
-    if shard_size % ep:
-        raise ConfigError(f"expert_parallel={ep} does not divide the data-parallel shard group of {shard_size} ranks "
-                          f"(sharding_strategy={strategy!r}): the experts of a layer are split over E ranks of one "
-                          f"shard group; use a divisor of {shard_size}" + (
-                              " (no_shard has shard groups of one rank: use full_shard or hybrid_shard)"
-                              if strategy == "no_shard" else ""))
     found = experts_modules(model)
     if not found:
-        per_expert = next((n for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 1
-                           and "expert" in n.rsplit(".", 1)[-1].lower()), None)
-        extra = (f"; {per_expert!r} holds one module per expert (the older ModuleList form), which expert "
+        per_expert = next((n for n, m in model.named_modules() if n.rsplit(".", 1)[-1].lower().endswith("experts")
+                           and sum(1 for c in m.children() if any(c.parameters())) > 1), None)
+        extra = (f"; {per_expert!r} holds one module per expert (the older per-expert form), which expert "
                  "parallelism does not route yet") if per_expert else ""
         raise ConfigError(f"expert_parallel={ep}: {type(model).__name__} has no experts module (a transformers 5 "
                           f"fused experts module, decorated with use_experts_implementation){extra}; drop "
@@ -57,4 +51,10 @@ def check_experts(model: nn.Module, ep: int, shard_size: int, strategy: str) -> 
         if m.num_experts % ep:
             raise ConfigError(f"expert_parallel={ep} does not divide the {m.num_experts} experts of {name!r}: each "
                               f"rank of an EP group owns num_experts / E experts; use a divisor of {m.num_experts}")
+    if shard_size % ep:
+        raise ConfigError(f"expert_parallel={ep} does not divide the data-parallel shard group of {shard_size} ranks "
+                          f"(sharding_strategy={strategy!r}): the experts of a layer are split over E ranks of one "
+                          f"shard group; use a divisor of {shard_size}" + (
+                              " (no_shard has shard groups of one rank: use full_shard or hybrid_shard)"
+                              if strategy == "no_shard" else ""))
     return found
