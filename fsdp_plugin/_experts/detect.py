@@ -27,7 +27,7 @@ def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
             continue
         params = [(n, p) for n, p in m.named_parameters(recurse=False)]
         bad = [(n, tuple(p.shape)) for n, p in params if p.dim() < 2 or p.shape[0] != m.num_experts]
-        if not params or bad or any(any(c.parameters()) for c in m.children()):
+        if not params or bad or any(next(c.parameters(), None) is not None for c in m.children()):
             raise ConfigError(f"expert_parallel: {name!r} ({type(m).__name__}) is a transformers experts module, but "
                               f"its parameters {bad or 'in submodules'} are not all shaped [num_experts="
                               f"{m.num_experts}, ...]: the engine cannot split it by expert; drop expert_parallel")
@@ -41,7 +41,7 @@ def check_experts(model: nn.Module, ep: int, shard_size: int, strategy: str) -> 
     found = experts_modules(model)
     if not found:
         per_expert = next((n for n, m in model.named_modules() if n.rsplit(".", 1)[-1].lower().endswith("experts")
-                           and sum(1 for c in m.children() if any(c.parameters())) > 1), None)
+                           and sum(1 for c in m.children() if next(c.parameters(), None) is not None) > 1), None)
         extra = (f"; {per_expert!r} holds one module per expert (the older per-expert form), which expert "
                  "parallelism does not route yet") if per_expert else ""
         raise ConfigError(f"expert_parallel={ep}: {type(model).__name__} has no experts module (a transformers 5 "
