@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._comm import collectives as comm
-from ._experts.layout import ep_spec, full_tensor as ep_full_tensor
+from ._experts.spec import ep_spec, full_tensor as ep_full_tensor
 from ._flat.dtensor import full_tensor, tp_spec
 from ._flat.layout import is_persistent_buffer
 from ._schedule.join import note_clip

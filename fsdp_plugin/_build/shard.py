@@ -20,8 +20,7 @@ from .._materialize.materialize import Materializer, decide_scatter, model_kind
 from .._materialize.hf_init import retie
 from .._groups.mesh import Mesh, build_mesh, secondary_group
 from .._flat.secondary import SecondaryShard
-from .._experts import prepare as prepare_experts
-from .._experts.layout import split_expert_params
+from .._experts.layout import prepare as prepare_experts, split_expert_params
 from .._groups.shutdown import register_at_exit
 from .._schedule.join import make_joinable
 from .._schedule.root import RootState

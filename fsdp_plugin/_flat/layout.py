@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._experts.layout import EPSpec, ep_spec
+from .._experts.spec import EPSpec, ep_spec
 from .dtensor import tp_spec
 from .rows import row_numel
 

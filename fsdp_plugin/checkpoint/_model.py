@@ -105,7 +105,7 @@ def sharding_timeout(model: nn.Module):
 def full_views(handle, full: torch.Tensor) -> list:
     """``handle.split_full(full)`` with every tensor-parallel slot's local view made its global tensor (an
     all-gather over the TP group: collective, every rank in the same order)."""
-    from .._experts.layout import ep_spec, full_tensor as ep_full_tensor
+    from .._experts.spec import ep_spec, full_tensor as ep_full_tensor
     from .._flat.dtensor import full_tensor
 
     specs = getattr(handle, "_tp", None) or [None] * len(handle.slots)
