@@ -48,11 +48,13 @@ MODELS = {
 }
 
 
-def _build(name, meta=False, imbalance=False):
+def _build(name, meta=False, imbalance=False, impl=None):
     cfg_cls, model_cls, kwargs, seed = MODELS[name]
     torch.manual_seed(seed)
     with torch.device("meta") if meta else torch.device("cpu"):
         model = model_cls(cfg_cls(**kwargs)).train()
+    if impl is not None:     # transformers' experts implementation (the default on CPU is grouped_mm)
+        model.config._experts_implementation = impl
     if imbalance:
         _starve_last_experts(model)
     for m in model.modules():     # DeepSeek's aux-loss-free bias (a buffer transformers never updates): non-zero
@@ -109,9 +111,9 @@ class _Margin:
         self.value = min(self.value, (top[:, -2] - top[:, -1]).min().item())
 
 
-def _reference(name, world, steps=STEPS, imbalance=False, path=None):
+def _reference(name, world, steps=STEPS, imbalance=False, path=None, impl=None):
     """One process on the global batches: per step (loss, grad norm, parameters after the step)."""
-    model = _build(name, imbalance=imbalance)
+    model = _build(name, imbalance=imbalance, impl=impl)
     if path is not None:
         model.save_pretrained(path)
     margin = _Margin(model)
@@ -162,10 +164,11 @@ def _zero_grads_check(rank, ep):
     return seen, each
 
 
-def _worker(rank, world, name, ep, strategy, mesh, imbalance):
-    model = _build(name, imbalance=imbalance)
+def _worker(rank, world, name, ep, strategy, mesh, imbalance, extra=None):
+    extra = dict(extra or {})
+    model = _build(name, imbalance=imbalance, impl=extra.pop("impl", None))
     fp.shard(model, expert_parallel=ep, sharding_strategy=strategy, timeout_s=60,
-             **({"device_mesh": mesh} if mesh else {}))
+             **({"device_mesh": mesh} if mesh else {}), **extra)
     seen, each = _zero_grads_check(rank, ep) if imbalance else ({}, None)
     fp.comm_stats.reset()
     gathered = []
@@ -201,17 +204,20 @@ def _check(results, want):
                 assert diff <= TOL, f"rank {rank} step {s}: {n} off by {diff:.2e}"
 
 
-# (model, world, ep, strategy, mesh): ep 2 at world 2 (efsdp 1), ep 2 at world 4 (experts sharded over 2), ep 4,
-# and hybrid (EP inside each shard group of 2, experts replicated across the 2 replicas)
-CASES = [("qwen3_moe", 2, 2, "full_shard", None), ("mixtral", 2, 2, "full_shard", None),
-         ("qwen3_moe", 4, 2, "full_shard", None), ("deepseek_v3", 4, 4, "full_shard", None),
-         ("gpt_oss", 2, 2, "full_shard", None), ("qwen3_moe", 4, 2, "hybrid_shard", (2, 2))]
+# (model, world, ep, strategy, mesh, extra): ep 2 at world 2 (efsdp 1), ep 2 at world 4 (experts sharded over 2),
+# ep 4, hybrid (EP inside each shard group of 2, experts replicated across the 2 replicas), transformers' eager
+# experts loop (else grouped_mm), and activation checkpointing (the recompute runs the all-to-alls again)
+CASES = [("qwen3_moe", 2, 2, "full_shard", None, {}), ("mixtral", 2, 2, "full_shard", None, {"impl": "eager"}),
+         ("qwen3_moe", 4, 2, "full_shard", None, {}), ("deepseek_v3", 4, 4, "full_shard", None, {}),
+         ("gpt_oss", 2, 2, "full_shard", None, {"impl": "eager"}), ("qwen3_moe", 4, 2, "hybrid_shard", (2, 2), {}),
+         ("mixtral", 2, 2, "shard_grad_op", None, {"activation_checkpointing": True})]
 
 
-@pytest.mark.parametrize("name,world,ep,strategy,mesh", CASES, ids=["-".join(map(str, c[:4])) for c in CASES])
-def test_expert_parallel_parity(name, world, ep, strategy, mesh):
-    want = _reference(name, world)
-    results = run_ranks(_worker, world, name, ep, strategy, mesh, False, timeout=240)
+@pytest.mark.parametrize("name,world,ep,strategy,mesh,extra", CASES,
+                         ids=["-".join(map(str, c[:4] + tuple(c[5].values()))) for c in CASES])
+def test_expert_parallel_parity(name, world, ep, strategy, mesh, extra):
+    want = _reference(name, world, impl=extra.get("impl"))
+    results = run_ranks(_worker, world, name, ep, strategy, mesh, False, extra, timeout=240)
     _check(results, want)
     for res in results:
         # experts are never all-gathered whole: only dense handles and (efsdp > 1) the local experts' handle
