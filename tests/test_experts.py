@@ -290,13 +290,18 @@ def _phase(rank, world, ep, src, load, save, first, steps, hf_out=None):
         fp.save_checkpoint(save, model, opt)
     if hf_out is not None:
         fp.save_pretrained(model, hf_out)
+        streamed = {n: t.cpu().clone() for n, t in fp.iter_full_params(model, names="module")}
+        if rank == 0:     # the streamed full parameters are the global tensors fp.full_state_dict gives
+            assert streamed.keys() >= out[-1][2].keys()
+            assert all(torch.equal(streamed[n], v) for n, v in out[-1][2].items())
     return out
 
 
 def test_checkpoints_move_between_expert_layouts(tmp_path):
     """HF weights load straight into EP boxes; a checkpoint saved under EP 2 resumes without EP (optimizer state
     included) and one saved without EP resumes under EP 2; save_pretrained under EP writes the global expert
-    tensors that from_pretrained reads back. Every step equals the uninterrupted one-process run."""
+    tensors that from_pretrained reads back, and fp.iter_full_params streams them. Every step equals the
+    uninterrupted one-process run."""
     hf_in, a, b, hf_out = (str(tmp_path / n) for n in ("hf_in", "a", "b", "hf_out"))
     want = _reference("qwen3_moe", 2, steps=5, path=hf_in)
     got_a = run_ranks(_phase, 2, 2, hf_in, None, a, 0, 2, timeout=240)       # EP 2: steps 0-1
