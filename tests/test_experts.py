@@ -274,6 +274,51 @@ def _counted(rank, world):
     return fp.comm_stats.bytes["all_to_all"], rows
 
 
+def _eval_logits(rank, world):
+    model = _build("qwen3_moe")
+    fp.shard(model, expert_parallel=2, timeout_s=60)
+    model.eval()
+    with torch.no_grad():
+        return model(**_batch(0, rank)).logits
+
+
+def test_eval_forward_without_grad():
+    """``torch.no_grad`` evaluation routes through the same all-to-alls (no autograd): every rank's logits equal
+    one process's on that rank's batch."""
+    results = run_ranks(_eval_logits, 2, timeout=120)
+    model = _build("qwen3_moe").eval()
+    with torch.no_grad():
+        for rank, logits in enumerate(results):
+            want = model(**_batch(0, rank)).logits
+            assert (logits - want).abs().max().item() <= TOL
+
+
+def _bf16(rank, world, ep):
+    model = _build("qwen3_moe")
+    fp.shard(model, expert_parallel=ep, mixed_precision=fp.MixedPrecision(param_dtype=torch.bfloat16), timeout_s=60)
+    opt = _optimizer(model.parameters())
+    out = []
+    for s in range(3):
+        opt.zero_grad()
+        loss = model(**_batch(s, rank)).loss
+        loss.backward()
+        norm = fp.clip_grad_norm_(model, 1e9)
+        opt.step()
+        total = loss.detach().float()
+        torch.distributed.all_reduce(total)
+        out.append((total.item() / world, norm.item()))
+    return out
+
+
+def test_mixed_precision_matches_data_parallel():
+    """bf16 compute (fp32 masters, fp32 reduction): expert parallelism gives the numbers plain data parallelism
+    gives with the same casts, up to bf16 summation order -- losses within 2e-3 and the gradient norm (which a
+    wrong expert divisor would move by 2x) within 1%."""
+    got, want = run_ranks(_bf16, 2, 2, timeout=120)[0], run_ranks(_bf16, 2, None, timeout=120)[0]
+    for (loss, norm), (wloss, wnorm) in zip(got, want):
+        assert abs(loss - wloss) <= 2e-3 and abs(norm - wnorm) <= 1e-2 * wnorm, (got, want)
+
+
 # ---------------------------------------------------------------------------------------------- checkpoints
 def _phase(rank, world, ep, src, load, save, first, steps, hf_out=None):
     """Shard a meta model (experts cut to this rank's under ``ep``), fill it from HF safetensors (``src``) or our
