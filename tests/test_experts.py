@@ -360,6 +360,24 @@ def test_checkpoints_move_between_expert_layouts(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------- refusals
+def _per_tensor_optimizer(rank, world):
+    model = _build("qwen3_moe")
+    fp.shard(model, expert_parallel=2, timeout_s=60)
+    opt = tf.optimization.Adafactor(model.parameters(), lr=1e-3, relative_step=False, scale_parameter=False)
+    model(**_batch(0, rank)).loss.backward()
+    try:
+        opt.step()
+    except fp.OptimizerError as e:
+        return str(e)
+    return None
+
+
+def test_per_tensor_optimizer_on_local_experts_is_refused():
+    """Adafactor's whole-tensor statistics over one EP rank's experts would differ from one process's."""
+    for msg in run_ranks(_per_tensor_optimizer, 2, timeout=120):
+        assert msg is not None and "holds only this rank's experts" in msg, msg
+
+
 def test_bad_expert_parallel_is_refused():
     with pytest.raises(ConfigError, match="positive int"):
         fp.ShardingConfig(expert_parallel=0)
