@@ -112,7 +112,8 @@ class _Margin:
 
 
 def _reference(name, world, steps=STEPS, imbalance=False, path=None, impl=None):
-    """One process on the global batches: per step (loss, grad norm, parameters after the step)."""
+    """One process on the global batches: per step (loss, grad norm, parameters after the step). ``world``: the
+    world size, or one per step (a run resumed at another world size trains on that world's batches)."""
     model = _build(name, imbalance=imbalance, impl=impl)
     if path is not None:
         model.save_pretrained(path)
@@ -121,7 +122,7 @@ def _reference(name, world, steps=STEPS, imbalance=False, path=None, impl=None):
     out = []
     for s in range(steps):
         opt.zero_grad()
-        loss = model(**_global_batch(s, world)).loss
+        loss = model(**_global_batch(s, world if isinstance(world, int) else world[s])).loss
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
         opt.step()
@@ -357,6 +358,16 @@ def test_checkpoints_move_between_expert_layouts(tmp_path):
     final = got_c[0][-1][2]
     for k, v in final.items():
         assert torch.equal(back[k], v), f"{k}: from_pretrained does not read back what EP trained"
+
+
+def test_checkpoint_resumes_at_another_world_and_expert_layout(tmp_path):
+    """Saved at world 4 under EP 2 with the experts flat-sharded over 2 ranks (each rank's box is part of its EP
+    rank's experts), resumed at world 2 under EP 2 (whole local experts per rank), optimizer state included."""
+    hf_in, a = str(tmp_path / "hf_in"), str(tmp_path / "a")
+    want = _reference("qwen3_moe", [4, 4, 2, 2], path=hf_in)
+    got_a = run_ranks(_phase, 4, 2, hf_in, None, a, 0, 2, timeout=240)
+    got_b = run_ranks(_phase, 2, 2, None, a, None, 2, 2, timeout=240)
+    _check([{"steps": got_a[r][:2] + got_b[r]} for r in range(2)], want)
 
 
 # ------------------------------------------------------------------------------------------------- refusals
