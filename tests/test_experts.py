@@ -406,3 +406,17 @@ def test_bad_expert_parallel_is_refused():
         num_experts=4, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1, decoder_start_token_id=0))
     with pytest.raises(ConfigError, match="one module per expert"):
         fp.shard(switch, expert_parallel=2)
+
+
+def test_accelerate_and_trainer_take_expert_parallel_from_the_environment(monkeypatch):
+    """accelerate has no expert-parallel dimension: ``FSDP_PLUGIN_EXPERT_PARALLEL`` carries it into the
+    ShardingConfig the Accelerate plug-in and the Trainer build (from accelerate's env and from a plugin object)."""
+    from fsdp_plugin.integrations.accelerate.config import parse, resolve
+    from fsdp_plugin.integrations.accelerate.config.from_env import settings_from_env
+
+    s = settings_from_env({"FSDP_PLUGIN_EXPERT_PARALLEL": "2"})
+    assert s.expert_parallel == 2
+    assert resolve.sharding_config(s, _build("qwen3_moe")).expert_parallel == 2
+    assert settings_from_env({}).expert_parallel is None
+    with pytest.raises(Exception, match="FSDP_PLUGIN_EXPERT_PARALLEL"):
+        parse.expert_parallel_from_env({"FSDP_PLUGIN_EXPERT_PARALLEL": "two"})
