@@ -420,3 +420,9 @@ def test_accelerate_and_trainer_take_expert_parallel_from_the_environment(monkey
     assert settings_from_env({}).expert_parallel is None
     with pytest.raises(Exception, match="FSDP_PLUGIN_EXPERT_PARALLEL"):
         parse.expert_parallel_from_env({"FSDP_PLUGIN_EXPERT_PARALLEL": "two"})
+
+
+def test_plan_refuses_expert_parallel_instead_of_pricing_it_wrong():
+    from fsdp_plugin.planner.errors import PlanError
+    with pytest.raises(PlanError, match="does not price expert_parallel=2"):
+        fp.plan(lambda: _build("qwen3_moe", meta=True), 2, expert_parallel=2)
