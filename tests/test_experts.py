@@ -11,6 +11,7 @@ probability over every token, layer and step and requires it to be >= MARGIN, so
 """
 from __future__ import annotations
 
+import contextlib
 import types
 
 import pytest
@@ -273,6 +274,41 @@ def _counted(rank, world):
     fp.comm_stats.reset()
     model(**_batch(0, rank)).loss.backward()
     return fp.comm_stats.bytes["all_to_all"], rows
+
+
+def _accumulate(rank, world, steps):
+    """2 micro-batches per step, the first under fp.no_sync (on one process: ``rank=None``, the global batch)."""
+    model = _build("qwen3_moe")
+    if rank is not None:
+        fp.shard(model, expert_parallel=2, timeout_s=60)
+    opt = _optimizer(model.parameters())
+    out = []
+    for s in range(steps):
+        opt.zero_grad()
+        total = torch.zeros(())
+        for m in range(2):
+            batch = _batch(2 * s + m, rank) if rank is not None else _global_batch(2 * s + m, world)
+            with fp.no_sync(model) if rank is not None and m == 0 else contextlib.nullcontext():
+                loss = model(**batch).loss / 2
+                loss.backward()
+            total += loss.detach()
+        opt.step()
+        if rank is not None:
+            torch.distributed.all_reduce(total)
+            total /= world
+        full = fp.full_state_dict(model) if rank is not None else {n: v.clone() for n, v in model.state_dict().items()}
+        names = {n for n, _ in model.named_parameters()}
+        out.append((total.item(), 0.0, {n: v for n, v in full.items() if n in names}))
+    return out
+
+
+def test_accumulation_under_no_sync():
+    """Gradient accumulation: the all-to-alls run in every micro-batch (they carry tokens, not gradients), the
+    experts' gradients accumulate locally under fp.no_sync and are reduced once, as every other gradient."""
+    want = _accumulate(None, 2, 2)
+    got = run_ranks(_accumulate, 2, 2, timeout=120)
+    _check([{"steps": [(loss, norm, st) for loss, norm, st in g]} for g in got],
+           [(loss, 0.0, st) for loss, _, st in want])
 
 
 def _eval_logits(rank, world):
