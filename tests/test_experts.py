@@ -49,11 +49,11 @@ MODELS = {
 }
 
 
-def _build(name, meta=False, imbalance=False, impl=None):
+def _build(name, meta=False, imbalance=False, impl=None, aux=False):
     cfg_cls, model_cls, kwargs, seed = MODELS[name]
     torch.manual_seed(seed)
     with torch.device("meta") if meta else torch.device("cpu"):
-        model = model_cls(cfg_cls(**kwargs)).train()
+        model = model_cls(cfg_cls(**kwargs, output_router_logits=aux)).train()
     if impl is not None:     # transformers' experts implementation (the default on CPU is grouped_mm)
         model.config._experts_implementation = impl
     if imbalance:
@@ -112,10 +112,10 @@ class _Margin:
         self.value = min(self.value, (top[:, -2] - top[:, -1]).min().item())
 
 
-def _reference(name, world, steps=STEPS, imbalance=False, path=None, impl=None):
+def _reference(name, world, steps=STEPS, imbalance=False, path=None, impl=None, aux=False):
     """One process on the global batches: per step (loss, grad norm, parameters after the step). ``world``: the
     world size, or one per step (a run resumed at another world size trains on that world's batches)."""
-    model = _build(name, imbalance=imbalance, impl=impl)
+    model = _build(name, imbalance=imbalance, impl=impl, aux=aux)
     if path is not None:
         model.save_pretrained(path)
     margin = _Margin(model)
@@ -168,7 +168,7 @@ def _zero_grads_check(rank, ep):
 
 def _worker(rank, world, name, ep, strategy, mesh, imbalance, extra=None):
     extra = dict(extra or {})
-    model = _build(name, imbalance=imbalance, impl=extra.pop("impl", None))
+    model = _build(name, imbalance=imbalance, impl=extra.pop("impl", None), aux=extra.pop("aux", False))
     fp.shard(model, expert_parallel=ep, sharding_strategy=strategy, timeout_s=60,
              **({"device_mesh": mesh} if mesh else {}), **extra)
     seen, each = _zero_grads_check(rank, ep) if imbalance else ({}, None)
@@ -208,17 +208,19 @@ def _check(results, want):
 
 # (model, world, ep, strategy, mesh, extra): ep 2 at world 2 (efsdp 1), ep 2 at world 4 (experts sharded over 2),
 # ep 4, hybrid (EP inside each shard group of 2, experts replicated across the 2 replicas), transformers' eager
-# experts loop (else grouped_mm), and activation checkpointing (the recompute runs the all-to-alls again)
+# experts loop (else grouped_mm), activation checkpointing (the recompute runs the all-to-alls again), and the
+# router's auxiliary loss (output_router_logits: transformers' formula on the global batch's router logits)
 CASES = [("qwen3_moe", 2, 2, "full_shard", None, {}), ("mixtral", 2, 2, "full_shard", None, {"impl": "eager"}),
          ("qwen3_moe", 4, 2, "full_shard", None, {}), ("deepseek_v3", 4, 4, "full_shard", None, {}),
          ("gpt_oss", 2, 2, "full_shard", None, {"impl": "eager"}), ("qwen3_moe", 4, 2, "hybrid_shard", (2, 2), {}),
-         ("mixtral", 2, 2, "shard_grad_op", None, {"activation_checkpointing": True})]
+         ("mixtral", 2, 2, "shard_grad_op", None, {"activation_checkpointing": True}),
+         ("qwen3_moe", 2, 2, "full_shard", None, {"aux": True})]
 
 
 @pytest.mark.parametrize("name,world,ep,strategy,mesh,extra", CASES,
                          ids=["-".join(map(str, c[:4] + tuple(c[5].values()))) for c in CASES])
 def test_expert_parallel_parity(name, world, ep, strategy, mesh, extra):
-    want = _reference(name, world, impl=extra.get("impl"))
+    want = _reference(name, world, impl=extra.get("impl"), aux=extra.get("aux", False))
     results = run_ranks(_worker, world, name, ep, strategy, mesh, False, extra, timeout=240)
     _check(results, want)
     for res in results:

@@ -25,6 +25,7 @@ from .._comm import collectives as comm
 from .._groups import mesh as _mesh
 from .._groups.mesh import Mesh
 from ..errors import ConfigError
+from . import aux_loss
 from .detect import check_experts
 from .dispatch import install
 from .spec import EPSpec, ExpertMesh, ep_spec
@@ -97,7 +98,18 @@ def prepare(model: nn.Module, cfg, mesh: Mesh, device: torch.device) -> Optional
             _replace(model, p, q)
         module.num_experts = local      # the model's own experts code indexes its local experts 0..local-1
         install(module, emesh, name)
+    aux_loss.install(model, _world_group())   # the router's aux loss on the global batch (``aux_loss.py``)
     return emesh
+
+
+def _world_group():
+    """A group of every rank, the experts' own (the global aux loss gathers router logits on it, so its calls never
+    interleave with the units' collectives on the default group)."""
+    key = ("experts", "world")
+    if key not in _mesh._GROUP_CACHE:
+        _mesh._GROUP_CACHE[key] = (dist.new_group(list(range(dist.get_world_size())),
+                                                  timeout=_mesh.backstop_timeout()), None)
+    return _mesh._GROUP_CACHE[key][0]
 
 
 def _refuse_combinations(cfg) -> None:
