@@ -448,7 +448,8 @@ def test_bad_expert_parallel_is_refused():
 
 def test_accelerate_and_trainer_take_expert_parallel_from_the_environment(monkeypatch):
     """accelerate has no expert-parallel dimension: ``FSDP_PLUGIN_EXPERT_PARALLEL`` carries it into the
-    ShardingConfig the Accelerate plug-in and the Trainer build (from accelerate's env and from a plugin object)."""
+    ShardingConfig the Accelerate plug-in and the Trainer build (from accelerate's env and from a plugin object);
+    Lightning's strategy takes ``expert_parallel`` as any ShardingConfig field."""
     from fsdp_plugin.integrations.accelerate.config import parse, resolve
     from fsdp_plugin.integrations.accelerate.config.from_env import settings_from_env
 
@@ -458,6 +459,8 @@ def test_accelerate_and_trainer_take_expert_parallel_from_the_environment(monkey
     assert settings_from_env({}).expert_parallel is None
     with pytest.raises(Exception, match="FSDP_PLUGIN_EXPERT_PARALLEL"):
         parse.expert_parallel_from_env({"FSDP_PLUGIN_EXPERT_PARALLEL": "two"})
+    from fsdp_plugin.integrations.lightning import FSDPPluginStrategy   # Lightning/Fabric: a ShardingConfig field
+    assert FSDPPluginStrategy(expert_parallel=2).sharding_config.expert_parallel == 2
 
 
 def test_plan_refuses_expert_parallel_instead_of_pricing_it_wrong():
