@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._comm import collectives as comm, failure
+from ._experts.spec import ep_spec, full_tensor as ep_full_tensor
 from ._flat.dtensor import full_tensor, tp_spec
 from ._flat.layout import is_persistent_buffer
 from ._schedule.join import note_clip
@@ -88,6 +89,8 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict:
                 v = full[s.offset:s.offset + s.numel].view(s.shape)
                 if spec is not None:       # a TP box: the global tensor (collective over TP, every rank)
                     v = full_tensor(v, spec)
+                if ep_spec(s.param) is not None:   # local experts: the global tensor (collective over EP)
+                    v = ep_full_tensor(v, ep_spec(s.param))
                 if keep:
                     values[id(s.param)] = v.to("cpu", copy=True)
             del full
@@ -159,8 +162,11 @@ def clip_grad_norm_(parameters: Union[nn.Module, Iterable[torch.Tensor]], max_no
     plain = [p.grad for p in params if p.grad is not None and getattr(p, "_fp_handle", None) is None]
     handle = managed[0]._fp_handle if managed else \
         next((p._fp_handle for p in params if getattr(p, "_fp_handle", None) is not None), None)
-    group = handle.mesh.shard_group if handle is not None else None
-    first_in_group = handle is None or handle.mesh.shard_rank == 0
+    # expert_parallel: experts are split over the EP group x efsdp = the dense shard group, each element held
+    # once there, so their terms are summed over the dense shard group with the rest (``_experts/layout.py``)
+    mesh = getattr(handle.mesh, "dense", None) or handle.mesh if handle is not None else None
+    group = mesh.shard_group if handle is not None else None
+    first_in_group = handle is None or mesh.shard_rank == 0
     device = handle.device if handle is not None else (grads[0].device if grads else torch.device("cpu"))
     local = _local_norm_term(sharded, norm_type, device)
     if first_in_group:
@@ -169,7 +175,7 @@ def clip_grad_norm_(parameters: Union[nn.Module, Iterable[torch.Tensor]], max_no
     tp_mesh = next((tp_spec(p).mesh for p in params if tp_spec(p) is not None), None)
     if tp_mesh is not None:      # [dp term, TP-split term]: the second also summed over TP
         local = torch.stack([local, _local_norm_term(tp_split, norm_type, device).to(local.dtype)])
-    if handle is not None and handle.mesh.shard_size > 1:
+    if handle is not None and mesh.shard_size > 1:
         comm.all_reduce(local, group, op=op, kind="control")
     if tp_mesh is not None:
         tp_term = local[1:].clone()

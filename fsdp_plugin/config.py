@@ -300,6 +300,12 @@ class ShardingConfig:
         or mix data silently).
     quantization: None (exact collectives) or ``fp.Quantization(weights="int8", gradients="int8",
         block_size=256)``: block-quantized weight all-gathers and/or gradient reductions (ZeRO++ qwZ/qgZ).
+    expert_parallel: None/1 (off) or E: expert parallelism inside data parallel (dp2ep) for transformers 5 MoE
+        models. Every rank keeps its own batch; each experts module sends its tokens by all-to-all to the E ranks
+        of its EP group that own their experts (``num_experts / E`` each) and gets the results back; those experts
+        are flat-sharded over the remaining ``shard_size / E`` ranks, everything else as without EP. E must
+        divide the shard group size and every experts module's expert count (checked at fp.shard). Exact:
+        the same numbers as one process on the global batch. See ``fsdp_plugin/_experts/``.
     """
 
     sharding_strategy: str = "full_shard"
@@ -320,6 +326,7 @@ class ShardingConfig:
     # issue 30: the pairing check off the host's critical path (one contiguous block, validated below)
     pairing_check: str = "auto"
     quantization: Optional[Quantization] = None
+    expert_parallel: Optional[int] = None     # issue 55 (``_experts/``)
 
     def __post_init__(self):
         strategy = str(self.sharding_strategy).lower()
@@ -345,6 +352,10 @@ class ShardingConfig:
                               "('auto': cheap and safe, the default; 'strict': blocking announcements; 'off': none)")
         self.device = torch.device(self.device) if self.device is not None else None
         _check_quantization(self.quantization, self.sharding_strategy)
+        ep = self.expert_parallel
+        if ep is not None and (isinstance(ep, bool) or not isinstance(ep, int) or ep < 1):
+            raise ConfigError(f"expert_parallel={ep!r}: use a positive int E (the ranks an MoE layer's experts are "
+                              "split over, dividing the shard group size and the expert count) or None (off)")
 
     @classmethod
     def from_kwargs(cls, config: "ShardingConfig | None" = None, **kwargs) -> "ShardingConfig":

@@ -13,6 +13,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch import nn
 
 from .._comm import collectives as comm, failure
+from .._experts.spec import ep_spec
 from .._flat.dtensor import tp_spec
 from .._flat.offload import fast_host_step
 from .._flat.layout import param_info
@@ -151,6 +152,13 @@ def _check_tensor_parallel(optimizer, sharded: list) -> None:
     if not (owner_step.applies(cls) or cls.__name__ in PER_TENSOR):
         return
     boxes = [p for p in sharded if tp_spec(p) is not None and tp_spec(p).sharded]
+    experts = [p for p in sharded if ep_spec(p) is not None]
+    if experts and not boxes:
+        raise OptimizerError(
+            f"{cls.__name__} is a per-tensor optimizer but {param_info(experts[0]).fqn!r} holds only this rank's "
+            f"experts under expert_parallel ({len(experts)} such parameters): its whole-tensor statistics would be "
+            "per EP rank. Use an elementwise optimizer (AdamW, Adam, SGD, Lion) for the experts, or drop "
+            "expert_parallel")
     if boxes:
         raise OptimizerError(
             f"{cls.__name__} is a per-tensor optimizer but {param_info(boxes[0]).fqn!r} is split by tensor "

@@ -21,6 +21,7 @@ from .._materialize.hf_init import retie
 from .._groups import timeouts as group_timeouts
 from .._groups.mesh import Mesh, build_mesh, control_group, secondary_group
 from .._flat.secondary import SecondaryShard
+from .._experts.layout import prepare as prepare_experts, split_expert_params
 from .._groups.shutdown import register_at_exit
 from .._schedule.join import make_joinable
 from .._schedule.root import RootState
@@ -55,6 +56,10 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
         register_at_exit()  # process groups are in use: destroy them before interpreter exit
     device = _pick_device(model, cfg)
     group_timeouts.check(mesh, cfg.timeout_s, device, control_group())   # torch's timeouts outlast our deadline
+    if cfg.expert_parallel not in (None, 1) and tp_mesh is not None:
+        raise ConfigError(f"expert_parallel={cfg.expert_parallel} with a tensor-parallel model: not supported "
+                          "together yet; drop one of them")
+    experts_mesh = prepare_experts(model, cfg, mesh, device)   # issue 55: experts cut to this rank's (``_experts/``)
     _check_reducible(model, cfg)
     retie(model)
     some_ranks = set(some_ranks_fqns(model, cfg.some_ranks_modules, cfg.ignored_modules))
@@ -67,6 +72,7 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
     root = RootState(cfg, mesh, device)
     root.offload = copier
     root.tp_mesh = tp_mesh
+    root.experts_mesh = experts_mesh
     root.on_demand = cfg.some_ranks_modules is None and bool(some_ranks)   # default encoders: schedule/on_demand.py
     _build_units(model, units, cfg, mesh, device, root, some_ranks, regions)
     _finish_buffers(model, cfg, mesh, device, fp32_buffers(model, cfg.mixed_precision, regions))
@@ -133,10 +139,14 @@ def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: Ro
             else:
                 _empty_meta_buffers(buffer_sites[fqn], device)
             policy = unit_policy(cfg, mesh, fqn, module)
+            dense, experts = split_expert_params(owned[fqn])
             handles = [_build_handle(group, dtype, fp32, sites, names, policy.mesh, cfg, device, mat, scatter,
                                      fqn or "<root>", root.offload)
-                       for (dtype, _, fp32), group in group_params(owned[fqn], cfg.mixed_precision,
-                                                                   fp32_ids).items()]
+                       for (dtype, _, fp32), group in group_params(dense, cfg.mixed_precision, fp32_ids).items()]
+            # experts under expert_parallel: their own handles on the experts' mesh, each rank's own values
+            handles += [_build_handle(group, dtype, fp32, sites, names, root.experts_mesh, cfg, device, mat, False,
+                                      fqn or "<root>", root.offload)
+                        for (dtype, _, fp32), group in group_params(experts, cfg.mixed_precision, fp32_ids).items()]
             some = fqn in some_ranks    # held from the root's pre-forward to the end of backward: never resharded
             if hpz_group is not None and fqn and not some:
                 for h in handles:

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._experts.spec import EPSpec, ep_spec
 from .dtensor import tp_spec
 from .rows import row_numel
 
@@ -103,8 +104,8 @@ def param_shards(model: nn.Module) -> list[ParamShard]:
             out.append(ParamShard(fqn, alias, p, p.shape, p.dtype, 0, p.numel(), rank == 0))
             continue
         slot = next(s for s in h.slots if s.param is p)
-        spec = tp_spec(p)
-        if spec is not None:
+        spec = tp_spec(p) or ep_spec(p)
+        if spec is not None:     # TP or expert-parallel (``_experts/``): a box of the global tensor
             out.append(_tp_shard(fqn, alias, p, slot, spec, h.mesh))
             continue
         writer = h.mesh.replicate_rank == 0 and (h.mesh.shard_size > 1 or h.mesh.rank == 0)
@@ -127,7 +128,8 @@ def _tp_shard(fqn, alias, p, slot, spec, mesh) -> ParamShard:
         row0 = slot.local_start // w
         box = ((spec.offset[0] + row0, *spec.offset[1:]), ((slot.local_end - slot.local_start) // w, *local[1:]))
     dp_writer = mesh.replicate_rank == 0 and (mesh.shard_size > 1 or mesh.shard_rank == 0)
-    writer = dp_writer and (spec.sharded or spec.mesh.get_local_rank() == 0)
+    # every EP rank holds distinct experts (a proper part of the global tensor), as a TP-sharded box does
+    writer = dp_writer and (isinstance(spec, EPSpec) or spec.sharded or spec.mesh.get_local_rank() == 0)
     return ParamShard(fqn, alias, p, spec.shape, p.dtype, slot.local_start, slot.local_end, writer, box)
 
 

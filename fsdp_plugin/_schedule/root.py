@@ -77,6 +77,7 @@ class RootState:
         self._hint = None                   # some_ranks_hint for divergence errors, computed at the first check
         self.join = None                    # join.JoinState: uneven inputs under torch's Join (fp.shard sets it)
         self.tp_mesh = None                 # the tensor-parallel DeviceMesh of a DTensor model (fp.shard sets it)
+        self.experts_mesh = None            # expert_parallel: the experts' ExpertMesh (``_experts/layout.py``)
         # some-ranks units gathered on demand (``on_demand.py``; fp.shard sets it for default-chosen encoders):
         # the units gathered for the coming backward, and those that ran on this rank in its forwards
         self.on_demand = False

@@ -105,10 +105,14 @@ def sharding_timeout(model: nn.Module):
 def full_views(handle, full: torch.Tensor) -> list:
     """``handle.split_full(full)`` with every tensor-parallel slot's local view made its global tensor (an
     all-gather over the TP group: collective, every rank in the same order)."""
+    from .._experts.spec import ep_spec, full_tensor as ep_full_tensor
     from .._flat.dtensor import full_tensor
 
     specs = getattr(handle, "_tp", None) or [None] * len(handle.slots)
-    return [v if t is None else full_tensor(v, t) for v, t in zip(handle.split_full(full), specs)]
+    views = [v if t is None else full_tensor(v, t) for v, t in zip(handle.split_full(full), specs)]
+    # expert_parallel: local experts become the global [num_experts, ...] tensor (all-gather over EP)
+    return [v if ep_spec(s.param) is None else ep_full_tensor(v, ep_spec(s.param))
+            for v, s in zip(views, handle.slots)]
 
 
 def gather_full(handle, dtype: torch.dtype | None = None) -> torch.Tensor:

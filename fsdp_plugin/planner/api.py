@@ -73,6 +73,10 @@ def split_options(config: Optional[ShardingConfig], options: dict) -> tuple[Shar
         cfg = ShardingConfig.from_kwargs(config, **fields)
     except ConfigError as e:
         raise PlanError(str(e)) from e
+    if cfg.expert_parallel not in (None, 1):     # a plan of the experts gathered whole would be silently wrong
+        raise PlanError(f"fp.plan does not price expert_parallel={cfg.expert_parallel} yet (all-to-all bytes, the "
+                        "experts' smaller gathers): plan without it for the data-parallel baseline, and measure "
+                        "EP's bytes with fp.comm_stats (README \"Experts (expert parallel)\")")
     return cfg, {**_RUN_DEFAULTS, **{k: v for k, v in options.items() if k in _RUN_DEFAULTS}}
 
 

@@ -96,7 +96,7 @@ def _load_progress(path: str, stored: dict):
 def _load_group(model, plan: ReadPlan, stored: dict, group, targets: list) -> None:
     """A converted group (e.g. per-expert tensors fused into one): its sources are read whole, converted by
     transformers' converter, and each target keeps its own slice. Ranks holding no element of it read nothing."""
-    if not any(t.numel() for t, _, _ in targets):
+    if not any(t.numel() for t, *_ in targets):
         return
     full = {}
     for _, name in group.sources:
@@ -107,9 +107,16 @@ def _load_group(model, plan: ReadPlan, stored: dict, group, targets: list) -> No
     plan.execute()
     outs = hf_convert.run(model, group, full)
     del full
-    for target, name, start in targets:
+    for target, name, start, box in targets:
+        if not target.numel():
+            continue
         dest, tmp = _model.flat_dest(target)
-        dest.copy_(outs[name].reshape(-1)[start:start + dest.numel()])
+        full = outs[name].reshape(-1)
+        if box is None:
+            dest.copy_(full[start:start + dest.numel()])
+        else:     # a box of the global tensor (tensor or expert parallel): its runs, in the piece's order
+            from ..format.boxes import box_runs
+            dest.copy_(torch.cat([full[a:a + n] for a, n in box_runs(tuple(outs[name].shape), *box)]))
         if tmp is not None:
             target.detach().copy_(tmp)
 
@@ -117,7 +124,7 @@ def _load_group(model, plan: ReadPlan, stored: dict, group, targets: list) -> No
 def _match(model, stored: dict, report: MismatchReport) -> tuple[list, list]:
     """Plan what to read. ``reads``: ``(tensor, start, [((file, entry), source_start, lo, hi)])``, ranged
     reads of stored elements into ``tensor``'s local piece ``[lo, hi)`` (one-to-one names, and converted
-    tensors whose layout is known); ``converted``: ``(group, [(tensor, name, start)])``, read whole."""
+    tensors whose layout is known); ``converted``: ``(group, [(tensor, name, start, box)])``, read whole."""
     targets = [((sh.fqn, *sh.aliases), sh.param, tuple(sh.shape), sh.start, sh.box)
                for sh in _model.param_shards(model, boxes=True)]
     targets += [((n,), b, tuple(b.shape), 0, None) for n, b in _model.persistent_buffers(model)]
@@ -138,18 +145,15 @@ def _match(model, stored: dict, report: MismatchReport) -> tuple[list, list]:
             report.mismatched[names[0]] = f"file {list(have)} vs model {list(shape)}"
         elif g is None and box is not None:    # a tensor-parallel box: one ranged read per run
             reads.append((t, start, _box_parts(stored[renames[hit]], shape, box)))
-        elif box is not None:
-            raise CheckpointError(f"fp.load_pretrained: {names[0]!r} is tensor-parallel and converted from "
-                                  f"{[s for _, s in g.sources][:3]} (a fused or renamed-with-conversion layout): not "
-                                  "supported yet; load into the model before parallelize_module, or save it with "
-                                  "fp.save_checkpoint and load that")
+        elif box is not None:     # a box of a converted tensor (per-expert HF keys into EP/TP boxes): read whole
+            converted.setdefault(id(g), (g, []))[1].append((t, hit, start, box))
         elif g is None:
             reads.append((t, start, [(stored[renames[hit]], start, 0, t.numel())]))
         elif layouts[id(g)] is not None:
             parts = hf_convert.overlaps(layouts[id(g)], start, start + t.numel())
             reads.append((t, start, [(stored[n], s0, lo, hi) for n, s0, lo, hi in parts]))
         else:
-            converted.setdefault(id(g), (g, []))[1].append((t, hit, start))
+            converted.setdefault(id(g), (g, []))[1].append((t, hit, start, None))
     unexpected = sorted([s for m, s in renames.items() if m not in known]
                         + [s for g in groups if not known.intersection(g.outputs) for _, s in g.sources])
     report.missing[:], unexpected = hf_convert.drop_ignored(model, report.missing, unexpected)

@@ -55,6 +55,7 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> FsdpSettings:
     s.secondary_size = parse.hpz_from_env(env) or s.secondary_size
     s.keys["some_ranks_modules"] = parse.SOME_RANKS_ENV
     s.quantization = parse.quantization_from_env(env)
+    s.expert_parallel = parse.expert_parallel_from_env(env)
     return s
 
 

@@ -56,6 +56,7 @@ def settings_from_plugin(plugin: Any) -> FsdpSettings:
     s.some_ranks_modules = parse.some_ranks_from_env(os.environ)   # the plugin has no such field
     s.secondary_size = parse.hpz_from_env(os.environ) or s.secondary_size
     s.quantization = parse.quantization_from_env(os.environ)       # nor this one
+    s.expert_parallel = parse.expert_parallel_from_env(os.environ)  # nor this one
     return s
 
 

@@ -165,6 +165,21 @@ def some_ranks_from_env(env) -> tuple[str, ...] | None:
 HPZ_ENV = "FSDP_PLUGIN_HPZ_SIZE"
 
 
+EXPERT_PARALLEL_ENV = "FSDP_PLUGIN_EXPERT_PARALLEL"
+
+
+def expert_parallel_from_env(env) -> int | None:
+    """``FSDP_PLUGIN_EXPERT_PARALLEL=2`` → ``ShardingConfig(expert_parallel=2)`` (issue 55): accelerate has no
+    expert-parallel dimension (its ``ParallelismConfig`` has none), so this variable carries it."""
+    text = (env.get(EXPERT_PARALLEL_ENV) or "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise config_error(EXPERT_PARALLEL_ENV, text, "expected the expert-parallel size E (ranks an MoE layer's "
+                           "experts are split over), e.g. 2")
+    return int(text)
+
+
 def hpz_from_env(env) -> int | None:
     """``FSDP_PLUGIN_HPZ_SIZE=8`` → ``ShardingConfig(reshard_after_forward=8)`` (hpZ; DeepSpeed's
     ``zero_hpz_partition_size``): accelerate's FSDP2 plugin accepts only a bool ``reshard_after_forward``."""

@@ -62,6 +62,7 @@ class FsdpSettings:
     some_ranks_modules: tuple[str, ...] | None = None   # class names (FSDP_PLUGIN_SOME_RANKS_MODULES)
     secondary_size: int | None = None  # hpZ: the plugin's reshard_after_forward=<int> (fp: the same int)
     quantization: Any = None           # fp.Quantization | None (FSDP_PLUGIN_QUANTIZATION)
+    expert_parallel: int | None = None  # ShardingConfig.expert_parallel (FSDP_PLUGIN_EXPERT_PARALLEL)
     keys: dict[str, str] = field(default_factory=dict)
 
     def key(self, name: str) -> str:

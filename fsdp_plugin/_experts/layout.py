@@ -1,0 +1,145 @@
+"""Where experts live under ``expert_parallel=E``: groups, the experts' mesh, and each rank's box.
+
+Layout (dp2ep): inside every data-parallel shard group of S ranks (shard ranks ``0..S-1``), EP coordinate
+``shard_rank % E`` and expert-shard coordinate ``shard_rank // E``. An EP group is E consecutive shard ranks (on
+NCCL: neighbouring GPUs); it holds every expert of a layer once, EP rank ``i`` owning experts
+``[i*E_local, (i+1)*E_local)`` with ``E_local = num_experts / E``. Those local experts are flat-sharded over the
+``S / E`` ranks sharing the EP coordinate ("efsdp"), replicated across hybrid's replicas as everything else.
+So each expert element is held once per shard group, as a dense element is: norms and checkpoints count it
+once there (``fp.clip_grad_norm_``, ``_flat/layout.py``).
+
+Gradients: after backward's reverse all-to-all, a rank's local-expert gradient is already the sum over its EP
+group's tokens; the expert handle sums it over efsdp (and replicas) and divides by the data-parallel count
+``S * R``, never by ``S / E`` (`ExpertMesh.reduce_world`): every rank's loss is its own batch's mean, as for
+dense parameters.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .._comm import collectives as comm
+from .._groups import mesh as _mesh
+from .._groups.mesh import Mesh
+from ..errors import ConfigError
+from . import aux_loss
+from .detect import check_experts
+from .dispatch import install
+from .spec import EPSpec, ExpertMesh, ep_spec
+
+
+def _groups(mesh: Mesh, ep: int, timeout_s=None) -> tuple:
+    """(EP group, efsdp group) of this rank; every rank creates every group in the same order (new_group is
+    collective over the world). The efsdp group is None when it has one rank."""
+    key = ("experts", mesh.shard_rows, ep)
+    if key not in _mesh._GROUP_CACHE:
+        mine_ep = mine_ef = None
+        for row in mesh.shard_rows:
+            for i in range(0, len(row), ep):
+                ranks = list(row[i:i + ep])
+                g = dist.new_group(ranks, timeout=_mesh.backstop_timeout(timeout_s))
+                if mesh.rank in ranks:
+                    mine_ep = g
+        if mesh.shard_size > ep:
+            for row in mesh.shard_rows:
+                for j in range(ep):
+                    ranks = list(row[j::ep])
+                    g = dist.new_group(ranks, timeout=_mesh.backstop_timeout(timeout_s))
+                    if mesh.rank in ranks:
+                        mine_ef = g
+        _mesh._GROUP_CACHE[key] = (mine_ep, mine_ef)
+    return key
+
+
+def expert_mesh(mesh: Mesh, ep: int, timeout_s=None) -> ExpertMesh:
+    key = _groups(mesh, ep, timeout_s)
+    ef_rows = tuple(tuple(row[j::ep]) for row in mesh.shard_rows for j in range(ep))
+    ef_rank_of = [0] * mesh.world_size
+    for row in mesh.shard_rows:
+        for pos, r in enumerate(row):
+            ef_rank_of[r] = pos // ep
+    out = ExpertMesh(mesh.world_size, mesh.rank, mesh.shard_size // ep, mesh.shard_rank // ep, mesh.replicate_size,
+                     mesh.replicate_rank, shard_group=_mesh._GROUP_CACHE[key][1],
+                     replicate_group=mesh.replicate_group, shard_rank_of=tuple(ef_rank_of), shard_rows=ef_rows,
+                     dense=mesh, ep_size=ep, ep_rank=mesh.shard_rank % ep, group_key=key)
+    _mesh._LIVE_MESHES[id(out)] = out     # fp.shutdown forgets its groups with the others'
+    return out
+
+
+def prepare(model: nn.Module, cfg, mesh: Mesh, device: torch.device) -> Optional[ExpertMesh]:
+    """For ``cfg.expert_parallel`` > 1: refuse what cannot work, build the groups, cut every experts parameter to
+    this rank's experts (``p._fp_ep``) and wrap every experts module's forward (``dispatch.py``); the experts'
+    `ExpertMesh`. None (nothing done) when expert parallelism is off."""
+    ep = cfg.expert_parallel
+    if ep is None or ep == 1:
+        return None
+    _refuse_combinations(cfg)
+    found = check_experts(model, ep, mesh.shard_size, cfg.sharding_strategy)
+    emesh = expert_mesh(mesh, ep, cfg.timeout_s)   # process-group timeouts past the deadline (``_groups/timeouts``)
+    rank0_values = _rank0_values(model, mesh, device)
+    for name, module in found:
+        local = module.num_experts // ep
+        lo = emesh.ep_rank * local
+        for attr, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            full = p.detach()
+            if rank0_values:     # rank 0's values win, as for dense parameters (``_build/shard.py``)
+                full = full if mesh.rank == 0 else torch.empty(p.shape, dtype=p.dtype, device=device)
+                full = full.to(device)
+                comm.broadcast(full, src=0, group=None, what=f"experts {name}.{attr} from rank 0")
+            q = nn.Parameter(full[lo:lo + local].clone() if not full.is_meta else full[lo:lo + local],
+                             requires_grad=p.requires_grad)
+            q.__dict__.update({k: v for k, v in p.__dict__.items() if k != "_is_param"})
+            q._fp_ep = EPSpec(p.shape, (lo,) + (0,) * (p.dim() - 1), emesh)
+            _replace(model, p, q)
+        module.num_experts = local      # the model's own experts code indexes its local experts 0..local-1
+        install(module, emesh, name)
+    aux_loss.install(model, _world_group(cfg.timeout_s))   # the router's aux loss on the global batch (``aux_loss.py``)
+    return emesh
+
+
+def _world_group(timeout_s=None):
+    """A group of every rank, the experts' own (the global aux loss gathers router logits on it, so its calls never
+    interleave with the units' collectives on the default group)."""
+    key = ("experts", "world")
+    if key not in _mesh._GROUP_CACHE:
+        _mesh._GROUP_CACHE[key] = (dist.new_group(list(range(dist.get_world_size())),
+                                                  timeout=_mesh.backstop_timeout(timeout_s)), None)
+    return _mesh._GROUP_CACHE[key][0]
+
+
+def _refuse_combinations(cfg) -> None:
+    rule = cfg.reshard_after_forward
+    if isinstance(rule, int) and not isinstance(rule, bool) and rule > 1:
+        raise ConfigError(f"expert_parallel={cfg.expert_parallel} with reshard_after_forward={rule} (hpZ): not "
+                          "supported together yet; use reshard_after_forward=True/False/None")
+    if cfg.quantization is not None and cfg.quantization.enabled:
+        raise ConfigError(f"expert_parallel={cfg.expert_parallel} with quantization: not supported together yet; "
+                          "drop one of them")
+
+
+def _rank0_values(model: nn.Module, mesh: Mesh, device) -> bool:
+    """Rank 0's model is real and every rank takes its values (``decide_scatter``); deferred models refused."""
+    from .._materialize.materialize import DEFERRED, decide_scatter, model_kind
+    if model_kind(model) == DEFERRED:
+        raise ConfigError("expert_parallel with a model built under fp.deferred_init(): not supported yet; build it "
+                          "on the meta device (torch.device('meta')) and fill it with fp.load_pretrained / "
+                          "fp.load_checkpoint, or build it on every rank")
+    return decide_scatter(model, mesh.world_size, device)
+
+
+def _replace(model: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:
+    for m in model.modules():
+        for attr, p in list(m._parameters.items()):
+            if p is old:
+                m._parameters[attr] = new
+
+
+def split_expert_params(params: list) -> tuple[list, list]:
+    """A unit's parameters as (dense, experts): experts get their own flat handles on the `ExpertMesh`."""
+    return [p for p in params if ep_spec(p) is None], [p for p in params if ep_spec(p) is not None]
+
