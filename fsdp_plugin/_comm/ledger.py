@@ -22,7 +22,6 @@ import json
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from ..errors import CollectiveError
 from . import collectives as comm, deadlines, tagged, transport

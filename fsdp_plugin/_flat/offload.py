@@ -223,7 +223,6 @@ class HostCopier:
         """``FlatParamHandle._accumulate_shard_grad`` under offload: the reduced chunk (device) goes to the handle's
         pinned gradient buffer without the host waiting; ``p.grad`` views are bound at once and hold the values
         after ``finish_backward``."""
-        b = self.backend
         if reduced.dtype != handle.dtype:
             reduced = reduced.to(handle.dtype)          # on the GPU (FSDP2 and DeepSpeed send fp32 too)
         base = handle._grad_base()

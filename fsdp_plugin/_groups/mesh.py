@@ -10,7 +10,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from .._build.strategy import ShardScope
-from .._comm import collectives as comm, native, nodes
+from .._comm import native, nodes
 from ..errors import ConfigError
 from .timeouts import backstop_timeout
 

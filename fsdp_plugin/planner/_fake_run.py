@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from .._build.precision import forward_restorer, install_casts
 from .. import _compat
 from .._compat import flop_formulas
+from .errors import PlanError
 
 _aten = torch.ops.aten
 # torch's formulas (GQA-safe attention on every torch: `_compat`), plus the CPU flash-attention kernels (same
