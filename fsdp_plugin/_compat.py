@@ -303,3 +303,14 @@ _GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
 def in_backward() -> bool:
     """Whether this thread is running autograd's backward now (a graph task is current)."""
     return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
+
+
+# ------------------------------------------------------------------ DeviceMesh
+def root_mesh(mesh):
+    """The DeviceMesh ``mesh`` was sliced from (itself when not a slice): ``DeviceMesh._get_root_mesh``, the only
+    form on every supported torch."""
+    get = getattr(mesh, "_get_root_mesh", None)
+    if get is None:
+        raise RuntimeError(f"this torch's DeviceMesh has no _get_root_mesh: fsdp_plugin supports {SUPPORTED_TEXT} "
+                           "up to the newest release it was tested on; report the torch version")
+    return get()
