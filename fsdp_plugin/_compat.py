@@ -242,22 +242,29 @@ def start_autograd_engine() -> None:
 
 
 # ------------------------------------------------------------------ _grouped_mm's meta kernel
-@_functools.lru_cache(maxsize=None)
-def grouped_mm_meta_needs_bf16() -> bool:
+def _grouped_mm_meta_needs_bf16() -> bool:
     """Whether ``aten._grouped_mm``'s meta kernel refuses float32 (it enforces the CUDA kernel's bfloat16, while
-    the CPU kernel — what transformers' MoE experts call there — takes any float). Probed once on meta tensors."""
+    the CPU kernel — what transformers' MoE experts call there — takes any float). Probed once, at import: the
+    planner asks inside a FakeTensorMode, where a probe could not build its meta tensors."""
+    try:
+        op = torch.ops.aten._grouped_mm.default
+    except (AttributeError, RuntimeError):
+        return False
     a, b = torch.empty(16, 16, device="meta"), torch.empty(2, 16, 16, device="meta")   # shapes valid in bf16
     try:
-        torch.ops.aten._grouped_mm.default(a, b, torch.tensor([8, 16], dtype=torch.int32, device="meta"))
+        op(a, b, torch.empty(2, dtype=torch.int32, device="meta"))
     except RuntimeError as e:
         return "BF16" in str(e)
     return False
 
 
+GROUPED_MM_META_NEEDS_BF16 = _grouped_mm_meta_needs_bf16()
+
+
 def fake_grouped_mm(func, args, kwargs):
     """``aten._grouped_mm`` on fake/meta tensors of any float dtype: where the meta kernel wants bfloat16, shaped
     on bfloat16 stand-ins and returned in the real dtype; else as is."""
-    if grouped_mm_meta_needs_bf16() and (args[0].dtype != torch.bfloat16 or args[1].dtype != torch.bfloat16):
+    if GROUPED_MM_META_NEEDS_BF16 and (args[0].dtype != torch.bfloat16 or args[1].dtype != torch.bfloat16):
         dtype = kwargs.get("out_dtype") or args[0].dtype
         stand_in = func(args[0].to(torch.bfloat16), args[1].to(torch.bfloat16), *args[2:],
                         **{**kwargs, "out_dtype": None})
@@ -296,3 +303,14 @@ _GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
 def in_backward() -> bool:
     """Whether this thread is running autograd's backward now (a graph task is current)."""
     return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
+
+
+# ------------------------------------------------------------------ DeviceMesh
+def root_mesh(mesh):
+    """The DeviceMesh ``mesh`` was sliced from (itself when not a slice): ``DeviceMesh._get_root_mesh``, the only
+    form on every supported torch."""
+    get = getattr(mesh, "_get_root_mesh", None)
+    if get is None:
+        raise RuntimeError(f"this torch's DeviceMesh has no _get_root_mesh: fsdp_plugin supports {SUPPORTED_TEXT} "
+                           "up to the newest release it was tested on; report the torch version")
+    return get()

@@ -116,7 +116,7 @@ PRIVATE_ATTRS = {
 # The lead's files of issue 53 (wired to _compat.group_named / default_group / abort_group / default_store there)
 LEAD_ROUTES = {"fsdp_plugin/_comm/deadlines.py", "fsdp_plugin/_comm/status.py", "fsdp_plugin/_comm/p2p.py"}
 # private anywhere, whatever the receiver is called (getattr strings included)
-PRIVATE_NAMES = {"_get_default_group", "_get_default_store", "_world", "_storage_Use_Count", "cudart",
+PRIVATE_NAMES = {"_get_default_group", "_get_default_store", "_world", "_storage_Use_Count", "cudart", "_get_root_mesh",
                  "cudaHostRegister", "_current_graph_task_id", "_internal", "_get_backend"}
 TORCH_ROOTS = {"torch", "dist", "c10d", "distributed_c10d"}
 

@@ -15,6 +15,7 @@ from typing import Optional
 import torch.distributed as dist
 from torch import nn
 
+from .. import _compat
 from .._flat.dtensor import TPSpec
 from ..errors import TensorParallelError
 
@@ -86,7 +87,7 @@ def _check_meshes(found, dp_mesh):
             f"the model is tensor-parallel (parameter {name!r} is a DTensor on {tp_mesh.mesh_dim_names}) but fp.shard "
             "got no data-parallel DeviceMesh: pass device_mesh=mesh['dp'] (the dims of the same root mesh that are "
             "not 'tp')")
-    if tp_mesh._get_root_mesh() != dp_mesh._get_root_mesh():
+    if _compat.root_mesh(tp_mesh) != _compat.root_mesh(dp_mesh):
         raise TensorParallelError(
             f"the tensor-parallel mesh of {name!r} ({tp_mesh.mesh_dim_names}) and device_mesh "
             f"({dp_mesh.mesh_dim_names}) are not slices of one root mesh: build one with init_device_mesh(device, "

@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from .. import _compat
 from .._build.strategy import ShardScope
 from .._comm import native, nodes
 from ..errors import ConfigError
@@ -172,7 +173,7 @@ def _from_device_mesh(scope: ShardScope, world: int, rank: int, mesh, tp_size: i
 def _shard_coordinates(mesh, world: int) -> tuple:
     """Shard rank of every global rank (its coordinate on the mesh's last dimension) and the global ranks of
     every shard group, read in the root mesh (a slice's own tensor lists only the ranks of this rank's slice)."""
-    root = mesh._get_root_mesh()
+    root = _compat.root_mesh(mesh)
     names, last = root.mesh_dim_names or (), (mesh.mesh_dim_names or (None,))[-1]
     grid = mesh.mesh if root is mesh or last not in names else root.mesh.movedim(names.index(last), -1)
     out, rows = [0] * world, grid.reshape(-1, grid.shape[-1]).tolist()
