@@ -114,7 +114,6 @@ PRIVATE_ATTRS = {
     ("fsdp_plugin/_log.py", "torch.utils._pytree"): "see PRIVATE_MODULES",
 }
 # The lead's files of issue 53 (wired to _compat.group_named / default_group / abort_group / default_store there)
-LEAD_ROUTES = {"fsdp_plugin/_comm/deadlines.py", "fsdp_plugin/_comm/status.py", "fsdp_plugin/_comm/p2p.py"}
 # private anywhere, whatever the receiver is called (getattr strings included)
 PRIVATE_NAMES = {"_get_default_group", "_get_default_store", "_world", "_storage_Use_Count", "cudart", "_get_root_mesh",
                  "cudaHostRegister", "_current_graph_task_id", "_internal", "_get_backend"}
@@ -160,7 +159,7 @@ def _private_uses(rel: str, tree) -> list:
 
 
 def test_private_torch_api_only_through_compat():
-    found = [f for rel, tree in _sources() if rel != "fsdp_plugin/_compat.py" and rel not in LEAD_ROUTES
+    found = [f for rel, tree in _sources() if rel != "fsdp_plugin/_compat.py"
              for f in _private_uses(rel, tree)]
     assert not found, "route these through fsdp_plugin._compat (or allow-list them with a reason): " + \
         ", ".join(found)

@@ -13,6 +13,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .. import _compat
+
 from . import tagged
 
 class _Bound:
@@ -70,7 +72,7 @@ class _P2PWork:
         """``me``: this rank in ``group``; ``sends[j]`` / ``recvs[j]``: the tensor for group rank ``j``."""
         # The process group's own send/recv take group ranks and skip dist.isend's Python checks (they cost
         # more than the call itself at a few dozen calls per step).
-        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        pg = group if group is not None else _compat.default_group()
         self.me, self.bound = me, bound
         self.works = []
         self.done = False

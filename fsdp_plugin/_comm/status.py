@@ -36,6 +36,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from .. import _compat
+
 from . import native
 
 RING = 256              # operations kept per rank (a step issues a few dozen)
@@ -128,7 +130,7 @@ def issued(work, kind: str, group, n: int, numel: int = 0):
     if group == "p2p":
         name, seq, backend = "p2p", None, dist.get_backend()
     else:
-        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        pg = group if group is not None else _compat.default_group()
         name = pg.group_name
         seq = _S.seq.get(name, 0) + 1
         _S.seq[name] = seq
@@ -266,9 +268,9 @@ class _Publisher(threading.Thread):
     @classmethod
     def start(cls) -> Optional["_Publisher"]:
         try:
-            store = dist.distributed_c10d._get_default_store().clone()
+            store = _compat.default_store().clone()
             store.set_timeout(timedelta(seconds=READ_TIMEOUT_S))    # its keys always exist: never waits
-            pub = cls(store, dist.distributed_c10d._get_default_group(), threading.get_ident())
+            pub = cls(store, _compat.default_group(), threading.get_ident())
             pub.publish()                          # the key exists from the first collective on
         except Exception:  # noqa: BLE001 - no store (or no clone): deadlines keep the plain message
             return None
@@ -302,7 +304,7 @@ class _Publisher(threading.Thread):
                 self._maybe_dump()
 
     def alive_group(self) -> bool:
-        return dist.is_initialized() and self.pg() is dist.distributed_c10d._get_default_group()
+        return dist.is_initialized() and self.pg() is _compat.default_group()
 
     def run(self) -> None:
         try:
@@ -332,7 +334,7 @@ def report_store():
     pub = _S.publisher
     if pub is not None:
         return pub.store
-    base = dist.distributed_c10d._get_default_store()
+    base = _compat.default_store()
     old = base.timeout
     base.set_timeout(timedelta(seconds=READ_TIMEOUT_S))
     try:
