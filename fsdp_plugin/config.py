@@ -300,6 +300,11 @@ class ShardingConfig:
         or mix data silently).
     quantization: None (exact collectives) or ``fp.Quantization(weights="int8", gradients="int8",
         block_size=256)``: block-quantized weight all-gathers and/or gradient reductions (ZeRO++ qwZ/qgZ).
+    context_parallel: C > 1 splits every sequence over C consecutive ranks (a Hugging Face model's attention
+        goes through transformers' attention registry; README "Long sequences (context parallel)"): world =
+        data-parallel x C, parameters shard over the shard group (which holds whole CP groups), gradients are
+        summed over a CP group and averaged over data parallel. Every rank of a CP group passes the same full
+        batch; ``fp.data_parallel_rank/size(model)`` is what samplers split the data by.
     """
 
     sharding_strategy: str = "full_shard"
@@ -320,6 +325,8 @@ class ShardingConfig:
     # issue 30: the pairing check off the host's critical path (one contiguous block, validated below)
     pairing_check: str = "auto"
     quantization: Optional[Quantization] = None
+    # issue 54: context parallelism (fsdp_plugin/_context/)
+    context_parallel: int = 1
 
     def __post_init__(self):
         strategy = str(self.sharding_strategy).lower()
@@ -345,6 +352,10 @@ class ShardingConfig:
                               "('auto': cheap and safe, the default; 'strict': blocking announcements; 'off': none)")
         self.device = torch.device(self.device) if self.device is not None else None
         _check_quantization(self.quantization, self.sharding_strategy)
+        cp = self.context_parallel
+        if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+            raise ConfigError(f"context_parallel={cp!r}: use a positive int, the ranks that split one sequence "
+                              "(1: off)")
 
     @classmethod
     def from_kwargs(cls, config: "ShardingConfig | None" = None, **kwargs) -> "ShardingConfig":

@@ -47,8 +47,12 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
         raise ShardingError(f"submodule {nested[0]!r} is already sharded: shard only the root, once, and choose "
                             "units with auto_wrap_policy")
     cfg = ShardingConfig.from_kwargs(config, **kwargs)
+    if cfg.context_parallel > 1:
+        from .. import _context
+        _context.refuse_unsplittable(model, cfg.context_parallel)   # before any collective or change
     tp_mesh = strip_dtensors(model, cfg.device_mesh, cfg.param_init_fn)   # DTensor params -> local + spec
-    mesh = build_mesh(STRATEGIES[cfg.sharding_strategy].scope, cfg.device_mesh, tp_rank_and_size(tp_mesh)[1])
+    mesh = build_mesh(STRATEGIES[cfg.sharding_strategy].scope, cfg.device_mesh, tp_rank_and_size(tp_mesh)[1],
+                      cfg.context_parallel)
     if mesh.world_size > 1:
         register_at_exit()  # process groups are in use: destroy them before interpreter exit
     device = _pick_device(model, cfg)
@@ -71,6 +75,9 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
         install_casts(regions, cfg.mixed_precision.param_dtype, device.type)
     _release_recording(model)
     model._fp_root = root
+    if mesh.cp_size > 1:
+        from .. import _context
+        _context.install(model, mesh)   # attention registry + split/loss hooks on the root
     make_joinable(model, root)   # torch's Join([model]) for uneven inputs
     install_guards(model, root)
     if cfg.some_ranks_modules is None:

@@ -1,0 +1,85 @@
+"""Attention over a split sequence, registered in transformers' attention registry.
+
+All-gather K/V: every rank gathers the un-repeated (GQA) keys and values of its context-parallel group in one
+collective per layer, and computes its own queries against the whole sequence with the exact global mask
+(``Layout.mask``: causal, sliding window, padding, packed documents). The gather is an autograd function whose
+backward sums every rank's dK/dV for this rank's positions (a reduce-scatter). The block kernel is torch's SDPA
+(on CPU its math/flash-for-CPU kernel), so a rank's output rows equal one process's rows to rounding.
+Collectives go through ``_comm.collectives`` (all_gather / reduce_scatter: deadlines, byte counters).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .._comm import collectives as comm
+from ..errors import UnsupportedError
+from .split import Layout
+
+KEY = "fsdp_plugin_cp"      # config._attn_implementation while context parallel is on
+STATE = "fsdp_plugin_cp_layout"   # the keyword argument that carries the forward's Layout down to attention
+
+
+class _GatherKV(torch.autograd.Function):
+    """(C, *x.shape): every CP rank's ``x`` in rank order; backward: the sum over ranks of each one's gradient
+    for this rank's slot (reduce-scatter), i.e. every query's contribution to this rank's keys and values."""
+
+    @staticmethod
+    def forward(ctx, x, group, cp):
+        ctx.group, ctx.cp = group, cp
+        x = x.contiguous()
+        out = torch.empty((cp,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+        comm.all_gather(out.view(-1), x.view(-1), group, kind="cp_kv", what="context-parallel K/V all-gather")
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        mine = torch.empty(grad.shape[1:], dtype=grad.dtype, device=grad.device)
+        # flat views: the gloo point-to-point path sums (n, -1) chunks into ``out``
+        comm.reduce_scatter(mine.view(-1), grad.view(-1), ctx.group, what="context-parallel dK/dV reduce-scatter")
+        return mine, None, None
+
+
+def cp_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                 **kwargs):
+    """transformers' attention interface: q (B, H, T, D) at this rank's positions, k/v (B, Hkv, T, D) un-repeated;
+    returns ((B, T, H, D), None) as ``sdpa_attention_forward`` does."""
+    layout = kwargs.get(STATE)
+    if not isinstance(layout, Layout):
+        raise UnsupportedError(f"{type(module).__name__}: the attention ran without the context-parallel layout; "
+                               "the model does not pass its keyword arguments down to attention (transformers' "
+                               "TransformersKwargs), so it cannot be split: shard it without context_parallel")
+    _refuse(module, dropout, kwargs)
+    cp, (b, hkv, t, d) = layout.cp, key.shape
+    both = _GatherKV.apply(torch.stack([key, value]), layout.group, cp)        # (C, 2, B, Hkv, T, D)
+    both = both.permute(1, 2, 3, 0, 4, 5).reshape(2, b, hkv, cp * t, d)         # keys in Layout.kv_index order
+    causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
+    mask = layout.mask(causal, sliding_window, query.device)
+    out = F.scaled_dot_product_attention(query, both[0], both[1], attn_mask=mask, scale=scaling,
+                                         enable_gqa=query.shape[1] != hkv)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _refuse(module, dropout, kwargs) -> None:
+    name = type(module).__name__
+    if dropout:
+        raise UnsupportedError(f"{name}: attention dropout ({dropout}) under context_parallel is not supported "
+                               "(each rank would drop different keys than one process); set the config's "
+                               "attention_dropout=0.0")
+    if kwargs.get("s_aux") is not None:
+        raise UnsupportedError(f"{name}: attention sinks (s_aux) under context_parallel are not supported yet; "
+                               "shard this model without context_parallel")
+    if kwargs.get("softcap") is not None:
+        raise UnsupportedError(f"{name}: attention logit soft-capping (softcap) under context_parallel is not "
+                               "supported yet; set attn_logit_softcapping=None or shard without context_parallel")
+    if kwargs.get("output_attentions"):
+        raise UnsupportedError(f"{name}: output_attentions under context_parallel: attention weights are never "
+                               "materialized; drop output_attentions")
+
+
+def register() -> None:
+    """Add ``KEY`` to transformers' registry (idempotent). No mask function is registered for it, so
+    transformers builds no local mask (``masking_utils._preprocess_mask_arguments`` exits early)."""
+    from transformers import AttentionInterface
+    AttentionInterface.register(KEY, cp_attention)

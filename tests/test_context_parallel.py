@@ -1,0 +1,145 @@
+"""Context parallelism (``fp.shard(model, context_parallel=C)``) on real transformers models, vs one process.
+
+Protocol: the same seed builds the same model on every rank and in the reference; every rank of a CP group
+passes the SAME full batch (chosen by ``fp.data_parallel_rank``), different data per data-parallel group; the
+reference trains one process on the global batch (the data-parallel groups' batches concatenated). At every
+one of 4 AdamW steps: the loss each rank got (<= 1e-5: a CP rank returns the whole batch's loss, not its
+part's) and every full parameter (<= 1e-5). Sequence lengths are odd (13: padded to 16 at cp 2, 2C chunks).
+
+What would make a case vacuous is asserted on its own: the model really ran split (``out.logits`` holds half
+the positions), Mistral's sliding window (5) really changes the loss at this length, the packed documents
+really change it, and the padding mask really masks something.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+from _dist import run_ranks
+from _parity import check_steps, make_optimizer
+
+import fsdp_plugin as fp
+
+torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # import torch._dynamo once, before forking ranks
+
+VOCAB, SEQ, BATCH, STEPS = 96, 13, 2, 4
+_BASE = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "head_dim": 8}
+MODELS = {
+    "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}),
+    "mistral": (tf.MistralConfig, tf.MistralForCausalLM, {"sliding_window": 5}),
+    "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, {}),
+}
+
+
+def _build(name, **over):
+    cfg_cls, model_cls, extra = MODELS[name]
+    torch.manual_seed(0)
+    return model_cls(cfg_cls(**{**_BASE, **extra, **over})).train()
+
+
+def _batch(step, group, kind="plain"):
+    """The batch of data-parallel group ``group`` at ``step``: ``plain`` (full rows), ``padded`` (row 1 is
+    left-padded: mask 0 and label -100 on its first 4 tokens) or ``packed`` (row 0 holds two documents:
+    position_ids restart at 6, no attention_mask, as transformers' padding-free collator makes them, and
+    use_cache=False, without which transformers itself does not separate the documents)."""
+    g = torch.Generator().manual_seed(100 * step + group)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    out = {"input_ids": ids, "labels": ids.clone()}
+    if kind == "padded":
+        mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+        mask[1, :4] = 0
+        out["labels"][1, :4] = -100
+        out["attention_mask"] = mask
+    elif kind == "packed":
+        pos = torch.arange(SEQ).repeat(BATCH, 1)
+        pos[0, 6:] = torch.arange(SEQ - 6)
+        out["position_ids"] = pos
+        out["use_cache"] = False      # transformers separates packed documents only without a KV cache
+    return out
+
+
+def _global(step, dp, kind):
+    parts = [_batch(step, g, kind) for g in range(dp)]
+    first = parts[0]
+    return {k: torch.cat([p[k] for p in parts]) if isinstance(v, torch.Tensor) else v for k, v in first.items()}
+
+
+def _params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _reference(name, dp, kind, **over):
+    model = _build(name, **over)
+    opt = make_optimizer("adamw", model.parameters())
+    steps = []
+    for s in range(STEPS):
+        opt.zero_grad()
+        loss = model(**_global(s, dp, kind)).loss
+        loss.backward()
+        none = {n: p.grad is None for n, p in model.named_parameters()}
+        opt.step()
+        steps.append((loss.item(), none, _params(model)))
+    return steps
+
+
+def _worker(rank, world, name, cp, kind, shard_kwargs, over):
+    model = _build(name, **over)
+    fp.shard(model, context_parallel=cp, **shard_kwargs)
+    dp, group = fp.data_parallel_size(model), fp.data_parallel_rank(model)
+    assert (dp, group) == (world // cp, rank // cp)
+    opt = make_optimizer("adamw", model.parameters())
+    out = []
+    for s in range(STEPS):
+        opt.zero_grad()
+        result = model(**_batch(s, group, kind))
+        assert result.logits.shape[1] == -(-SEQ // (2 * cp)) * 2, "the model did not run on a split sequence"
+        result.loss.backward()
+        none = {n: p.grad is None for n, p in model.named_parameters()}
+        opt.step()
+        loss = result.loss.detach().clone()
+        torch.distributed.all_reduce(loss)       # every CP rank holds its group's loss: mean over the world = over dp
+        out.append((loss.item() / world, none, fp.full_state_dict(model)))
+    return out
+
+
+def _run(name, world, cp, kind="plain", shard_kwargs=None, **over):
+    want = _reference(name, world // cp, kind, **over)
+    got = run_ranks(_worker, world, name, cp, kind, shard_kwargs or {}, over, timeout=240)
+    check_steps(got, want)
+    return want
+
+
+CASES = [("llama", "plain"), ("mistral", "plain"), ("qwen3", "padded"), ("llama", "packed")]
+
+
+@pytest.mark.parametrize("name,kind", CASES, ids=[f"{n}-{k}" for n, k in CASES])
+def test_cp2_matches_one_process(name, kind):
+    """cp 2 at world 2: GQA (4 query heads, 2 K/V heads, gathered un-repeated), Mistral's sliding window,
+    Qwen3 (q/k norms) with a padding mask, packed documents; 4 AdamW steps, loss and weights <= 1e-5."""
+    _run(name, 2, 2, kind)
+
+
+def test_dp2_cp2_world4():
+    """dp 2 x cp 2: gradients are summed over the CP pair and averaged over the two data-parallel groups."""
+    _run("llama", 4, 2)
+
+
+def test_cp2_with_activation_checkpointing():
+    """Recompute re-enters the registered attention in backward (its K/V all-gather runs again)."""
+    _run("llama", 2, 2, shard_kwargs={"activation_checkpointing": True})
+
+
+def test_cases_are_not_vacuous():
+    """The sliding window, the packed documents (same positions, one document: transformers detects packing
+    only without an attention_mask) and the left padding each change the one-process loss here."""
+    def loss(name, batch, **over):
+        with torch.no_grad():
+            return _build(name, **over)(**batch).loss.item()
+    plain = _batch(0, 0)
+    assert abs(loss("mistral", plain) - loss("mistral", plain, sliding_window=None)) > 1e-4
+    packed = _batch(0, 0, "packed")
+    unpacked = {**packed, "attention_mask": torch.ones(BATCH, SEQ, dtype=torch.long)}   # same positions, one document
+    assert abs(loss("llama", packed) - loss("llama", unpacked)) > 1e-4
+    padded = _batch(0, 0, "padded")
+    assert abs(loss("qwen3", padded) - loss("qwen3", {**padded, "attention_mask": None})) > 1e-4
