@@ -69,9 +69,9 @@ def _params(model):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _reference(name, dp, kind, **over):
+def _reference(name, dp, kind, optim="adamw", **over):
     model = _build(name, **over)
-    opt = make_optimizer("adamw", model.parameters())
+    opt = make_optimizer(optim, model.parameters())
     steps = []
     for s in range(STEPS):
         opt.zero_grad()
@@ -83,12 +83,12 @@ def _reference(name, dp, kind, **over):
     return steps
 
 
-def _worker(rank, world, name, cp, kind, shard_kwargs, over):
+def _worker(rank, world, name, cp, kind, shard_kwargs, over, optim="adamw"):
     model = _build(name, **over)
     fp.shard(model, context_parallel=cp, **shard_kwargs)
     dp, group = fp.data_parallel_size(model), fp.data_parallel_rank(model)
     assert (dp, group) == (world // cp, rank // cp)
-    opt = make_optimizer("adamw", model.parameters())
+    opt = make_optimizer(optim, model.parameters())
     out = []
     for s in range(STEPS):
         opt.zero_grad()
@@ -103,9 +103,9 @@ def _worker(rank, world, name, cp, kind, shard_kwargs, over):
     return out
 
 
-def _run(name, world, cp, kind="plain", shard_kwargs=None, **over):
-    want = _reference(name, world // cp, kind, **over)
-    got = run_ranks(_worker, world, name, cp, kind, shard_kwargs or {}, over, timeout=240)
+def _run(name, world, cp, kind="plain", shard_kwargs=None, optim="adamw", **over):
+    want = _reference(name, world // cp, kind, optim, **over)
+    got = run_ranks(_worker, world, name, cp, kind, shard_kwargs or {}, over, optim, timeout=240)
     check_steps(got, want)
     return want
 
@@ -120,9 +120,11 @@ def test_cp2_matches_one_process(name, kind):
     _run(name, 2, 2, kind)
 
 
-def test_dp2_cp2_world4():
-    """dp 2 x cp 2: gradients are summed over the CP pair and averaged over the two data-parallel groups."""
-    _run("llama", 4, 2)
+@pytest.mark.parametrize("optim", ["adamw", "sgd"])
+def test_dp2_cp2_world4(optim):
+    """dp 2 x cp 2: gradients are summed over the CP pair and averaged over the two data-parallel groups.
+    SGD too: AdamW is nearly blind to a constant gradient scale (a divisor of 4 instead of 2 would pass)."""
+    _run("llama", 4, 2, optim=optim)
 
 
 def test_cp2_with_activation_checkpointing():
@@ -143,3 +145,39 @@ def test_cases_are_not_vacuous():
     assert abs(loss("llama", packed) - loss("llama", unpacked)) > 1e-4
     padded = _batch(0, 0, "padded")
     assert abs(loss("qwen3", padded) - loss("qwen3", {**padded, "attention_mask": None})) > 1e-4
+
+
+def _helpers_worker(rank, world):
+    """fp.gather_sequence against one process's logits; the named errors of a wrong world and a wrong batch."""
+    from fsdp_plugin.errors import ConfigError, UsageError
+    with pytest.raises(ConfigError, match="does not divide the world"):
+        fp.shard(_build("llama"), context_parallel=3)
+    batch = _batch(0, 0, "padded")
+    with torch.no_grad():
+        want = _build("llama")(**batch).logits
+    model = fp.shard(_build("llama"), context_parallel=2)
+    with torch.no_grad():
+        out = model(**batch)
+    full = fp.gather_sequence(model, out.logits)
+    assert full.shape == want.shape and (full - want).abs().max().item() <= 1e-5
+    with pytest.raises(UsageError, match="data_parallel_rank"):
+        model(**_batch(0, rank))            # split by the global rank: the CP pair got different batches
+    return True
+
+
+def test_gather_sequence_and_named_errors():
+    assert run_ranks(_helpers_worker, 2, timeout=120) == [True, True]
+
+
+def test_unsplittable_models_are_refused_at_shard():
+    """Before any collective or change: a plain module, linear-attention layers (Qwen3-Next), a bad size."""
+    from fsdp_plugin.errors import ConfigError
+    with pytest.raises(ConfigError, match="PreTrainedModel"):
+        fp.shard(torch.nn.Linear(4, 4), context_parallel=2)
+    cfg = tf.Qwen3NextConfig(**{**_BASE, "num_key_value_heads": 2})
+    with torch.device("meta"):
+        model = tf.Qwen3NextForCausalLM(cfg)
+    with pytest.raises(ConfigError, match="'linear_attention' layers"):
+        fp.shard(model, context_parallel=2)
+    with pytest.raises(ConfigError, match="positive int"):
+        fp.ShardingConfig(context_parallel=0)
