@@ -29,6 +29,12 @@ MODELS = {
     "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}),
     "mistral": (tf.MistralConfig, tf.MistralForCausalLM, {"sliding_window": 5}),
     "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, {}),
+    # local (window 4) / global layers, each with its own rotary base
+    "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM,
+               {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}),
+    # top-2 of 4 experts; no aux loss (output_router_logits off: a product of batch means, not additive over ranks)
+    "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM,
+                {"num_local_experts": 4, "num_experts_per_tok": 2, "router_jitter_noise": 0.0}),
 }
 
 
@@ -99,7 +105,8 @@ def _worker(rank, world, name, cp, kind, shard_kwargs, over, optim="adamw"):
         opt.step()
         loss = result.loss.detach().clone()
         torch.distributed.all_reduce(loss)       # every CP rank holds its group's loss: mean over the world = over dp
-        out.append((loss.item() / world, none, fp.full_state_dict(model)))
+        full = fp.full_state_dict(model)          # rank 0 only; tied weights appear once in named_parameters
+        out.append((loss.item() / world, none, {n: v for n, v in full.items() if n in none}))
     return out
 
 
@@ -110,7 +117,8 @@ def _run(name, world, cp, kind="plain", shard_kwargs=None, optim="adamw", **over
     return want
 
 
-CASES = [("llama", "plain"), ("mistral", "plain"), ("qwen3", "padded"), ("llama", "packed")]
+CASES = [("llama", "plain"), ("mistral", "plain"), ("qwen3", "padded"), ("llama", "packed"), ("gemma3", "plain"),
+         ("mixtral", "plain")]
 
 
 @pytest.mark.parametrize("name,kind", CASES, ids=[f"{n}-{k}" for n, k in CASES])
@@ -133,13 +141,14 @@ def test_cp2_with_activation_checkpointing():
 
 
 def test_cases_are_not_vacuous():
-    """The sliding window, the packed documents (same positions, one document: transformers detects packing
+    """The sliding windows (Mistral's, Gemma 3's local layer), the packed documents (same positions, one document: transformers detects packing
     only without an attention_mask) and the left padding each change the one-process loss here."""
     def loss(name, batch, **over):
         with torch.no_grad():
             return _build(name, **over)(**batch).loss.item()
     plain = _batch(0, 0)
     assert abs(loss("mistral", plain) - loss("mistral", plain, sliding_window=None)) > 1e-4
+    assert abs(loss("gemma3", plain) - loss("gemma3", plain, sliding_window=SEQ)) > 1e-4
     packed = _batch(0, 0, "packed")
     unpacked = {**packed, "attention_mask": torch.ones(BATCH, SEQ, dtype=torch.long)}   # same positions, one document
     assert abs(loss("llama", packed) - loss("llama", unpacked)) > 1e-4
