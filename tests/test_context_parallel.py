@@ -98,9 +98,13 @@ def _worker(rank, world, name, cp, kind, shard_kwargs, over, optim="adamw"):
     out = []
     for s in range(STEPS):
         opt.zero_grad()
+        gathers = fp.comm_stats.calls["cp_kv"]
         result = model(**_batch(s, group, kind))
         assert result.logits.shape[1] == -(-SEQ // (2 * cp)) * 2, "the model did not run on a split sequence"
         result.loss.backward()
+        # one K/V all-gather per layer in forward, and again per recomputed layer under activation checkpointing
+        layers = model.config.num_hidden_layers * (2 if shard_kwargs.get("activation_checkpointing") else 1)
+        assert fp.comm_stats.calls["cp_kv"] - gathers == layers
         none = {n: p.grad is None for n, p in model.named_parameters()}
         opt.step()
         loss = result.loss.detach().clone()
@@ -128,11 +132,17 @@ def test_cp2_matches_one_process(name, kind):
     _run(name, 2, 2, kind)
 
 
-@pytest.mark.parametrize("optim", ["adamw", "sgd"])
-def test_dp2_cp2_world4(optim):
-    """dp 2 x cp 2: gradients are summed over the CP pair and averaged over the two data-parallel groups.
-    SGD too: AdamW is nearly blind to a constant gradient scale (a divisor of 4 instead of 2 would pass)."""
-    _run("llama", 4, 2, optim=optim)
+DP_CP = [("adamw", "full_shard", None), ("sgd", "full_shard", None), ("sgd", "hybrid_shard", (2, 2)),
+         ("sgd", "no_shard", None)]
+
+
+@pytest.mark.parametrize("optim,strategy,mesh", DP_CP, ids=[f"{o}-{s}" for o, s, _ in DP_CP])
+def test_dp2_cp2_world4(optim, strategy, mesh):
+    """dp 2 x cp 2: gradients are summed over the CP pair and averaged over the two data-parallel groups, under
+    full_shard (parameters over 4 ranks), hybrid_shard (2 x 2: the shard group is one CP pair) and no_shard.
+    SGD too: AdamW is nearly blind to a constant gradient scale (a divisor of 4 instead of 2 could pass)."""
+    kwargs = {"sharding_strategy": strategy, **({"device_mesh": mesh} if mesh else {})}
+    _run("llama", 4, 2, shard_kwargs=kwargs, optim=optim)
 
 
 def test_cp2_with_activation_checkpointing():
