@@ -89,8 +89,23 @@ def _reference(name, dp, kind, optim="adamw", **over):
     return steps
 
 
+class _Wrapper(torch.nn.Module):
+    """What Lightning and accelerate shard: a module that holds the transformers model and calls it."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.config = inner.config
+
+    def forward(self, **batch):
+        return self.inner(**batch)
+
+
 def _worker(rank, world, name, cp, kind, shard_kwargs, over, optim="adamw"):
     model = _build(name, **over)
+    if shard_kwargs.get("wrapped"):
+        shard_kwargs = {k: v for k, v in shard_kwargs.items() if k != "wrapped"}
+        model = _Wrapper(model)
     fp.shard(model, context_parallel=cp, **shard_kwargs)
     dp, group = fp.data_parallel_size(model), fp.data_parallel_rank(model)
     assert (dp, group) == (world // cp, rank // cp)
@@ -105,11 +120,12 @@ def _worker(rank, world, name, cp, kind, shard_kwargs, over, optim="adamw"):
         # one K/V all-gather per layer in forward, and again per recomputed layer under activation checkpointing
         layers = model.config.num_hidden_layers * (2 if shard_kwargs.get("activation_checkpointing") else 1)
         assert fp.comm_stats.calls["cp_kv"] - gathers == layers
-        none = {n: p.grad is None for n, p in model.named_parameters()}
+        none = {n.removeprefix("inner."): p.grad is None for n, p in model.named_parameters()}
         opt.step()
         loss = result.loss.detach().clone()
         torch.distributed.all_reduce(loss)       # every CP rank holds its group's loss: mean over the world = over dp
         full = fp.full_state_dict(model)          # rank 0 only; tied weights appear once in named_parameters
+        full = {n.removeprefix("inner."): v for n, v in full.items()}
         out.append((loss.item() / world, none, {n: v for n, v in full.items() if n in none}))
     return out
 
@@ -148,6 +164,11 @@ def test_dp2_cp2_world4(optim, strategy, mesh):
 def test_cp2_with_activation_checkpointing():
     """Recompute re-enters the registered attention in backward (its K/V all-gather runs again)."""
     _run("llama", 2, 2, shard_kwargs={"activation_checkpointing": True})
+
+
+def test_cp2_inside_a_wrapper_module():
+    """The sharded root holds the transformers model (a LightningModule does): the split hooks its forward."""
+    _run("qwen3", 2, 2, shard_kwargs={"wrapped": True})
 
 
 def test_cases_are_not_vacuous():

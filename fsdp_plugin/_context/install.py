@@ -16,16 +16,30 @@ from .split import check_inputs, make_layout, split_inputs
 SPLITTABLE_LAYERS = ("full_attention", "sliding_attention")
 
 
-def refuse_unsplittable(model: nn.Module, cp: int) -> None:
-    """Raise ConfigError, naming the reason, for a model whose sequence mixing context parallel would get wrong."""
-    head = f"context_parallel={cp}: {type(model).__name__}"
+def hf_model(root: nn.Module, cp: int) -> nn.Module:
+    """The transformers model to split: ``root`` itself, or the one outermost PreTrainedModel inside it (a
+    LightningModule, an accelerate-prepared wrapper). Its forward gets the hooks; everything around it runs
+    unchanged on every rank of the CP group."""
     try:
         from transformers import PreTrainedModel
     except ImportError:    # pragma: no cover - transformers is a dependency of every CP use
         PreTrainedModel = ()
-    if not isinstance(model, PreTrainedModel):
-        raise ConfigError(f"{head} is not a transformers PreTrainedModel: context parallel splits attention through "
-                          "transformers' attention registry (AttentionInterface), so only such models can be split")
+    found = [(n, m) for n, m in root.named_modules() if isinstance(m, PreTrainedModel)]
+    def inside(name: str, other: str) -> bool:
+        return name != other and (other == "" or name.startswith(other + "."))
+    outer = [(n, m) for n, m in found if not any(inside(n, o) for o, _ in found)]
+    if len(outer) != 1:
+        what = "none" if not outer else ", ".join(repr(n) for n, _ in outer)
+        raise ConfigError(f"context_parallel={cp}: {type(root).__name__} must be, or hold exactly one, transformers "
+                          f"PreTrainedModel (found {what}): context parallel splits attention through transformers' "
+                          "attention registry (AttentionInterface), so only such models can be split")
+    return outer[0][1]
+
+
+def refuse_unsplittable(root: nn.Module, cp: int) -> None:
+    """Raise ConfigError, naming the reason, for a model whose sequence mixing context parallel would get wrong."""
+    model = hf_model(root, cp)
+    head = f"context_parallel={cp}: {type(model).__name__}"
     if not type(model)._can_set_attn_implementation():
         raise ConfigError(f"{head}: its attention does not go through transformers' ALL_ATTENTION_FUNCTIONS (the "
                           "test transformers applies in _can_set_attn_implementation), so it cannot be split")
@@ -46,8 +60,9 @@ def refuse_unsplittable(model: nn.Module, cp: int) -> None:
         raise ConfigError(f"{head} has config.is_causal=False (bidirectional masks), which is not split yet")
 
 
-def install(model: nn.Module, mesh) -> None:
+def install(root: nn.Module, mesh) -> None:
     """Route the model's attention to ``attention.KEY`` and hook its forward (see module docstring)."""
+    model = hf_model(root, mesh.cp_size)
     attention.register()
     model.set_attn_implementation(attention.KEY)
     if model.config._attn_implementation != attention.KEY:
@@ -77,7 +92,7 @@ def install(model: nn.Module, mesh) -> None:
         out = split_inputs(kwargs, layout, causal_lm)
         out["use_cache"] = False
         out[attention.STATE] = layout
-        model._fp_cp_layout = layout        # for fp.gather_sequence on this forward's outputs
+        root._fp_cp_layout = layout        # for fp.gather_sequence on this forward's outputs
         return (), out
 
     def post(module, args, kwargs, output):

@@ -34,7 +34,8 @@ def data_parallel_rank(model: nn.Module = None) -> int:
 def gather_sequence(model: nn.Module, local: torch.Tensor, dim: int = 1) -> torch.Tensor:
     """The whole-sequence tensor of a context-parallel model's last forward, from this rank's ``local`` part
     (``out.logits``, hidden states: positions along ``dim``), in sequence order, padding dropped. Collective
-    over the CP group; no autograd (for metrics and evaluation). A model without CP returns ``local``."""
+    over the CP group; no autograd (for metrics and evaluation). A model without CP returns ``local``.
+    ``model``: the module given to fp.shard (a LightningModule holding the transformers model is fine)."""
     layout = getattr(model, "_fp_cp_layout", None)
     mesh = _mesh(model)
     if mesh is None or mesh.cp_size == 1:
