@@ -62,6 +62,7 @@ class FsdpSettings:
     some_ranks_modules: tuple[str, ...] | None = None   # class names (FSDP_PLUGIN_SOME_RANKS_MODULES)
     secondary_size: int | None = None  # hpZ: the plugin's reshard_after_forward=<int> (fp: the same int)
     quantization: Any = None           # fp.Quantization | None (FSDP_PLUGIN_QUANTIZATION)
+    context_parallel: int = 1          # ParallelismConfig cp_size (fp.ShardingConfig.context_parallel)
     keys: dict[str, str] = field(default_factory=dict)
 
     def key(self, name: str) -> str:
