@@ -161,6 +161,11 @@ def test_dp2_cp2_world4(optim, strategy, mesh):
     _run("llama", 4, 2, shard_kwargs=kwargs, optim=optim)
 
 
+def test_cp4_world4():
+    """cp 4: 8 chunks of 2 (13 tokens padded to 16), rank r holds chunks r and 7 - r; Mistral's window of 5."""
+    _run("mistral", 4, 4, kind="padded")
+
+
 def test_cp2_with_activation_checkpointing():
     """Recompute re-enters the registered attention in backward (its K/V all-gather runs again)."""
     _run("llama", 2, 2, shard_kwargs={"activation_checkpointing": True})
