@@ -20,6 +20,7 @@ from .errors import ConfigError
 STRATEGIES = tuple(_STRATEGY_TABLE)
 SKIP_INIT = "skip"
 PAIRING_CHECKS = ("auto", "strict", "off")
+CP_ATTENTION = ("allgather", "ulysses")
 
 WrapPolicy = Union[None, set, frozenset, tuple, list, Callable[[nn.Module], bool]]
 
@@ -305,6 +306,10 @@ class ShardingConfig:
         data-parallel x C, parameters shard over the shard group (which holds whole CP groups), gradients are
         summed over a CP group and averaged over data parallel. Every rank of a CP group passes the same full
         batch; ``fp.data_parallel_rank/size(model)`` is what samplers split the data by.
+    context_parallel_attention: how a split attention layer sees the whole sequence: "allgather" (each rank
+        gathers the group's un-repeated K/V: any head count) or "ulysses" (all-to-all from sequence to heads and
+        back, 4 per layer: query and K/V head counts must divide by context_parallel). Bytes per rank and layer
+        relative to "allgather": (H + Hkv) / (C * Hkv), so Ulysses moves less once C > 1 + H / Hkv (MHA: C > 2).
     """
 
     sharding_strategy: str = "full_shard"
@@ -327,6 +332,7 @@ class ShardingConfig:
     quantization: Optional[Quantization] = None
     # issue 54: context parallelism (fsdp_plugin/_context/)
     context_parallel: int = 1
+    context_parallel_attention: str = "allgather"
 
     def __post_init__(self):
         strategy = str(self.sharding_strategy).lower()
@@ -356,6 +362,9 @@ class ShardingConfig:
         if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
             raise ConfigError(f"context_parallel={cp!r}: use a positive int, the ranks that split one sequence "
                               "(1: off)")
+        if self.context_parallel_attention not in CP_ATTENTION:
+            raise ConfigError(f"context_parallel_attention={self.context_parallel_attention!r}: use one of "
+                              f"{', '.join(map(repr, CP_ATTENTION))}")
 
     @classmethod
     def from_kwargs(cls, config: "ShardingConfig | None" = None, **kwargs) -> "ShardingConfig":

@@ -113,13 +113,16 @@ def _worker(rank, world, name, cp, kind, shard_kwargs, over, optim="adamw"):
     out = []
     for s in range(STEPS):
         opt.zero_grad()
-        gathers = fp.comm_stats.calls["cp_kv"]
+        gathers, exchanges = fp.comm_stats.calls["cp_kv"], fp.comm_stats.calls["cp_ulysses"]
         result = model(**_batch(s, group, kind))
         assert result.logits.shape[1] == -(-SEQ // (2 * cp)) * 2, "the model did not run on a split sequence"
         result.loss.backward()
         # one K/V all-gather per layer in forward, and again per recomputed layer under activation checkpointing
         layers = model.config.num_hidden_layers * (2 if shard_kwargs.get("activation_checkpointing") else 1)
-        assert fp.comm_stats.calls["cp_kv"] - gathers == layers
+        ulysses = shard_kwargs.get("context_parallel_attention") == "ulysses"
+        assert fp.comm_stats.calls["cp_kv"] - gathers == (0 if ulysses else layers)
+        # Ulysses: q, k, v and the output, forward and backward
+        assert fp.comm_stats.calls["cp_ulysses"] - exchanges == (8 * layers if ulysses else 0)
         none = {n.removeprefix("inner."): p.grad is None for n, p in model.named_parameters()}
         opt.step()
         loss = result.loss.detach().clone()
@@ -161,6 +164,16 @@ def test_dp2_cp2_world4(optim, strategy, mesh):
     _run("llama", 4, 2, shard_kwargs=kwargs, optim=optim)
 
 
+ULYSSES = [("llama", "packed"), ("gemma3", "padded")]
+
+
+@pytest.mark.parametrize("name,kind", ULYSSES, ids=[f"{n}-{k}" for n, k in ULYSSES])
+def test_ulysses_cp2_matches_one_process(name, kind):
+    """context_parallel_attention='ulysses': q/k/v to (all positions, half the heads) and back, 4 all-to-alls
+    per layer; GQA groups stay whole (query heads 0-1 with K/V head 0 on CP rank 0)."""
+    _run(name, 2, 2, kind, shard_kwargs={"context_parallel_attention": "ulysses"})
+
+
 def test_cp4_world4():
     """cp 4: 8 chunks of 2 (13 tokens padded to 16), rank r holds chunks r and 7 - r; Mistral's window of 5."""
     _run("mistral", 4, 4, kind="padded")
@@ -194,9 +207,13 @@ def test_cases_are_not_vacuous():
 
 def _helpers_worker(rank, world):
     """fp.gather_sequence against one process's logits; the named errors of a wrong world and a wrong batch."""
-    from fsdp_plugin.errors import ConfigError, UsageError
+    from fsdp_plugin.errors import ConfigError, UnsupportedError, UsageError
     with pytest.raises(ConfigError, match="does not divide the world"):
         fp.shard(_build("llama"), context_parallel=3)
+    odd = fp.shard(_build("llama", hidden_size=24, num_attention_heads=3, num_key_value_heads=1),
+                   context_parallel=2, context_parallel_attention="ulysses")
+    with pytest.raises(UnsupportedError, match="context_parallel_attention='allgather'"):
+        odd(**_batch(0, 0))      # 3 heads over 2 ranks: the error names the mode that can
     batch = _batch(0, 0, "padded")
     with torch.no_grad():
         want = _build("llama")(**batch).logits

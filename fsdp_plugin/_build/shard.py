@@ -77,7 +77,7 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
     model._fp_root = root
     if mesh.cp_size > 1:
         from .. import _context
-        _context.install(model, mesh)   # attention registry + split/loss hooks on the root
+        _context.install(model, mesh, cfg.context_parallel_attention)   # attention registry + split/loss hooks
     make_joinable(model, root)   # torch's Join([model]) for uneven inputs
     install_guards(model, root)
     if cfg.some_ranks_modules is None:

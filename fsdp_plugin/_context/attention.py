@@ -1,11 +1,14 @@
 """Attention over a split sequence, registered in transformers' attention registry.
 
-All-gather K/V: every rank gathers the un-repeated (GQA) keys and values of its context-parallel group in one
+All-gather K/V (the default): every rank gathers the un-repeated (GQA) keys and values of its context-parallel group in one
 collective per layer, and computes its own queries against the whole sequence with the exact global mask
 (``Layout.mask``: causal, sliding window, padding, packed documents). The gather is an autograd function whose
 backward sums every rank's dK/dV for this rank's positions (a reduce-scatter). The block kernel is torch's SDPA
 (on CPU its math/flash-for-CPU kernel), so a rank's output rows equal one process's rows to rounding.
-Collectives go through ``_comm.collectives`` (all_gather / reduce_scatter: deadlines, byte counters).
+Ulysses (``context_parallel_attention="ulysses"``): an all-to-all turns (this rank's positions, all heads)
+into (every position, this rank's H/C heads) for q, k and v; attention runs over the whole sequence for those
+heads with the same global mask; a fourth all-to-all brings the output back to this rank's positions.
+Collectives go through ``_comm.collectives`` (all_gather / reduce_scatter / exchange: deadlines, byte counters).
 """
 from __future__ import annotations
 
@@ -41,6 +44,61 @@ class _GatherKV(torch.autograd.Function):
         return mine, None, None
 
 
+class _AllToAll(torch.autograd.Function):
+    """Row j of ``x`` (C, ...) goes to CP rank j; row r of the result came from CP rank r. Its own inverse, so
+    backward sends each gradient row back where it came from."""
+
+    @staticmethod
+    def forward(ctx, x, group, kind):
+        ctx.group, ctx.kind = group, kind
+        return _exchange(x, group, kind)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(grad, ctx.group, ctx.kind), None, None
+
+
+def _exchange(x, group, kind):
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    work = comm.exchange(out.view(x.shape[0], -1), x.view(x.shape[0], -1), group, kind=kind,
+                         what="context-parallel Ulysses all-to-all")
+    comm.wait(work, "context-parallel Ulysses all-to-all")
+    return out
+
+
+def _to_heads(x, layout):
+    """(B, heads, T, D) at this rank's positions -> (B, heads/C, C*T, D): every position (kv_index order), this
+    rank's head group."""
+    b, h, t, d = x.shape
+    c = layout.cp
+    rows = x.reshape(b, c, h // c, t, d).transpose(0, 1)                      # (C: head group, B, h/C, T, D)
+    got = _AllToAll.apply(rows, layout.group, "cp_ulysses")                   # (C: source rank, B, h/C, T, D)
+    return got.permute(1, 2, 0, 3, 4).reshape(b, h // c, c * t, d)
+
+
+def _to_positions(x, layout, heads):
+    """The inverse of ``_to_heads`` for the output: (B, H/C, C*T, D) -> (B, H, T, D) at this rank's positions."""
+    b, hc, ct, d = x.shape
+    c = layout.cp
+    t = ct // c
+    rows = x.reshape(b, hc, c, t, d).permute(2, 0, 1, 3, 4)                   # (C: position owner, B, H/C, T, D)
+    got = _AllToAll.apply(rows, layout.group, "cp_ulysses")                   # (C: head group, B, H/C, T, D)
+    return got.transpose(0, 1).reshape(b, heads, t, d)
+
+
+def _ulysses(module, query, key, value, layout, scaling, causal, window):
+    h, hkv, c = query.shape[1], key.shape[1], layout.cp
+    if h % c or hkv % c:
+        raise UnsupportedError(f"{type(module).__name__}: context_parallel_attention='ulysses' splits heads over the "
+                               f"{c} CP ranks, but this layer has {h} query and {hkv} key/value heads; use "
+                               "context_parallel_attention='allgather' (any head count) or a CP size dividing both")
+    q, k, v = (_to_heads(x, layout) for x in (query, key, value))
+    mask = layout.mask(causal, window, query.device, all_queries=True)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=h != hkv)
+    return _to_positions(out, layout, h).transpose(1, 2).contiguous(), None
+
+
 def cp_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
                  **kwargs):
     """transformers' attention interface: q (B, H, T, D) at this rank's positions, k/v (B, Hkv, T, D) un-repeated;
@@ -51,10 +109,12 @@ def cp_attention(module, query, key, value, attention_mask, scaling=None, dropou
                                "the model does not pass its keyword arguments down to attention (transformers' "
                                "TransformersKwargs), so it cannot be split: shard it without context_parallel")
     _refuse(module, dropout, kwargs)
+    causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
+    if layout.method == "ulysses":
+        return _ulysses(module, query, key, value, layout, scaling, causal, sliding_window)
     cp, (b, hkv, t, d) = layout.cp, key.shape
     both = _GatherKV.apply(torch.stack([key, value]), layout.group, cp)        # (C, 2, B, Hkv, T, D)
     both = both.permute(1, 2, 3, 0, 4, 5).reshape(2, b, hkv, cp * t, d)         # keys in Layout.kv_index order
-    causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
     mask = layout.mask(causal, sliding_window, query.device)
     out = F.scaled_dot_product_attention(query, both[0], both[1], attn_mask=mask, scale=scaling,
                                          enable_gqa=query.shape[1] != hkv)

@@ -60,7 +60,7 @@ def refuse_unsplittable(root: nn.Module, cp: int) -> None:
         raise ConfigError(f"{head} has config.is_causal=False (bidirectional masks), which is not split yet")
 
 
-def install(root: nn.Module, mesh) -> None:
+def install(root: nn.Module, mesh, method: str = "allgather") -> None:
     """Route the model's attention to ``attention.KEY`` and hook its forward (see module docstring)."""
     model = hf_model(root, mesh.cp_size)
     attention.register()
@@ -88,7 +88,7 @@ def install(root: nn.Module, mesh) -> None:
         # transformers looks for packed documents only when the model runs without a KV cache
         packing = kwargs.get("position_ids") if not _uses_cache(module, kwargs) else None
         layout = make_layout(group, cp, cp_rank, batch, seq, kwargs.get("attention_mask"), packing,
-                             find_packed_sequence_indices)
+                             find_packed_sequence_indices, method)
         out = split_inputs(kwargs, layout, causal_lm)
         out["use_cache"] = False
         out[attention.STATE] = layout

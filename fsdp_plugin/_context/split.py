@@ -49,17 +49,19 @@ class Layout:
     kv_index: torch.Tensor
     key_valid: torch.Tensor
     doc: Optional[torch.Tensor] = None
+    method: str = "allgather"      # ShardingConfig.context_parallel_attention
     _masks: dict = field(default_factory=dict)
 
-    def mask(self, causal: bool, window: Optional[int], device) -> torch.Tensor:
+    def mask(self, causal: bool, window: Optional[int], device, all_queries: bool = False) -> torch.Tensor:
         """(batch, 1, local, padded) bool, True = attend, in the gathered key order; built once per forward and
         kind of layer. transformers' rules: causal ``k <= q``, sliding window ``k > q - window``, padding masks
         keys, packed documents attend within themselves. A query that sees no key (a left-padded one) stays
         fully masked: torch's SDPA gives it output 0, as in one process (its label may still count: a collator's
         last pad predicts the first real token)."""
-        key = (causal, window, str(device))
+        key = (causal, window, str(device), all_queries)
         if key not in self._masks:
-            q, k = self.q_index[:, None], self.kv_index[None, :]
+            queries = self.kv_index if all_queries else self.q_index
+            q, k = queries[:, None], self.kv_index[None, :]
             allowed = torch.ones(q.shape[0], k.shape[1], dtype=torch.bool)
             if causal:
                 allowed &= k <= q
@@ -67,7 +69,7 @@ class Layout:
                 allowed &= k > q - window
             allowed = allowed[None] & self.key_valid[:, self.kv_index][:, None, :]
             if self.doc is not None:
-                allowed &= self.doc[:, self.q_index][:, :, None] == self.doc[:, self.kv_index][:, None, :]
+                allowed &= self.doc[:, queries][:, :, None] == self.doc[:, self.kv_index][:, None, :]
             self._masks[key] = allowed[:, None].to(device)
         return self._masks[key]
 
@@ -81,7 +83,7 @@ class Layout:
 
 
 def make_layout(group, cp: int, cp_rank: int, batch: int, seq_len: int, attention_mask, position_ids,
-                packed_fn) -> Layout:
+                packed_fn, method: str = "allgather") -> Layout:
     padded, chunk = chunk_order(seq_len, cp)
     kv_index = torch.cat([positions(r, cp, chunk) for r in range(cp)])
     valid = torch.ones(batch, seq_len, dtype=torch.bool) if attention_mask is None \
@@ -92,7 +94,7 @@ def make_layout(group, cp: int, cp_rank: int, batch: int, seq_len: int, attentio
         found = packed_fn(position_ids.detach().cpu().expand(batch, -1))
         if found is not None:
             doc = F.pad(found, (0, padded - seq_len), value=-1)
-    return Layout(group, cp, cp_rank, seq_len, padded, positions(cp_rank, cp, chunk), kv_index, valid, doc)
+    return Layout(group, cp, cp_rank, seq_len, padded, positions(cp_rank, cp, chunk), kv_index, valid, doc, method)
 
 
 def split_inputs(kwargs: dict, layout: Layout, causal_lm: bool) -> dict:
