@@ -35,6 +35,10 @@ MODELS = {
     # top-2 of 4 experts; no aux loss (output_router_logits off: a product of batch means, not additive over ranks)
     "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM,
                 {"num_local_experts": 4, "num_experts_per_tok": 2, "router_jitter_noise": 0.0}),
+    # attention sinks (s_aux), local/global layers, MoE; transformers runs it with its eager attention
+    "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM,
+                {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4,
+                 "layer_types": ["sliding_attention", "full_attention"]}),
 }
 
 
@@ -141,7 +145,7 @@ def _run(name, world, cp, kind="plain", shard_kwargs=None, optim="adamw", **over
 
 
 CASES = [("llama", "plain"), ("mistral", "plain"), ("qwen3", "padded"), ("llama", "packed"), ("gemma3", "plain"),
-         ("mixtral", "plain")]
+         ("mixtral", "plain"), ("gpt_oss", "padded")]
 
 
 @pytest.mark.parametrize("name,kind", CASES, ids=[f"{n}-{k}" for n, k in CASES])
@@ -164,7 +168,7 @@ def test_dp2_cp2_world4(optim, strategy, mesh):
     _run("llama", 4, 2, shard_kwargs=kwargs, optim=optim)
 
 
-ULYSSES = [("llama", "packed"), ("gemma3", "padded")]
+ULYSSES = [("llama", "packed"), ("gemma3", "padded"), ("gpt_oss", "plain")]
 
 
 @pytest.mark.parametrize("name,kind", ULYSSES, ids=[f"{n}-{k}" for n, k in ULYSSES])
@@ -190,7 +194,7 @@ def test_cp2_inside_a_wrapper_module():
 
 
 def test_cases_are_not_vacuous():
-    """The sliding windows (Mistral's, Gemma 3's local layer), the packed documents (same positions, one document: transformers detects packing
+    """The sliding windows (Mistral's, Gemma 3's local layer), gpt-oss's attention sinks, the packed documents (same positions, one document: transformers detects packing
     only without an attention_mask) and the left padding each change the one-process loss here."""
     def loss(name, batch, **over):
         with torch.no_grad():
@@ -201,6 +205,12 @@ def test_cases_are_not_vacuous():
     packed = _batch(0, 0, "packed")
     unpacked = {**packed, "attention_mask": torch.ones(BATCH, SEQ, dtype=torch.long)}   # same positions, one document
     assert abs(loss("llama", packed) - loss("llama", unpacked)) > 1e-4
+    model = _build("gpt_oss")
+    with torch.no_grad():
+        with_sinks = model(**plain).loss.item()
+        for layer in model.model.layers:
+            layer.self_attn.sinks.fill_(-1e9)       # no mass on the sink: plain softmax
+        assert abs(with_sinks - model(**plain).loss.item()) > 1e-4
     padded = _batch(0, 0, "padded")
     assert abs(loss("qwen3", padded) - loss("qwen3", {**padded, "attention_mask": None})) > 1e-4
 

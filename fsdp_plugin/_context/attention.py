@@ -2,7 +2,7 @@
 
 All-gather K/V (the default): every rank gathers the un-repeated (GQA) keys and values of its context-parallel group in one
 collective per layer, and computes its own queries against the whole sequence with the exact global mask
-(``Layout.mask``: causal, sliding window, padding, packed documents). The gather is an autograd function whose
+(``Layout.mask``: causal, sliding window, padding, packed documents; attention sinks in the softmax). The gather is an autograd function whose
 backward sums every rank's dK/dV for this rank's positions (a reduce-scatter). The block kernel is torch's SDPA
 (on CPU its math/flash-for-CPU kernel), so a rank's output rows equal one process's rows to rounding.
 Ulysses (``context_parallel_attention="ulysses"``): an all-to-all turns (this rank's positions, all heads)
@@ -87,7 +87,23 @@ def _to_positions(x, layout, heads):
     return got.transpose(0, 1).reshape(b, heads, t, d)
 
 
-def _ulysses(module, query, key, value, layout, scaling, causal, window):
+def _attend(q, k, v, mask, scale, sinks):
+    """Attention of q (B, H, Tq, D) over k/v (B, Hkv, Tk, D) under the bool ``mask``: torch's SDPA, or with
+    attention sinks (gpt-oss's ``s_aux``: one extra logit per head in the softmax, no value) transformers' eager
+    formula, with masked logits at -inf (exp gives 0 as its additive dtype-minimum mask does)."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    logits = torch.matmul(q, k.transpose(2, 3)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    logits = logits.masked_fill(~mask, float("-inf"))
+    both = torch.cat([logits, sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], 1)], -1)
+    both = both - both.max(-1, keepdim=True).values
+    probs = F.softmax(both, dim=-1, dtype=both.dtype)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
+
+
+def _ulysses(module, query, key, value, layout, scaling, causal, window, sinks):
     h, hkv, c = query.shape[1], key.shape[1], layout.cp
     if h % c or hkv % c:
         raise UnsupportedError(f"{type(module).__name__}: context_parallel_attention='ulysses' splits heads over the "
@@ -95,7 +111,9 @@ def _ulysses(module, query, key, value, layout, scaling, causal, window):
                                "context_parallel_attention='allgather' (any head count) or a CP size dividing both")
     q, k, v = (_to_heads(x, layout) for x in (query, key, value))
     mask = layout.mask(causal, window, query.device, all_queries=True)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=h != hkv)
+    if sinks is not None:       # this rank's head group's sinks
+        sinks = sinks.reshape(c, h // c)[layout.cp_rank]
+    out = _attend(q, k, v, mask, scaling, sinks)
     return _to_positions(out, layout, h).transpose(1, 2).contiguous(), None
 
 
@@ -110,14 +128,14 @@ def cp_attention(module, query, key, value, attention_mask, scaling=None, dropou
                                "TransformersKwargs), so it cannot be split: shard it without context_parallel")
     _refuse(module, dropout, kwargs)
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
+    sinks = kwargs.get("s_aux")
     if layout.method == "ulysses":
-        return _ulysses(module, query, key, value, layout, scaling, causal, sliding_window)
+        return _ulysses(module, query, key, value, layout, scaling, causal, sliding_window, sinks)
     cp, (b, hkv, t, d) = layout.cp, key.shape
     both = _GatherKV.apply(torch.stack([key, value]), layout.group, cp)        # (C, 2, B, Hkv, T, D)
     both = both.permute(1, 2, 3, 0, 4, 5).reshape(2, b, hkv, cp * t, d)         # keys in Layout.kv_index order
     mask = layout.mask(causal, sliding_window, query.device)
-    out = F.scaled_dot_product_attention(query, both[0], both[1], attn_mask=mask, scale=scaling,
-                                         enable_gqa=query.shape[1] != hkv)
+    out = _attend(query, both[0], both[1], mask, scaling, sinks)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -127,9 +145,6 @@ def _refuse(module, dropout, kwargs) -> None:
         raise UnsupportedError(f"{name}: attention dropout ({dropout}) under context_parallel is not supported "
                                "(each rank would drop different keys than one process); set the config's "
                                "attention_dropout=0.0")
-    if kwargs.get("s_aux") is not None:
-        raise UnsupportedError(f"{name}: attention sinks (s_aux) under context_parallel are not supported yet; "
-                               "shard this model without context_parallel")
     if kwargs.get("softcap") is not None:
         raise UnsupportedError(f"{name}: attention logit soft-capping (softcap) under context_parallel is not "
                                "supported yet; set attn_logit_softcapping=None or shard without context_parallel")
