@@ -35,6 +35,10 @@ MODELS = {
     # top-2 of 4 experts; no aux loss (output_router_logits off: a product of batch means, not additive over ranks)
     "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM,
                 {"num_local_experts": 4, "num_experts_per_tok": 2, "router_jitter_noise": 0.0}),
+    # attention logit soft-capping, local/global layers; eager: transformers' SDPA path ignores soft-capping
+    # (weights at std 0.2 so that logits reach the cap of 0.2: the cap changes the loss by 3e-2)
+    "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM, {"sliding_window": 4, "attn_logit_softcapping": 0.2,
+                                                        "initializer_range": 0.2, "attn_implementation": "eager"}),
     # attention sinks (s_aux), local/global layers, MoE; transformers runs it with its eager attention
     "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM,
                 {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4,
@@ -145,7 +149,7 @@ def _run(name, world, cp, kind="plain", shard_kwargs=None, optim="adamw", **over
 
 
 CASES = [("llama", "plain"), ("mistral", "plain"), ("qwen3", "padded"), ("llama", "packed"), ("gemma3", "plain"),
-         ("mixtral", "plain"), ("gpt_oss", "padded")]
+         ("mixtral", "plain"), ("gpt_oss", "padded"), ("gemma2", "padded")]
 
 
 @pytest.mark.parametrize("name,kind", CASES, ids=[f"{n}-{k}" for n, k in CASES])
@@ -168,7 +172,7 @@ def test_dp2_cp2_world4(optim, strategy, mesh):
     _run("llama", 4, 2, shard_kwargs=kwargs, optim=optim)
 
 
-ULYSSES = [("llama", "packed"), ("gemma3", "padded"), ("gpt_oss", "plain")]
+ULYSSES = [("llama", "packed"), ("gemma3", "padded"), ("gpt_oss", "plain"), ("gemma2", "padded")]
 
 
 @pytest.mark.parametrize("name,kind", ULYSSES, ids=[f"{n}-{k}" for n, k in ULYSSES])
@@ -194,7 +198,7 @@ def test_cp2_inside_a_wrapper_module():
 
 
 def test_cases_are_not_vacuous():
-    """The sliding windows (Mistral's, Gemma 3's local layer), gpt-oss's attention sinks, the packed documents (same positions, one document: transformers detects packing
+    """The sliding windows (Mistral's, Gemma 3's local layer), Gemma 2's soft-capping, gpt-oss's attention sinks, the packed documents (same positions, one document: transformers detects packing
     only without an attention_mask) and the left padding each change the one-process loss here."""
     def loss(name, batch, **over):
         with torch.no_grad():
@@ -205,6 +209,7 @@ def test_cases_are_not_vacuous():
     packed = _batch(0, 0, "packed")
     unpacked = {**packed, "attention_mask": torch.ones(BATCH, SEQ, dtype=torch.long)}   # same positions, one document
     assert abs(loss("llama", packed) - loss("llama", unpacked)) > 1e-4
+    assert abs(loss("gemma2", plain) - loss("gemma2", plain, attn_logit_softcapping=None)) > 1e-4
     model = _build("gpt_oss")
     with torch.no_grad():
         with_sinks = model(**plain).loss.item()

@@ -87,23 +87,34 @@ def _to_positions(x, layout, heads):
     return got.transpose(0, 1).reshape(b, heads, t, d)
 
 
-def _attend(q, k, v, mask, scale, sinks):
-    """Attention of q (B, H, Tq, D) over k/v (B, Hkv, Tk, D) under the bool ``mask``: torch's SDPA, or with
-    attention sinks (gpt-oss's ``s_aux``: one extra logit per head in the softmax, no value) transformers' eager
-    formula, with masked logits at -inf (exp gives 0 as its additive dtype-minimum mask does)."""
-    if sinks is None:
+def _attend(q, k, v, mask, scale, sinks=None, softcap=None, padding=None):
+    """Attention of q (B, H, Tq, D) over k/v (B, Hkv, Tk, D) under the bool ``mask``: torch's SDPA, or, with
+    attention sinks (gpt-oss's ``s_aux``: one extra logit per head in the softmax, no value) or logit
+    soft-capping (Gemma 2), transformers' eager formulas with their additive dtype-minimum mask (so that a
+    query that sees no key behaves as in one process there too: uniform over the real keys, which is why the
+    keys the split padded on (``padding``, bool over keys) get -inf instead)."""
+    if sinks is None and softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     logits = torch.matmul(q, k.transpose(2, 3)) * (scale if scale is not None else q.shape[-1] ** -0.5)
-    logits = logits.masked_fill(~mask, float("-inf"))
-    both = torch.cat([logits, sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], 1)], -1)
-    both = both - both.max(-1, keepdim=True).values
-    probs = F.softmax(both, dim=-1, dtype=both.dtype)[..., :-1]
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    bias = torch.zeros(mask.shape, dtype=logits.dtype, device=logits.device)
+    bias.masked_fill_(~mask, torch.finfo(logits.dtype).min)
+    if padding is not None:
+        bias.masked_fill_(padding.to(bias.device), float("-inf"))
+    logits = logits + bias
+    if sinks is None:
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:
+        both = torch.cat([logits, sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], 1)], -1)
+        both = both - both.max(-1, keepdim=True).values
+        probs = F.softmax(both, dim=-1, dtype=both.dtype)[..., :-1]
     return torch.matmul(probs.to(v.dtype), v)
 
 
-def _ulysses(module, query, key, value, layout, scaling, causal, window, sinks):
+def _ulysses(module, query, key, value, layout, scaling, causal, window, sinks, softcap):
     h, hkv, c = query.shape[1], key.shape[1], layout.cp
     if h % c or hkv % c:
         raise UnsupportedError(f"{type(module).__name__}: context_parallel_attention='ulysses' splits heads over the "
@@ -113,7 +124,7 @@ def _ulysses(module, query, key, value, layout, scaling, causal, window, sinks):
     mask = layout.mask(causal, window, query.device, all_queries=True)
     if sinks is not None:       # this rank's head group's sinks
         sinks = sinks.reshape(c, h // c)[layout.cp_rank]
-    out = _attend(q, k, v, mask, scaling, sinks)
+    out = _attend(q, k, v, mask, scaling, sinks, softcap, layout.kv_index >= layout.seq_len)
     return _to_positions(out, layout, h).transpose(1, 2).contiguous(), None
 
 
@@ -128,14 +139,14 @@ def cp_attention(module, query, key, value, attention_mask, scaling=None, dropou
                                "TransformersKwargs), so it cannot be split: shard it without context_parallel")
     _refuse(module, dropout, kwargs)
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
-    sinks = kwargs.get("s_aux")
+    sinks, softcap = kwargs.get("s_aux"), kwargs.get("softcap")
     if layout.method == "ulysses":
-        return _ulysses(module, query, key, value, layout, scaling, causal, sliding_window, sinks)
+        return _ulysses(module, query, key, value, layout, scaling, causal, sliding_window, sinks, softcap)
     cp, (b, hkv, t, d) = layout.cp, key.shape
     both = _GatherKV.apply(torch.stack([key, value]), layout.group, cp)        # (C, 2, B, Hkv, T, D)
     both = both.permute(1, 2, 3, 0, 4, 5).reshape(2, b, hkv, cp * t, d)         # keys in Layout.kv_index order
     mask = layout.mask(causal, sliding_window, query.device)
-    out = _attend(query, both[0], both[1], mask, scaling, sinks)
+    out = _attend(query, both[0], both[1], mask, scaling, sinks, softcap, layout.kv_index >= layout.seq_len)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -145,9 +156,6 @@ def _refuse(module, dropout, kwargs) -> None:
         raise UnsupportedError(f"{name}: attention dropout ({dropout}) under context_parallel is not supported "
                                "(each rank would drop different keys than one process); set the config's "
                                "attention_dropout=0.0")
-    if kwargs.get("softcap") is not None:
-        raise UnsupportedError(f"{name}: attention logit soft-capping (softcap) under context_parallel is not "
-                               "supported yet; set attn_logit_softcapping=None or shard without context_parallel")
     if kwargs.get("output_attentions"):
         raise UnsupportedError(f"{name}: output_attentions under context_parallel: attention weights are never "
                                "materialized; drop output_attentions")
