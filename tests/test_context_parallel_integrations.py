@@ -112,3 +112,36 @@ def test_lightning_sampler_uses_the_data_parallel_view():
         strategy = cls(context_parallel=2, parallel_devices=[torch.device("cpu")] * 4, cluster_environment=env)
         assert strategy.sharding_config.context_parallel == 2
         assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 1}
+
+
+def _trainer(out):
+    """A transformers Trainer run on the samples: (loss, grad_norm) per step (constant lr, max_grad_norm 1)."""
+    args = tf.TrainingArguments(out, per_device_train_batch_size=BATCH, max_steps=N // BATCH, learning_rate=2e-3,
+                                lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[],
+                                use_cpu=True, seed=0, data_seed=0)
+    trainer = tf.Trainer(model=_build(), args=args, train_dataset=[{"input_ids": r, "labels": r} for r in _samples()])
+    trainer.train()
+    return [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+
+
+def _trainer_rank(rank, world, out):
+    os.environ.update(ENV)
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    from fsdp_plugin.integrations.transformers import install
+    install()
+    return _trainer(out)
+
+
+def test_hf_trainer_with_cp_size_matches_one_process(tmp_path):
+    """The Trainer under accelerate's env with parallelism_config_cp_size 2: its num_items_in_batch (gathered over
+    every rank, so counting each sample twice) and its loss scale (x world) cancel, and its loaders go through
+    our data-parallel view; logged loss and grad norm equal the plain single-process Trainer's."""
+    want = _trainer(str(tmp_path / "ref"))
+    got = run_ranks(_trainer_rank, 2, str(tmp_path / "cp"), timeout=180)
+    for rank in got:
+        assert len(rank) == len(want) == N // BATCH
+        for (loss, norm), (wloss, wnorm) in zip(rank, want):
+            assert abs(loss - wloss) <= 1e-5 and abs(norm - wnorm) <= 1e-5, (rank, want)
