@@ -265,3 +265,35 @@ def test_unsplittable_models_are_refused_at_shard():
         fp.shard(model, context_parallel=2)
     with pytest.raises(ConfigError, match="positive int"):
         fp.ShardingConfig(context_parallel=0)
+
+
+def _resume_worker(rank, world, path, cp, first, steps):
+    """Shard at ``cp`` (1: no CP), load ``path`` unless ``first`` is 0, train ``steps`` steps from step ``first``,
+    save to ``path`` + ``_<last step>``."""
+    model = fp.shard(_build("llama"), context_parallel=cp)
+    opt = make_optimizer("adamw", model.parameters())
+    if first:
+        fp.load_checkpoint(path, model, opt)
+    out = []
+    for s in range(first, first + steps):
+        opt.zero_grad()
+        loss = model(**_batch(s, fp.data_parallel_rank(model))).loss
+        loss.backward()
+        none = {n: p.grad is None for n, p in model.named_parameters()}
+        opt.step()
+        full = fp.full_state_dict(model)
+        out.append((loss.item(), none, {n: v for n, v in full.items() if n in none}))
+    fp.save_checkpoint(f"{path}_{first + steps}", model, opt)
+    return out
+
+
+def test_checkpoint_saved_at_cp2_resumes_without_cp_and_back(tmp_path):
+    """Saved at cp 2 (world 2), resumed in one process without CP, saved, resumed at cp 2 again: every step's
+    loss and weights stay on the one-process trajectory (CP changes only the checkpoint's shard count)."""
+    want = _reference("llama", 1, "plain")
+    path = str(tmp_path / "ck")
+    first = run_ranks(_resume_worker, 2, path, 2, 0, 2, timeout=120)
+    middle = run_ranks(_resume_worker, 1, path + "_2", 1, 2, 1, timeout=120)
+    last = run_ranks(_resume_worker, 2, path + "_2_3", 2, 3, 1, timeout=120)
+    check_steps([first[0] + middle[0] + last[0], first[1] + [(middle[0][0][0], middle[0][0][1], {})] + last[1]],
+                want)
