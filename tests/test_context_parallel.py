@@ -227,8 +227,9 @@ def test_cp2_inside_a_wrapper_module():
 
 
 def test_cases_are_not_vacuous():
-    """The sliding windows (Mistral's, Gemma 3's local layer), Gemma 2's soft-capping, gpt-oss's attention sinks, the packed documents (same positions, one document: transformers detects packing
-    only without an attention_mask) and the left padding each change the one-process loss here."""
+    """The sliding windows (Mistral's, Gemma 3's local layer), Gemma 2's soft-capping, gpt-oss's attention
+    sinks, the packed documents (same positions, one document: transformers detects packing only without an
+    attention_mask) and the left padding each change the one-process loss here."""
     def loss(name, batch, **over):
         with torch.no_grad():
             return _build(name, **over)(**batch).loss.item()
@@ -321,3 +322,34 @@ def test_checkpoint_saved_at_cp2_resumes_without_cp_and_back(tmp_path):
     last = run_ranks(_resume_worker, 2, path + "_2_3", 2, 3, 1, timeout=120)
     check_steps([first[0] + middle[0] + last[0], first[1] + [(middle[0][0][0], middle[0][0][1], {})] + last[1]],
                 want)
+
+
+def _join_worker(rank, world, counts):
+    """dp 2 x cp 2 under torch's Join, averaging over the active data-parallel groups: group 0 has
+    ``counts[0]`` batches, group 1 ``counts[1]``; SGD (linear in the gradient's scale)."""
+    from torch.distributed.algorithms.join import Join
+    model = fp.shard(_build("llama"), context_parallel=2)
+    opt = make_optimizer("sgd", model.parameters())
+    group = fp.data_parallel_rank(model)
+    with Join([model], divide_by_initial_world_size=False):
+        for s in range(counts[group]):
+            opt.zero_grad()
+            model(**_batch(s, group)).loss.backward()
+            opt.step()
+    full = fp.full_state_dict(model)
+    return {n: v for n, v in full.items() if n in dict(model.named_parameters())}
+
+
+def test_join_counts_a_cp_group_once():
+    """After group 1 runs out, group 0's steps average over the ONE active data-parallel group (its two CP
+    ranks count once): one process on the global batch for 2 steps, then on group 0's batch alone."""
+    model = _build("llama")
+    opt = make_optimizer("sgd", model.parameters())
+    for s in range(3):
+        opt.zero_grad()
+        model(**(_global(s, 2, "plain") if s < 2 else _batch(s, 0))).loss.backward()
+        opt.step()
+    want = {n: p.detach() for n, p in model.named_parameters()}
+    got = run_ranks(_join_worker, 4, (3, 2), timeout=180)[0]
+    for n, v in want.items():
+        assert (got[n] - v).abs().max().item() <= 1e-5, n

@@ -1,10 +1,11 @@
 """Attention over a split sequence, registered in transformers' attention registry.
 
-All-gather K/V (the default): every rank gathers the un-repeated (GQA) keys and values of its context-parallel group in one
-collective per layer, and computes its own queries against the whole sequence with the exact global mask
-(``Layout.mask``: causal, sliding window, padding, packed documents; attention sinks in the softmax). The gather is an autograd function whose
-backward sums every rank's dK/dV for this rank's positions (a reduce-scatter). The block kernel is torch's SDPA
-(on CPU its math/flash-for-CPU kernel), so a rank's output rows equal one process's rows to rounding.
+All-gather K/V (the default): every rank gathers the un-repeated (GQA) keys and values of its context-parallel
+group in one collective per layer, and computes its own queries against the whole sequence with the exact global
+mask (``Layout.mask``: causal, sliding window, padding, packed documents; attention sinks and soft-capping as
+transformers' eager attention computes them). The gather is an autograd function whose backward sums every
+rank's dK/dV for this rank's positions (a reduce-scatter). The block kernel is torch's SDPA (on CPU its
+math/flash-for-CPU kernel), so a rank's output rows equal one process's rows to rounding.
 Ulysses (``context_parallel_attention="ulysses"``): an all-to-all turns (this rank's positions, all heads)
 into (every position, this rank's H/C heads) for q, k and v; attention runs over the whole sequence for those
 heads with the same global mask; a fourth all-to-all brings the output back to this rank's positions.

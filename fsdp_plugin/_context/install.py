@@ -80,7 +80,8 @@ def install(root: nn.Module, mesh, method: str = "allgather") -> None:
         ref = kwargs.get("input_ids")
         ref = ref if ref is not None else kwargs.get("inputs_embeds")
         if ref is None:
-            raise UsageError("context_parallel: call the model with input_ids= or inputs_embeds= (the sequence to split)")
+            raise UsageError("context_parallel: call the model with input_ids= or inputs_embeds= (the sequence to "
+                             "split)")
         batch, seq = ref.shape[:2]
         check_inputs(kwargs, seq, batch)
         _same_batch(kwargs, ref, group)

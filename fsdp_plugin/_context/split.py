@@ -114,7 +114,8 @@ def split_inputs(kwargs: dict, layout: Layout, causal_lm: bool) -> dict:
         pos = torch.arange(seq, device=ref.device)[None].expand(batch, -1)
     # padded tokens continue the positions (they are masked keys: their values only have to be valid indices)
     tail = pos[:, -1:] + torch.arange(1, layout.padded - seq + 1, device=pos.device)
-    out["position_ids"] = torch.cat([pos.expand(batch, -1), tail.expand(batch, -1)], 1)[:, layout.q_index.to(pos.device)]
+    full = torch.cat([pos.expand(batch, -1), tail.expand(batch, -1)], 1)
+    out["position_ids"] = full[:, layout.q_index.to(pos.device)]
     if kwargs.get("attention_mask") is not None:
         out["attention_mask"] = layout.local(kwargs["attention_mask"], 0)
     labels, shift = kwargs.get("labels"), kwargs.get("shift_labels")
