@@ -96,6 +96,14 @@ def test_accelerate_settings_map_cp_size():
         settings_from_env({**ENV, "PARALLELISM_CONFIG_TP_SIZE": "2"})
     with pytest.raises(fp.ConfigError, match="sp_size"):
         settings_from_env({**ENV, "PARALLELISM_CONFIG_SP_SIZE": "2"})
+    # a ParallelismConfig in code: the same mapping, and stock accelerate never sees it (its own CP stays off)
+    import accelerate
+    from fsdp_plugin.integrations.accelerate.config.selection import _apply_parallelism
+    from fsdp_plugin.integrations.accelerate.config.settings import FsdpSettings
+    settings, bound = FsdpSettings(), {"parallelism_config": accelerate.ParallelismConfig(
+        dp_replicate_size=2, dp_shard_size=2, cp_size=2)}
+    _apply_parallelism(settings, bound)
+    assert (settings.context_parallel, settings.mesh, settings.strategy, bound) == (2, (2, 4), "hybrid_shard", {})
 
 
 def test_lightning_sampler_uses_the_data_parallel_view():
