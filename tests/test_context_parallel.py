@@ -161,13 +161,14 @@ def test_cp2_matches_one_process(name, kind):
 
 
 DP_CP = [("adamw", "full_shard", None), ("sgd", "full_shard", None), ("sgd", "hybrid_shard", (2, 2)),
-         ("sgd", "no_shard", None)]
+         ("sgd", "no_shard", None), ("sgd", "shard_grad_op", None)]
 
 
 @pytest.mark.parametrize("optim,strategy,mesh", DP_CP, ids=[f"{o}-{s}" for o, s, _ in DP_CP])
 def test_dp2_cp2_world4(optim, strategy, mesh):
     """dp 2 x cp 2: gradients are summed over the CP pair and averaged over the two data-parallel groups, under
-    full_shard (parameters over 4 ranks), hybrid_shard (2 x 2: the shard group is one CP pair) and no_shard.
+    full_shard (parameters over 4 ranks), shard_grad_op, hybrid_shard (2 x 2: the shard group is one CP pair)
+    and no_shard.
     SGD too: AdamW is nearly blind to a constant gradient scale (a divisor of 4 instead of 2 could pass)."""
     kwargs = {"sharding_strategy": strategy, **({"device_mesh": mesh} if mesh else {})}
     _run("llama", 4, 2, shard_kwargs=kwargs, optim=optim)
