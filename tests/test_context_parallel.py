@@ -358,3 +358,20 @@ def test_join_counts_a_cp_group_once():
     got = run_ranks(_join_worker, 4, (3, 2), timeout=180)[0]
     for n, v in want.items():
         assert (got[n] - v).abs().max().item() <= 1e-5, n
+
+
+@pytest.mark.parametrize("cp,seq", [(2, 1001), (4, 1001), (8, 4093)])
+def test_head_tail_layout_balances_causal_work(cp, seq):
+    """Every CP rank attends over the same number of visible (query, key) pairs within 1% (contiguous chunks
+    would give the last rank 2C-1 times the first's; the padding, on rank 0's tail chunk, is counted as the
+    work it is), every real causal pair is seen once, and the layout is a permutation of the padded sequence."""
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    from fsdp_plugin._context.split import make_layout
+    layouts = [make_layout(None, cp, r, 1, seq, None, None, find_packed_sequence_indices) for r in range(cp)]
+    assert sorted(layouts[0].kv_index.tolist()) == list(range(layouts[0].padded))
+    masks = [lay.mask(True, None, "cpu")[0, 0] for lay in layouts]
+    real = [int(m[lay.q_index < seq].sum()) for m, lay in zip(masks, layouts)]
+    assert sum(real) == seq * (seq + 1) // 2             # every real causal pair exactly once
+    pairs = [int(m.sum()) for m in masks]                # what each rank computes (padded queries included)
+    assert max(pairs) / min(pairs) <= 1.01, pairs
