@@ -153,3 +153,34 @@ def test_hf_trainer_with_cp_size_matches_one_process(tmp_path):
         assert len(rank) == len(want) == N // BATCH
         for (loss, norm), (wloss, wnorm) in zip(rank, want):
             assert abs(loss - wloss) <= 1e-5 and abs(norm - wnorm) <= 1e-5, (rank, want)
+
+
+def _fabric(rank, world):
+    from lightning.fabric import Fabric
+
+    from fsdp_plugin.integrations.lightning.fabric import FSDPPluginFabricStrategy
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=FSDPPluginFabricStrategy(context_parallel=2))
+    fabric.launch()        # the fork harness made the processes and the process group: adopted
+    model = fabric.setup_module(_build())
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=2e-3, eps=1e-6))
+    loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(_samples(), batch_size=BATCH))
+    seen, losses = [], []
+    for ids in loader:
+        seen.append(ids.tolist())
+        loss = model(input_ids=ids, labels=ids).loss
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return seen, losses
+
+
+def test_fabric_context_parallel_trains_like_one_process():
+    """Lightning Fabric with FSDPPluginFabricStrategy(context_parallel=2) on 2 ranks: its DistributedSampler
+    gives both ranks every sample (one data-parallel rank), and the losses are one process's."""
+    pytest.importorskip("lightning")
+    (seen0, losses0), (seen1, losses1) = run_ranks(_fabric, 2, timeout=180)
+    assert seen0 == seen1 and len(seen0) == N // BATCH
+    want, _ = _reference()
+    for got in (losses0, losses1):
+        assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)
