@@ -1,6 +1,7 @@
-"""``context_parallel`` from the integrations' own settings: accelerate's ``parallelism_config_cp_size`` (2 forked
-gloo ranks, the env ``accelerate launch`` exports) trains like one process, and the data loaders of accelerate
-and Lightning give every rank of a CP group the same samples (the data-parallel view)."""
+"""``context_parallel`` from the integrations' own settings, on 2 forked gloo ranks (no launcher): accelerate's
+``parallelism_config_cp_size`` (the env ``accelerate launch`` exports), the transformers Trainer under it,
+Lightning's ``Trainer.fit`` and Fabric with ``context_parallel=2`` train like one process, and their data loaders
+give every rank of a CP group the same samples (the data-parallel view)."""
 from __future__ import annotations
 
 import os
@@ -180,6 +181,45 @@ def test_fabric_context_parallel_trains_like_one_process():
     gives both ranks every sample (one data-parallel rank), and the losses are one process's."""
     pytest.importorskip("lightning")
     (seen0, losses0), (seen1, losses1) = run_ranks(_fabric, 2, timeout=180)
+    assert seen0 == seen1 and len(seen0) == N // BATCH
+    want, _ = _reference()
+    for got in (losses0, losses1):
+        assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)
+
+
+def _lightning(rank, world):
+    import lightning as L
+
+    from fsdp_plugin.integrations.lightning.strategy import FSDPPluginStrategy
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model, self.seen, self.losses = _build(), [], []
+
+        def training_step(self, ids, index):
+            self.seen.append(ids.tolist())
+            loss = self.model(input_ids=ids, labels=ids).loss
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=2e-3, eps=1e-6)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(_samples(), batch_size=BATCH)
+
+    module = Module()
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=FSDPPluginStrategy(context_parallel=2),
+                        max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(module)      # the LightningModule is sharded; the split hooks the transformers model inside it
+    return module.seen, module.losses
+
+
+def test_lightning_trainer_context_parallel_trains_like_one_process():
+    pytest.importorskip("lightning")
+    (seen0, losses0), (seen1, losses1) = run_ranks(_lightning, 2, timeout=180)
     assert seen0 == seen1 and len(seen0) == N // BATCH
     want, _ = _reference()
     for got in (losses0, losses1):
