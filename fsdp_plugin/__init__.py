@@ -12,6 +12,7 @@ from .api import (clip_grad_norm_, comm_stats, compile, deferred_init, full_para
                   latest_checkpoint, load_checkpoint, load_pretrained, memory_report, no_sync, plan,
                   register_forward_method, reset, save_checkpoint, save_pretrained, shard, shutdown, sync_stats)
 from .api import full_params_meta, iter_full_params
+from ._context.public import data_parallel_rank, data_parallel_size, gather_sequence
 from .checkpoint import AsyncSave
 from ._flat.layout import param_info
 from . import optim
@@ -34,6 +35,7 @@ __all__ = [
     "CheckpointMismatchError", "CorruptCheckpointError", "IncompleteCheckpointError",
     "shutdown",
     "iter_full_params", "full_params_meta",
+    "data_parallel_rank", "data_parallel_size", "gather_sequence",
     "FSDPPluginError", "ConfigError", "ShardingError", "OptimizerError", "StateDictError", "CollectiveError",
     "plan", "Plan", "PlanError", "memory_report",
     "UsageError", "UnsupportedError", "DeferredInitError", "NotDeferredError", "NonFiniteGradientError", "CodecError",

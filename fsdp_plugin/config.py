@@ -20,6 +20,7 @@ from .errors import ConfigError
 STRATEGIES = tuple(_STRATEGY_TABLE)
 SKIP_INIT = "skip"
 PAIRING_CHECKS = ("auto", "strict", "off")
+CP_ATTENTION = ("allgather", "ulysses")
 
 WrapPolicy = Union[None, set, frozenset, tuple, list, Callable[[nn.Module], bool]]
 
@@ -306,6 +307,15 @@ class ShardingConfig:
         are flat-sharded over the remaining ``shard_size / E`` ranks, everything else as without EP. E must
         divide the shard group size and every experts module's expert count (checked at fp.shard). Exact:
         the same numbers as one process on the global batch. See ``fsdp_plugin/_experts/``.
+    context_parallel: C > 1 splits every sequence over C consecutive ranks (a Hugging Face model's attention
+        goes through transformers' attention registry; README "Long sequences (context parallel)"): world =
+        data-parallel x C, parameters shard over the shard group (which holds whole CP groups), gradients are
+        summed over a CP group and averaged over data parallel. Every rank of a CP group passes the same full
+        batch; ``fp.data_parallel_rank/size(model)`` is what samplers split the data by.
+    context_parallel_attention: how a split attention layer sees the whole sequence: "allgather" (each rank
+        gathers the group's un-repeated K/V: any head count) or "ulysses" (all-to-all from sequence to heads and
+        back, 4 per layer: query and K/V head counts must divide by context_parallel). Bytes per rank and layer
+        relative to "allgather": (H + Hkv) / (C * Hkv), so Ulysses moves less once C > 1 + H / Hkv (MHA: C > 2).
     """
 
     sharding_strategy: str = "full_shard"
@@ -327,6 +337,9 @@ class ShardingConfig:
     pairing_check: str = "auto"
     quantization: Optional[Quantization] = None
     expert_parallel: Optional[int] = None     # issue 55 (``_experts/``)
+    # issue 54: context parallelism (fsdp_plugin/_context/)
+    context_parallel: int = 1
+    context_parallel_attention: str = "allgather"
 
     def __post_init__(self):
         strategy = str(self.sharding_strategy).lower()
@@ -356,6 +369,16 @@ class ShardingConfig:
         if ep is not None and (isinstance(ep, bool) or not isinstance(ep, int) or ep < 1):
             raise ConfigError(f"expert_parallel={ep!r}: use a positive int E (the ranks an MoE layer's experts are "
                               "split over, dividing the shard group size and the expert count) or None (off)")
+        cp = self.context_parallel
+        if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+            raise ConfigError(f"context_parallel={cp!r}: use a positive int, the ranks that split one sequence "
+                              "(1: off)")
+        if self.context_parallel_attention not in CP_ATTENTION:
+            raise ConfigError(f"context_parallel_attention={self.context_parallel_attention!r}: use one of "
+                              f"{', '.join(map(repr, CP_ATTENTION))}")
+        if cp > 1 and ep not in (None, 1):
+            raise ConfigError(f"context_parallel={cp} with expert_parallel={ep}: not supported together yet (the "
+                              "experts' gradient divisor does not know the CP group); drop one of them")
 
     @classmethod
     def from_kwargs(cls, config: "ShardingConfig | None" = None, **kwargs) -> "ShardingConfig":

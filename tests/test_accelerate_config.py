@@ -99,8 +99,8 @@ def test_conflicting_v1_keys_fail_naming_both():
     ({"FSDP_AUTO_WRAP_POLICY": "LAYER_WRAP"}, "fsdp_config.fsdp_auto_wrap_policy"),
     ({"FSDP_BACKWARD_PREFETCH": "SOMETIMES"}, "fsdp_config.fsdp_backward_prefetch"),
     ({"ACCELERATE_MIXED_PRECISION": "fp8"}, "mixed_precision"),
-    ({"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_CP_SIZE": "2"},
-     "parallelism_config.parallelism_config_cp_size"),
+    ({"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_SP_SIZE": "2"},
+     "parallelism_config.parallelism_config_sp_size"),
 ])
 def test_unsupported_values_name_the_yaml_key(env, key):
     with pytest.raises(AccelerateConfigError, match=key.replace(".", r"\.")):

@@ -502,6 +502,27 @@ CASES += [default_tower_fed_under_an_unknown_input_name,  # issue 32b: the on-de
 CASES += [plan_tp_size_not_dividing_the_world, plan_tp_plan_with_an_unknown_style]  # issue 31: 2-D plans
 
 
+def context_parallel_of_a_module_holding_no_transformers_model():
+    fp.shard(GPT(), context_parallel=2)
+
+
+def context_parallel_of_a_linear_attention_model():
+    import transformers as tf
+    cfg = tf.Qwen3NextConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    with torch.device("meta"):
+        model = tf.Qwen3NextForCausalLM(cfg)
+    fp.shard(model, context_parallel=2)
+
+
+def plan_with_context_parallel():
+    fp.plan(GPT, world_size=2, context_parallel=2)
+
+
+CASES += [context_parallel_of_a_module_holding_no_transformers_model,  # issue 54: context parallel
+          context_parallel_of_a_linear_attention_model, plan_with_context_parallel]
+
+
 def _capture(case, tmp_path):
     try:
         case(tmp_path) if case.__code__.co_argcount else case()

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._comm import collectives as comm
-from .. import _log
+from .. import _context, _log
 from .._flat import offload as _offload
 from .._flat.flat_param import FlatParamHandle, ParamSlot
 from .checkpointing import apply_activation_checkpointing
@@ -49,9 +49,11 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
         raise ShardingError(f"submodule {nested[0]!r} is already sharded: shard only the root, once, and choose "
                             "units with auto_wrap_policy")
     cfg = ShardingConfig.from_kwargs(config, **kwargs)
+    if cfg.context_parallel > 1:
+        _context.refuse_unsplittable(model, cfg.context_parallel)   # before any collective or change
     tp_mesh = strip_dtensors(model, cfg.device_mesh, cfg.param_init_fn)   # DTensor params -> local + spec
     mesh = build_mesh(STRATEGIES[cfg.sharding_strategy].scope, cfg.device_mesh, tp_rank_and_size(tp_mesh)[1],
-                      cfg.timeout_s)
+                      cfg.timeout_s, cp_size=cfg.context_parallel)
     if mesh.world_size > 1:
         register_at_exit()  # process groups are in use: destroy them before interpreter exit
     device = _pick_device(model, cfg)
@@ -80,6 +82,8 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
         install_casts(regions, cfg.mixed_precision.param_dtype, device.type)
     _release_recording(model)
     model._fp_root = root
+    if mesh.cp_size > 1:
+        _context.install(model, mesh, cfg.context_parallel_attention)   # attention registry + split/loss hooks
     make_joinable(model, root)   # torch's Join([model]) for uneven inputs
     install_guards(model, root)
     if cfg.some_ranks_modules is None:

@@ -32,20 +32,42 @@ class Mesh:
     replicate_group: object = None
     shard_rank_of: tuple = (0,)      # shard rank of every global rank
     shard_rows: tuple = ()           # global ranks of every shard group, in shard-rank order (all groups)
+    # context parallel (ShardingConfig.context_parallel): groups of cp_size consecutive ranks that split one
+    # sample's sequence; their gradients are partial sums of the same samples' gradient
+    cp_size: int = 1
+    cp_group: object = None
 
     @property
     def reduce_world(self) -> int:
-        """Number of ranks whose gradients are averaged."""
-        return self.shard_size * self.replicate_size
+        """The divisor of the summed gradients: the number of data-parallel ranks (distinct batches). A
+        context-parallel group holds the partial gradients of ONE batch, so its cp_size ranks count once:
+        the reduction sums over cp and averages over dp."""
+        return self.shard_size * self.replicate_size // self.cp_size
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks with distinct batches (what samplers split the data over)."""
+        return self.world_size // self.cp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.cp_size
 
 
-def build_mesh(scope: ShardScope, device_mesh, tp_size: int = 1, timeout_s: Optional[float] = None) -> Mesh:
+def build_mesh(scope: ShardScope, device_mesh, tp_size: int = 1, timeout_s: Optional[float] = None,
+               cp_size: int = 1) -> Mesh:
     """The mesh of a strategy's ``ShardScope`` (see ``_strategy.STRATEGIES``); ``tp_size``: the tensor-parallel
     dimension a DeviceMesh ``device_mesh`` leaves out (its size times ``tp_size`` is the world); ``timeout_s``:
-    the deadline (``ShardingConfig.timeout_s``) the groups created here outlast (``timeouts.py``)."""
+    the deadline (``ShardingConfig.timeout_s``) the groups created here outlast (``timeouts.py``); ``cp_size``:
+    context-parallel groups of consecutive ranks inside the shard group (``_context_groups``)."""
     if not dist.is_initialized():
+        if cp_size > 1:
+            raise ConfigError(f"context_parallel={cp_size} needs {cp_size} ranks: initialize the process group "
+                              "(torchrun) first, or drop context_parallel")
         return Mesh(1, 0, 1, 0, 1, 0)
     mesh = _build(scope, device_mesh, tp_size, timeout_s)
+    if cp_size > 1:
+        mesh = _with_context_parallel(mesh, scope, device_mesh, tp_size, cp_size, timeout_s)
     _ensure_control_group(timeout_s)
     _LIVE_MESHES[id(mesh)] = mesh
     return mesh
@@ -77,14 +99,49 @@ def release_groups() -> None:
     for mesh in list(_LIVE_MESHES.values()):
         object.__setattr__(mesh, "shard_group", None)
         object.__setattr__(mesh, "replicate_group", None)
+        object.__setattr__(mesh, "cp_group", None)
     _LIVE_MESHES.clear()
 
 
 def referenced_groups() -> list:
     """The process groups held by live meshes and the sub-group cache (for fp.shutdown's check)."""
     groups = [g for pair in _GROUP_CACHE.values() for g in pair]
-    groups += [g for m in _LIVE_MESHES.values() for g in (m.shard_group, m.replicate_group)]
+    groups += [g for m in _LIVE_MESHES.values() for g in (m.shard_group, m.replicate_group, m.cp_group)]
     return [g for g in groups if g is not None]
+
+
+def _with_context_parallel(mesh: Mesh, scope: ShardScope, device_mesh, tp_size: int, cp: int,
+                           timeout_s: Optional[float] = None) -> Mesh:
+    """``mesh`` with its context-parallel groups: ``cp`` consecutive ranks each (cp innermost), inside one
+    shard group, so that parameters shard over shard x cp and a CP group's ranks share a node under torchrun."""
+    import dataclasses
+    if tp_size > 1 or (device_mesh is not None and not isinstance(device_mesh, tuple)):
+        raise ConfigError(f"context_parallel={cp} with a DeviceMesh (tensor parallel or a custom mesh) is not "
+                          "supported yet: shard over the whole world (full_shard, shard_grad_op, no_shard) or "
+                          "hybrid_shard with device_mesh=(replicate, shard), and drop the DeviceMesh")
+    if mesh.world_size % cp:
+        raise ConfigError(f"context_parallel={cp} does not divide the world of {mesh.world_size} ranks: world = "
+                          f"data-parallel x context-parallel; use a divisor of {mesh.world_size}")
+    if scope is not ShardScope.NONE and mesh.shard_size % cp:
+        raise ConfigError(f"context_parallel={cp} does not divide the shard group of {mesh.shard_size} ranks "
+                          f"(hybrid_shard device_mesh=(replicate, shard)): parameters shard over shard x cp, so "
+                          f"choose a shard size that {cp} divides")
+    return dataclasses.replace(mesh, cp_size=cp, cp_group=_context_groups(mesh.world_size, cp, timeout_s))
+
+
+def _context_groups(world: int, cp: int, timeout_s: Optional[float] = None):
+    """This rank's context-parallel group (``cp`` consecutive ranks). A group of its own even when it equals
+    the shard group, so that attention's collectives never share a group with the units' tagged traffic.
+    Every rank creates every group in the same order, as new_group requires."""
+    key = ("cp", world, cp)
+    if key not in _GROUP_CACHE:
+        rank, mine = dist.get_rank(), None
+        for i in range(world // cp):
+            g = dist.new_group(list(range(i * cp, (i + 1) * cp)), timeout=backstop_timeout(timeout_s))
+            if rank // cp == i:
+                mine = g
+        _GROUP_CACHE[key] = (mine, None)
+    return _GROUP_CACHE[key][0]
 
 
 def _build(scope: ShardScope, device_mesh, tp_size: int = 1, timeout_s: Optional[float] = None) -> Mesh:

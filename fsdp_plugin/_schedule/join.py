@@ -100,7 +100,9 @@ class JoinState:
                              f"{stepping} step the optimizers in this step: every rank must do the same (with "
                              "gradient accumulation, give every rank a number of batches that is a multiple of "
                              "the accumulation, e.g. drop_last=True or limit_train_batches)")
-        divisor = None if self.divide_by_world or self.n_active == self.root.mesh.world_size else self.n_active
+        # context parallel: the ranks of a CP group share their batches, so they count as one (Mesh.reduce_world)
+        divisor = None if self.divide_by_world or self.n_active == self.root.mesh.world_size \
+            else self.n_active // self.root.mesh.cp_size
         for u in self.root.units:
             for h in u.handles:
                 h.grad_divisor = divisor

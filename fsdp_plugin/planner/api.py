@@ -91,6 +91,11 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
     worlds = sorted({int(world_size)} if isinstance(world_size, int) else {int(w) for w in world_size})
     if not worlds or min(worlds) < 1:
         raise PlanError(f"world_size={world_size!r}: give a positive size or a list of them")
+    if any(c.context_parallel > 1 for c in cfgs):     # priced as no CP it would be wrong, not approximate
+        raise PlanError("fp.plan does not price context_parallel yet (activation memory per rank at 1/C of the "
+                        "sequence, K/V all-gather bytes per layer); plan context_parallel=1 with seq_len divided "
+                        "by C for the activations, and add (C-1)/C * seq_len * 2 * Hkv * head_dim elements per "
+                        "layer and rank, forward and backward, for the attention traffic")
     mp = cfgs[0].mixed_precision
     ac = cfgs[0].activation_checkpointing
     opt = _optim.check(opts["optimizer"])

@@ -145,6 +145,32 @@ class Accelerator(accelerate.Accelerator):
             cfg = dataclasses.replace(cfg, device_mesh=self._fp_dp_mesh)
         return cfg
 
+    @property
+    def context_parallel(self) -> int:
+        """``fp.ShardingConfig.context_parallel`` of this run (``ParallelismConfig(cp_size=...)``, the launcher's
+        ``parallelism_config_cp_size``, or ``sharding_config=``); 1 when off."""
+        cfg = self._fp_user_config if getattr(self, "_fp_user_config", None) is not None else self._fp_settings
+        return getattr(cfg, "context_parallel", 1) or 1
+
+    @property
+    def num_processes(self):
+        """The world, except while a data loader is prepared under context parallel: the data-parallel size."""
+        return super().num_processes // getattr(self, "_fp_dp_view", 1)
+
+    @property
+    def process_index(self):
+        return super().process_index // getattr(self, "_fp_dp_view", 1)
+
+    def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        """Under context parallel the C ranks of a CP group must read the same batches (the engine splits each
+        sequence among them): the loader is sharded over the data-parallel ranks (``fp.data_parallel_rank``)."""
+        self._fp_dp_view = self.context_parallel if getattr(self, "_fp_active", False) else 1
+        try:
+            return super().prepare_data_loader(data_loader, device_placement=device_placement,
+                                               slice_fn_for_dispatch=slice_fn_for_dispatch)
+        finally:
+            self._fp_dp_view = 1
+
     # ---------------------------------------------------------------- prepare
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False):

@@ -47,7 +47,9 @@ class ProcessPerDevice:
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        # context_parallel=C: the C consecutive ranks of a CP group read the same samples (fp.data_parallel_rank)
+        cp = getattr(getattr(self, "sharding_config", None), "context_parallel", 1)
+        return {"num_replicas": self.num_nodes * self.num_processes // cp, "rank": self.global_rank // cp}
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None

@@ -51,6 +51,7 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> FsdpSettings:
     s.mixed_precision = parse.parse_mixed_precision(env.get("ACCELERATE_MIXED_PRECISION", "no"), "mixed_precision")
     s.mesh, s.strategy = mesh_from_parallelism(env, s.strategy, s.key("strategy"))
     s.tensor_parallel = tensor_parallel_requested(env)
+    s.context_parallel = context_parallel_from_env(env)
     s.some_ranks_modules = parse.some_ranks_from_env(env)
     s.secondary_size = parse.hpz_from_env(env) or s.secondary_size
     s.keys["some_ranks_modules"] = parse.SOME_RANKS_ENV
@@ -140,15 +141,26 @@ def mesh_from_parallelism(env: Mapping[str, str], strategy: str, strategy_key: s
     :func:`tensor_parallel_requested`."""
     if str(env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false")).lower() != "true":
         return None, strategy
-    for name in ("CP", "SP"):
-        size = parse.parse_int(env.get(f"PARALLELISM_CONFIG_{name}_SIZE", "1"), f"{_PC}{name.lower()}_size")
-        if size > 1:
-            raise config_error(f"{_PC}{name.lower()}_size", size, "only data and tensor parallelism "
-                               "(dp_replicate/dp_shard/tp): context/sequence parallelism needs ring attention")
+    size = parse.parse_int(env.get("PARALLELISM_CONFIG_SP_SIZE", "1"), f"{_PC}sp_size")
+    if size > 1:
+        raise config_error(f"{_PC}sp_size", size, "only data, context and tensor parallelism "
+                           "(dp_replicate/dp_shard/cp/tp): use cp_size for long sequences")
+    cp = context_parallel_from_env(env)
+    if cp > 1 and tensor_parallel_requested(env):
+        raise config_error(f"{_PC}cp_size", cp, "context parallelism with tp_size > 1 is not supported yet: "
+                           "use cp_size with dp_replicate/dp_shard only")
     rep = parse.parse_int(env.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1"), f"{_PC}dp_replicate_size")
     shard = parse.parse_int(env.get("PARALLELISM_CONFIG_DP_SHARD_SIZE", "1"), f"{_PC}dp_shard_size")
-    mesh, strategy = mesh_from_sizes(rep, shard, strategy, strategy_key)
+    # parameters shard over dp_shard x cp (accelerate's own flattened "dp_shard_cp")
+    mesh, strategy = mesh_from_sizes(rep, max(shard, 1) * cp, strategy, strategy_key)
     return (None if tensor_parallel_requested(env) else mesh), strategy
+
+
+def context_parallel_from_env(env: Mapping[str, str]) -> int:
+    """The launcher's ``parallelism_config_cp_size`` (1 unless the parallelism config is on)."""
+    if str(env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false")).lower() != "true":
+        return 1
+    return parse.parse_int(env.get("PARALLELISM_CONFIG_CP_SIZE", "1"), f"{_PC}cp_size")
 
 
 def tensor_parallel_requested(env: Mapping[str, str]) -> bool:

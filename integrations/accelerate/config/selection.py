@@ -37,10 +37,7 @@ def select_settings(bound: dict, sharding_config: Any) -> FsdpSettings | None:
     return settings
 
 
-# context/sequence parallelism needs CUDA attention kernels (ring attention) that torch 2.13 has not on CPU: refused
-# until a device test exists
-_WHY = {"cp_size": "context parallelism (ring attention) is not supported: only dp_replicate/dp_shard/tp",
-        "sp_size": "sequence parallelism across ranks (cp/sp) is not supported: only dp_replicate/dp_shard/tp"}
+_WHY_SP = "sequence parallelism (sp_size) is not supported: use cp_size (context parallel) for long sequences"
 
 
 def _apply_parallelism(settings: FsdpSettings, bound: dict) -> None:
@@ -52,12 +49,18 @@ def _apply_parallelism(settings: FsdpSettings, bound: dict) -> None:
         pc = bound["parallelism_config"] = accelerate.ParallelismConfig()
     if pc is None:
         return
-    for name in ("cp_size", "sp_size"):
-        if (getattr(pc, name, 1) or 1) > 1:
-            raise config_error(f"ParallelismConfig.{name}", getattr(pc, name), _WHY[name])
-    mesh, settings.strategy = mesh_from_sizes(pc.dp_replicate_size or 1, pc.dp_shard_size or 1,
-                                              settings.strategy, settings.key("strategy"))
+    if (getattr(pc, "sp_size", 1) or 1) > 1:
+        raise config_error("ParallelismConfig.sp_size", pc.sp_size, _WHY_SP)
+    # cp_size is ours (fp.ShardingConfig.context_parallel): stock accelerate never sees it, else its own CP
+    # (SDPA-only hooks, torch FSDP2) and the HF Trainer's batch sharding would run on top of ours
+    settings.context_parallel = getattr(pc, "cp_size", 1) or 1
     settings.tensor_parallel = (pc.tp_size or 1) > 1
+    if settings.context_parallel > 1 and settings.tensor_parallel:
+        raise config_error("ParallelismConfig.cp_size", pc.cp_size, "context parallelism with tp_size > 1 is not "
+                           "supported yet: use cp_size with dp_replicate/dp_shard only")
+    mesh, settings.strategy = mesh_from_sizes(pc.dp_replicate_size or 1,
+                                              (pc.dp_shard_size or 1) * settings.context_parallel,
+                                              settings.strategy, settings.key("strategy"))
     if settings.tensor_parallel:
         settings.mesh = None
     else:
