@@ -79,3 +79,17 @@ def prepare(model: nn.Module) -> int:
             if hasattr(module, "support_avx512bf16_for_cpu"):
                 module.support_avx512bf16_for_cpu = False
     return count
+
+
+def refuse_export(model: nn.Module, what: str, keys=None) -> None:
+    """Raise when ``what`` would export a packed 4-bit weight: its bytes mean nothing without the
+    ``quant_state`` tensors (absmax, quant_map, ...) that transformers writes beside it, which these exports do
+    not write yet; a file without them loads as a silently wrong model. ``keys``: ``id``s of the parameters
+    the export writes (None: all)."""
+    for name, p in model.named_parameters():
+        if is_packed(p) and (keys is None or id(p) in keys):
+            raise ShardingError(
+                f"{what} would write the 4-bit weight {name!r} without its quant_state (absmax, quant_map): not "
+                "supported. Save the adapters with PEFT's model.save_pretrained(dir) (the base is unchanged: "
+                "the original checkpoint and quantization_config load it again), or use fp.save_checkpoint for "
+                "a resumable sharded checkpoint")
