@@ -210,3 +210,46 @@ def test_int8_layers_refused_by_name(base_dir):
 def test_weights_repacked_for_cpu_inference_refused(base_dir):
     msg = run_ranks(_refused_worker, 1, "repacked", base_dir)[0]
     assert "model.layers.0.self_attn.q_proj.weight" in msg and "call fp.shard before" in msg, msg
+
+
+def _peft_save_worker(rank, world, path, out):
+    import fsdp_plugin.integrations._ranged_save as ranged
+
+    def no_gather(*args, **kwargs):
+        raise AssertionError("model.save_pretrained gathered the model to rank 0")
+
+    ranged.write_on_rank0 = no_gather      # the fallback that gathers: must not be taken
+    model = _build(path, torch.bfloat16)
+    fp.shard(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for s in range(2):
+        x = _batch(s, rank)
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(out)          # PEFT's own method; fsdp_plugin.integrations.transformers not imported
+    with pytest.raises(fp.StateDictError, match="get_peft_model_state_dict"):
+        peft.get_peft_model_state_dict(model)
+    with fp.full_params(model, writeback=False):
+        in_block = peft.get_peft_model_state_dict(model)
+    return _adapters(fp.full_state_dict(model)), {k: v.clone() for k, v in in_block.items()}
+
+
+def test_peft_save_pretrained_on_sharded_model_writes_adapters(base_dir, tmp_path):
+    """``PeftModel.save_pretrained(dir)`` on a sharded QLoRA model: PEFT's adapter files, each rank writing its own
+    byte ranges, loadable by ``PeftModel.from_pretrained`` onto a fresh 4-bit base with the trained values."""
+    import sys
+
+    assert "fsdp_plugin.integrations.transformers" not in sys.modules
+    trained, in_block = run_ranks(_peft_save_worker, WORLD, base_dir, str(tmp_path), timeout=240)[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "adapter_config.json",
+                                                          "adapter_model.safetensors"]
+    base = tf.LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32, quantization_config=tf.BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_quant_storage=torch.bfloat16))
+    loaded = _adapters(peft.PeftModel.from_pretrained(base, str(tmp_path)).state_dict())
+    assert len(loaded) == len(trained) == 12
+    for k, v in trained.items():
+        assert torch.equal(loaded[k], v), k
+    # inside fp.full_params PEFT's own state-dict helper sees the full adapters (PEFT drops the adapter name)
+    assert {k: v for k, v in in_block.items()}.keys() == {k.replace(".default", "") for k in trained}
+    assert all(torch.equal(in_block[k.replace(".default", "")], v) for k, v in trained.items())

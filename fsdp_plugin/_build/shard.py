@@ -16,6 +16,7 @@ from .._flat.packed import is_packed, prepare as prepare_packed
 from .checkpointing import apply_activation_checkpointing
 from .generate import install_synced_generate
 from .guards import install_guards
+from .library_save import install_library_save
 from .host_alloc import keep_freed_host_memory
 from .precision import fp32_buffers, fp32_param_ids, fp32_regions, install_casts
 from .._materialize.materialize import Materializer, decide_scatter, model_kind
@@ -77,6 +78,7 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
     make_joinable(model, root)   # torch's Join([model]) for uneven inputs
     install_guards(model, root)
     install_synced_generate(model, mesh.world_size > 1)   # generate(): ranks that finish early keep stepping
+    install_library_save(model)   # PEFT's / transformers' own model.save_pretrained(dir): collective, no gather
     if cfg.some_ranks_modules is None:
         log_default_cost(model, root.units)   # the default chose encoders: say what they cost, once
     _log.on_sharded(model)   # unit table at INFO, phase memory at DEBUG (FSDP_PLUGIN_LOG)
