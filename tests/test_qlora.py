@@ -1,4 +1,4 @@
-"""QLoRA: a 4-bit bitsandbytes base (``from_pretrained(quantization_config=...)``) with PEFT LoRA, sharded exactly.
+"""QLoRA: a 4-bit bitsandbytes base (``from_pretrained(quantization_config=...)``) with PEFT LoRA (and DoRA), sharded exactly.
 
 The base is a tiny random Llama written by ``save_pretrained`` and loaded by transformers with
 ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=float32)``
@@ -45,13 +45,13 @@ def base_dir(tmp_path_factory) -> str:
     return str(d)
 
 
-def _build(path: str, storage: torch.dtype, lora: bool = True):
+def _build(path: str, storage: torch.dtype, lora: bool = True, dora: bool = False):
     q = tf.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
                               bnb_4bit_quant_storage=storage)
     model = tf.LlamaForCausalLM.from_pretrained(path, quantization_config=q, dtype=torch.float32)
     if lora:
         torch.manual_seed(1)
-        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, use_dora=dora,
                                                            target_modules=["q_proj", "v_proj", "down_proj"]))
     return model.train()
 
@@ -68,8 +68,8 @@ def _adapters(state: dict) -> dict:
     return {k: v.clone() for k, v in state.items() if "lora_" in k}
 
 
-def _one_process(path: str, storage: torch.dtype):
-    model = _build(path, storage)
+def _one_process(path: str, storage: torch.dtype, dora: bool):
+    model = _build(path, storage, dora=dora)
     packed = {n: p.detach().view(torch.uint8).clone() for n, p in _packed(model).items()}
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     losses = []
@@ -110,8 +110,8 @@ def _global_mean(loss: torch.Tensor, world: int) -> float:
     return t.item() / world
 
 
-def _sharded(rank, world, path, storage):
-    model = _build(path, storage)
+def _sharded(rank, world, path, storage, dora):
+    model = _build(path, storage, dora=dora)
     states = {n: p.quant_state for n, p in _packed(model).items()}
     _cpu_inference_path(model, True)     # fp.shard must turn it off: it cannot rewrite a shard in place
     fp.shard(model)
@@ -135,10 +135,12 @@ def _sharded(rank, world, path, storage):
     return losses, _adapters(fp.full_state_dict(model)), local, kept, nbytes
 
 
-@pytest.mark.parametrize("storage", [torch.uint8, torch.bfloat16], ids=["uint8", "bf16"])
-def test_qlora_matches_one_process(base_dir, storage):
-    want_losses, want_adapters, want_bytes = _one_process(base_dir, storage)
-    got = run_ranks(_sharded, WORLD, base_dir, storage, timeout=240)
+@pytest.mark.parametrize("storage,dora", [(torch.uint8, False), (torch.bfloat16, False), (torch.uint8, True)],
+                         ids=["uint8", "bf16", "uint8-dora"])
+def test_qlora_matches_one_process(base_dir, storage, dora):
+    """DoRA also dequantizes the 4-bit base itself (its weight norm) through ``quant_state``."""
+    want_losses, want_adapters, want_bytes = _one_process(base_dir, storage, dora)
+    got = run_ranks(_sharded, WORLD, base_dir, storage, dora, timeout=240)
     assert len(want_bytes) == 14   # 2 layers x 7 projections: every linear of the decoder is 4-bit
     for rank, (losses, adapters, local, kept, nbytes) in enumerate(got):
         diff = max(abs(a - b) for a, b in zip(losses, want_losses))
@@ -148,7 +150,7 @@ def test_qlora_matches_one_process(base_dir, storage):
             assert cls == "Params4bit" and same_state, f"{n}: {cls}, quant_state kept: {same_state}"
             assert torch.equal(nbytes[n], want_bytes[n]), f"{n}: packed bytes changed"
     adapters = got[0][1]
-    assert adapters.keys() == want_adapters.keys() and len(adapters) == 12
+    assert adapters.keys() == want_adapters.keys() and len(adapters) == (18 if dora else 12)
     for k, v in want_adapters.items():
         assert (adapters[k] - v).abs().max().item() <= TOL, k
     # the packed base is sharded: each rank holds about half of its bytes, together all of them
