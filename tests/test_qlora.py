@@ -255,3 +255,28 @@ def test_peft_save_pretrained_on_sharded_model_writes_adapters(base_dir, tmp_pat
     # inside fp.full_params PEFT's own state-dict helper sees the full adapters (PEFT drops the adapter name)
     assert {k: v for k, v in in_block.items()}.keys() == {k.replace(".default", "") for k in trained}
     assert all(torch.equal(in_block[k.replace(".default", "")], v) for k, v in trained.items())
+
+
+_PROMPTS, _NEW = {0: [5, 17, 3, 42, 8], 1: [9, 60, 2]}, {0: 3, 1: 7}
+
+
+def _greedy(model, rank: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([_PROMPTS[rank]]), max_new_tokens=_NEW[rank], do_sample=False,
+                             pad_token_id=0, eos_token_id=None)
+    return out[0].tolist()
+
+
+def _generate_worker(rank, world, path):
+    model = _build(path, torch.uint8)
+    fp.shard(model, timeout_s=60)
+    return _greedy(model.eval(), rank)
+
+
+def test_qlora_generate_per_rank_lengths(base_dir):
+    """PEFT's ``generate`` on the sharded 4-bit model, prompts and lengths differing per rank (tests/test_generate.py
+    covers the mechanism): the unsharded model's tokens."""
+    model = _build(base_dir, torch.uint8).eval()
+    _cpu_inference_path(model, False)     # the kernel the sharded layers run
+    want = [_greedy(model, r) for r in range(WORLD)]
+    assert run_ranks(_generate_worker, WORLD, base_dir, timeout=240) == want

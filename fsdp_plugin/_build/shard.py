@@ -77,7 +77,7 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
     model._fp_root = root
     make_joinable(model, root)   # torch's Join([model]) for uneven inputs
     install_guards(model, root)
-    install_synced_generate(model, mesh.world_size > 1)   # generate(): ranks that finish early keep stepping
+    install_synced_generate(model, root)   # generate(): ranks that finish early keep stepping
     install_library_save(model)   # PEFT's / transformers' own model.save_pretrained(dir): collective, no gather
     if cfg.some_ranks_modules is None:
         log_default_cost(model, root.units)   # the default chose encoders: say what they cost, once
