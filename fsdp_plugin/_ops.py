@@ -127,12 +127,15 @@ def register_forward_method(model: nn.Module, name: str) -> None:
     if method is None:
         raise ShardingError(f"{type(model).__name__} has no method {name!r} to register")
 
-    join = _root(model).join
+    root = _root(model)
+    join = root.join
 
     @functools.wraps(method)
     def wrapped(*args, **kwargs):
         if join is not None:
             join.entry = name       # a Join's joined ranks replay this method, not forward
+        if root.eval_join is not None:
+            root.eval_join.entry = name     # likewise fp.join's finished ranks
         args, kwargs = unit.pre_forward(args, kwargs)
         return unit.post_forward(method(model, *args, **kwargs))
 

@@ -38,6 +38,7 @@ class EvalJoin:
         self.shadowing = False
         self.last: Optional[tuple] = _as_call(example) if example is not None else None
         self.forwards = 0           # forwards this rank ran in the block (its own)
+        self.entry = "__call__"     # set by a method registered with fp.register_forward_method before its call
         self.shadowed = 0           # forwards it replayed for the others after leaving
 
     def before_forward(self, args, kwargs) -> None:
@@ -49,16 +50,17 @@ class EvalJoin:
                              "torch.inference_mode()); for training with uneven batches use torch's "
                              "Join([model]) (README: Uneven inputs)")
         self._count(active=1, missing=0)
-        self.last, self.forwards = (args, kwargs), self.forwards + 1
+        entry, self.entry = self.entry, "__call__"
+        self.last, self.forwards = (args, kwargs, entry), self.forwards + 1
 
     def finish(self) -> None:
         """Leaving the block: replay the last forward while other ranks still run theirs."""
         while self._count(active=0, missing=int(self.last is None)):
-            args, kwargs = self.last
+            args, kwargs, entry = self.last
             self.shadowing = True
             try:
-                with torch.no_grad():
-                    self.model(*args, **kwargs)
+                with torch.no_grad():      # the same entry point: forward, or e.g. Lightning's validation_step
+                    (self.model if entry == "__call__" else getattr(self.model, entry))(*args, **kwargs)
             finally:
                 self.shadowing = False
             self.shadowed += 1
@@ -78,10 +80,10 @@ class EvalJoin:
 
 def _as_call(example: Union[tuple, dict, torch.Tensor]) -> tuple:
     if isinstance(example, dict):
-        return (), dict(example)
+        return (), dict(example), "__call__"
     if isinstance(example, tuple):
-        return example, {}
-    return (example,), {}
+        return example, {}, "__call__"
+    return (example,), {}, "__call__"
 
 
 @contextlib.contextmanager
