@@ -78,12 +78,12 @@ def reference(counts=COUNTS, accumulate: int = 1, max_steps: int = -1, val_count
                 opt.zero_grad()
                 steps += 1
         else:
-            with torch.no_grad():   # sync_dist: the mean over ranks of each rank's epoch mean
-                val = sum(sum(float(nn.functional.mse_loss(model(x), y)) for x, y in val_batches(r, n)) / n
-                          for r, n in enumerate(val_counts))
+            with torch.no_grad():   # sync_dist: sums and batch sizes summed over ranks, i.e. the mean of all batches
+                val = sum(float(nn.functional.mse_loss(model(x), y)) for r, n in enumerate(val_counts)
+                          for x, y in val_batches(r, n))
             continue
         break
-    return {"losses": losses, "lr": opt.param_groups[0]["lr"], "val_loss": val / world, "steps": steps,
+    return {"losses": losses, "lr": opt.param_groups[0]["lr"], "val_loss": val / sum(val_counts), "steps": steps,
             "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
