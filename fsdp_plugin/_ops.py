@@ -14,6 +14,7 @@ from torch import nn
 from ._comm import collectives as comm
 from ._flat.dtensor import full_tensor, tp_spec
 from ._flat.layout import is_persistent_buffer
+from ._flat.packed import is_packed, quant_state_entries
 from ._schedule.join import note_clip
 from .errors import NonFiniteGradientError, ShardingError
 
@@ -98,6 +99,8 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict:
         for name, p in module._parameters.items():
             if p is not None:
                 out[pre + name] = values.get(id(p), p.detach().cpu())
+                if is_packed(p):      # as the plain model's state_dict(): bitsandbytes' quant_state entries
+                    out.update(quant_state_entries(p, pre + name))
         for name, b in module._buffers.items():
             if is_persistent_buffer(module, name):
                 out[pre + name] = b.detach().cpu()

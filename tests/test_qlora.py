@@ -307,3 +307,22 @@ def test_sharded_checkpoint_round_trips_packed_bytes(base_dir, tmp_path):
     """``fp.save_checkpoint`` / ``fp.load_checkpoint`` (what the Trainer's and Lightning's checkpoints use) restore
     the packed bf16-stored bytes bit for bit."""
     assert run_ranks(_checkpoint_worker, WORLD, base_dir, str(tmp_path / "ckpt"), timeout=240) == [(True, 14)] * 2
+
+
+def _state_dict_worker(rank, world, path):
+    model = _build(path, torch.bfloat16, lora=False)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    fp.shard(model)
+    got = fp.full_state_dict(model)
+    if rank:
+        return None
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    return [k for k in want if not (got[k].dtype == want[k].dtype and torch.equal(
+        got[k].view(torch.uint8) if got[k].dtype == torch.bfloat16 else got[k],
+        want[k].view(torch.uint8) if want[k].dtype == torch.bfloat16 else want[k]))]
+
+
+def test_full_state_dict_equals_the_plain_state_dict(base_dir):
+    """``fp.full_state_dict`` promises the plain model's ``state_dict()``: for a 4-bit model that includes the
+    ``quant_state`` entries bitsandbytes writes (absmax, quant_map, ...), and the packed bytes unchanged."""
+    assert run_ranks(_state_dict_worker, WORLD, base_dir, timeout=240)[0] == []

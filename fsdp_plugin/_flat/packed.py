@@ -93,3 +93,9 @@ def refuse_export(model: nn.Module, what: str, keys=None) -> None:
                 "supported. Save the adapters with PEFT's model.save_pretrained(dir) (the base is unchanged: "
                 "the original checkpoint and quantization_config load it again), or use fp.save_checkpoint for "
                 "a resumable sharded checkpoint")
+
+
+def quant_state_entries(p, key: str) -> dict:
+    """The ``state_dict()`` entries bitsandbytes writes beside packed weight ``key`` (``Linear4bit.
+    _save_to_state_dict``: ``quant_state.as_dict(packed=True)`` under ``key + "."``), detached, on CPU."""
+    return {f"{key}.{k}": v.detach().cpu() for k, v in p.quant_state.as_dict(packed=True).items()}
