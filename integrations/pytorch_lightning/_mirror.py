@@ -8,7 +8,6 @@ code objects keep the original file name: tracebacks point at the file to edit.
 from __future__ import annotations
 
 import importlib.abc
-import importlib.machinery
 import importlib.util
 import sys
 from typing import Any
