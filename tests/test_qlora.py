@@ -335,8 +335,7 @@ def test_full_state_dict_equals_the_plain_state_dict(base_dir):
     assert run_ranks(_state_dict_worker, WORLD, base_dir, timeout=240)[0] == []
 
 
-@pytest.mark.slow         # two Trainer launches (one process, then torchrun at 2): ~40 s unloaded
-@pytest.mark.integration
+@pytest.mark.integration   # two Trainer launches (one process, then torchrun at 2): ~14 s
 def test_qlora_trainer_sharded_matches_one_process(tmp_path):
     """The FSDP-QLoRA recipe of accelerate's and PEFT's docs with our line: a 4-bit nf4 base (bf16 storage) from
     ``from_pretrained(quantization_config=...)``, LoRA, ``TrainingArguments(fsdp=True)`` under torchrun. Loss and
