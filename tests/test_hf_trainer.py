@@ -129,4 +129,3 @@ def test_peft_lora_sharded(ref, tmp_path):
 
 
 # examples/hf_trainer.py (bf16 included) and examples/peft_lora.py run as the README shows them: tests/test_readme.py
-
