@@ -3,7 +3,7 @@
 The only change to a stock script is the import below. FSDP is selected the usual way, by the accelerate
 config file (``distributed_type: FSDP``)::
 
-    accelerate launch --config_file examples/accelerate_fsdp_trainer.yaml --main_process_port 0 \\
+    accelerate launch --config_file examples/accelerate_fsdp_trainer_cpu.yaml --main_process_port 0 \\
         examples/hf_trainer.py --out runs/sft --max-steps 20
 
 or by ``SFTConfig(fsdp=True, fsdp_config={...})`` under ``torchrun`` (``--fsdp-args`` below). Checkpoints

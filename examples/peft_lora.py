@@ -2,7 +2,7 @@
 
 The only change to a stock script is the import below; FSDP comes from the accelerate config::
 
-    accelerate launch --config_file examples/accelerate_fsdp_trainer.yaml --main_process_port 0 \\
+    accelerate launch --config_file examples/accelerate_fsdp_trainer_cpu.yaml --main_process_port 0 \\
         examples/peft_lora.py --out runs/lora --max-steps 20
 
 Only the adapter trains: the frozen base is sharded but has no gradients and no optimizer state.

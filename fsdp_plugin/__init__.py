@@ -18,6 +18,7 @@ from ._flat.layout import param_info
 from . import optim
 from .config import Checkpointing, MixedPrecision, Quantization, ShardingConfig, size_policy
 from .grad_scaler import GradScaler
+from ._schedule.eval_join import join
 # every error class users may catch (docs/errors.md is the catalogue)
 from .errors import (CodecError, CollectiveError, ConfigError, DeferredInitError, FSDPPluginError,
                      NonFiniteGradientError, NotDeferredError, OptimizerError, ShardingError, StateDictError,
@@ -40,6 +41,7 @@ __all__ = [
     "plan", "Plan", "PlanError", "memory_report",
     "UsageError", "UnsupportedError", "DeferredInitError", "NotDeferredError", "NonFiniteGradientError", "CodecError",
     "TensorParallelError",
+    "join",
 ]
 
 _configure_log()

@@ -15,6 +15,7 @@ from ._comm import collectives as comm, failure
 from ._experts.spec import ep_spec, full_tensor as ep_full_tensor
 from ._flat.dtensor import full_tensor, tp_spec
 from ._flat.layout import is_persistent_buffer
+from ._flat.packed import is_packed, quant_state_entries
 from ._schedule.join import note_clip
 from .errors import NonFiniteGradientError, ShardingError
 
@@ -102,6 +103,8 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict:
         for name, p in module._parameters.items():
             if p is not None:
                 out[pre + name] = values.get(id(p), p.detach().cpu())
+                if is_packed(p):      # as the plain model's state_dict(): bitsandbytes' quant_state entries
+                    out.update(quant_state_entries(p, pre + name))
         for name, b in module._buffers.items():
             if is_persistent_buffer(module, name):
                 out[pre + name] = b.detach().cpu()
@@ -131,12 +134,15 @@ def register_forward_method(model: nn.Module, name: str) -> None:
     if method is None:
         raise ShardingError(f"{type(model).__name__} has no method {name!r} to register")
 
-    join = _root(model).join
+    root = _root(model)
+    join = root.join
 
     @functools.wraps(method)
     def wrapped(*args, **kwargs):
         if join is not None:
             join.entry = name       # a Join's joined ranks replay this method, not forward
+        if root.eval_join is not None:
+            root.eval_join.entry = name     # likewise fp.join's finished ranks
         args, kwargs = unit.pre_forward(args, kwargs)
         return unit.post_forward(method(model, *args, **kwargs))
 

@@ -19,7 +19,7 @@ pytest.importorskip("peft")
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "hf_trainer_check.py"
-YAML = ROOT / "examples" / "accelerate_fsdp_trainer.yaml"
+YAML = ROOT / "examples" / "accelerate_fsdp_trainer_cpu.yaml"
 TOL = 1e-5
 
 

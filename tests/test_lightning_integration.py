@@ -186,7 +186,7 @@ def test_bf16_mixed_keeps_fp32_master_and_trains(tmp_path, reference):
 
 
 def test_fabric_deferred_init_accumulate_clip_save_load(tmp_path):
-    launch.python("lightning_fabric.py", tmp_path / "out.json", tmp_path / "ckpt", 2, timeout=240)
+    launch.python("fabric_train.py", tmp_path / "out.json", tmp_path / "ckpt", 2, timeout=240)
     report = launch.report(tmp_path / "out.json")
     assert report["strategy"] == "FSDPPluginFabricStrategy" and report["world_size"] == 2
     _close(report["losses"], report["reference"])

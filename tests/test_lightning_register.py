@@ -38,3 +38,43 @@ def test_import_fsdp_plugin_registers_lazily():
     (Lightning imported first) is what tests/scripts/lightning_*.py do."""
     out = _run("import fsdp_plugin", "import lightning.pytorch, lightning.fabric")
     assert "OK FSDPPluginStrategy FSDPPluginFabricStrategy" in out
+
+
+_STANDALONE_CHECK = """
+import sys
+import fsdp_plugin
+import pytorch_lightning as pl, lightning_fabric
+s = pl.strategies.StrategyRegistry.get("fsdp_plugin")
+f = lightning_fabric.strategies.STRATEGY_REGISTRY.get("fsdp_plugin")
+assert isinstance(s, pl.strategies.Strategy) and isinstance(f, lightning_fabric.strategies.Strategy)
+assert isinstance(s.precision_plugin, pl.plugins.precision.Precision), type(s.precision_plugin).__mro__
+assert not [m for m in sys.modules if m == "lightning" or m.startswith("lightning.")], "the unified package was imported"
+print("OK", type(s).__module__, type(f).__module__)
+"""
+
+
+def test_standalone_pytorch_lightning_registers_its_own_classes():
+    """``pytorch_lightning``'s Trainer accepts only subclasses of its own Strategy: the registry entry builds the
+    mirrored class, and the unified ``lightning`` package is never imported."""
+    pytest.importorskip("pytorch_lightning")
+    out = launch.run([sys.executable, "-c", _STANDALONE_CHECK], timeout=120)
+    assert ("OK fsdp_plugin.integrations.pytorch_lightning.strategy "
+            "fsdp_plugin.integrations.pytorch_lightning.fabric") in out, out
+
+
+@pytest.mark.integration
+def test_pytorch_lightning_trainer_two_ranks_matches_single_process(tmp_path):
+    """``import pytorch_lightning as pl; pl.Trainer(strategy="fsdp_plugin", devices=2)``: the same losses as one
+    plain PyTorch process on the global batch (lightning_train.py's reference), step by step."""
+    pytest.importorskip("pytorch_lightning")
+    import lightning_train as lt
+
+    out = tmp_path / "out.json"
+    launch.python("lightning_train.py", "--out", out, "--devices", 2, "--max-steps", 4,
+                  "--package", "pytorch_lightning", timeout=240)
+    report = launch.report(out)
+    assert report["trainer_module"].startswith("pytorch_lightning.") and not report["lightning_imported"]
+    assert report["strategy_module"] == "fsdp_plugin.integrations.pytorch_lightning.strategy"
+    assert report["precision_plugin"] == "FSDPPluginPrecision" and report["world_size"] == 2
+    got, want = [e[1] for e in report["losses"]], lt.reference_run(4)[0]
+    assert len(got) == 4 and max(abs(a - b) for a, b in zip(got, want)) <= 1e-5 * max(1.0, *map(abs, want)), (got, want)

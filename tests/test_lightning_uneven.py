@@ -55,6 +55,15 @@ def test_uneven_batches_shadowed_then_validation_second_epoch_and_checkpoints(tm
     assert (tmp_path / "final.ckpt" / "manifest.json").is_file()
 
 
+def test_uneven_validation_batches_run_inside_fp_join(tmp_path):
+    """Validation with 1 batch on rank 0 and 3 on rank 1 after each epoch (``_uneven_eval``: fp.join): the
+    short rank replays its last validation_step with its logs discarded, so the synced val_loss is the mean over
+    the 4 real batches, as one process computes it; training goes on exactly."""
+    ref = lu.reference(val_counts=(1, 3))
+    assert ref["val_loss"] != pytest.approx(lu.reference()["val_loss"], rel=1e-3)   # the counts matter
+    _check(_run(tmp_path, "--val-counts", 1, 3), ref, accumulate=1)
+
+
 def test_uneven_iterable_dataset_with_gradient_accumulation_and_max_steps(tmp_path):
     """No ``__len__`` (Lightning prefetches to find the last batch), accumulate_grad_batches=2, and max_steps
     cutting the second epoch where the short rank's epoch ends: no rank validates there (the last ones to

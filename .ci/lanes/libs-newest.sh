@@ -2,7 +2,8 @@
 # Catches a library release that breaks an integration (accelerate 1.16.0's prepare() did) before users do.
 # bash .ci/lane libs-newest   (a fresh .venv-lane-libs-newest; its versions are printed before the tests)
 TORCH_PIN="torch==2.13.0"
-PINS=(lightning accelerate transformers peft trl)
+PINS=(lightning accelerate transformers peft trl
+      pytorch-lightning)   # test_lightning_register (torch-newest): `import pytorch_lightning as pl`
 TESTS=(
   tests/test_accelerate_inprocess.py       # Accelerator in one process: prepare, clip, save/load_state
   tests/test_accelerate_config.py          # accelerate config / plugin translation, the shipped yamls

@@ -40,9 +40,11 @@ _offloaded: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def install_guards(model: nn.Module, root) -> None:
     plain_state_dict, plain_load = model.state_dict, model.load_state_dict
 
+    peft_help = _peft_help(model)
+
     def state_dict(*args, **kwargs):
         if not root.full_params_active:
-            raise StateDictError(f"{type(model).__name__}.state_dict(): {_STATE_DICT_HELP}")
+            raise StateDictError(f"{type(model).__name__}.state_dict(): {_STATE_DICT_HELP}{peft_help}")
         return plain_state_dict(*args, **kwargs)
 
     def load_state_dict(*args, **kwargs):
@@ -53,6 +55,14 @@ def install_guards(model: nn.Module, root) -> None:
     model.state_dict = state_dict
     model.load_state_dict = load_state_dict
     _install_optimizer_check()
+
+
+def _peft_help(model: nn.Module) -> str:
+    """PEFT reads adapters through ``state_dict()`` (``get_peft_model_state_dict``): name its two working forms."""
+    if not any(c.__name__ == "PeftModel" and c.__module__.startswith("peft.") for c in type(model).__mro__):
+        return ""
+    return (". PEFT adapters: model.save_pretrained(dir) writes them (collective, no gather); "
+            "peft.get_peft_model_state_dict(model) works inside `with fp.full_params(model):`")
 
 
 def _install_optimizer_check() -> None:

@@ -12,8 +12,11 @@ from .._comm import collectives as comm
 from .. import _context, _log
 from .._flat import offload as _offload
 from .._flat.flat_param import FlatParamHandle, ParamSlot
+from .._flat.packed import is_packed, prepare as prepare_packed
 from .checkpointing import apply_activation_checkpointing
+from .generate import install_synced_generate
 from .guards import install_guards
+from .library_save import install_library_save
 from .host_alloc import keep_freed_host_memory
 from .precision import fp32_buffers, fp32_param_ids, fp32_regions, install_casts
 from .._materialize.materialize import Materializer, decide_scatter, model_kind
@@ -63,6 +66,7 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
                           "together yet; drop one of them")
     experts_mesh = prepare_experts(model, cfg, mesh, device)   # issue 55: experts cut to this rank's (``_experts/``)
     _check_reducible(model, cfg)
+    prepare_packed(model)   # 4-bit bases: refuse what cannot be sharded exactly, no in-place repacking
     retie(model)
     some_ranks = set(some_ranks_fqns(model, cfg.some_ranks_modules, cfg.ignored_modules))
     regions = fp32_regions(model, cfg.mixed_precision)
@@ -86,6 +90,8 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
         _context.install(model, mesh, cfg.context_parallel_attention)   # attention registry + split/loss hooks
     make_joinable(model, root)   # torch's Join([model]) for uneven inputs
     install_guards(model, root)
+    install_synced_generate(model, root)   # generate(): ranks that finish early keep stepping
+    install_library_save(model)   # PEFT's / transformers' own model.save_pretrained(dir): collective, no gather
     if cfg.some_ranks_modules is None:
         log_default_cost(model, root.units)   # the default chose encoders: say what they cost, once
     _log.on_sharded(model)   # unit table at INFO, phase memory at DEBUG (FSDP_PLUGIN_LOG)
@@ -145,12 +151,14 @@ def _build_units(model, units, cfg: ShardingConfig, mesh: Mesh, device, root: Ro
             policy = unit_policy(cfg, mesh, fqn, module)
             dense, experts = split_expert_params(owned[fqn])
             handles = [_build_handle(group, dtype, fp32, sites, names, policy.mesh, cfg, device, mat, scatter,
-                                     fqn or "<root>", root.offload)
-                       for (dtype, _, fp32), group in group_params(dense, cfg.mixed_precision, fp32_ids).items()]
+                                     fqn or "<root>", root.offload, packed)
+                       for (dtype, _, fp32, packed), group in group_params(dense, cfg.mixed_precision,
+                                                                           fp32_ids).items()]
             # experts under expert_parallel: their own handles on the experts' mesh, each rank's own values
             handles += [_build_handle(group, dtype, fp32, sites, names, root.experts_mesh, cfg, device, mat, False,
-                                      fqn or "<root>", root.offload)
-                        for (dtype, _, fp32), group in group_params(experts, cfg.mixed_precision, fp32_ids).items()]
+                                      fqn or "<root>", root.offload, packed)
+                        for (dtype, _, fp32, packed), group in group_params(experts, cfg.mixed_precision,
+                                                                            fp32_ids).items()]
             some = fqn in some_ranks    # held from the root's pre-forward to the end of backward: never resharded
             if hpz_group is not None and fqn and not some:
                 for h in handles:
@@ -202,21 +210,26 @@ def _empty_meta_buffers(sites: list, device) -> None:
 
 
 def group_params(params: list, mp=None, fp32_ids: frozenset = frozenset()) -> "OrderedDict[tuple, list]":
-    """A unit's parameters by ``(master dtype, requires_grad, fp32)``, one flat handle each (shared with
-    fp.plan); ``fp32``: the parameter's ``id`` is in ``fp32_ids`` (an fp32 module's, see ``precision.py``).
-    The master dtype is the loaded dtype, or ``mp.master_dtype`` for trainable 16-bit parameters under a
-    16-bit ``MixedPrecision`` (see ``MixedPrecision.master_dtype_for``)."""
+    """A unit's parameters by ``(master dtype, requires_grad, fp32, packed)``, one flat handle each (shared
+    with fp.plan); ``fp32``: the parameter's ``id`` is in ``fp32_ids`` (an fp32 module's, see ``precision.py``);
+    ``packed``: quantized bytes (``_flat/packed.py``), kept in their storage dtype and never grouped with real
+    values of that dtype. The master dtype is the loaded dtype, or ``mp.master_dtype`` for trainable 16-bit
+    parameters under a 16-bit ``MixedPrecision`` (see ``MixedPrecision.master_dtype_for``)."""
     groups: OrderedDict = OrderedDict()
     for p in params:
+        if is_packed(p):
+            groups.setdefault((p.dtype, p.requires_grad, False, True), []).append(p)
+            continue
         fp32 = id(p) in fp32_ids
         dtype = mp.master_dtype_for(p.dtype, p.requires_grad, fp32) if mp is not None else p.dtype
-        groups.setdefault((dtype, p.requires_grad, fp32), []).append(p)
+        groups.setdefault((dtype, p.requires_grad, fp32, False), []).append(p)
     return groups
 
 
 def _build_handle(params, dtype: torch.dtype, fp32: bool, sites, names, mesh: Mesh, cfg: ShardingConfig, device,
-                  mat: Materializer, scatter: bool, label: str, offload=None) -> FlatParamHandle:
-    """One flat handle whose master shard is ``dtype`` (the loaded values are cast into it)."""
+                  mat: Materializer, scatter: bool, label: str, offload=None, packed: bool = False) -> FlatParamHandle:
+    """One flat handle whose master shard is ``dtype`` (the loaded values are cast into it); ``packed``:
+    quantized bytes, gathered and kept in their storage dtype, never cast or quantized (``_flat/packed.py``)."""
     requires_grad = params[0].requires_grad
     if dtype != params[0].dtype and fp32:
         _log.logger.info("unit %s: %d trainable %s parameters of fp32 modules get %s master shards", label,
@@ -226,11 +239,11 @@ def _build_handle(params, dtype: torch.dtype, fp32: bool, sites, names, mesh: Me
                          "None) keeps %s)", label, len(params), params[0].dtype, dtype, params[0].dtype)
     values = mat.param_values(params) if (not scatter or mesh.rank == 0) else None
     slots = [ParamSlot(p, names[id(p)], [(f, m, a) for f, m, a in sites[id(p)]], p.shape) for p in params]
-    compute, reduce = handle_dtypes(cfg.mixed_precision, dtype, fp32)
+    compute, reduce = (dtype, dtype) if packed else handle_dtypes(cfg.mixed_precision, dtype, fp32)
     shard_device = torch.device("cpu") if cfg.cpu_offload else device
     handle = FlatParamHandle(slots, mesh, dtype, requires_grad, device, compute, reduce, shard_device,
                              label=label, timeout_s=comm.default_timeout_s(cfg.timeout_s),
-                             quantization=cfg.quantization, offload=offload)
+                             quantization=None if packed else cfg.quantization, offload=offload, packed=packed)
     if scatter:
         _scatter_from_rank0(handle, values, mesh)
     else:

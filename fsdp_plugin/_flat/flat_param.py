@@ -24,18 +24,21 @@ from .._reduce.usage import SlotUsage
 from .._comm.trace import _traced
 from .dtensor import as_dtensor, local_grad, tp_spec
 from .owners import choose_owners
+from .packed import is_packed, rewrap
 from .rows import local_shape, piece, row_aligned_offsets
 from .secondary import SecondaryShard
 from . import streams
 
 
 def set_param_data(param: nn.Parameter, tensor: torch.Tensor) -> None:
-    """``param.data = tensor`` that also works from the meta device (identity and attributes kept)."""
+    """``param.data = tensor`` that also works from the meta device (identity, attributes and, for packed
+    quantized weights, the class kept: ``swap_tensors`` swaps classes too)."""
     if param.device.type == tensor.device.type:
         param.data = tensor
         return
     attrs = dict(param.__dict__)
-    torch.utils.swap_tensors(param, nn.Parameter(tensor, requires_grad=param.requires_grad))
+    new = rewrap(param, tensor) if is_packed(param) else nn.Parameter(tensor, requires_grad=param.requires_grad)
+    torch.utils.swap_tensors(param, new)
     param.__dict__.update(attrs)
 
 
@@ -110,8 +113,12 @@ class FlatParamHandle:
     def __init__(self, slots: list[ParamSlot], mesh: Mesh, dtype: torch.dtype, requires_grad: bool,
                  device: torch.device, compute_dtype: torch.dtype, reduce_dtype: torch.dtype,
                  shard_device: torch.device, label: str = "", timeout_s: Optional[float] = None,
-                 quantization=None, offload=None):
+                 quantization=None, offload=None, packed: bool = False):
         self.slots, self.mesh, self.dtype, self.requires_grad = slots, mesh, dtype, requires_grad
+        # packed quantized bytes (``packed.py``): frozen, never cast; views are the parameters' own class
+        self.packed = packed
+        if packed and (requires_grad or compute_dtype != dtype or reduce_dtype != dtype or quantization is not None):
+            raise AssertionError(f"unit {label!r}: packed quantized bytes must stay frozen and uncast")
         # ``fp.Quantization`` of this handle's unit collectives (``_comm/quantized.py``); floating handles only
         self.quantization = quantization if dtype.is_floating_point and quantization is not None else None
         self.label, self.timeout_s = label, timeout_s
@@ -354,7 +361,13 @@ class FlatParamHandle:
         else:
             pieces = self.leaf.split_with_sizes(self._split_sizes)
             out = [pieces[i].view(shape) for i, shape in zip(self._slot_segment, self._shapes)]
+            if self.packed:
+                return self.as_original_class(out)
         return self.as_parallel(out) if self._has_tp else out
+
+    def as_original_class(self, views: list) -> list:
+        """Packed slots' views as their parameters' own class with its ``quant_state`` (``packed.rewrap``)."""
+        return [rewrap(s.param, v) for v, s in zip(views, self.slots)]
 
     def as_parallel(self, views: list) -> list:
         """Per-slot views (local TP tensors) as the DTensors the model was parallelized with (plain slots as is)."""

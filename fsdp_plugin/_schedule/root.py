@@ -76,6 +76,7 @@ class RootState:
         self._unit_index: dict = {}         # unit -> its index in ``units`` (the pairing code's unit number)
         self._hint = None                   # some_ranks_hint for divergence errors, computed at the first check
         self.join = None                    # join.JoinState: uneven inputs under torch's Join (fp.shard sets it)
+        self.eval_join = None               # eval_join.EvalJoin while fp.join(model) is open
         self.tp_mesh = None                 # the tensor-parallel DeviceMesh of a DTensor model (fp.shard sets it)
         self.experts_mesh = None            # expert_parallel: the experts' ExpertMesh (``_experts/layout.py``)
         # some-ranks units gathered on demand (``on_demand.py``; fp.shard sets it for default-chosen encoders):
@@ -120,6 +121,8 @@ class RootState:
             comm_status.begin_step()     # the step that deadline reports and trace files name
             if self.join is not None:
                 self.join.before_forward(args, kwargs)
+            if self.eval_join is not None:
+                self.eval_join.before_forward(args, kwargs)
             if self.on_demand:
                 self._decide_on_demand(args, kwargs)
             args, kwargs = self._cast_inputs(args, kwargs)

@@ -89,6 +89,8 @@ class Unit:
 
     def show_full(self, h: FlatParamHandle, full: torch.Tensor) -> None:
         """Sites of ``h`` register new full-shape parameters viewing ``full`` (fp.full_params)."""
+        if h.packed:      # the parameters' own class (Params4bit with its quant_state), as forward sees them
+            return self._register(h, h.as_original_class(h.split_full(full)))
         self._register(h, [nn.Parameter(v, requires_grad=s.param.requires_grad)
                            for v, s in zip(h.as_parallel(h.split_full(full)), h.slots)])
 

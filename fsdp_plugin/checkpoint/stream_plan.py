@@ -27,6 +27,7 @@ from torch import nn
 from ..errors import UnsupportedError, UsageError
 from . import _model
 from .hf import hf_convert
+from .._flat.packed import refuse_export
 
 NAMES = ("hf", "module")
 
@@ -78,6 +79,7 @@ def build(model: nn.Module, dtype: torch.dtype | None, names: str, merge_lora: b
         _adapters(plan, peft, entries, names)
     else:
         _plain(plan, model, entries, names)
+    refuse_export(model, "fp.iter_full_params", {k for o in plan.outputs for k in o.sources})
     for o in plan.outputs:
         o.stage = max((plan.key_stage.get(k, -1) for k in o.sources), default=-1)
         o.dtypes = [_cast(d, dtype) for d in o.dtypes]

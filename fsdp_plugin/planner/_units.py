@@ -64,7 +64,7 @@ def discover_units(model: nn.Module, policy, ignored=(), mp=None,
     units, handles = [], []
     for i, (fqn, module) in enumerate(chosen):
         unit = UnitSpec(fqn, module, some_ranks=fqn in some)
-        for (dtype, rg, fp32), params in group_params(owned[fqn], mp, fp32_ids).items():
+        for (dtype, rg, fp32, _packed), params in group_params(owned[fqn], mp, fp32_ids).items():
             unit.handles.append(len(handles))
             handles.append(HandleSpec(i, dtype, rg, sum(p.numel() for p in params), [id(p) for p in params],
                                       max(p.numel() for p in params), [tuple(p.shape) for p in params], fp32))

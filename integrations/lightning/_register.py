@@ -2,7 +2,9 @@
 
 Lightning has no plug-in discovery for strategies: a name only resolves through
 ``lightning.pytorch.strategies.StrategyRegistry`` (Trainer) and
-``lightning.fabric.strategies.STRATEGY_REGISTRY`` (Fabric), both filled when those modules execute.
+``lightning.fabric.strategies.STRATEGY_REGISTRY`` (Fabric), both filled when those modules execute, and the
+standalone packages ``pytorch_lightning`` / ``lightning_fabric`` have registries of their own (their entries
+build the same classes from ``fsdp_plugin.integrations.pytorch_lightning``).
 :func:`register_if_lightning_present` (called by ``import fsdp_plugin``) therefore:
 
 * registers at once into each registry module that is already imported, and
@@ -24,6 +26,9 @@ _DESCRIPTION = "Fully sharded data parallel training with the fsdp_plugin engine
 _REGISTRY_ATTR = {
     "lightning.pytorch.strategies": "StrategyRegistry",
     "lightning.fabric.strategies": "STRATEGY_REGISTRY",
+    # the standalone packages (``import pytorch_lightning as pl``) have registries of their own
+    "pytorch_lightning.strategies": "StrategyRegistry",
+    "lightning_fabric.strategies": "STRATEGY_REGISTRY",
 }
 
 
@@ -41,7 +46,23 @@ def _fabric_strategy(**kwargs: Any) -> Any:
     return FSDPPluginFabricStrategy(**kwargs)
 
 
-_FACTORY = {"lightning.pytorch.strategies": _trainer_strategy, "lightning.fabric.strategies": _fabric_strategy}
+def _standalone_trainer_strategy(**kwargs: Any) -> Any:
+    """Registry factory for ``pytorch_lightning.Trainer(strategy="fsdp_plugin")``."""
+    from fsdp_plugin.integrations.pytorch_lightning.strategy import FSDPPluginStrategy
+
+    return FSDPPluginStrategy(**kwargs)
+
+
+def _standalone_fabric_strategy(**kwargs: Any) -> Any:
+    """Registry factory for ``lightning_fabric.Fabric(strategy="fsdp_plugin")``."""
+    from fsdp_plugin.integrations.pytorch_lightning.fabric import FSDPPluginFabricStrategy
+
+    return FSDPPluginFabricStrategy(**kwargs)
+
+
+_FACTORY = {"lightning.pytorch.strategies": _trainer_strategy, "lightning.fabric.strategies": _fabric_strategy,
+            "pytorch_lightning.strategies": _standalone_trainer_strategy,
+            "lightning_fabric.strategies": _standalone_fabric_strategy}
 
 
 def _register_into(module_name: str, module: Any) -> None:

@@ -23,7 +23,8 @@ Limitations:
 * ``sync_batchnorm=True`` (torch's SyncBatchNorm needs CUDA) is not reverted after ``fit``.
 
 Ranks may have different numbers of training batches: each training epoch runs inside torch's ``Join`` (see
-``_uneven``: a rank out of batches shadows the others' steps, gradients divided by the world size).
+``_uneven``: a rank out of batches shadows the others' steps, gradients divided by the world size), and of
+validation/test batches: those epochs run inside ``fp.join`` (``_uneven_eval``).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from typing import Any, Literal
 import torch
 from fsdp_plugin.checkpoint import storage
 from fsdp_plugin.integrations import _pending_save as pending_save
-from fsdp_plugin.integrations.lightning import _compile, _uneven
+from fsdp_plugin.integrations.lightning import _compile, _uneven, _uneven_eval
 from fsdp_plugin.integrations.lightning import _tensor_parallel as tp2d
 from fsdp_plugin.integrations.lightning.checkpoint import async_save as _async_save
 from fsdp_plugin.integrations.lightning.checkpoint import io as ckpt
@@ -229,6 +230,7 @@ class FSDPPluginStrategy(common.ProcessPerDevice, ParallelStrategy):
             _compile.apply(self.model, dynamo_ctx)
         self.barrier()
         self._comm_seen, self._comm_steps = fp.comm_stats.snapshot(), 0
+        _uneven_eval.install(trainer)     # validation/test batches that differ per rank: fp.join
         if trainer.state.fn == TrainerFn.FITTING:
             _uneven.install(trainer)
             self._reset_optimizers_and_schedulers()

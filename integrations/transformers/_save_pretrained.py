@@ -7,25 +7,11 @@ same bytes. Unsharded models and calls that pass ``state_dict=`` go straight to 
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
-import fsdp_plugin as fp
-from fsdp_plugin.integrations._ranged_save import save_like_library
+from fsdp_plugin._build.library_save import wrap
 
 _ORIGINALS: list[tuple[type, Callable]] = []
-
-
-def _wrap(stock: Callable) -> Callable:
-    @functools.wraps(stock)
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        if kwargs.get("state_dict") is not None or not fp.is_sharded(self):
-            return stock(self, save_directory, *args, **kwargs)
-        return save_like_library(self, lambda state_dict: stock(self, save_directory, *args, **{
-            **kwargs, "state_dict": state_dict, "is_main_process": True}), "save_pretrained")
-
-    save_pretrained.__fsdp_plugin__ = True
-    return save_pretrained
 
 
 def _classes() -> list[type]:
@@ -46,7 +32,7 @@ def install() -> None:
     for cls in _classes():
         stock = cls.__dict__["save_pretrained"]
         _ORIGINALS.append((cls, stock))
-        cls.save_pretrained = _wrap(stock)
+        cls.save_pretrained = wrap(stock)   # the engine's wrapper (fp.shard installs it on sharded roots too)
 
 
 def uninstall() -> None:

@@ -156,6 +156,34 @@ def phase_lora(out: str) -> dict:
                                                                "manifest.json"))).get("optimizers") or [])}
 
 
+def qlora_model(out: str):
+    """tiny_llama written by save_pretrained (per rank: no shared-directory race) and loaded in 4-bit nf4."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import BitsAndBytesConfig, LlamaForCausalLM
+
+    base = os.path.join(out, f"base{os.environ.get('RANK', '0')}")
+    tiny_llama().save_pretrained(base)
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
+                           bnb_4bit_quant_storage=torch.bfloat16)
+    model = LlamaForCausalLM.from_pretrained(base, quantization_config=q, dtype=torch.float32)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                                            target_modules=["q_proj", "v_proj", "down_proj"]))
+
+
+def phase_qlora(out: str) -> dict:
+    """The FSDP-QLoRA recipe (4-bit base, LoRA, Trainer with FSDP); torchrun: sharded, else one process."""
+    model = qlora_model(out)
+    fsdp = {"fsdp": True, "fsdp_config": {"state_dict_type": "SHARDED_STATE_DICT"}} if world() > 1 else {}
+    tr = trainer(model, os.path.join(out, "run"), max_steps=4, save_strategy="no", gradient_checkpointing=False,
+                 **fsdp)
+    tr.train()
+    model.save_pretrained(os.path.join(out, "qlora_adapter"))
+    packed = [p for p in model.parameters() if type(p).__name__ == "Params4bit"]
+    return {"hist": history(tr), "sharded": fp.is_sharded(model), "params4bit": len(packed),
+            "packed_bytes": sum(p.numel() * p.element_size() for p in packed),
+            "files": sorted(os.listdir(os.path.join(out, "qlora_adapter")))}
+
+
 def phase_reference(out: str) -> dict:
     """Plain single-process twins (no process group, stock Trainer path)."""
     tr = trainer(tiny_llama(), os.path.join(out, "full"), save_strategy="no")
@@ -203,7 +231,7 @@ def phase_stock_fsdp(out: str) -> dict:
 def main() -> None:
     out, phase = sys.argv[1], sys.argv[2]
     rep = {"train": lambda: phase_train(out), "resume": lambda: phase_resume(out, sys.argv[3]),
-           "lora": lambda: phase_lora(out), "bucket": lambda: phase_bucket(out, sys.argv[3]), "stock_fsdp": lambda: phase_stock_fsdp(out),
+           "lora": lambda: phase_lora(out), "qlora": lambda: phase_qlora(out), "bucket": lambda: phase_bucket(out, sys.argv[3]), "stock_fsdp": lambda: phase_stock_fsdp(out),
            "reference": lambda: phase_reference(out)}[phase]()
     rank = int(os.environ.get("RANK", "0"))
     with open(os.path.join(out, f"{phase}_rank{rank}.json"), "w") as f:

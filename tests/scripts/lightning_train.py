@@ -3,7 +3,7 @@
     python lightning_train.py --out OUT.json [--strategy fsdp_plugin|auto] [--devices N] [--max-steps N]
         [--deferred] [--precision FLAG] [--accumulate N] [--clip-val V --clip-algo norm|value]
         [--ckpt-dir DIR] [--save PATH] [--resume PATH] [--state-dict-type sharded|full] [--save-weights F]
-        [--fsdp-kwargs] [--test CKPT]
+        [--fsdp-kwargs] [--test CKPT] [--package lightning|pytorch_lightning]
 
 Regression on a fixed synthetic dataset (32 samples, global batch 8 -> 4 steps per epoch, RankSampler), so
 that any number of devices sees the same global batch. Rank 0 writes OUT.json with the global mean loss
@@ -17,11 +17,18 @@ import json
 import os
 import sys
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from torch import nn
+
+# `--package pytorch_lightning`: the same script through the standalone package (`import pytorch_lightning as pl`)
+if "pytorch_lightning" in sys.argv:
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+    from pytorch_lightning.plugins.io import AsyncCheckpointIO
+else:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 GLOBAL_BATCH = 8
 DIM = 16
@@ -216,6 +223,7 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--strategy", default="fsdp_plugin")
+    p.add_argument("--package", default="lightning", choices=["lightning", "pytorch_lightning"])
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--accelerator", default="cpu", help="cpu (the tests) or gpu (benchmarks/gpu/entry_points.py)")
     p.add_argument("--max-steps", type=int, default=8)
@@ -341,6 +349,9 @@ def _report(args, trainer, model, recorder, weights) -> None:
         "global_step": trainer.global_step,
         "world_size": trainer.world_size,
         "strategy": type(trainer.strategy).__name__,
+        "strategy_module": type(trainer.strategy).__module__,
+        "trainer_module": type(trainer).__module__,
+        "lightning_imported": "lightning" in sys.modules,
         "precision_plugin": type(trainer.precision_plugin).__name__,
         "lr": opt.param_groups[0]["lr"],
         "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),

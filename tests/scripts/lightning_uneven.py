@@ -1,6 +1,6 @@
 """Uneven training batches under ``Trainer(strategy="fsdp_plugin")``, driven by tests/test_lightning_uneven.py.
 
-    python lightning_uneven.py OUT_DIR [--iterable] [--accumulate N]
+    python lightning_uneven.py OUT_DIR [--iterable] [--accumulate N] [--val-counts A B]
 
 Two ranks (Lightning's launcher), ``use_distributed_sampler=False``: rank r trains on ``COUNTS[r]`` batches
 per epoch (rank 0 is the short one: its Lightning state is what checkpoints hold), SGD with momentum, a
@@ -38,8 +38,8 @@ def rank_batches(rank: int, n: int) -> list:
     return out
 
 
-def val_batches(rank: int) -> list:
-    return rank_batches(100 + rank, 2)
+def val_batches(rank: int, n: int = 2) -> list:
+    return rank_batches(100 + rank, n)
 
 
 def build() -> Net:
@@ -52,7 +52,7 @@ def make_opt(params):
     return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
 
 
-def reference(counts=COUNTS, accumulate: int = 1, max_steps: int = -1) -> dict:
+def reference(counts=COUNTS, accumulate: int = 1, max_steps: int = -1, val_counts=(2, 2)) -> dict:
     """One process: at micro-batch k the loss is sum over ranks with a batch k of their mean loss / world
     (the joined ranks' samples count zero, gradients divided by the initial world size). Validation after
     each epoch that reached its last batch (Lightning does not validate where ``max_steps`` cuts an epoch)."""
@@ -78,11 +78,12 @@ def reference(counts=COUNTS, accumulate: int = 1, max_steps: int = -1) -> dict:
                 opt.zero_grad()
                 steps += 1
         else:
-            with torch.no_grad():
-                val = sum(float(nn.functional.mse_loss(model(x), y)) for r in range(world) for x, y in val_batches(r))
+            with torch.no_grad():   # sync_dist: sums and batch sizes summed over ranks, i.e. the mean of all batches
+                val = sum(float(nn.functional.mse_loss(model(x), y)) for r, n in enumerate(val_counts)
+                          for x, y in val_batches(r, n))
             continue
         break
-    return {"losses": losses, "lr": opt.param_groups[0]["lr"], "val_loss": val / (2 * world), "steps": steps,
+    return {"losses": losses, "lr": opt.param_groups[0]["lr"], "val_loss": val / sum(val_counts), "steps": steps,
             "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
@@ -113,6 +114,7 @@ def main() -> None:
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--counts", type=int, nargs=2, default=COUNTS)
     p.add_argument("--max-steps", type=int, default=-1)
+    p.add_argument("--val-counts", type=int, nargs=2, default=(2, 2), help="validation batches per rank")
     p.add_argument("--manual", action="store_true", help="manual optimization (not shadowed: UsageError if uneven)")
     args = p.parse_args()
     out = Path(args.out)
@@ -155,7 +157,7 @@ def main() -> None:
     model = Module()
     rank = trainer.global_rank
     trainer.fit(model, loader(rank_batches(rank, args.counts[rank]), args.iterable),
-                loader(val_batches(rank), args.iterable))
+                loader(val_batches(rank, args.val_counts[rank]), args.iterable))
     trainer.save_checkpoint(out / "final.ckpt")
     weights = {k: v.tolist() for k, v in fp.full_state_dict(model).items()}
     report = {"losses": model.losses, "global_step": trainer.global_step,

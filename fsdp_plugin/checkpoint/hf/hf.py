@@ -32,6 +32,7 @@ from .hf_out import INDEX_NAME, HFWriter
 from ..storage import is_url, join, require_local, resolve, storage_for
 from ..format.reader import ReadPlan
 from ..format.writer import flat_cpu
+from ..._flat.packed import refuse_export
 
 #: Largest index file we read (bytes).
 MAX_INDEX_BYTES = 64 << 20
@@ -253,6 +254,7 @@ def save_pretrained(model, path, max_shard_size="5GB", dtype: torch.dtype | None
         return save_pretrained_remote(save_pretrained, model, resolve(path, "save_pretrained"),
                                       max_shard_size=max_shard_size, dtype=dtype)
     path = require_local(path, "save_pretrained")
+    refuse_export(model, "fp.save_pretrained")
     rank = _comm.rank()
     out = _SaveLayout(model, dtype)
     uid = _comm.broadcast_bytes(uuid.uuid4().hex.encode() if rank == 0 else None).decode()

@@ -1,6 +1,6 @@
 """Fabric(strategy="fsdp_plugin") script driven by tests/test_lightning_integration.py (run as a subprocess).
 
-    python lightning_fabric.py OUT.json CKPT_DIR [DEVICES]
+    python fabric_train.py OUT.json CKPT_DIR [DEVICES]
 
 Deferred init (``fabric.init_module(empty_init=True)``), ``setup``, accumulation with
 ``no_backward_sync``, ``clip_gradients(max_norm)``, ``save`` after 4 steps, 2 more steps, then a fresh

@@ -1,0 +1,101 @@
+"""Packed quantized weights (bitsandbytes ``Params4bit``): bytes that only look like a dtype.
+
+A 4-bit weight is stored as packed nibbles in ``quant_storage`` (uint8, or bf16/fp16/fp32 *as bytes*), with its
+scales in ``weight.quant_state`` (a Python attribute, not a parameter or buffer). The engine shards the packed
+bytes like any frozen parameter, with three rules that keep them exact:
+
+* **never converted**: a packed weight gets its own flat handle whose compute and reduce dtype are its storage
+  dtype under every ``MixedPrecision`` and fp32 region, and whose collectives are never quantized (a cast or a
+  rounding would rewrite nibbles; ``shard.group_params`` / ``shard.handle_dtypes``);
+* **the class and ``quant_state`` survive**: forward views and ``fp.full_params`` tensors are the parameter's
+  own class over the gathered bytes, with the original's attributes (``rewrap``), so ``Linear4bit.forward`` sees
+  a real ``Params4bit`` with its ``quant_state``;
+* **no in-place rewrite**: bitsandbytes' CPU inference path (eval mode, AVX512-BF16 CPUs) repacks
+  ``weight.data`` and rewrites ``quant_state`` in place (absmax to bf16: lossy, one way). On a sharded model it
+  would rewrite the shared ``quant_state`` while the master bytes stay in the old layout, so ``prepare``
+  turns it off on every sharded 4-bit layer (bitsandbytes' own switch, ``support_avx512bf16_for_cpu``): those
+  layers run bitsandbytes' standard kernel, as they do on a GPU.
+
+``quant_state`` itself stays whole on every rank (one absmax per 64-value block: 4 bytes per 32 packed bytes,
+about 1 with ``bnb_4bit_use_double_quant``). Layer types whose packed layout the engine cannot shard exactly are refused by
+name (``prepare``).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import ShardingError
+
+_PACKED = {"Params4bit"}          # bitsandbytes classes sharded exactly (their bytes, never cast)
+_REFUSED = {"Int8Params": "bitsandbytes 8-bit (Linear8bitLt)"}   # row scales live beside the int8 rows
+
+
+def _bnb_class(t) -> str | None:
+    """The class name when ``t`` is a bitsandbytes parameter class (bitsandbytes is never imported here)."""
+    for cls in type(t).__mro__:
+        if cls.__module__.startswith("bitsandbytes."):
+            return cls.__name__
+    return None
+
+
+def is_packed(p) -> bool:
+    """``p`` holds packed quantized bytes that the engine shards as bytes (never cast, class kept)."""
+    return _bnb_class(p) in _PACKED
+
+
+def rewrap(original: nn.Parameter, view: torch.Tensor) -> torch.Tensor:
+    """``view``'s storage as ``original``'s class with ``original``'s attributes (``quant_state``, ``blocksize``,
+    ...): what ``Linear4bit.forward`` and ``fp.full_params`` must see. No copy: the storage is ``view``'s."""
+    out = torch.Tensor._make_subclass(type(original), view.detach(), False)
+    out.__dict__.update({k: v for k, v in original.__dict__.items() if not k.startswith("_fp_")})
+    return out
+
+
+def prepare(model: nn.Module) -> int:
+    """Check every quantized parameter before sharding and turn off in-place repacking (module doc).
+
+    Refuses layer types that cannot be sharded exactly and 4-bit weights already repacked for CPU inference
+    (an eval-mode forward ran before ``fp.shard``). Returns the number of packed parameters."""
+    count = 0
+    for fqn, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            kind = _bnb_class(p)
+            where = f"{fqn}.{name}" if fqn else name
+            if kind in _REFUSED:
+                raise ShardingError(
+                    f"{where} is a {_REFUSED[kind]} weight ({type(module).__name__}): fp.shard cannot shard its "
+                    "int8 rows and row scales exactly yet and will not train it approximately. Load the base in "
+                    "4-bit instead (transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')), "
+                    "or keep these layers out of the sharded model")
+            if kind not in _PACKED:
+                continue
+            if getattr(getattr(p, "quant_state", None), "packing_format_for_cpu", False):
+                raise ShardingError(
+                    f"{where} was repacked by bitsandbytes' CPU inference path (the model ran a forward in eval "
+                    "mode before fp.shard), which rewrote its bytes and quant_state in place: call fp.shard before "
+                    "running the model, or load it again")
+            count += 1
+            if hasattr(module, "support_avx512bf16_for_cpu"):
+                module.support_avx512bf16_for_cpu = False
+    return count
+
+
+def refuse_export(model: nn.Module, what: str, keys=None) -> None:
+    """Raise when ``what`` would export a packed 4-bit weight: its bytes mean nothing without the
+    ``quant_state`` tensors (absmax, quant_map, ...) that transformers writes beside it, which these exports do
+    not write yet; a file without them loads as a silently wrong model. ``keys``: ``id``s of the parameters
+    the export writes (None: all)."""
+    for name, p in model.named_parameters():
+        if is_packed(p) and (keys is None or id(p) in keys):
+            raise ShardingError(
+                f"{what} would write the 4-bit weight {name!r} without its quant_state (absmax, quant_map): not "
+                "supported. Save the adapters with PEFT's model.save_pretrained(dir) (the base is unchanged: "
+                "the original checkpoint and quantization_config load it again), or use fp.save_checkpoint for "
+                "a resumable sharded checkpoint")
+
+
+def quant_state_entries(p, key: str) -> dict:
+    """The ``state_dict()`` entries bitsandbytes writes beside packed weight ``key`` (``Linear4bit.
+    _save_to_state_dict``: ``quant_state.as_dict(packed=True)`` under ``key + "."``), detached, on CPU."""
+    return {f"{key}.{k}": v.detach().cpu() for k, v in p.quant_state.as_dict(packed=True).items()}

@@ -1,0 +1,364 @@
+"""QLoRA: a 4-bit bitsandbytes base (``from_pretrained(quantization_config=...)``) with PEFT LoRA (and DoRA), sharded exactly.
+
+The base is a tiny random Llama written by ``save_pretrained`` and loaded by transformers with
+``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=float32)``
+(bitsandbytes runs ``Linear4bit`` on CPU); LoRA on q/v/down. Every rank shards it (default wrap policy) and
+trains on its own data; one process trains the same quantized model on the global batch. What must hold:
+
+* every step's loss, two evaluation losses after training, and the trained adapters within 1e-5 of one process
+  (fp32 compute), for
+  ``bnb_4bit_quant_storage`` uint8 and bfloat16 (packed bytes that look like bf16 values);
+* the packed bytes are sharded (each rank holds at most half of them plus row padding, together all of them),
+  never changed, and ``fp.full_params`` shows real ``Params4bit`` objects with the original ``quant_state``;
+* under ``MixedPrecision(param_dtype=bfloat16)`` a float32-stored packed weight reaches ``Linear4bit.forward``
+  as the same bytes (a cast would rewrite every nibble);
+* layer types that cannot be sharded exactly (8-bit) and weights bitsandbytes already repacked in place are
+  refused by name at ``fp.shard``.
+
+The models are put in train mode as Trainer and Lightning do: in eval mode on AVX512-BF16 CPUs bitsandbytes
+itself repacks the one-process reference's weights with bf16 scales (``_flat/packed.py``).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _dist import run_ranks
+from _launch import run, torchrun
+
+import fsdp_plugin as fp
+
+bnb = pytest.importorskip("bitsandbytes")
+tf = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # import torch._dynamo once, before forking ranks
+
+VOCAB, SEQ, BATCH, STEPS, WORLD, TOL = 96, 8, 2, 4, 2, 1e-5
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "scripts" / "hf_trainer_check.py"    # its "qlora" phase
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory) -> str:
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    d = tmp_path_factory.mktemp("tiny_llama")
+    tf.LlamaForCausalLM(cfg).save_pretrained(d)
+    return str(d)
+
+
+def _build(path: str, storage: torch.dtype, lora: bool = True, dora: bool = False):
+    q = tf.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
+                              bnb_4bit_quant_storage=storage)
+    model = tf.LlamaForCausalLM.from_pretrained(path, quantization_config=q, dtype=torch.float32)
+    if lora:
+        torch.manual_seed(1)
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, use_dora=dora,
+                                                           target_modules=["q_proj", "v_proj", "down_proj"]))
+    return model.train()
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _packed(model) -> dict:
+    return {n: p for n, p in model.named_parameters() if isinstance(p, bnb.nn.Params4bit)}
+
+
+def _adapters(state: dict) -> dict:
+    return {k: v.clone() for k, v in state.items() if "lora_" in k}
+
+
+def _one_process(path: str, storage: torch.dtype, dora: bool):
+    model = _build(path, storage, dora=dora)
+    packed = {n: p.detach().view(torch.uint8).clone() for n, p in _packed(model).items()}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for s in range(STEPS):
+        x = torch.cat([_batch(s, r) for r in range(WORLD)])
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    _cpu_inference_path(model, False)    # the kernel a GPU (and a sharded model) runs
+    return losses + _evaluate(model, torch.cat([_batch(STEPS, r) for r in range(WORLD)])), \
+        _adapters(model.state_dict()), packed
+
+
+def _cpu_inference_path(model, on: bool) -> None:
+    """bitsandbytes' in-place repacking for CPU inference (eval mode, no grad), as on an AVX512-BF16 CPU."""
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.support_avx512bf16_for_cpu = on
+
+
+def _evaluate(model, x: torch.Tensor, reduce=float) -> list:
+    """Two eval-mode losses: the repacking would rewrite the shared quant_state at the first, so a sharded
+    model whose master bytes kept the old layout would compute garbage at the second."""
+    model.eval()
+    with torch.no_grad():
+        out = [reduce(model(input_ids=x, labels=x).loss) for _ in range(2)]
+    model.train()
+    return out
+
+
+def _global_mean(loss: torch.Tensor, world: int) -> float:
+    import torch.distributed as dist
+
+    t = loss.detach().clone()
+    dist.all_reduce(t)
+    return t.item() / world
+
+
+def _sharded(rank, world, path, storage, dora):
+    model = _build(path, storage, dora=dora)
+    states = {n: p.quant_state for n, p in _packed(model).items()}
+    _cpu_inference_path(model, True)     # fp.shard must turn it off: it cannot rewrite a shard in place
+    fp.shard(model)
+    packed = _packed(model)
+    assert packed.keys() == states.keys(), "fp.shard changed the class of a 4-bit weight"
+    local = {n: p.numel() * p.element_size() for n, p in packed.items()}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for s in range(STEPS):
+        x = _batch(s, rank)
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(_global_mean(loss, world))
+    losses += _evaluate(model, _batch(STEPS, rank), lambda loss: _global_mean(loss, world))
+    with fp.full_params(model, writeback=False):
+        full = _packed(model)
+        kept = {n: (type(p).__name__, p.quant_state is states[n], tuple(p.shape)) for n, p in full.items()}
+        nbytes = {n: p.detach().view(torch.uint8).clone() for n, p in full.items()}
+    return losses, _adapters(fp.full_state_dict(model)), local, kept, nbytes
+
+
+@pytest.mark.parametrize("storage,dora", [(torch.uint8, False), (torch.bfloat16, False), (torch.uint8, True)],
+                         ids=["uint8", "bf16", "uint8-dora"])
+def test_qlora_matches_one_process(base_dir, storage, dora):
+    """DoRA also dequantizes the 4-bit base itself (its weight norm) through ``quant_state``."""
+    want_losses, want_adapters, want_bytes = _one_process(base_dir, storage, dora)
+    got = run_ranks(_sharded, WORLD, base_dir, storage, dora, timeout=240)
+    assert len(want_bytes) == 14   # 2 layers x 7 projections: every linear of the decoder is 4-bit
+    for rank, (losses, adapters, local, kept, nbytes) in enumerate(got):
+        diff = max(abs(a - b) for a, b in zip(losses, want_losses))
+        assert diff <= TOL, f"rank {rank}: loss drift {diff:.2e}\n got {losses}\nwant {want_losses}"
+        assert kept.keys() == want_bytes.keys()
+        for n, (cls, same_state, shape) in kept.items():
+            assert cls == "Params4bit" and same_state, f"{n}: {cls}, quant_state kept: {same_state}"
+            assert torch.equal(nbytes[n], want_bytes[n]), f"{n}: packed bytes changed"
+    adapters = got[0][1]
+    assert adapters.keys() == want_adapters.keys() and len(adapters) == (18 if dora else 12)
+    for k, v in want_adapters.items():
+        assert (adapters[k] - v).abs().max().item() <= TOL, k
+    # the packed base is sharded: each rank holds about half of its bytes, together all of them
+    total = sum(b.numel() for b in want_bytes.values())
+    per_rank = [sum(r[2].values()) for r in got]
+    assert sum(per_rank) == total and max(per_rank) <= total / WORLD + 64 * 14, (per_rank, total)
+
+
+def _mixed_precision_worker(rank, world, path):
+    model = _build(path, torch.float32, lora=False)
+    want = {n: (p.detach().view(torch.uint8).clone(), p.quant_state) for n, p in _packed(model).items()}
+    seen = {}
+
+    def record(name):
+        def hook(module, args):
+            w = module.weight
+            seen[name] = (type(w).__name__, w.dtype, torch.equal(w.detach().view(torch.uint8), want[name][0]),
+                          w.quant_state is want[name][1])
+        return hook
+
+    for n, m in model.named_modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.register_forward_pre_hook(record(n + ".weight"))
+    fp.shard(model, mixed_precision=fp.MixedPrecision(param_dtype=torch.bfloat16))
+    x = _batch(0, rank)
+    model(input_ids=x, labels=x).loss.backward()
+    return seen
+
+
+def test_packed_bytes_reach_forward_uncast_under_mixed_precision(base_dir):
+    """float32 storage under bf16 mixed precision: every 4-bit layer's forward sees its own bytes in float32,
+    as a Params4bit with its quant_state."""
+    for seen in run_ranks(_mixed_precision_worker, WORLD, base_dir, timeout=240):
+        assert len(seen) == 14
+        for n, (cls, dtype, same, state) in seen.items():
+            assert (cls, dtype, same, state) == ("Params4bit", torch.float32, True, True), (n, cls, dtype, same, state)
+
+
+def _refused_worker(rank, world, what, path):
+    if what == "int8":
+        model = torch.nn.Sequential(bnb.nn.Linear8bitLt(64, 64, has_fp16_weights=False), torch.nn.Linear(64, 4))
+    else:   # a 4-bit model that bitsandbytes repacked in place for CPU inference before fp.shard
+        model = _build(path, torch.uint8, lora=False).eval()
+        for m in model.modules():
+            if isinstance(m, bnb.nn.Linear4bit):
+                m.support_avx512bf16_for_cpu = True    # the CPU path, whatever this CPU supports
+        with torch.no_grad():
+            model(input_ids=_batch(0, 0))
+    with pytest.raises(fp.ShardingError) as err:
+        fp.shard(model)
+    return str(err.value)
+
+
+def test_int8_layers_refused_by_name(base_dir):
+    msg = run_ranks(_refused_worker, 1, "int8", base_dir)[0]
+    assert "0.weight" in msg and "Linear8bitLt" in msg and "load_in_4bit=True" in msg, msg
+
+
+def test_weights_repacked_for_cpu_inference_refused(base_dir):
+    msg = run_ranks(_refused_worker, 1, "repacked", base_dir)[0]
+    assert "model.layers.0.self_attn.q_proj.weight" in msg and "call fp.shard before" in msg, msg
+
+
+def _peft_save_worker(rank, world, path, out):
+    import fsdp_plugin.integrations._ranged_save as ranged
+
+    def no_gather(*args, **kwargs):
+        raise AssertionError("model.save_pretrained gathered the model to rank 0")
+
+    ranged.write_on_rank0 = no_gather      # the fallback that gathers: must not be taken
+    model = _build(path, torch.bfloat16)
+    fp.shard(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for s in range(2):
+        x = _batch(s, rank)
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(out)          # PEFT's own method; fsdp_plugin.integrations.transformers not imported
+    with pytest.raises(fp.StateDictError, match="get_peft_model_state_dict"):
+        peft.get_peft_model_state_dict(model)
+    with fp.full_params(model, writeback=False):
+        in_block = peft.get_peft_model_state_dict(model)
+    return _adapters(fp.full_state_dict(model)), {k: v.clone() for k, v in in_block.items()}
+
+
+def test_peft_save_pretrained_on_sharded_model_writes_adapters(base_dir, tmp_path):
+    """``PeftModel.save_pretrained(dir)`` on a sharded QLoRA model: PEFT's adapter files, each rank writing its own
+    byte ranges, loadable by ``PeftModel.from_pretrained`` onto a fresh 4-bit base with the trained values."""
+    import sys
+
+    assert "fsdp_plugin.integrations.transformers" not in sys.modules
+    trained, in_block = run_ranks(_peft_save_worker, WORLD, base_dir, str(tmp_path), timeout=240)[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "adapter_config.json",
+                                                          "adapter_model.safetensors"]
+    base = tf.LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32, quantization_config=tf.BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_quant_storage=torch.bfloat16))
+    loaded = _adapters(peft.PeftModel.from_pretrained(base, str(tmp_path)).state_dict())
+    assert len(loaded) == len(trained) == 12
+    for k, v in trained.items():
+        assert torch.equal(loaded[k], v), k
+    # inside fp.full_params PEFT's own state-dict helper sees the full adapters (PEFT drops the adapter name)
+    assert {k: v for k, v in in_block.items()}.keys() == {k.replace(".default", "") for k in trained}
+    assert all(torch.equal(in_block[k.replace(".default", "")], v) for k, v in trained.items())
+
+
+_PROMPTS, _NEW = {0: [5, 17, 3, 42, 8], 1: [9, 60, 2]}, {0: 3, 1: 7}
+
+
+def _greedy(model, rank: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([_PROMPTS[rank]]), max_new_tokens=_NEW[rank], do_sample=False,
+                             pad_token_id=0, eos_token_id=None)
+    return out[0].tolist()
+
+
+def _generate_worker(rank, world, path):
+    model = _build(path, torch.uint8)
+    fp.shard(model, timeout_s=60)
+    return _greedy(model.eval(), rank)
+
+
+def test_qlora_generate_per_rank_lengths(base_dir):
+    """PEFT's ``generate`` on the sharded 4-bit model, prompts and lengths differing per rank (tests/test_generate.py
+    covers the mechanism): the unsharded model's tokens."""
+    model = _build(base_dir, torch.uint8).eval()
+    _cpu_inference_path(model, False)     # the kernel the sharded layers run
+    want = [_greedy(model, r) for r in range(WORLD)]
+    assert run_ranks(_generate_worker, WORLD, base_dir, timeout=240) == want
+
+
+def _checkpoint_worker(rank, world, path, ckpt):
+    model = _build(path, torch.bfloat16)
+    fp.shard(model)
+    with fp.full_params(model, writeback=False):
+        want = {n: p.detach().view(torch.uint8).clone() for n, p in _packed(model).items()}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    x = _batch(0, rank)
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    fp.save_checkpoint(ckpt, model, opt)
+    other = _build(path, torch.bfloat16)
+    fp.shard(other)
+    with torch.no_grad():
+        for p in _packed(other).values():
+            p.view(torch.uint8).fill_(0xFF)     # bf16 NaN bit patterns: a canonicalizing copy would change them
+    fp.load_checkpoint(ckpt, other)
+    with fp.full_params(other, writeback=False):
+        got = {n: p.detach().view(torch.uint8).clone() for n, p in _packed(other).items()}
+    return all(torch.equal(got[n], want[n]) for n in want), len(want)
+
+
+def test_sharded_checkpoint_round_trips_packed_bytes(base_dir, tmp_path):
+    """``fp.save_checkpoint`` / ``fp.load_checkpoint`` (what the Trainer's and Lightning's checkpoints use) restore
+    the packed bf16-stored bytes bit for bit."""
+    assert run_ranks(_checkpoint_worker, WORLD, base_dir, str(tmp_path / "ckpt"), timeout=240) == [(True, 14)] * 2
+
+
+def _state_dict_worker(rank, world, path):
+    model = _build(path, torch.bfloat16, lora=False)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    fp.shard(model)
+    got = fp.full_state_dict(model)
+    if rank:
+        return None
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    return [k for k in want if not (got[k].dtype == want[k].dtype and torch.equal(
+        got[k].view(torch.uint8) if got[k].dtype == torch.bfloat16 else got[k],
+        want[k].view(torch.uint8) if want[k].dtype == torch.bfloat16 else want[k]))]
+
+
+def test_full_state_dict_equals_the_plain_state_dict(base_dir):
+    """``fp.full_state_dict`` promises the plain model's ``state_dict()``: for a 4-bit model that includes the
+    ``quant_state`` entries bitsandbytes writes (absmax, quant_map, ...), and the packed bytes unchanged."""
+    assert run_ranks(_state_dict_worker, WORLD, base_dir, timeout=240)[0] == []
+
+
+@pytest.mark.integration   # two Trainer launches (one process, then torchrun at 2): ~14 s
+def test_qlora_trainer_sharded_matches_one_process(tmp_path):
+    """The FSDP-QLoRA recipe of accelerate's and PEFT's docs with our line: a 4-bit nf4 base (bf16 storage) from
+    ``from_pretrained(quantization_config=...)``, LoRA, ``TrainingArguments(fsdp=True)`` under torchrun. Loss and
+    gradient norm per step within 1e-5 of the same Trainer in one process; each rank holds half of the packed
+    bytes; PEFT's ``save_pretrained`` writes the adapter files."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    assert "HF_TRAINER_CHECK_DONE" in run([sys.executable, str(SCRIPT), one, "qlora"], timeout=240, cwd=ROOT)
+    assert "HF_TRAINER_CHECK_DONE" in run(torchrun("--standalone", "--nproc_per_node=2", SCRIPT, two, "qlora"),
+                                          timeout=240, cwd=ROOT)
+    ref, got = report(one, "qlora"), [report(two, "qlora", r) for r in range(2)]
+    assert not ref["sharded"] and all(g["sharded"] for g in got)
+    close(got[0]["hist"]["loss"], ref["hist"]["loss"])
+    close(got[0]["hist"]["grad_norm"], ref["hist"]["grad_norm"])
+    assert all(g["params4bit"] == ref["params4bit"] == 14 for g in got)
+    assert sum(g["packed_bytes"] for g in got) == ref["packed_bytes"] and got[0]["packed_bytes"] < ref["packed_bytes"]
+    assert got[0]["files"] == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+
+
+def report(out: Path, phase: str, rank: int = 0) -> dict:
+    return json.loads((out / f"{phase}_rank{rank}.json").read_text())
+
+
+def close(a: list, b: list, tol: float = TOL) -> None:
+    assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) <= tol, (a, b)
