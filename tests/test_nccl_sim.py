@@ -211,3 +211,17 @@ def test_a_hang_on_every_rank_is_reported_as_a_hang_not_a_divergence():
         assert message is not None and "did not complete within 2s" in message, message
         assert "ran different collectives" not in message, message
         assert "Waiting in #" in message or "Every rank is inside this collective" in message, message
+
+
+@pytest.mark.integration
+def test_nccl_sim_under_torchrun():
+    """README's recipe under a real launcher at world 3: the backend registers from an import, torchrun's env://
+    rendezvous works, and a step blocks the host nowhere."""
+    import os
+
+    from _launch import ROOT, free_port, run, torchrun
+    script = os.path.join(ROOT, "tests", "scripts", "nccl_sim_torchrun.py")
+    out = run(torchrun("--nproc-per-node", 3, "--master-port", free_port(), script),
+              env={"PYTHONPATH": os.path.join(ROOT, "tests")}, timeout=180)
+    assert sorted(line.split()[1] for line in out.splitlines() if line.startswith("NCCL_SIM_OK")) == ["0", "1", "2"], \
+        out[-3000:]
