@@ -314,3 +314,10 @@ def root_mesh(mesh):
         raise RuntimeError(f"this torch's DeviceMesh has no _get_root_mesh: fsdp_plugin supports {SUPPORTED_TEXT} "
                            "up to the newest release it was tested on; report the torch version")
     return get()
+
+
+# ------------------------------------------------------------------ tensor subclasses
+def make_subclass(cls, data: torch.Tensor, requires_grad: bool = False) -> torch.Tensor:
+    """``data``'s storage as an instance of the tensor subclass ``cls``, no copy (what ``nn.Parameter`` and
+    bitsandbytes' ``Params4bit`` are built with: ``torch.Tensor._make_subclass``, private but on every torch)."""
+    return torch.Tensor._make_subclass(cls, data, requires_grad)

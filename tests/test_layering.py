@@ -17,6 +17,9 @@ LAYER = {"engine": 0, "checkpoint": 1, "planner": 1, "facade": 2, "integrations"
 ALLOWED = {
     # `import fsdp_plugin` registers "fsdp_plugin" in Lightning's registries; the module never imports Lightning
     ("fsdp_plugin", "fsdp_plugin.integrations.lightning._register"),
+    # a sharded PEFT/transformers root's own model.save_pretrained (issue 56) runs the integrations' ranged save:
+    # imported inside the call, long after `import fsdp_plugin`; one implementation for both entry points
+    ("fsdp_plugin._build.library_save", "fsdp_plugin.integrations._ranged_save"),
 }
 
 

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..errors import ShardingError
+from .. import _compat
 
 _PACKED = {"Params4bit"}          # bitsandbytes classes sharded exactly (their bytes, never cast)
 _REFUSED = {"Int8Params": "bitsandbytes 8-bit (Linear8bitLt)"}   # row scales live beside the int8 rows
@@ -47,7 +48,7 @@ def is_packed(p) -> bool:
 def rewrap(original: nn.Parameter, view: torch.Tensor) -> torch.Tensor:
     """``view``'s storage as ``original``'s class with ``original``'s attributes (``quant_state``, ``blocksize``,
     ...): what ``Linear4bit.forward`` and ``fp.full_params`` must see. No copy: the storage is ``view``'s."""
-    out = torch.Tensor._make_subclass(type(original), view.detach(), False)
+    out = _compat.make_subclass(type(original), view.detach(), False)
     out.__dict__.update({k: v for k, v in original.__dict__.items() if not k.startswith("_fp_")})
     return out
 
