@@ -250,12 +250,15 @@ def _grouped_mm_meta_needs_bf16() -> bool:
         op = torch.ops.aten._grouped_mm.default
     except (AttributeError, RuntimeError):
         return False
-    a, b = torch.empty(16, 16, device="meta"), torch.empty(2, 16, 16, device="meta")   # shapes valid in bf16
-    try:
-        op(a, b, torch.empty(2, dtype=torch.int32, device="meta"))
-    except RuntimeError as e:
-        return "BF16" in str(e)
-    return False
+    def runs(dtype) -> bool:     # by behaviour, not by message: torch 2.13 says "BF16", 2.14 "BFloat16"
+        a = torch.empty(16, 16, device="meta", dtype=dtype)
+        b = torch.empty(2, 16, 16, device="meta", dtype=dtype)
+        try:
+            op(a, b, torch.empty(2, dtype=torch.int32, device="meta"))
+        except RuntimeError:
+            return False
+        return True
+    return not runs(torch.float32) and runs(torch.bfloat16)
 
 
 GROUPED_MM_META_NEEDS_BF16 = _grouped_mm_meta_needs_bf16()
