@@ -277,14 +277,11 @@ class SimGroup(dist.ProcessGroup):
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
 
+    # rooted collectives: torch hands the options (root rank) it built; gloo takes the same object
     def broadcast(self, tensors, opts=None):
-        root = opts.rootRank if opts is not None else 0
-
-        def run(g):
-            o = dist.BroadcastOptions()
-            o.rootRank, o.rootTensor = root, 0
-            g.broadcast(tensors, o).wait()
-        return self._issue("broadcast", self._sig("broadcast", *tensors, extra=root), run, list(tensors))
+        opts = opts or dist.BroadcastOptions()
+        return self._issue("broadcast", self._sig("broadcast", *tensors, extra=opts.rootRank),
+                           lambda g: g.broadcast(tensors, opts).wait(), list(tensors))
 
     def barrier(self, opts=None):
         def run(g):
@@ -292,22 +289,14 @@ class SimGroup(dist.ProcessGroup):
         return self._issue("barrier", self._sig("barrier"), run, [])
 
     def gather(self, outs, inps, opts=None):
-        root = opts.rootRank if opts is not None else 0
-
-        def run(g):
-            o = dist.GatherOptions()
-            o.rootRank = root
-            g.gather(outs, inps, o).wait()
-        return self._issue("gather", self._sig("gather", *inps, extra=root), run, [t for o in outs for t in o])
+        opts = opts or dist.GatherOptions()
+        return self._issue("gather", self._sig("gather", *inps, extra=opts.rootRank),
+                           lambda g: g.gather(outs, inps, opts).wait(), [t for o in outs for t in o])
 
     def scatter(self, outs, inps, opts=None):
-        root = opts.rootRank if opts is not None else 0
-
-        def run(g):
-            o = dist.ScatterOptions()
-            o.rootRank = root
-            g.scatter(outs, inps, o).wait()
-        return self._issue("scatter", self._sig("scatter", *outs, extra=root), run, list(outs))
+        opts = opts or dist.ScatterOptions()
+        return self._issue("scatter", self._sig("scatter", *outs, extra=opts.rootRank),
+                           lambda g: g.scatter(outs, inps, opts).wait(), list(outs))
 
     def all_to_all_single(self, out, inp, out_splits, in_splits, opts=None):
         def run(g):
