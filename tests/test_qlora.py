@@ -221,8 +221,28 @@ def test_weights_repacked_for_cpu_inference_refused(base_dir):
     assert "model.layers.0.self_attn.q_proj.weight" in msg and "call fp.shard before" in msg, msg
 
 
+_TRANSFORMERS_INTEGRATION = "fsdp_plugin.integrations.transformers"
+
+
+def _without_transformers_integration() -> None:
+    """A forked rank inherits the pytest process's modules: an earlier test in this worker may have installed the
+    transformers integration (its ``save_pretrained`` patch included). Undo that and make any later import fail,
+    so the save below is PEFT's own method on the engine's wrapper alone."""
+    import sys
+
+    installed = sys.modules.get(_TRANSFORMERS_INTEGRATION)
+    if installed is not None:
+        installed.uninstall()
+    for name in list(sys.modules):
+        if name == _TRANSFORMERS_INTEGRATION or name.startswith(_TRANSFORMERS_INTEGRATION + "."):
+            del sys.modules[name]
+    sys.modules[_TRANSFORMERS_INTEGRATION] = None     # ``import`` of it now raises ImportError
+
+
 def _peft_save_worker(rank, world, path, out):
     import fsdp_plugin.integrations._ranged_save as ranged
+
+    _without_transformers_integration()
 
     def no_gather(*args, **kwargs):
         raise AssertionError("model.save_pretrained gathered the model to rank 0")
@@ -247,9 +267,6 @@ def _peft_save_worker(rank, world, path, out):
 def test_peft_save_pretrained_on_sharded_model_writes_adapters(base_dir, tmp_path):
     """``PeftModel.save_pretrained(dir)`` on a sharded QLoRA model: PEFT's adapter files, each rank writing its own
     byte ranges, loadable by ``PeftModel.from_pretrained`` onto a fresh 4-bit base with the trained values."""
-    import sys
-
-    assert "fsdp_plugin.integrations.transformers" not in sys.modules
     trained, in_block = run_ranks(_peft_save_worker, WORLD, base_dir, str(tmp_path), timeout=240)[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "adapter_config.json",
                                                           "adapter_model.safetensors"]
