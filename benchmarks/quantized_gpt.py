@@ -16,7 +16,6 @@ import os
 import socket
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 

@@ -289,7 +289,8 @@ class ShardingConfig:
         sharded. Cost: the unit's full parameters (and, where it ran, its full gradient) held all step, and its
         reduction is not overlapped with backward compute.
     timeout_s: seconds a collective may wait for the other ranks before raising CollectiveError (naming
-        the rank, unit and collective) instead of hanging; None reads FSDP_PLUGIN_TIMEOUT_S, default 600.
+        the rank, unit and collective) instead of hanging; None reads FSDP_PLUGIN_TIMEOUT_S, default 480 (NCCL's
+        default group timeout, 600, less the 120 s backstop margin).
     device: where unsharded parameters live (default: the current CUDA device under NCCL -- call
         ``torch.cuda.set_device(local_rank)`` first, as NCCL requires -- else the model's device).
     pairing_check: how a divergence between ranks (a unit run on some ranks only) is caught, as a

@@ -58,3 +58,24 @@ def test_group_timeout_reads_what_the_group_was_created_with():
         return _compat.group_timeout(g, torch.device("cpu")), _compat.group_timeout(g, torch.device("meta"))
     for got, absent in run_ranks(worker, 2, timeout=60):
         assert got == timedelta(seconds=77) and absent is None
+
+
+def test_the_default_deadline_needs_no_warning_on_nccls_default_group_timeout():
+    """NCCL's default process-group timeout is 10 min (torch's ``default_pg_nccl_timeout`` where NCCL is built): the
+    default deadline (480 s) plus the backstop margin is exactly that, so a default GPU run neither warns nor races
+    torch's watchdog; a deadline of 600 s on the same group does warn."""
+    def worker(rank, world):
+        from types import SimpleNamespace
+
+        import torch
+        import torch.distributed as dist
+        from fsdp_plugin._groups import timeouts
+        g = dist.new_group([0, 1], timeout=timedelta(minutes=10))
+        mesh = SimpleNamespace(shard_size=2, shard_group=g, replicate_size=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return (timeouts.backstop_timeout(None).total_seconds(),
+                    timeouts.check(mesh, None, torch.device("cpu")), len(timeouts.check(mesh, 600.0, torch.device("cpu"))))
+    for backstop, default_said, said_at_600 in run_ranks(worker, 2, timeout=60):
+        assert backstop == timedelta(minutes=10).total_seconds()
+        assert default_said == [] and said_at_600 == 1

@@ -50,7 +50,7 @@ def test_the_deadline_names_the_rank_that_did_not_arrive(tmp_path):
         assert "step 3" in msg, msg                                  # the root's third forward
         assert "Not arrived at #" in msg and "rank 2 (host" in msg, msg
         assert "now at test_late_rank.py:" in msg and "in _load_next_batch" in msg, msg
-        assert f"Waiting in #" in msg and f"rank(s) {1 - rank}." in msg, msg
+        assert "Waiting in #" in msg and f"rank(s) {1 - rank}." in msg, msg
         assert "timeout_s" in msg and str(tmp_path) in msg, msg
         assert waited < TIMEOUT_S + 4, waited
     files = sorted(os.path.basename(p) for p in glob.glob(str(tmp_path / "rank*.log")))

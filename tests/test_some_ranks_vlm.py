@@ -4,7 +4,6 @@ ranks only, per step: rank 0 only, none, both, rank 1 only. With the tower decla
 the plain API and through the transformers Trainer with the one-line import (issue 22)."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch

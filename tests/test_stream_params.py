@@ -6,13 +6,12 @@ PEFT's ``merge_and_unload`` (merged LoRA) and ``get_peft_model_state_dict`` (ada
 """
 from __future__ import annotations
 
-import copy
 import os
 
 import pytest
 import torch
 import transformers as tf
-from _dist import RankFailure, run_ranks
+from _dist import run_ranks
 from safetensors.torch import load_file
 
 import fsdp_plugin as fp

@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import json
 import multiprocessing as mp
-import os
 from types import SimpleNamespace
 
 import pytest

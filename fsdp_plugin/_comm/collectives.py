@@ -7,7 +7,7 @@ point-to-point send or receive its tensor's bytes. A group of one rank moves not
 Blocking operations (:func:`barrier`, :func:`broadcast`, :func:`gather`, :func:`all_gather_list`,
 :func:`send`, :func:`recv`, :func:`all_reduce` with ``what=``) are issued asynchronously and waited
 with a deadline, so a peer that died or stalls becomes a :class:`CollectiveError` naming ``what``
-within ``timeout_s`` (default: ``FSDP_PLUGIN_TIMEOUT_S`` or 600 s) instead of torch's default timeout.
+within ``timeout_s`` (default: ``FSDP_PLUGIN_TIMEOUT_S`` or 480 s) instead of torch's default timeout.
 """
 from __future__ import annotations
 
@@ -353,14 +353,21 @@ def _collective_error(what: str, timeout_s, cause, op=None) -> CollectiveError:
         guess = known or "Another rank probably failed, is stuck or ran different units; check its log."
         return CollectiveError(
             f"rank {rank}: {what}{where} did not complete within {timeout_s or 0:.0f}s. {guess} The limit is "
-            "ShardingConfig(timeout_s=...) or the FSDP_PLUGIN_TIMEOUT_S environment variable (default 600 s).")
+            f"ShardingConfig(timeout_s=...) or the FSDP_PLUGIN_TIMEOUT_S environment variable (default "
+            f"{DEFAULT_TIMEOUT_S:.0f} s).")
     guess = f"Another rank probably died or was killed. {known}" if known else \
         "Another rank probably died or was killed; check its log."
     return CollectiveError(f"rank {rank}: {what}{where} failed ({text}). {guess}")
 
 
+# 480 s: NCCL's default process-group timeout (600 s) less the backstop margin (``_groups/timeouts.py``), so that on
+# a default run the deadline fires first and names the late rank, and borrowed default groups need no warning
+# (tests/test_group_timeouts.py checks the relation).
+DEFAULT_TIMEOUT_S = 480.0
+
+
 def default_timeout_s(configured: Optional[float]) -> float:
-    return float(configured if configured is not None else os.environ.get("FSDP_PLUGIN_TIMEOUT_S", 600))
+    return float(configured if configured is not None else os.environ.get("FSDP_PLUGIN_TIMEOUT_S", DEFAULT_TIMEOUT_S))
 
 
 # ---------------------------------------------------------------- byte messages (JSON control payloads)

@@ -73,7 +73,7 @@ class ShardingInfo:
     rank: int
     shard_size: int
     replicate_size: int
-    timeout_s: Optional[float] = None   # ShardingConfig.timeout_s (None: FSDP_PLUGIN_TIMEOUT_S / 600 s)
+    timeout_s: Optional[float] = None   # ShardingConfig.timeout_s (None: FSDP_PLUGIN_TIMEOUT_S / 480 s)
     tp_size: int = 1                    # tensor-parallel degree (the world is replicate x shard x tp)
 
 

@@ -1,7 +1,7 @@
 """Process-group timeouts against the engine's deadline (issue 53, finding 7).
 
 A collective that never completes is failed by the engine's deadline (``ShardingConfig.timeout_s``, else
-``FSDP_PLUGIN_TIMEOUT_S``, 600 s): the monitor (``_comm/deadlines.py``) or gloo's timed wait names the late rank.
+``FSDP_PLUGIN_TIMEOUT_S``, 480 s): the monitor (``_comm/deadlines.py``) or gloo's timed wait names the late rank.
 torch's own timeout on the group (ProcessGroupNCCL's watchdog, which tears the job down with
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``) must fire strictly later, as a backstop, or it races the monitor and the
 named error may never print. The engine's own groups get ``backstop_timeout``; the groups it borrows (the world
@@ -26,7 +26,7 @@ _WARNED: set = set()     # (group id, deadline): warn once per process
 
 def backstop_timeout(timeout_s: Optional[float] = None) -> timedelta:
     """The process-group timeout of the engine's own groups: the deadline of ``timeout_s`` (None:
-    ``FSDP_PLUGIN_TIMEOUT_S``, 600 s) plus a margin, so that the deadline fires first and names the late rank,
+    ``FSDP_PLUGIN_TIMEOUT_S``, 480 s) plus a margin, so that the deadline fires first and names the late rank,
     and torch's watchdog stays the backstop if the monitor itself is stuck."""
     return timedelta(seconds=comm.default_timeout_s(timeout_s) + BACKSTOP_MARGIN_S)
 

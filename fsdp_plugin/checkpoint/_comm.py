@@ -4,7 +4,7 @@ All functions work without an initialized process group (world of one). Payloads
 strings moved as uint8 tensors, so saving needs no pickle either (unlike ``all_gather_object``).
 Every call goes through :mod:`fsdp_plugin._comm.collectives` with a deadline: the model's
 ``ShardingConfig(timeout_s=...)`` inside :func:`deadline_of` (the public entry points use
-:func:`uses_model_deadline`), else ``FSDP_PLUGIN_TIMEOUT_S`` (600 s). A rank that dies or stalls becomes
+:func:`uses_model_deadline`), else ``FSDP_PLUGIN_TIMEOUT_S`` (480 s). A rank that dies or stalls becomes
 a :class:`~fsdp_plugin.CollectiveError` naming the operation on the others.
 """
 from __future__ import annotations

@@ -6,7 +6,6 @@ are read whole. Parameters are matched by FQN, never by position. Collective: ev
 """
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch

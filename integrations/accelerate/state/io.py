@@ -12,7 +12,6 @@ entry of the same rank when it exists.
 """
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any
 
