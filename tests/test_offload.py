@@ -196,11 +196,11 @@ def test_host_waits_and_allocations_per_step_do_not_grow_with_units(fake_offload
     # step 0 makes each handle's gradient buffer once; from then on nothing is allocated
     assert per_step[0]["host_allocs"] == allocs_at_build + len(handles)
     for s in per_step[1:]:
-        # the gradients' copies at the end of backward; the masters' readers before the optimizer writes them
-        assert s["sync_sites"] == {"end_of_backward": 1, "before_optimizer_step": 1}, s
+        # one wait at the end of backward: the gradients' copies and the masters' readers (h2d) both
+        assert s["sync_sites"] == {"end_of_backward": 1}, s
         assert s["host_allocs"] == 0 and s["host_alloc_bytes"] == 0, s
         assert s["d2h_copies"] == len(handles)
-    assert per_step[0]["syncs"] == 2
+    assert per_step[0]["syncs"] == 1
     fake = fake_offload[-1]
     assert fake.d2h.waited >= len(handles), "every gradient copy waits for its gradient on the GPU, not the host"
 
@@ -303,7 +303,7 @@ def test_offload_at_world_2_trains_like_no_offload():
     from _dist import run_ranks
     want_losses, want, _ = run_ranks(_world2, 2, False)[0]
     losses, got, stats = run_ranks(_world2, 2, True)[0]
-    assert stats["h2d_copies"] and stats["d2h_copies"] and stats["syncs"] == 2 * 3
+    assert stats["h2d_copies"] and stats["d2h_copies"] and stats["syncs"] == 1 * 3     # one host wait per step
     assert max(abs(a - b) for a, b in zip(losses, want_losses)) <= 1e-6
     assert max((want[k] - got[k]).abs().max().item() for k in want) <= 1e-6
 
@@ -407,7 +407,7 @@ def test_cuda_backend_calls_on_stand_ins(monkeypatch):
     handles = [h for u in model._fp_root.units for h in u.handles]
     assert calls["stream"] == 1 + 2 and len(registered) == len(handles), "two copy streams; one block per shard"
     _train(model, _optimizer(model, "adamw"), 2)
-    assert calls["sync"] == 2 * 2 and len(registered) == 2 * len(handles), "two host waits per step; gradient blocks"
+    assert calls["sync"] == 2 * 1 and len(registered) == 2 * len(handles), "one host wait per step; gradient blocks"
     assert calls["record_stream"] >= 2 * len(handles)
     t = offload.host_block(100, torch.float32, offload._cuda_register, offload._cuda_unregister)
     assert registered[t.data_ptr()] == 400
@@ -474,9 +474,9 @@ def test_no_host_write_to_masters_before_every_h2d_copy_is_known_done():
     copier._copy_to_host(copier.host_tensor(8, torch.float32), torch.ones(8))    # a reduced gradient
     copier.before_host_update()             # the optimizer step's pre-hook
     assert b.host.get("h2d", 0) >= b.h2d.pos == 1, (b.host, b.h2d.pos)
-    assert copier.stats.sync_sites == {"end_of_backward": 1, "before_optimizer_step": 1}
+    assert copier.stats.sync_sites == {"end_of_backward": 1}, "one wait covers the gradient and the h2d copy"
     copier.before_host_update()             # nothing issued since: no second wait
-    assert copier.stats.syncs == 2
+    assert copier.stats.syncs == 1
 
 
 def test_a_state_dict_load_waits_for_copies_reading_the_masters(fake_offload):

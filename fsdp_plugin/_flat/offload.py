@@ -268,11 +268,19 @@ class HostCopier:
 
     def finish_backward(self) -> None:
         """End of backward (and fp.reset: the copies already issued land before anything is freed): the one host
-        wait for the gradients (the newest gradient copy; all earlier ones are done then), then the deferred
-        accumulations."""
+        wait for the gradients (the newest gradient copy; all earlier ones are done then) and for the host-to-device
+        copies issued before them, then the deferred accumulations."""
         last, self._last_d2h = self._last_d2h, None
         if last is not None:
+            # the same host wait also covers every host-to-device copy issued so far (they read the masters the
+            # optimizer step writes next): the d2h stream waits on the GPU for an h2d event, so an event recorded
+            # after that wait finishes after both streams' work (tests/test_offload.py's vector-clock backend)
+            b, issued = self.backend, self._h2d_issued
+            if self._h2d_synced != issued:
+                b.d2h.wait_event(b.event(b.h2d))
+                last = b.event(b.d2h)
             self._sync(last, "end_of_backward")
+            self._h2d_synced = issued
         adds, self._adds = self._adds, []
         for dst, src in adds:
             dst.add_(src.reshape(dst.shape))
