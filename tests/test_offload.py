@@ -364,8 +364,8 @@ def test_world_1_copy_is_waited_where_the_unit_uses_it(fake_offload):
 
 
 def test_cuda_backend_calls_on_stand_ins(monkeypatch):
-    """The CUDA backend's own calls (streams, events, record_stream, cudaHostRegister/Unregister) on stand-ins
-    for torch.cuda, training on CPU."""
+    """The CUDA backend's own calls (streams, events, cudaHostRegister/Unregister; never record_stream) on
+    stand-ins for torch.cuda, training on CPU."""
     calls = {"stream": 0, "record": 0, "sync": 0, "wait": 0, "record_stream": 0}
     registered = {}
 
@@ -408,7 +408,7 @@ def test_cuda_backend_calls_on_stand_ins(monkeypatch):
     assert calls["stream"] == 1 + 2 and len(registered) == len(handles), "two copy streams; one block per shard"
     _train(model, _optimizer(model, "adamw"), 2)
     assert calls["sync"] == 2 * 1 and len(registered) == 2 * len(handles), "one host wait per step; gradient blocks"
-    assert calls["record_stream"] >= 2 * len(handles)
+    assert calls["record_stream"] == 0, "buffers are held until a stream wait, never record_stream'ed"
     t = offload.host_block(100, torch.float32, offload._cuda_register, offload._cuda_unregister)
     assert registered[t.data_ptr()] == 400
     del t
@@ -455,8 +455,8 @@ class _OrderedBackend(fake.FakeBackend):
         return ev
 
     def use(self, stream):
-        if stream is self.h2d:
-            self.h2d.pos += 1        # the copy issued inside is the h2d stream's next operation
+        if stream is self.h2d or stream is self.d2h:
+            stream.pos += 1          # the copy issued inside is that copy stream's next operation
         return super().use(stream)
 
 
@@ -490,3 +490,37 @@ def test_a_state_dict_load_waits_for_copies_reading_the_masters(fake_offload):
     with fp.full_params(model):      # writes every master back on exit
         pass
     assert copier.stats.sync_sites.get("before_host_write", 0) == 1, copier.stats.sync_sites
+
+
+def test_a_copys_device_buffer_is_released_only_after_its_pools_stream_is_ordered_after_the_copy():
+    """No ``record_stream``: (1) a host-to-device copy's destination is allocated on the stream that uses it and
+    ``h2d`` waits for that stream before writing it (the block's earlier users there are done); (2) a gradient
+    chunk read by the d2h copy stays held by the copier until the current stream waited for that copy on the
+    GPU (the next gradient copy) or the host did (end of backward)."""
+    import gc
+    import weakref
+
+    b = _OrderedBackend()
+    copier = offload.HostCopier(torch.device("cpu"), b)
+    compute = b.current()
+    compute.pos = 5                                     # work the compute stream queued before the copy
+    copier.to_device(copier.host_tensor(8, torch.float32))
+    assert b.h2d.knows.get("current", 0) == 5, "h2d waits for the destination's stream before writing it"
+    assert compute.knows.get("h2d", 0) >= 1, "the user waits for the copy before reading it"
+
+    chunks = [torch.ones(8), torch.ones(8)]
+    alive = [weakref.ref(c) for c in chunks]
+    copier._copy_to_host(copier.host_tensor(8, torch.float32), chunks[0])     # the d2h stream's op #1
+    del chunks[0]
+    gc.collect()
+    assert alive[0]() is not None, "held while the d2h copy may still read it"
+    copier._release_reading()
+    gc.collect()
+    assert alive[0]() is None and compute.knows.get("d2h", 0) == 1, "released once compute is ordered after it"
+    copier._copy_to_host(copier.host_tensor(8, torch.float32), chunks[0])
+    del chunks[0]
+    gc.collect()
+    assert alive[1]() is not None
+    copier.finish_backward()                             # the host saw every copy finish
+    gc.collect()
+    assert alive[1]() is None

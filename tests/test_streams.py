@@ -361,3 +361,18 @@ def test_an_all_gathers_source_is_held_until_its_wait_returns():
     ``wait_unshard`` waits, so a wait that raises cannot free it with no stream ordering."""
     for held in run_ranks(_source_worker, 2, env=NATIVE, timeout=120):
         assert len(held) >= 2 * 3 and all(held), held
+
+
+def test_the_engine_never_calls_record_stream():
+    """Cross-stream lifetimes are objects that hold a buffer until a stream wait (``_PendingReduce``, the gather's
+    source, the offload copier's ``_reading``, the async save's stager), never ``record_stream``: its block outlives
+    an unknown amount of later work and the allocator model here could not check it."""
+    import ast
+    import pathlib
+
+    import fsdp_plugin
+    root = pathlib.Path(fsdp_plugin.__file__).parent
+    calls = [f"{path.relative_to(root)}:{node.lineno}" for path in root.rglob("*.py")
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Attribute) and node.attr == "record_stream"]
+    assert calls == [], calls

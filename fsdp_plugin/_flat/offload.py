@@ -11,13 +11,19 @@ One :class:`HostCopier` per sharded model (``RootState.offload``; each offloaded
   bytes asked for, once, and the block is unregistered before it is unmapped (``_PinnedBlock.__del__``).
 * **Host-to-device** (``to_device``): the copy of the master runs on its own stream (``h2d``), the current stream
   waits for it on the GPU (an event; the host does not wait), and the cast to the compute dtype runs on the current
-  stream, as FSDP2 does (fp32 crosses PCIe; the cast is a GPU kernel). At world 1 the current stream waits only at
+  stream, as FSDP2 does (fp32 crosses PCIe; the cast is a GPU kernel). The copy's destination is allocated on the
+  stream that uses it (the current one), and ``h2d`` waits for that stream before writing it: the block belongs to
+  its user's pool, which reuses it only after its own wait for the copy, so no ``record_stream`` is needed
+  (``streams.py`` (b) covers the side streams: a gather stream's next op waits for compute first). At world 1 the current stream waits only at
   the handle's ``wait_unshard`` (``fill``): a prefetched unit's copy runs beside the compute of the unit that
   prefetched it (backward prefetch by default; ``forward_prefetch=True`` does the same for forward).
 * **Device-to-host** (``accumulate_grad``): the reduced gradient chunk is copied ``non_blocking`` on a second
   stream (``d2h``) after an event from the current stream, into the handle's persistent pinned gradient buffer; the
   slots' ``p.grad`` views are bound into it at once. The host waits ONCE, at the end of backward
-  (``finish_backward``: the last copy's event; copies on one stream finish in order), never per unit.
+  (``finish_backward``: the last copy's event; copies on one stream finish in order), never per unit. The chunk
+  the copy reads is held by the copier (``_reading``, with the copy's event) until the current stream has waited for
+  that event on the GPU (at the next gradient copy) or the host has (at the end of backward): only then does it go
+  back to the allocator, whose pool's stream is thereby ordered after the read (FSDP2's ``ReduceScatterState``).
 * **Gradient buffer reuse.** The engine's rule without offload: ``p.grad`` are views of one flat buffer that the
   handle does not keep, so ``zero_grad(set_to_none=True)`` frees it. Under offload the pinned buffer is kept and
   reused at the next backward *only if nothing outside holds it* (storage use count): a gradient the user kept a
@@ -130,9 +136,6 @@ class _CudaBackend:
     def pinned(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return host_block(numel, dtype, _cuda_register, _cuda_unregister)
 
-    def keep_until(self, tensor: torch.Tensor, stream) -> None:
-        tensor.record_stream(stream)
-
 
 def for_config(cpu_offload: bool, device: torch.device) -> Optional["HostCopier"]:
     """The model's copier: ``cpu_offload`` on CUDA; None otherwise (``fsdp_plugin.testing.fake``: on CPU too). On a CPU device
@@ -174,6 +177,7 @@ class HostCopier:
         self._staging: dict = {}        # id(handle) -> pinned staging buffer for accumulating backwards
         self._adds: list = []           # (destination, source) additions waiting for the end-of-backward wait
         self._last_d2h = None           # the newest device-to-host copy's event (one stream: they finish in order)
+        self._reading: list = []        # (device chunk, its copy's event): read by d2h, not yet released
         # host-to-device copies (all on the h2d stream, in order) issued, and how many of them the host has seen
         # finish by synchronizing an h2d event recorded after them: the only fact a host write to the masters
         # may rely on (no reasoning through other streams' waits; issue 53, finding 10)
@@ -195,34 +199,32 @@ class HostCopier:
         With ``handle`` (world 1): ``(event, copy)`` for ``fill`` at the handle's ``wait_unshard``, so the compute
         queued before then (the unit that prefetched it) runs beside the copy."""
         b = self.backend
+        current = b.current()
+        out = torch.empty(shard.shape, dtype=shard.dtype, device=self.device)   # in the pool of its user
+        b.h2d.wait_event(b.event(current))        # the block's earlier users on that stream are done with it
         with b.use(b.h2d):
-            out = torch.empty(shard.shape, dtype=shard.dtype, device=self.device)
             out.copy_(shard, non_blocking=b.non_blocking)
             done = b.event(b.h2d)
         self.stats.h2d_copies += 1
         self.stats.h2d_bytes += shard.numel() * shard.element_size()
         self._h2d_issued += 1
         if handle is not None:
-            return done, out
-        current = b.current()
+            return done, out        # ``fill`` runs on the stream current now (the handle's compute stream)
         current.wait_event(done)
-        b.keep_until(out, current)        # allocated on h2d, used on current
         return out
 
     def fill(self, copy, full: torch.Tensor) -> None:
         """The current stream waits (on the GPU) for a ``to_device(..., handle)`` copy and casts it into ``full``."""
         done, out = copy
-        b = self.backend
-        current = b.current()
-        current.wait_event(done)
+        self.backend.current().wait_event(done)
         full.copy_(out)
-        b.keep_until(out, current)
 
     # ---------------------------------------------------------------- device -> host
     def accumulate_grad(self, handle, reduced: torch.Tensor) -> None:
         """``FlatParamHandle._accumulate_shard_grad`` under offload: the reduced chunk (device) goes to the handle's
         pinned gradient buffer without the host waiting; ``p.grad`` views are bound at once and hold the values
         after ``finish_backward``."""
+        self._release_reading()
         if reduced.dtype != handle.dtype:
             reduced = reduced.to(handle.dtype)          # on the GPU (FSDP2 and DeepSpeed send fp32 too)
         base = handle._grad_base()
@@ -256,9 +258,19 @@ class HostCopier:
         with b.use(b.d2h):
             dst.copy_(src, non_blocking=b.non_blocking)
             self._last_d2h = b.event(b.d2h)
-        b.keep_until(src, b.d2h)            # the current stream may reuse its memory only after the copy
+        self._reading.append((src, self._last_d2h))     # released by ``_release_reading`` or ``finish_backward``
         self.stats.d2h_copies += 1
         self.stats.d2h_bytes += src.numel() * src.element_size()
+
+    def _release_reading(self) -> None:
+        """The current stream waits (on the GPU) for the copies still reading device chunks, then the chunks go.
+        A chunk's pool is the current stream's or the reduce stream's, which waits for the current stream before
+        its next op (``streams.py`` (b)): either way its reuse is ordered after the copy."""
+        if not self._reading:
+            return
+        current = self.backend.current()
+        current.wait_event(self._reading[-1][1])      # one stream: the newest copy's event covers the others
+        self._reading.clear()
 
     # ---------------------------------------------------------------- host waits
     def _sync(self, event, site: str) -> None:
@@ -281,6 +293,7 @@ class HostCopier:
                 last = b.event(b.d2h)
             self._sync(last, "end_of_backward")
             self._h2d_synced = issued
+        self._reading.clear()         # the host saw every copy finish (or none was issued)
         adds, self._adds = self._adds, []
         for dst, src in adds:
             dst.add_(src.reshape(dst.shape))

@@ -48,7 +48,6 @@ class FakeBackend:
         self.device = device
         self.h2d, self.d2h, self._current = self.Stream("h2d"), self.Stream("d2h"), self.Stream("current")
         self.registered: dict = {}
-        self.kept = 0
 
     def current(self):
         return self._current
@@ -61,9 +60,6 @@ class FakeBackend:
 
     def pinned(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return _offload.host_block(numel, dtype, self.registered.__setitem__, self.registered.pop)
-
-    def keep_until(self, tensor: torch.Tensor, stream) -> None:
-        self.kept += 1
 
 
 def offloading_for_config(factory: Callable = FakeBackend) -> Callable:

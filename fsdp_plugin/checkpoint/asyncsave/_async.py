@@ -146,6 +146,8 @@ class Stager:
         self._streams: dict = {}  # device -> the caller's stream (deferred copies are ordered on it)
         self._side: dict = {}     # device -> side stream of this save's copies at the call
         self._events: list = []   # recorded after the copies at the call, waited for by the checkpoint thread
+        self._reading: list = []  # device sources the side streams read: held until ``finish`` orders their
+        #                           allocating (caller's) stream after the copies (no ``record_stream``)
 
     def __call__(self, t: torch.Tensor, large: bool = False) -> torch.Tensor:
         """A 1-D host buffer that holds (or, deferred and ``large``, will hold) ``t``'s values now."""
@@ -174,7 +176,7 @@ class Stager:
         side.wait_stream(self._streams[t.device])
         with torch.cuda.stream(side):
             buf.copy_(src, non_blocking=True)
-        src.record_stream(side)  # the caching allocator must not hand src's memory out before the copy ran
+        self._reading.append(src)   # its memory goes back to the allocator only after ``finish``'s stream wait
 
     def finish(self) -> None:
         """Caller side, before returning: drop unused old buffers; order later device work after the copies."""
@@ -184,6 +186,7 @@ class Stager:
             event.record(side)
             self._streams[device].wait_event(event)  # no host wait: the caller's next kernels queue behind
             self._events.append(event)
+        self._reading.clear()     # the caller's stream, whose pool they return to, is ordered after the copies
 
     def copy_deferred(self) -> None:
         """Checkpoint thread: make the deferred copies (on the caller's device streams) and wait for every
