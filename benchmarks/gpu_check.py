@@ -2,14 +2,15 @@
 
 Each check is a module of ``benchmarks/gpu/`` run in its own subprocess (a CUDA or NCCL failure in one does not
 take the others down), in the order of ``SECTIONS``; each prints one ``GPU_CHECK_JSON {...}`` line per row, and
-this driver echoes them and sums up. Budget: under 8 minutes on one H200 (each section's ``budget_s`` is its cap).
+this driver echoes them and sums up. Budget: this wave's sections ~4 minutes on one H200, all ~9 (each section's
+cap is in ``SECTIONS``).
 
     python benchmarks/gpu_check.py              # every section, on the GPU(s)
     python benchmarks/gpu_check.py --dry        # the same script on CPU, tiny sizes: rehearse before device time
     python benchmarks/gpu_check.py --only offload,entry_points
 
-On the device (its image has no trl and no datasets): run ``bash benchmarks/gpu/carry_wheels.sh`` here first and
-name ``.whl`` in the run's ``carry``; then one command: ``python3 benchmarks/gpu_check.py``.
+On the device (its image has no trl, datasets or bitsandbytes): run ``bash benchmarks/gpu/carry_wheels.sh`` here
+first and name ``.whl`` in the run's ``carry``; then one command: ``python3 benchmarks/gpu_check.py``.
 
 The device machine runs the project from its working tree with the image's python and no network, where
 ``integrations/`` is importable as ``fsdp_plugin.integrations`` only once installed: the driver installs the
@@ -29,10 +30,14 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# (module under benchmarks/gpu/, wall-clock cap in seconds on the device); the sum stays under ~8 minutes
+# (module under benchmarks/gpu/, wall-clock cap in seconds on the device), this wave's first: ~4 min for those five
+# (`--only parity,cuda_path,context_parallel,experts,qlora` when device time is short), ~9 min in all
 SECTIONS = (
     ("parity", 60),          # fp32/bf16 parity, prefetch, offload parity, peak memory (world = min(#GPUs, 4))
     ("cuda_path", 80),       # issue 53: stream sanitizer on bf16/fp32-reduce, world 2 on one GPU (gloo), int8 on NCCL
+    ("context_parallel", 45),  # issue 54: cp 2 on one GPU (gloo): fp32 parity, bf16 vs each SDPA kernel, memory
+    ("experts", 40),         # issue 55: ep 2 on one GPU (gloo): parity with transformers' experts kernel, bytes
+    ("qlora", 45),           # issue 56: 4-bit nf4 + LoRA on one GPU (gloo): fp32 parity, bf16, base bytes per rank
     ("host_waits", 90),      # issue 48: run-ahead, host-blocking calls per step, FSDP2 side by side, fake world 8
     ("offload", 100),        # issue 49: ours vs FSDP2 CPUOffloadPolicy, phases, page faults, pinned bandwidth
     ("entry_points", 150),   # issue 50: Lightning, accelerate launch, HF Trainer, PEFT, TRL weight sync
@@ -41,11 +46,12 @@ SECTIONS = (
 
 def install(target: str) -> None:
     """The checkout installed as users get it (``fsdp_plugin.integrations`` included) into ``target``, with the
-    wheels ``benchmarks/gpu/carry_wheels.sh`` put in ``.whl/`` (packages the device image lacks: trl, datasets)."""
+    wheels ``benchmarks/gpu/carry_wheels.sh`` put in ``.whl/`` (packages the device image lacks: trl, datasets,
+    bitsandbytes)."""
     base = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
             "--target", target]
     wheels = sorted(glob.glob(os.path.join(ROOT, ".whl", "*.whl")))
-    if wheels and importlib.util.find_spec("trl") is None:     # only where they are missing (the device image)
+    if wheels and any(importlib.util.find_spec(m) is None for m in ("trl", "bitsandbytes")):   # the device image
         subprocess.run(base + wheels, check=True, cwd=tempfile.gettempdir())
     subprocess.run(base + [ROOT], check=True, cwd=tempfile.gettempdir())
 
