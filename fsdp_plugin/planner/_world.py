@@ -10,6 +10,7 @@ from ._replay import Layout, replay
 from ._result import WorldPlan
 from ._time import predict, quantization_seconds
 from ._links import price
+from ._context import check_shard, summary
 from ._units import buffer_bytes
 
 
@@ -39,9 +40,10 @@ def runtime_bytes(device, lay: Layout, handles) -> int:
 
 
 def world_plan(world: int, cfg: ShardingConfig, units, handles, tl, module, opt: str, cal,
-               foreach: bool, gpus_per_node: int, device=None, links=None) -> WorldPlan:
+               foreach: bool, gpus_per_node: int, device=None, links=None, cp_counts=None) -> WorldPlan:
     lay = layout_for(world, cfg, gpus_per_node, device)
     s = lay.shard_size
+    check_shard(cfg.context_parallel, cfg, s, world)
     param_shards = sum(h.chunk(s) * h.dtype.itemsize for h in handles)
     trainable = sum(h.chunk(s) * h.dtype.itemsize for h in handles if h.requires_grad)
     trainable_elems = sum(h.chunk(s) for h in handles if h.requires_grad)
@@ -53,6 +55,9 @@ def world_plan(world: int, cfg: ShardingConfig, units, handles, tl, module, opt:
     runtime = runtime_bytes(device, lay, handles)
     res = replay(units, handles, tl, lay, on_device + buffers + tl.input_bytes + runtime,
                  0 if cfg.cpu_offload else step_temps)
+    if cp_counts is not None:      # the context-parallel attention's collectives, by the kinds fp.comm_stats uses
+        res.wire.update(cp_counts.bytes)
+        res.calls.update(cp_counts.calls)
     p = res.peak
     ns_flops = _muon_into(res, handles, s) if opt == "muon" else 0
     cal_w = cal(world) if callable(cal) else cal
@@ -86,7 +91,8 @@ def world_plan(world: int, cfg: ShardingConfig, units, handles, tl, module, opt:
                      runtime=runtime, optimizer_flops=ns_flops, secondary_shards=res.max_secondary,
                      wire_groups={f"{k}/{g}": v for (k, g), v in res.wire_groups.items()},
                      inter_node_bytes=across.get("inter_node_bytes", {}),
-                     link_bytes_per_node=across.get("link_bytes_per_node", 0), link_s=across.get("link_s"))
+                     link_bytes_per_node=across.get("link_bytes_per_node", 0), link_s=across.get("link_s"),
+                     context_parallel=summary(cp_counts, world))
 
 
 def _muon_into(res, handles, shard_size: int) -> int:
