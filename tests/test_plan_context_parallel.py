@@ -108,3 +108,9 @@ def test_cli_context_parallel(tmp_path, capsys):
                      "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "CP tokens per rank" in out and "CP attention bytes / step" in out
+
+
+def test_fit_tries_world_sizes_c_divides():
+    from fsdp_plugin.planner._fit import fit
+    got = fit(tiny_llama, "1GB", max_world=8, context_parallel=2, seq_len=64, device="cpu")
+    assert got.world_size == 2 and got.plan.worlds[2].context_parallel["size"] == 2

@@ -10,7 +10,7 @@ from torch import nn
 from .._build.precision import fp32_buffers, fp32_regions
 from ..config import Checkpointing, MixedPrecision, ShardingConfig, as_checkpointing
 from ..errors import ConfigError
-from . import _context, _latency, _optim as _optim, _tp
+from . import _context, _experts, _latency, _optim as _optim, _tp
 from ._capture import ModelSource, capture, hf_inputs
 from ._fake_run import RunSpec, Timeline, run
 from ._layer_sizes import LayerSizes
@@ -98,8 +98,9 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
         raise PlanError("fp.plan: nodes=/link_latency_us= with tp_size are not modelled yet: plan the job's "
                         "data-parallel part on one node (tp_size and world_size only)")
     module = capture(model)
+    ep, expert_ids, found = _experts.check(cfgs, opts, module)
     units, handles = discover_units(module, cfgs[0].auto_wrap_policy, cfgs[0].ignored_modules, mp,
-                                    cfgs[0].some_ranks_modules)
+                                    cfgs[0].some_ranks_modules, expert_ids, ep)
     num_params = sum(h.numel for h in handles)
     recorder = None
     if tp > 1:      # flat buffers of local TP tensors (coordinate 0), sharded over dp = world // tp ranks
@@ -111,7 +112,8 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
                    mp.cast_forward_inputs if mp else False, ac_policy, regions, fp32_buffers(module, mp, regions))
     make_inputs = _remembered(opts["inputs"] or _default_inputs(module, opts["batch_size"], opts["seq_len"]))
     try:
-        with _context.routed(module, cp, cfgs[0].context_parallel_attention) as cp_counts:
+        with _context.routed(module, cp, cfgs[0].context_parallel_attention) as cp_counts, \
+                _experts.recorded(found) as routed_rows:
             tl = run(module, units, handles, spec, make_inputs, opts["loss_fn"])
     finally:
         if recorder is not None:
@@ -123,7 +125,7 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
     foreach = device.type == "cuda" if opts["foreach"] is None else opts["foreach"]
     notes = _notes(run_device, device, cfgs[0].cpu_offload) + _ac_notes(ac_policy) + (
         [f"target {device.type} has no device here: activations measured with CPU kernels"]
-        if run_device != device else []) + _some_ranks_notes(units, handles, cfgs[0]) + _context.notes(cp_counts)
+        if run_device != device else []) + _some_ranks_notes(units, handles, cfgs[0]) + _context.notes(cp_counts) + _experts.notes(ep)
     if tp > 1:
         notes.append(f"tensor parallel {tp}: activations, FLOPs and step time are the plain model's (not divided "
                      "by tp, TP traffic unpriced): upper bounds; tp_wire_bytes are the TP dimension's bytes")
@@ -132,9 +134,14 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
     for cfg in cfgs:
         per_world = {w: _world(w, cfg, units, handles, tl, module, opt, cal, foreach,
                                links.per_node(w) if links else opts["gpus_per_node"], device, links, tp, tp_wire,
-                               cp_counts) for w in worlds}
+                               cp_counts, (ep, routed_rows, found) if ep > 1 else None) for w in worlds}
         if opts["link_latency_us"] is not None:
             _latency.attach(per_world, cfg, opts["gpus_per_node"], device, opts["link_latency_us"])
+        if ep > 1:      # the same plan without EP: what gathering the experts whole would move (``_experts.compare``)
+            base = plan_configs(module, worlds, [dataclasses.replace(cfg, expert_parallel=None)],
+                                **{**opts, "calibration": cal if isinstance(cal, Calibration) else opts["calibration"]})[0]
+            for w, p in per_world.items():
+                p.expert_parallel.update(_experts.compare(p, base.worlds[w]))
         out.append(Plan(model=_name(model, module), num_params=num_params,
                         strategy=cfg.sharding_strategy, optimizer=opt,
                         mixed_precision=str(mp.param_dtype).replace("torch.", "") if mp and mp.param_dtype else None,
@@ -193,11 +200,11 @@ class _remembered:
 
 
 def _world(w, cfg, units, handles, tl, module, opt, cal, foreach, gpus_per_node, device, links=None,
-           tp: int = 1, tp_wire: tuple = ({}, {}), cp_counts=None) -> WorldPlan:
+           tp: int = 1, tp_wire: tuple = ({}, {}), cp_counts=None, experts=None) -> WorldPlan:
     from ._world import world_plan
     if tp == 1:
         return world_plan(w, cfg, units, handles, tl, module, opt, cal, foreach, gpus_per_node, device, links,
-                          cp_counts)
+                          cp_counts, experts)
     # tensor parallel: the engine shards the local TP tensors over the dp ranks (a node holds gpus_per_node / tp)
     out = world_plan(w // tp, cfg, units, handles, tl, module, opt, cal, foreach, max(1, gpus_per_node // tp),
                      device)
