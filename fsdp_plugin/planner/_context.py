@@ -132,7 +132,7 @@ def routed(module: nn.Module, cp: int, method: str):
         yield None
         return
     from .._context import attention
-    from .._context.install import _by_name, _uses_cache, hf_model, refuse_unsplittable
+    from .._context.install import by_name, hf_model, refuse_unsplittable, uses_cache
     from .._context.split import check_inputs, make_layout, split_inputs
     try:
         refuse_unsplittable(module, cp)
@@ -148,7 +148,7 @@ def routed(module: nn.Module, cp: int, method: str):
     causal_lm = getattr(model, "loss_function", None) is ForCausalLMLoss
 
     def pre(mod, args, kwargs):
-        kwargs = _by_name(mod, args, kwargs)
+        kwargs = by_name(mod, args, kwargs)
         ref = kwargs.get("input_ids")
         ref = ref if ref is not None else kwargs.get("inputs_embeds")
         if ref is None:
@@ -158,7 +158,7 @@ def routed(module: nn.Module, cp: int, method: str):
         check_inputs(kwargs, seq, batch)
         counter._count("cp_check", _CHECK_VALUES * cp, 8)          # install._same_batch
         from transformers.masking_utils import find_packed_sequence_indices
-        packing = kwargs.get("position_ids") if not _uses_cache(mod, kwargs) else None
+        packing = kwargs.get("position_ids") if not uses_cache(mod, kwargs) else None
         layout = make_layout(None, cp, 0, batch, seq, kwargs.get("attention_mask"), packing,
                              find_packed_sequence_indices, method)
         out = split_inputs(kwargs, layout, causal_lm)

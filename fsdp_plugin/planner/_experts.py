@@ -37,10 +37,10 @@ def check(cfgs: list, opts: dict, module: nn.Module) -> tuple:
     if ep == 1:
         return 1, {}, []
     from .._experts.detect import experts_modules
-    from .._experts.layout import _refuse_combinations
+    from .._experts.layout import refuse_combinations
     try:
         for cfg in cfgs:
-            _refuse_combinations(cfg)
+            refuse_combinations(cfg)
         found = experts_modules(module)
     except ConfigError as e:
         raise PlanError(str(e)) from e
