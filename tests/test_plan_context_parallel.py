@@ -65,9 +65,10 @@ def test_ulysses_bytes_equal_the_closed_form():
     assert "cp_kv" not in w["bytes"]
 
 
-def _measured(rank, world):
+def _measured(rank, world, kw):
+    """Bytes per step of each kind fp.comm_stats counts (steps 1 and 2, after a first step)."""
     torch.manual_seed(0)
-    model = fp.shard(tiny_llama(), context_parallel=2)
+    model = fp.shard(tiny_llama(), context_parallel=2, **kw)
     opt = torch.optim.AdamW(model.parameters())
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (2, 61), generator=g)
@@ -81,13 +82,24 @@ def _measured(rank, world):
     return {k: v // 2 for k, v in fp.comm_stats.bytes.items() if k != "control"}
 
 
-def test_wire_bytes_equal_a_real_cp_run():
+REAL = {"allgather": {}, "allgather-checkpointed": {"activation_checkpointing": True},
+        "ulysses": {"context_parallel_attention": "ulysses"}}
+
+
+@pytest.mark.parametrize("case", list(REAL))
+def test_wire_bytes_equal_a_real_cp_run(case):
     """Every kind fp.comm_stats counts in a real cp 2 run at world 2 (units' all-gathers and reduce-scatters,
-    the K/V all-gathers, dK/dV, the batch check, the loss sum) is what the plan says, to the byte."""
-    wire = run_ranks(_measured, 2, timeout=240)[0]
-    plan = _plan(2, world=2, seq_len=61, batch_size=2)
+    the K/V all-gathers or Ulysses all-to-alls, dK/dV, recomputation's gathers, the batch check, the loss sum)
+    is what the plan says, to the byte."""
+    wire = run_ranks(_measured, 2, REAL[case], timeout=240)[0]
+    plan = _plan(2, world=2, seq_len=61, batch_size=2, **REAL[case])
     assert plan.worlds[2].wire_bytes == wire
-    assert wire["cp_kv"] == _kv_formula(2, 61, 2)
+    if case == "allgather":
+        assert wire["cp_kv"] == _kv_formula(2, 61, 2)
+    if case == "allgather-checkpointed":
+        assert wire["cp_kv"] == 2 * _kv_formula(2, 61, 2)
+    if case == "ulysses":
+        assert wire["cp_ulysses"] > 0 and "cp_kv" not in wire
 
 
 def test_refusals_are_named():
