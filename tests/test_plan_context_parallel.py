@@ -52,6 +52,7 @@ def test_kv_bytes_equal_the_closed_form(cp, seq):
     assert w["bytes"]["cp_kv"] == _kv_formula(cp, seq, 2)                 # forward all-gathers
     assert w["bytes"]["reduce_scatter"] == _kv_formula(cp, seq, 2)        # dK/dV back to their owners
     assert w["calls"]["cp_kv"] == LAYERS
+    assert w["layer_forward_bytes"] * LAYERS == _kv_formula(cp, seq, 2)
     ac = _plan(cp, seq_len=seq, batch_size=2, activation_checkpointing=True).worlds[4].context_parallel
     assert ac["bytes"]["cp_kv"] == 2 * _kv_formula(cp, seq, 2)            # recomputation gathers again
     assert ac["backward_bytes"]["cp_kv"] == _kv_formula(cp, seq, 2)
@@ -62,6 +63,7 @@ def test_ulysses_bytes_equal_the_closed_form():
     w = _plan(cp, seq_len=seq, batch_size=batch, context_parallel_attention="ulysses").worlds[4].context_parallel
     per_way = (2 * H + 2 * HKV) * (seq // cp) * batch * D * 4 * (cp - 1) // cp * LAYERS
     assert w["bytes"]["cp_ulysses"] == 2 * per_way and w["calls"]["cp_ulysses"] == 8 * LAYERS
+    assert w["layer_forward_bytes"] * LAYERS == per_way
     assert "cp_kv" not in w["bytes"]
 
 

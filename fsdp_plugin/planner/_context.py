@@ -37,6 +37,7 @@ class CountingComm:
     def __init__(self, cp: int):
         self.cp = cp
         self.bytes, self.calls, self.in_backward, self.first = Counter(), Counter(), Counter(), {}
+        self.backward_calls = Counter()
         self.local_tokens = self.padded = 0
 
     def _count(self, kind: str, elems: int, itemsize: int, factor: int = 1) -> None:
@@ -46,6 +47,7 @@ class CountingComm:
         self.first.setdefault(kind, n)
         if _compat.in_backward():
             self.in_backward[kind] += n
+            self.backward_calls[kind] += 1
 
     def all_gather(self, out, inp, group, async_op=False, kind="all_gather", **_):
         self._count(kind, out.numel(), out.element_size())
@@ -110,9 +112,18 @@ def summary(counts, world: int) -> dict:
             "tokens_per_rank": counts.local_tokens, "padded_length": counts.padded,
             "bytes": dict(counts.bytes), "calls": dict(counts.calls),
             "attention_bytes": sum(attn.values()), "backward_bytes": dict(counts.in_backward),
+            "layer_forward_bytes": _layer_forward(counts),
             "first_call_bytes": dict(counts.first),
             "source": "measured: the engine's context-parallel attention and split on fake tensors, collectives "
                       "counted with fp.comm_stats' formula"}
+
+
+def _layer_forward(counts) -> int:
+    """One attention layer's forward bytes (the mean over the forward's layers): its K/V all-gather, or its 4
+    Ulysses all-to-alls (q, k, v in; the output back)."""
+    kind, per_layer = ("cp_ulysses", 4) if counts.method == "ulysses" else ("cp_kv", 1)
+    calls = counts.calls[kind] - counts.backward_calls[kind]
+    return (counts.bytes[kind] - counts.in_backward[kind]) * per_layer // calls if calls else 0
 
 
 def notes(counts) -> list:

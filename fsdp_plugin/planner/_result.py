@@ -120,6 +120,8 @@ class Plan:
         if all(self.worlds[w].context_parallel for w in ws):     # issue 54: the split attention's share
             lines.append(f"{'CP tokens per rank':<26}" + "".join(
                 f"{self.worlds[w].context_parallel['tokens_per_rank']:>{width},}" for w in ws))
+            lines.append(f"{'CP bytes / layer forward':<26}" + "".join(
+                f"{fmt_bytes(self.worlds[w].context_parallel['layer_forward_bytes']):>{width}}" for w in ws))
             lines.append(f"{'CP attention bytes / step':<26}" + "".join(
                 f"{fmt_bytes(self.worlds[w].context_parallel['attention_bytes']):>{width}}" for w in ws))
         if all(self.worlds[w].expert_parallel for w in ws):      # issue 55: EP against gathering the experts
