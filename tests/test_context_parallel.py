@@ -293,8 +293,8 @@ def test_unsplittable_models_are_refused_at_shard():
         fp.ShardingConfig(context_parallel=0)
     with pytest.raises(ConfigError, match="context_parallel_attention"):
         fp.ShardingConfig(context_parallel=2, context_parallel_attention="ring")
-    with pytest.raises(fp.PlanError, match="does not price context_parallel"):
-        fp.plan(lambda: _build("llama"), 2, context_parallel=2)
+    with pytest.raises(fp.PlanError, match="does not divide world_size"):    # fp.plan prices CP (test_plan_context_parallel)
+        fp.plan(lambda: _build("llama"), 3, context_parallel=2)
 
 
 def _resume_worker(rank, world, path, cp, first, steps):

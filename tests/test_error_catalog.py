@@ -515,12 +515,21 @@ def context_parallel_of_a_linear_attention_model():
     fp.shard(model, context_parallel=2)
 
 
-def plan_with_context_parallel():
+def plan_context_parallel_of_a_module_holding_no_transformers_model():
     fp.plan(GPT, world_size=2, context_parallel=2)
 
 
+def plan_expert_parallel_not_dividing_the_experts():
+    import transformers as tf
+    cfg = tf.Qwen3MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, moe_intermediate_size=16,
+                            num_experts=4, num_experts_per_tok=2)
+    fp.plan(lambda: tf.Qwen3MoeForCausalLM(cfg), world_size=3, expert_parallel=3)
+
+
 CASES += [context_parallel_of_a_module_holding_no_transformers_model,  # issue 54: context parallel
-          context_parallel_of_a_linear_attention_model, plan_with_context_parallel]
+          context_parallel_of_a_linear_attention_model, plan_context_parallel_of_a_module_holding_no_transformers_model,
+          plan_expert_parallel_not_dividing_the_experts]
 
 
 def _capture(case, tmp_path):

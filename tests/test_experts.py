@@ -463,7 +463,7 @@ def test_accelerate_and_trainer_take_expert_parallel_from_the_environment(monkey
     assert FSDPPluginStrategy(expert_parallel=2).sharding_config.expert_parallel == 2
 
 
-def test_plan_refuses_expert_parallel_instead_of_pricing_it_wrong():
-    from fsdp_plugin.planner.errors import PlanError
-    with pytest.raises(PlanError, match="does not price expert_parallel=2"):
-        fp.plan(lambda: _build("qwen3_moe", meta=True), 2, expert_parallel=2)
+def test_plan_refuses_the_expert_parallel_sizes_fp_shard_refuses():
+    from fsdp_plugin.planner.errors import PlanError    # fp.plan prices EP: tests/test_plan_expert_parallel.py
+    with pytest.raises(PlanError, match="does not divide the expert count"):
+        fp.plan(lambda: _build("qwen3_moe", meta=True), 3, expert_parallel=3)

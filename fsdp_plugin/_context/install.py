@@ -74,7 +74,7 @@ def install(root: nn.Module, mesh, method: str = "allgather") -> None:
     cp_rank = comm.rank_in(group)
 
     def pre(module, args, kwargs):
-        kwargs = _by_name(module, args, kwargs)
+        kwargs = by_name(module, args, kwargs)
         if attention.STATE in kwargs:
             return (), kwargs
         ref = kwargs.get("input_ids")
@@ -87,7 +87,7 @@ def install(root: nn.Module, mesh, method: str = "allgather") -> None:
         _same_batch(kwargs, ref, group)
         from transformers.masking_utils import find_packed_sequence_indices
         # transformers looks for packed documents only when the model runs without a KV cache
-        packing = kwargs.get("position_ids") if not _uses_cache(module, kwargs) else None
+        packing = kwargs.get("position_ids") if not uses_cache(module, kwargs) else None
         layout = make_layout(group, cp, cp_rank, batch, seq, kwargs.get("attention_mask"), packing,
                              find_packed_sequence_indices, method)
         out = split_inputs(kwargs, layout, causal_lm)
@@ -105,18 +105,19 @@ def install(root: nn.Module, mesh, method: str = "allgather") -> None:
     model.register_forward_hook(post, with_kwargs=True)
 
 
-def _uses_cache(model: nn.Module, kwargs: dict) -> bool:
+def uses_cache(model: nn.Module, kwargs: dict) -> bool:
     """Whether one process would build a KV cache in this forward (transformers' ``merge_with_config_defaults``:
     ``use_cache`` given, else the config's, off under HF gradient checkpointing in training). With a cache,
     transformers does not detect packed documents (``masking_utils._preprocess_mask_arguments``), so neither
-    does the split: the loss stays the one process would compute. The split itself always runs cache-free."""
+    does the split: the loss stays the one process would compute. The split itself always runs cache-free.
+    (Shared with fp.plan, which splits a fake batch the same way: ``planner/_context.py``.)"""
     use = kwargs.get("use_cache")
     use = getattr(model.config, "use_cache", False) if use is None else use
     hf_ckpt = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
     return bool(use) and not (hf_ckpt and model.training and torch.is_grad_enabled())
 
 
-def _by_name(module: nn.Module, args: tuple, kwargs: dict) -> dict:
+def by_name(module: nn.Module, args: tuple, kwargs: dict) -> dict:
     """Every argument by name (positional ones bound to the forward's signature)."""
     if not args:
         return dict(kwargs)

@@ -76,7 +76,7 @@ def prepare(model: nn.Module, cfg, mesh: Mesh, device: torch.device) -> Optional
     ep = cfg.expert_parallel
     if ep is None or ep == 1:
         return None
-    _refuse_combinations(cfg)
+    refuse_combinations(cfg)
     found = check_experts(model, ep, mesh.shard_size, cfg.sharding_strategy)
     emesh = expert_mesh(mesh, ep, cfg.timeout_s)   # process-group timeouts past the deadline (``_groups/timeouts``)
     rank0_values = _rank0_values(model, mesh, device)
@@ -112,7 +112,8 @@ def _world_group(timeout_s=None):
     return _mesh._GROUP_CACHE[key][0]
 
 
-def _refuse_combinations(cfg) -> None:
+def refuse_combinations(cfg) -> None:
+    """The configurations expert_parallel does not combine with yet (fp.plan refuses the same ones)."""
     rule = cfg.reshard_after_forward
     if isinstance(rule, int) and not isinstance(rule, bool) and rule > 1:
         raise ConfigError(f"expert_parallel={cfg.expert_parallel} with reshard_after_forward={rule} (hpZ): not "

@@ -63,8 +63,15 @@ def fit(model, memory, max_world: int = 1024, config: Optional[ShardingConfig] =
     """
     budget = parse_bytes(memory)
     module = capture(model)
-    worlds = [1 << k for k in range(max_world.bit_length()) if (1 << k) <= max_world]
     cfg, run = split_options(config, plan_kwargs)
+    # context_parallel C / expert_parallel E: world sizes C or E divides (the only ones fp.shard accepts); EP
+    # needs a shard group E divides, which no_shard's one-rank groups are not
+    step = cfg.context_parallel * (cfg.expert_parallel or 1)
+    worlds = [1 << k for k in range(max_world.bit_length()) if step <= (1 << k) <= max_world and (1 << k) % step == 0]
+    if not worlds:
+        raise PlanError(f"fit: no world size up to max_world={max_world} is a multiple of {step} "
+                        "(context_parallel x expert_parallel): raise max_world")
+    strategies = tuple(s for s in _PREFERENCE if not (s == "no_shard" and (cfg.expert_parallel or 1) > 1))
     if run["calibration"] == "calibrate":   # measure once, not once per configuration, at the model's shapes
         device = torch.device(run["device"] or ("cuda" if torch.cuda.is_available() else "cpu"))
         example = (run["inputs"] or _default_inputs(module, run["batch_size"], run["seq_len"]))()
@@ -73,8 +80,8 @@ def fit(model, memory, max_world: int = 1024, config: Optional[ShardingConfig] =
     plans = {}
     for ac in (False, True):
         base = dataclasses.replace(cfg, activation_checkpointing=True if ac else None)
-        cfgs = [dataclasses.replace(base, sharding_strategy=s) for s in _PREFERENCE]
-        for s, p in zip(_PREFERENCE, plan_configs(module, worlds, cfgs, **run)):
+        cfgs = [dataclasses.replace(base, sharding_strategy=s) for s in strategies]
+        for s, p in zip(strategies, plan_configs(module, worlds, cfgs, **run)):
             plans[(s, ac)] = p
     wrap = repr(cfg.auto_wrap_policy) if cfg.auto_wrap_policy else "default (repeated blocks)"
     for w in worlds:

@@ -45,6 +45,11 @@ class Layout:
     staging: bool = False        # gloo on CPU: collectives take the point-to-point path (_collectives)
     per_node: int = 0            # ranks per node (0: one node); in-node collectives stay exact under quantization
 
+    def n(self, h) -> int:
+        """The shard group size of handle ``h``: an experts handle (``expert_parallel``) shards its local experts
+        over ``shard_size / E`` ranks (``_experts/layout.py``: efsdp), every other over the shard group."""
+        return self.shard_size // h.ep if h.ep > 1 else self.shard_size
+
     @property
     def strategy(self) -> str:
         return self.config.sharding_strategy
@@ -73,7 +78,7 @@ class Layout:
 
     def aliases(self, h) -> bool:
         """The engine's FlatParamHandle._aliases_shard: the leaf is the shard itself (never gathered)."""
-        return self.shard_size == 1 and self.compute(h) == h.dtype and not self.cpu_offload
+        return self.n(h) == 1 and self.compute(h) == h.dtype and not self.cpu_offload
 
     def quantized(self, h, what: str, group: str = "shard") -> Optional[int]:
         """The block size when ``ShardingConfig.quantization`` quantizes this handle's ``what`` ("weights" or
@@ -136,6 +141,10 @@ class ReplayResult:
     h2d_bytes: int = 0
     d2h_bytes: int = 0
     h2d_backward_bytes: int = 0      # the part of h2d_bytes copied during backward (units gathered again)
+    # per unit, the unshards that gathered something; per handle, the reductions started (``_experts.py`` prices
+    # the experts' collectives with and without expert parallelism from them)
+    unit_gathers: Counter = field(default_factory=Counter)
+    reductions: Counter = field(default_factory=Counter)
 
 
 class _SimUnit(ScheduledUnit):
@@ -175,7 +184,7 @@ class _Sim:
     def __init__(self, units, handles, lay: Layout, static: int):
         self.units, self.handles, self.lay = units, handles, lay
         self.static = static
-        self.full = [0 if lay.aliases(h) else h.padded(lay.shard_size) * lay.compute(h).itemsize for h in handles]
+        self.full = [0 if lay.aliases(h) else h.padded(lay.n(h)) * lay.compute(h).itemsize for h in handles]
         self.unsh = [lay.aliases(h) for h in handles]
         self.unsharded = self.reducing = self.grad_shards = 0
         self.inflight: dict[int, int] = {}     # handle -> bytes its all-gather holds until it is waited on
@@ -259,7 +268,7 @@ class _Sim:
     def gather_comm(self, spec) -> int:
         """A unit all-gather: exact, or int8 rows + scales (``_comm/quantized.all_gather``); returns the bytes of
         this rank's row, which the point-to-point all-gather copies into the gathered buffer."""
-        lay, n = self.lay, self.lay.shard_size
+        lay, n = self.lay, self.lay.n(spec)
         block = lay.quantized(spec, "weights")
         if block is None:
             self.comm("all_gather", spec.padded(n), lay.compute(spec).itemsize, n)
@@ -321,20 +330,23 @@ class _Sim:
 
     # ------------------------------------------------------------ state moves (FlatParamHandle's bytes)
     def unshard(self, u: int) -> None:
+        if any(not self.unsh[h] for h in self.units[u].handles):
+            self.res.unit_gathers[u] += 1
         for h in self.units[u].handles:
             if self.unsh[h]:
                 continue
             self.unsh[h] = True
             self.unsharded += self.full[h]
             spec, lay = self.handles[h], self.lay
-            src = spec.chunk(lay.shard_size) * lay.compute(spec).itemsize if lay.casts_source(spec) else 0
+            n = lay.n(spec)
+            src = spec.chunk(n) * lay.compute(spec).itemsize if lay.casts_source(spec) else 0
             if lay.cpu_offload:
-                copied = spec.chunk(lay.shard_size) * spec.dtype.itemsize
+                copied = spec.chunk(n) * spec.dtype.itemsize
                 self.res.h2d_bytes += copied
                 self.res.h2d_backward_bytes += copied if self.root.in_backward else 0
             if src:
-                self.res.engine_bytes += src + spec.chunk(lay.shard_size) * spec.dtype.itemsize
-            if lay.shard_size == 1:
+                self.res.engine_bytes += src + spec.chunk(n) * spec.dtype.itemsize
+            if n == 1:
                 self.check(extra=src)          # the cast copy, gone once copied into the full buffer
                 continue
             held_secondary = self.secondary.pop(h, 0)
@@ -342,7 +354,7 @@ class _Sim:
             if held_secondary:
                 self.unsharded -= held_secondary
             if held_secondary and self.root.in_backward:     # hpZ: gathered inside the secondary group
-                self.comm("all_gather", spec.padded(lay.shard_size), lay.compute(spec).itemsize, lay.secondary,
+                self.comm("all_gather", spec.padded(n), lay.compute(spec).itemsize, lay.secondary,
                           group="secondary")
                 src = held_secondary                         # the slice is the gather's source until its wait
                 own = held_secondary
@@ -352,7 +364,7 @@ class _Sim:
             # bytes as the fake run's rule prices a copy_: source, destination read and written
             self.res.engine_bytes += 3 * own * lay.staging
             self.issued(("gather", h), since)
-            held = src + inflight_host_bytes("all_gather", self.full[h], lay.shard_size, lay.staging)
+            held = src + inflight_host_bytes("all_gather", self.full[h], n, lay.staging)
             self.inflight[h] = held
             self.reducing += held
         self.check()
@@ -373,7 +385,7 @@ class _Sim:
     def grad_ready(self, h: int) -> None:
         """The unit's flat gradient (compute dtype) is built while its per-parameter pieces still exist."""
         spec, lay = self.handles[h], self.lay
-        flat = spec.padded(lay.shard_size) * lay.compute(spec).itemsize
+        flat = spec.padded(lay.n(spec)) * lay.compute(spec).itemsize
         self.reducing += flat
         self.res.engine_bytes += 2 * flat      # torch.cat of the pieces: read them, write the flat gradient
         self.check()
@@ -382,17 +394,19 @@ class _Sim:
         """FlatParamHandle.start_reduce: cast to the reduce dtype, issue the reduction; the pending reduction
         keeps the cast gradient, this rank's output chunk and (gloo) the peers' received chunks until finished."""
         spec, lay = self.handles[h], self.lay
-        padded = spec.padded(lay.shard_size)
+        self.res.reductions[h] += 1
+        n = lay.n(spec)
+        padded = spec.padded(n)
         g_compute, g_reduce = padded * lay.compute(spec).itemsize, padded * lay.reduce(spec).itemsize
         cast = lay.reduce(spec) != lay.compute(spec)
         held = g_reduce if cast else 0                 # without a cast the pending one is the flat gradient
         self.res.engine_bytes += (g_compute + g_reduce) if cast else 0
         self.res.engine_bytes += self._reduce_kernel_bytes(spec)
         since = self.issued_inter
-        if lay.shard_size > 1:
-            held += spec.chunk(lay.shard_size) * lay.reduce(spec).itemsize
-            held += inflight_host_bytes("reduce_scatter", g_reduce, lay.shard_size, lay.staging)
-            self.reduce_comm(spec, "reduce_scatter", padded, lay.shard_size)
+        if n > 1:
+            held += spec.chunk(n) * lay.reduce(spec).itemsize
+            held += inflight_host_bytes("reduce_scatter", g_reduce, n, lay.staging)
+            self.reduce_comm(spec, "reduce_scatter", padded, n)
         elif lay.replicate_size > 1:
             held += self._all_reduce_buffer(spec, g_reduce, "replicate")
             self.reduce_comm(spec, "all_reduce", padded, lay.replicate_size, group="replicate")
@@ -416,13 +430,14 @@ class _Sim:
         (``div_``: 2)."""
         lay = self.lay
         size = lay.reduce(spec).itemsize
-        chunk = spec.chunk(lay.shard_size) * size
-        summed = (4 + 3 * (lay.shard_size - 2)) * chunk if lay.staging and lay.shard_size > 1 else 0
+        n = lay.n(spec)
+        chunk = spec.chunk(n) * size
+        summed = (4 + 3 * (n - 2)) * chunk if lay.staging and n > 1 else 0
         if summed and lay.quantized(spec, "gradients") is None:     # the receive buffer and the output chunk:
-            summed += lay.shard_size * chunk                         # ``empty``, priced at its output's bytes
+            summed += n * chunk                                      # ``empty``, priced at its output's bytes
         elif summed:                         # the quantized exchange sums in reduce_comm; the output chunk's empty
             summed = chunk
-        averaged = 2 * (chunk if lay.shard_size > 1 else spec.padded(lay.shard_size) * size) if lay.world > 1 else 0
+        averaged = 2 * (chunk if n > 1 else spec.padded(n) * size) if lay.world > 1 else 0
         return summed + averaged
 
     def grads_dropped(self, h: int) -> None:
@@ -431,7 +446,7 @@ class _Sim:
         spec, lay = self.handles[h], self.lay
         self.root.reduction.enqueue(self.sim_handles[h], None, self.sim_units[spec.unit])
         if lay.reduce(spec) != lay.compute(spec):
-            self.reducing -= spec.padded(lay.shard_size) * lay.compute(spec).itemsize
+            self.reducing -= spec.padded(lay.n(spec)) * lay.compute(spec).itemsize
         if not self.units[spec.unit].some_ranks:      # those stay unsharded to the end of backward
             self.reshard_handle(h)
         self.check()
@@ -440,9 +455,9 @@ class _Sim:
         """FlatParamHandle.finish_reduce: hybrid's reduce-scatter wait issues the cross-replica all-reduce, left
         in flight (holding the reduced chunk) to the end of backward unless ``final``; True while it is."""
         spec, lay = self.handles[h], self.lay
-        chunk = spec.chunk(lay.shard_size)
+        chunk = spec.chunk(lay.n(spec))
         self.waited(("reduce", h))
-        if lay.shard_size > 1 and lay.replicate_size > 1 and h not in self.replicating:
+        if lay.n(spec) > 1 and lay.replicate_size > 1 and h not in self.replicating:
             since = self.issued_inter
             self.reduce_comm(spec, "all_reduce", chunk, lay.replicate_size, group="replicate")
             self.issued(("replicate", h), since)

@@ -52,6 +52,10 @@ class WorldPlan:
     # compute does not hide), and cpu_offload's counted bytes and priced seconds (``_time.offload_seconds``)
     optimizer_s: Optional[float] = None
     offload: dict = field(default_factory=dict)
+    # issue 54: context parallel (``_context.py``): tokens per rank, the attention's bytes and calls by kind
+    context_parallel: dict = field(default_factory=dict)
+    # issue 55: expert parallel (``_experts.py``): all-to-all bytes, the experts' collectives with and without EP
+    expert_parallel: dict = field(default_factory=dict)
 
     @property
     def wire_total(self) -> int:
@@ -113,6 +117,24 @@ class Plan:
             lines.append(f"{label:<26}" + "".join(f"{fmt_bytes(getattr(self.worlds[w], attr)):>{width}}" for w in ws))
         lines.append(f"{'wire bytes / step':<26}" + "".join(f"{fmt_bytes(self.worlds[w].wire_total):>{width}}"
                                                            for w in ws))
+        if all(self.worlds[w].context_parallel for w in ws):     # issue 54: the split attention's share
+            lines.append(f"{'CP tokens per rank':<26}" + "".join(
+                f"{self.worlds[w].context_parallel['tokens_per_rank']:>{width},}" for w in ws))
+            lines.append(f"{'CP bytes / layer forward':<26}" + "".join(
+                f"{fmt_bytes(self.worlds[w].context_parallel['layer_forward_bytes']):>{width}}" for w in ws))
+            lines.append(f"{'CP attention bytes / step':<26}" + "".join(
+                f"{fmt_bytes(self.worlds[w].context_parallel['attention_bytes']):>{width}}" for w in ws))
+        if all(self.worlds[w].expert_parallel for w in ws):      # issue 55: EP against gathering the experts
+            ep = {w: self.worlds[w].expert_parallel for w in ws}
+            for label, key in (("EP all-to-all / step", "all_to_all_bytes"),
+                               ("experts' collectives (EP)", "expert_collective_bytes"),
+                               ("experts' (without EP)", "expert_collective_bytes_without_ep"),
+                               ("wire bytes without EP", "wire_bytes_without_ep"),
+                               ("PEAK per rank without EP", "peak_without_ep"),
+                               ("EP receive buffer (worst)", "recv_buffer_worst_bytes")):
+                lines.append(f"{label:<26}" + "".join(f"{fmt_bytes(ep[w][key]):>{width}}" for w in ws))
+            lines.append(f"{'EP moves fewer bytes':<26}" + "".join(
+                f"{'yes' if ep[w]['recommend'] else 'no':>{width}}" for w in ws))
         if any(self.worlds[w].tp_size > 1 for w in ws):     # issue 31: the TP dimension's (torch's collectives)
             lines.append(f"{'TP wire bytes / step':<26}" + "".join(
                 f"{fmt_bytes(sum(self.worlds[w].tp_wire_bytes.values())):>{width}}" for w in ws))

@@ -25,6 +25,7 @@ class HandleSpec:
     largest: int = 0          # elements of its largest parameter
     shapes: list = field(default_factory=list)   # every parameter's shape, in layout order
     fp32: bool = False        # an fp32 module's parameters (MixedPrecision.fp32_modules): float32 compute
+    ep: int = 1               # expert_parallel=E: an experts handle (local shapes, sharded over shard_size / E)
 
     def padded(self, shard_size: int) -> int:
         """Flat buffer length with the engine's row-aligned layout (gaps and tail padding included)."""
@@ -53,10 +54,14 @@ class UnitSpec:
         return self.fqn or "<root>"
 
 
-def discover_units(model: nn.Module, policy, ignored=(), mp=None,
-                   some_ranks_rule=None) -> tuple[list[UnitSpec], list[HandleSpec]]:
+def discover_units(model: nn.Module, policy, ignored=(), mp=None, some_ranks_rule=None,
+                   experts: dict = None, ep: int = 1) -> tuple[list[UnitSpec], list[HandleSpec]]:
     """Units root first (as fp.shard orders them) and their handles, grouped (and given their master dtype,
-    ``mp`` the MixedPrecision) exactly like fp.shard; ``some_ranks_rule``: ``ShardingConfig.some_ranks_modules``."""
+    ``mp`` the MixedPrecision) exactly like fp.shard; ``some_ranks_rule``: ``ShardingConfig.some_ranks_modules``.
+    ``experts`` ({id(parameter): True} of the experts modules' parameters) with ``ep`` > 1: as fp.shard under
+    ``expert_parallel`` (``_build/shard.py``), each unit's experts parameters get their own handles after the
+    dense ones, of this rank's ``num_experts / ep`` experts (``HandleSpec.ep``)."""
+    experts = experts if ep > 1 else {}
     some = set(some_ranks_fqns(model, some_ranks_rule, ignored))
     chosen = select_unit_modules(model, policy, ignored, some)
     sites, _, owned = params_by_unit(model, [f for f, _ in chosen], ignored)
@@ -64,12 +69,24 @@ def discover_units(model: nn.Module, policy, ignored=(), mp=None,
     units, handles = [], []
     for i, (fqn, module) in enumerate(chosen):
         unit = UnitSpec(fqn, module, some_ranks=fqn in some)
-        for (dtype, rg, fp32, _packed), params in group_params(owned[fqn], mp, fp32_ids).items():
-            unit.handles.append(len(handles))
-            handles.append(HandleSpec(i, dtype, rg, sum(p.numel() for p in params), [id(p) for p in params],
-                                      max(p.numel() for p in params), [tuple(p.shape) for p in params], fp32))
+        dense = [p for p in owned[fqn] if id(p) not in experts]
+        local = [p for p in owned[fqn] if id(p) in experts]
+        for group, e in ((dense, 1), (local, ep)):
+            for (dtype, rg, fp32, _packed), params in group_params(group, mp, fp32_ids).items():
+                shapes = [(p.shape[0] // e,) + tuple(p.shape[1:]) if e > 1 else tuple(p.shape) for p in params]
+                sizes = [_numel(sh) for sh in shapes]
+                unit.handles.append(len(handles))
+                handles.append(HandleSpec(i, dtype, rg, sum(sizes), [id(p) for p in params], max(sizes), shapes,
+                                          fp32, e))
         units.append(unit)
     return units, handles
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def buffer_bytes(model: nn.Module, buffer_dtype=None) -> int:

@@ -10,6 +10,8 @@ from ._replay import Layout, replay
 from ._result import WorldPlan
 from ._time import predict, quantization_seconds
 from ._links import price
+from . import _experts
+from ._context import check_shard, summary
 from ._units import buffer_bytes
 
 
@@ -39,13 +41,19 @@ def runtime_bytes(device, lay: Layout, handles) -> int:
 
 
 def world_plan(world: int, cfg: ShardingConfig, units, handles, tl, module, opt: str, cal,
-               foreach: bool, gpus_per_node: int, device=None, links=None) -> WorldPlan:
+               foreach: bool, gpus_per_node: int, device=None, links=None, cp_counts=None,
+               experts=None) -> WorldPlan:
+    """``cp_counts``: the context-parallel run's counters (``_context.py``); ``experts``: ``(E, Recorder, experts
+    modules)`` under expert_parallel (``_experts.py``)."""
     lay = layout_for(world, cfg, gpus_per_node, device)
     s = lay.shard_size
-    param_shards = sum(h.chunk(s) * h.dtype.itemsize for h in handles)
-    trainable = sum(h.chunk(s) * h.dtype.itemsize for h in handles if h.requires_grad)
-    trainable_elems = sum(h.chunk(s) for h in handles if h.requires_grad)
-    largest = max((-(-h.largest // s) * h.dtype.itemsize for h in handles if h.requires_grad), default=0)
+    check_shard(cfg.context_parallel, cfg, s, world)
+    if experts is not None:
+        _experts.check_shard(experts[0], s, world, cfg.sharding_strategy)
+    param_shards = sum(h.chunk(lay.n(h)) * h.dtype.itemsize for h in handles)
+    trainable = sum(h.chunk(lay.n(h)) * h.dtype.itemsize for h in handles if h.requires_grad)
+    trainable_elems = sum(h.chunk(lay.n(h)) for h in handles if h.requires_grad)
+    largest = max((-(-h.largest // lay.n(h)) * h.dtype.itemsize for h in handles if h.requires_grad), default=0)
     opt_state = _optim.state_bytes(opt, trainable)
     step_temps = _optim.step_temporaries(opt, trainable, largest, foreach)
     buffers = buffer_bytes(module, cfg.mixed_precision.buffer_dtype if cfg.mixed_precision else None)
@@ -53,6 +61,15 @@ def world_plan(world: int, cfg: ShardingConfig, units, handles, tl, module, opt:
     runtime = runtime_bytes(device, lay, handles)
     res = replay(units, handles, tl, lay, on_device + buffers + tl.input_bytes + runtime,
                  0 if cfg.cpu_offload else step_temps)
+    if cp_counts is not None:      # the context-parallel attention's collectives, by the kinds fp.comm_stats uses
+        res.wire.update(cp_counts.bytes)
+        res.calls.update(cp_counts.calls)
+    ep_summary = {}
+    if experts is not None:        # the experts' all-to-alls at uniform routing (``_experts.py``)
+        a2a = _experts.all_to_all(experts[1], experts[0])
+        ep_summary = _experts.summary(experts[1], experts[0], experts[2], res, handles, lay, a2a)
+        res.wire.update(a2a[0])
+        res.calls.update(a2a[1])
     p = res.peak
     ns_flops = _muon_into(res, handles, s) if opt == "muon" else 0
     cal_w = cal(world) if callable(cal) else cal
@@ -86,7 +103,8 @@ def world_plan(world: int, cfg: ShardingConfig, units, handles, tl, module, opt:
                      runtime=runtime, optimizer_flops=ns_flops, secondary_shards=res.max_secondary,
                      wire_groups={f"{k}/{g}": v for (k, g), v in res.wire_groups.items()},
                      inter_node_bytes=across.get("inter_node_bytes", {}),
-                     link_bytes_per_node=across.get("link_bytes_per_node", 0), link_s=across.get("link_s"))
+                     link_bytes_per_node=across.get("link_bytes_per_node", 0), link_s=across.get("link_s"),
+                     context_parallel=summary(cp_counts, world), expert_parallel=ep_summary)
 
 
 def _muon_into(res, handles, shard_size: int) -> int:

@@ -10,7 +10,7 @@ from torch import nn
 from .._build.precision import fp32_buffers, fp32_regions
 from ..config import Checkpointing, MixedPrecision, ShardingConfig, as_checkpointing
 from ..errors import ConfigError
-from . import _latency, _optim as _optim, _tp
+from . import _context, _experts, _latency, _optim as _optim, _tp
 from ._capture import ModelSource, capture, hf_inputs
 from ._fake_run import RunSpec, Timeline, run
 from ._layer_sizes import LayerSizes
@@ -73,10 +73,6 @@ def split_options(config: Optional[ShardingConfig], options: dict) -> tuple[Shar
         cfg = ShardingConfig.from_kwargs(config, **fields)
     except ConfigError as e:
         raise PlanError(str(e)) from e
-    if cfg.expert_parallel not in (None, 1):     # a plan of the experts gathered whole would be silently wrong
-        raise PlanError(f"fp.plan does not price expert_parallel={cfg.expert_parallel} yet (all-to-all bytes, the "
-                        "experts' smaller gathers): plan without it for the data-parallel baseline, and measure "
-                        "EP's bytes with fp.comm_stats (README \"Experts (expert parallel)\")")
     return cfg, {**_RUN_DEFAULTS, **{k: v for k, v in options.items() if k in _RUN_DEFAULTS}}
 
 
@@ -91,11 +87,7 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
     worlds = sorted({int(world_size)} if isinstance(world_size, int) else {int(w) for w in world_size})
     if not worlds or min(worlds) < 1:
         raise PlanError(f"world_size={world_size!r}: give a positive size or a list of them")
-    if any(c.context_parallel > 1 for c in cfgs):     # priced as no CP it would be wrong, not approximate
-        raise PlanError("fp.plan does not price context_parallel yet (activation memory per rank at 1/C of the "
-                        "sequence, K/V all-gather bytes per layer); plan context_parallel=1 with seq_len divided "
-                        "by C for the activations, and add (C-1)/C * seq_len * 2 * Hkv * head_dim elements per "
-                        "layer and rank, forward and backward, for the attention traffic")
+    cp = _context.check(cfgs, worlds, opts)
     mp = cfgs[0].mixed_precision
     ac = cfgs[0].activation_checkpointing
     opt = _optim.check(opts["optimizer"])
@@ -106,8 +98,9 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
         raise PlanError("fp.plan: nodes=/link_latency_us= with tp_size are not modelled yet: plan the job's "
                         "data-parallel part on one node (tp_size and world_size only)")
     module = capture(model)
+    ep, expert_ids, found = _experts.check(cfgs, opts, module)
     units, handles = discover_units(module, cfgs[0].auto_wrap_policy, cfgs[0].ignored_modules, mp,
-                                    cfgs[0].some_ranks_modules)
+                                    cfgs[0].some_ranks_modules, expert_ids, ep)
     num_params = sum(h.numel for h in handles)
     recorder = None
     if tp > 1:      # flat buffers of local TP tensors (coordinate 0), sharded over dp = world // tp ranks
@@ -119,7 +112,9 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
                    mp.cast_forward_inputs if mp else False, ac_policy, regions, fp32_buffers(module, mp, regions))
     make_inputs = _remembered(opts["inputs"] or _default_inputs(module, opts["batch_size"], opts["seq_len"]))
     try:
-        tl = run(module, units, handles, spec, make_inputs, opts["loss_fn"])
+        with _context.routed(module, cp, cfgs[0].context_parallel_attention) as cp_counts, \
+                _experts.recorded(found) as routed_rows:
+            tl = run(module, units, handles, spec, make_inputs, opts["loss_fn"])
     finally:
         if recorder is not None:
             recorder.remove()
@@ -130,7 +125,7 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
     foreach = device.type == "cuda" if opts["foreach"] is None else opts["foreach"]
     notes = _notes(run_device, device, cfgs[0].cpu_offload) + _ac_notes(ac_policy) + (
         [f"target {device.type} has no device here: activations measured with CPU kernels"]
-        if run_device != device else []) + _some_ranks_notes(units, handles, cfgs[0])
+        if run_device != device else []) + _some_ranks_notes(units, handles, cfgs[0]) + _context.notes(cp_counts) + _experts.notes(ep)
     if tp > 1:
         notes.append(f"tensor parallel {tp}: activations, FLOPs and step time are the plain model's (not divided "
                      "by tp, TP traffic unpriced): upper bounds; tp_wire_bytes are the TP dimension's bytes")
@@ -138,10 +133,15 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
     out = []
     for cfg in cfgs:
         per_world = {w: _world(w, cfg, units, handles, tl, module, opt, cal, foreach,
-                               links.per_node(w) if links else opts["gpus_per_node"], device, links, tp, tp_wire)
-                     for w in worlds}
+                               links.per_node(w) if links else opts["gpus_per_node"], device, links, tp, tp_wire,
+                               cp_counts, (ep, routed_rows, found) if ep > 1 else None) for w in worlds}
         if opts["link_latency_us"] is not None:
             _latency.attach(per_world, cfg, opts["gpus_per_node"], device, opts["link_latency_us"])
+        if ep > 1:      # the same plan without EP: what gathering the experts whole would move (``_experts.compare``)
+            base = plan_configs(module, worlds, [dataclasses.replace(cfg, expert_parallel=None)],
+                                **{**opts, "calibration": cal if isinstance(cal, Calibration) else opts["calibration"]})[0]
+            for w, p in per_world.items():
+                p.expert_parallel.update(_experts.compare(p, base.worlds[w]))
         out.append(Plan(model=_name(model, module), num_params=num_params,
                         strategy=cfg.sharding_strategy, optimizer=opt,
                         mixed_precision=str(mp.param_dtype).replace("torch.", "") if mp and mp.param_dtype else None,
@@ -200,10 +200,11 @@ class _remembered:
 
 
 def _world(w, cfg, units, handles, tl, module, opt, cal, foreach, gpus_per_node, device, links=None,
-           tp: int = 1, tp_wire: tuple = ({}, {})) -> WorldPlan:
+           tp: int = 1, tp_wire: tuple = ({}, {}), cp_counts=None, experts=None) -> WorldPlan:
     from ._world import world_plan
     if tp == 1:
-        return world_plan(w, cfg, units, handles, tl, module, opt, cal, foreach, gpus_per_node, device, links)
+        return world_plan(w, cfg, units, handles, tl, module, opt, cal, foreach, gpus_per_node, device, links,
+                          cp_counts, experts)
     # tensor parallel: the engine shards the local TP tensors over the dp ranks (a node holds gpus_per_node / tp)
     out = world_plan(w // tp, cfg, units, handles, tl, module, opt, cal, foreach, max(1, gpus_per_node // tp),
                      device)

@@ -54,6 +54,11 @@ def add_parser(sub) -> None:
                    "is dp x TP ranks; the model's plan from --tp-plan (default: a transformers model's own tp_plan)")
     p.add_argument("--tp-plan", metavar="PKG.MODULE:ATTR", help="with --tp-size: the {module: style} dict you give "
                    "parallelize_module (or a function returning it)")
+    p.add_argument("--context-parallel", type=int, default=1, metavar="C", help="split every sequence over C "
+                   "ranks (a transformers model): activations of S/C tokens per rank, the attention's traffic")
+    p.add_argument("--context-parallel-attention", choices=("allgather", "ulysses"), default="allgather")
+    p.add_argument("--expert-parallel", type=int, metavar="E", help="experts of each MoE layer split over E "
+                   "ranks (dp2ep): all-to-all bytes, the experts' smaller gathers, the receive-buffer peak")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(fn=run)
 
@@ -72,6 +77,11 @@ def run(args) -> int:
                       backward_prefetch=not args.no_backward_prefetch, forward_prefetch=args.forward_prefetch,
                       limit_all_gathers=not args.no_limit_all_gathers, device=args.device,
                       calibration="calibrate" if args.calibrate else args.hardware)
+        if args.context_parallel != 1:      # issue 54
+            kwargs.update(context_parallel=args.context_parallel,
+                          context_parallel_attention=args.context_parallel_attention)
+        if args.expert_parallel not in (None, 1):     # issue 55
+            kwargs["expert_parallel"] = args.expert_parallel
         if args.link_latency_us is not None:
             kwargs["link_latency_us"] = args.link_latency_us
         if args.tp_size != 1:      # issue 31: planned from the plain model and its TP plan
