@@ -8,8 +8,10 @@ Rows (one ``GPU_CHECK_JSON {...}`` each):
    against one process on the whole sequence on the same GPU (<= 1e-5).
 2. ``cp_bf16_vs_sdpa``: the bf16 loss of one forward at cp 2 against one process under each SDPA kernel that
    runs here (flash, efficient, cuDNN, math): the split is within the kernels' own spread.
-3. ``cp_memory``: peak memory per rank of forward + backward on one long sequence, cp 1 (data parallel, the whole
+3. ``cp_memory``: peak memory per rank of two AdamW steps on one long sequence, cp 1 (data parallel, the whole
    sequence on each rank) then cp 2 on the same ranks; ``ratio`` = cp 2 / cp 1.
+4. ``cp_plan``: ``fp.plan``'s peak per rank for the same job at cp 1 and cp 2 against row 3's measurement
+   (within 20%).
 """
 from __future__ import annotations
 
@@ -41,6 +43,10 @@ def _llama(dtype=torch.float32, hidden=64, layers=2, seq=256):
 def _batch(step, seq):
     ids = torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(step))
     return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _one_row(seq):
+    return {k: v[:1] for k, v in _batch(0, seq).items()}
 
 
 def _to(batch, dev):
@@ -119,11 +125,15 @@ def _memory_worker(rank, world, dev, seq, hidden):
     peaks = {}
     for cp in (1, 2):
         model = fp.shard(_llama(torch.bfloat16, hidden=hidden, seq=seq).to(dev), context_parallel=cp, device=dev)
-        batch = _to({k: v[:1] for k, v in _batch(0, seq).items()}, dev)
+        batch = _to(_one_row(seq), dev)
+        opt = _adamw(model.parameters())
         reset_peak(dev)
-        model(**batch).loss.backward()
+        for _ in range(2):             # the second step holds AdamW's state too, as fp.plan's peak does
+            model(**batch).loss.backward()
+            opt.step()
+            opt.zero_grad()
         peaks[cp] = peak_mib(dev)
-        del model
+        del model, opt
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return {"peak_mib": peaks}
@@ -136,6 +146,23 @@ def memory_row(dry: bool, got: dict, sizes) -> dict:
     ratio = round(two / one, 3) if one and two else None
     return {"check": "cp_memory", "seq": seq, "hidden": hidden, "peak_mib_cp1": one, "peak_mib_cp2": two,
             "ratio": ratio, "ok": dry or (ratio is not None and ratio < 0.8)}
+
+
+def plan_row(dry: bool, got: dict, sizes) -> dict:
+    """fp.plan's peak per rank for the memory row's job (cp 1 and 2 at world 2, AdamW) against what it measured."""
+    import fsdp_plugin as fp
+    seq, hidden = sizes
+    measured = got["peak_mib"]
+    row = {"check": "cp_plan", "seq": seq}
+    for cp in (1, 2):
+        p = fp.plan(lambda: _llama(torch.bfloat16, hidden=hidden, seq=seq), world_size=2, context_parallel=cp,
+                    inputs=lambda: _one_row(seq), device="cpu" if dry else "cuda")
+        row[f"plan_mib_cp{cp}"] = round(p.peak_bytes[2] / 2**20, 1)
+        row[f"measured_mib_cp{cp}"] = measured.get(str(cp))
+    ratios = [row[f"measured_mib_cp{cp}"] / row[f"plan_mib_cp{cp}"] for cp in (1, 2) if row[f"measured_mib_cp{cp}"]]
+    row["measured_over_plan"] = [round(r, 3) for r in ratios]
+    row["ok"] = dry or (len(ratios) == 2 and all(0.8 <= r <= 1.2 for r in ratios))
+    return row
 
 
 def main() -> int:
@@ -151,10 +178,10 @@ def main() -> int:
     except Exception as e:  # noqa: BLE001 - reported as the section's row
         return 0 if emit({"check": "cp_ranks", "ok": False, "error": error_text(e)}) else 1
     ok = True
-    for make in (parity_row, bf16_row, memory_row):
+    for make in (parity_row, bf16_row, memory_row, plan_row):
         name = make.__name__.removesuffix("_row")
         try:
-            row = make(dry, got[name], sizes[name])
+            row = make(dry, got["memory" if name == "plan" else name], sizes["memory" if name == "plan" else name])
         except Exception as e:  # noqa: BLE001 - the row reports it; the other rows still run
             row = {"check": f"cp_{name}", "ok": False, "error": error_text(e)}
         ok &= emit(row)
