@@ -196,3 +196,35 @@ def test_no_tensor_of_local_by_sequence_size():
     for _, _, tiled, whole, local, seq in run_ranks(_cp_worker, 2, 64, 16, (2, 1, 4), timeout=120):
         assert tiled <= local * seq // 4, (tiled, local * seq)
         assert whole >= local * seq, (whole, local * seq)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_range_classification_is_exact_or_conservative(cp, monkeypatch):
+    """The split's tiles (consecutive positions) are classified from position ranges, key validity and
+    document ranges without building their masks: every SKIP / FULL it gives is what the tile's mask says
+    (PART is always safe), and under a plain causal or windowed mask it is exactly the masks' answer."""
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    from fsdp_plugin._context import tiles
+    seq = 29
+    left = torch.ones(2, seq, dtype=torch.long)
+    left[1, :5] = 0
+    packed = torch.arange(seq).repeat(2, 1)
+    packed[0, 10:], packed[0, 20:] = torch.arange(seq - 10), torch.arange(seq - 20)
+    scan = tiles.scan
+    monkeypatch.setattr(tiles, "scan", None)      # the split's layouts must never need the mask scan
+    parts = total = 0
+    for rank in range(cp):
+        for mask2d, pos in ((None, None), (left, None), (None, packed)):
+            lay = make_layout(None, cp, rank, 2, seq, mask2d, pos, find_packed_sequence_indices)
+            lay.block = 3
+            for causal, window in ((True, None), (True, 4), (False, None), (False, 4)):
+                fast = plan(lay, causal, window, False)
+                exact, _ = scan(lay, causal, window, fast.rows, fast.keys)
+                for f_line, e_line in zip(fast.state, exact):
+                    assert all(f == e or f == PART for f, e in zip(f_line, e_line))
+                    parts += sum(f != e for f, e in zip(f_line, e_line))
+                    total += len(f_line)
+                if mask2d is None and pos is None:
+                    assert fast.state == exact
+    assert parts <= total // 10, (parts, total)      # conservative answers stay rare
