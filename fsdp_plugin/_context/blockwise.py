@@ -17,6 +17,7 @@ mask), a uniform average over the real keys with eager's gradient (``tiles.py``,
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .._comm import collectives as comm
 from .split import Layout
@@ -80,6 +81,7 @@ class BlockAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable       # the backward is hand-written: no double backward
     def backward(ctx, dout):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         layout, p, scale, softcap, causal, window = ctx.args
