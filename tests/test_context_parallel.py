@@ -118,15 +118,17 @@ def _worker(rank, world, name, cp, kind, shard_kwargs, over, optim="adamw"):
     dp, group = fp.data_parallel_size(model), fp.data_parallel_rank(model)
     assert (dp, group) == (world // cp, rank // cp)
     opt = make_optimizer(optim, model.parameters())
-    out, kv, a2a = [], [], []
+    out, kv, a2a, bwd = [], [], [], []
     for s in range(STEPS):
         opt.zero_grad()
         gathers, exchanges = fp.comm_stats.calls["cp_kv"], fp.comm_stats.calls["cp_ulysses"]
+        regathers = fp.comm_stats.calls["cp_kv_bwd"]
         result = model(**_batch(s, group, kind))
         assert result.logits.shape[1] == -(-SEQ // (2 * cp)) * 2, "the model did not run on a split sequence"
         result.loss.backward()
         kv.append(fp.comm_stats.calls["cp_kv"] - gathers)
         a2a.append(fp.comm_stats.calls["cp_ulysses"] - exchanges)
+        bwd.append(fp.comm_stats.calls["cp_kv_bwd"] - regathers)
         none = {n.removeprefix("inner."): p.grad is None for n, p in model.named_parameters()}
         opt.step()
         loss = result.loss.detach().clone()
@@ -134,19 +136,22 @@ def _worker(rank, world, name, cp, kind, shard_kwargs, over, optim="adamw"):
         full = fp.full_state_dict(model)          # rank 0 only; tied weights appear once in named_parameters
         full = {n.removeprefix("inner."): v for n, v in full.items()}
         out.append((loss.item() / world, none, {n: v for n, v in full.items() if n in none}))
-    return out, kv, a2a
+    return out, kv, a2a, bwd
 
 
 def _run(name, world, cp, kind="plain", shard_kwargs=None, optim="adamw", gathers=None, **over):
     """Parity of every step; ``gathers``: the collectives per step on every rank, (K/V all-gathers, Ulysses
-    all-to-alls); default: one all-gather per layer (2 layers), or 8 all-to-alls per layer (forward + backward)."""
+    all-to-alls); default: one all-gather per layer (2 layers), or 8 all-to-alls per layer (forward + backward);
+    and, all-gather mode, one more K/V all-gather per layer in backward (``cp_kv_bwd``)."""
     want = _reference(name, world // cp, kind, optim, **over)
     got = run_ranks(_worker, world, name, cp, kind, shard_kwargs or {}, over, optim, timeout=240)
-    check_steps([steps for steps, _, _ in got], want)
+    check_steps([steps for steps, *_ in got], want)
     ulysses = (shard_kwargs or {}).get("context_parallel_attention") == "ulysses"
     gathers = gathers or ((0, 16) if ulysses else (2, 0))
-    for _, kv, a2a in got:
+    for _, kv, a2a, bwd in got:
         assert (kv, a2a) == ([gathers[0]] * STEPS, [gathers[1]] * STEPS), (kv, a2a)
+        # the tiled all-gather attention keeps no gathered K/V for backward: it gathers them again, once per layer
+        assert bwd == [0 if ulysses else 2] * STEPS, bwd
 
 
 CASES = [("llama", "plain"), ("mistral", "plain"), ("qwen3", "padded"), ("llama", "packed"), ("gemma3", "plain"),

@@ -1,11 +1,11 @@
 """Attention over a split sequence, registered in transformers' attention registry.
 
 All-gather K/V (the default): every rank gathers the un-repeated (GQA) keys and values of its context-parallel
-group in one collective per layer, and computes its own queries against the whole sequence with the exact global
-mask (``Layout.mask``: causal, sliding window, padding, packed documents; attention sinks and soft-capping as
-transformers' eager attention computes them). The gather is an autograd function whose backward sums every
-rank's dK/dV for this rank's positions (a reduce-scatter). The block kernel is torch's SDPA (on CPU its
-math/flash-for-CPU kernel), so a rank's output rows equal one process's rows to rounding.
+group in one collective per layer and computes its own queries against the whole sequence tile by tile with an
+online softmax (``blockwise.py``; masks per tile from ``Layout.block_mask``: causal, sliding window, padding,
+packed documents; attention sinks and soft-capping as transformers' eager attention computes them), never
+holding a (local x sequence) tensor nor keeping the gathered K/V for backward (it gathers them again there and
+reduce-scatters dK/dV to their owners).
 Ulysses (``context_parallel_attention="ulysses"``): an all-to-all turns (this rank's positions, all heads)
 into (every position, this rank's H/C heads) for q, k and v; attention runs over the whole sequence for those
 heads with the same global mask; a fourth all-to-all brings the output back to this rank's positions.
@@ -18,31 +18,11 @@ import torch.nn.functional as F
 
 from .._comm import collectives as comm
 from ..errors import UnsupportedError
+from .blockwise import BlockAttention
 from .split import Layout
 
 KEY = "fsdp_plugin_cp"      # config._attn_implementation while context parallel is on
 STATE = "fsdp_plugin_cp_layout"   # the keyword argument that carries the forward's Layout down to attention
-
-
-class _GatherKV(torch.autograd.Function):
-    """(C, *x.shape): every CP rank's ``x`` in rank order; backward: the sum over ranks of each one's gradient
-    for this rank's slot (reduce-scatter), i.e. every query's contribution to this rank's keys and values."""
-
-    @staticmethod
-    def forward(ctx, x, group, cp):
-        ctx.group, ctx.cp = group, cp
-        x = x.contiguous()
-        out = torch.empty((cp,) + tuple(x.shape), dtype=x.dtype, device=x.device)
-        comm.all_gather(out.view(-1), x.view(-1), group, kind="cp_kv", what="context-parallel K/V all-gather")
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        mine = torch.empty(grad.shape[1:], dtype=grad.dtype, device=grad.device)
-        # flat views: the gloo point-to-point path sums (n, -1) chunks into ``out``
-        comm.reduce_scatter(mine.view(-1), grad.view(-1), ctx.group, what="context-parallel dK/dV reduce-scatter")
-        return mine, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -143,11 +123,8 @@ def cp_attention(module, query, key, value, attention_mask, scaling=None, dropou
     sinks, softcap = kwargs.get("s_aux"), kwargs.get("softcap")
     if layout.method == "ulysses":
         return _ulysses(module, query, key, value, layout, scaling, causal, sliding_window, sinks, softcap)
-    cp, (b, hkv, t, d) = layout.cp, key.shape
-    both = _GatherKV.apply(torch.stack([key, value]), layout.group, cp)        # (C, 2, B, Hkv, T, D)
-    both = both.permute(1, 2, 3, 0, 4, 5).reshape(2, b, hkv, cp * t, d)         # keys in Layout.kv_index order
-    mask = layout.mask(causal, sliding_window, query.device)
-    out = _attend(query, both[0], both[1], mask, scaling, sinks, softcap, layout.kv_index >= layout.seq_len)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = BlockAttention.apply(query, key, value, sinks, layout, scale, softcap, causal, sliding_window)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -16,6 +16,9 @@ import torch.nn.functional as F
 from ..errors import UsageError
 
 IGNORE = -100       # transformers' ignore_index
+# the edge of an attention tile (query rows x keys, ``tiles.py``): a tile's fp32 scores are B*H*BLOCK**2*4 bytes
+# (32 MiB at 32 heads), whatever the sequence length
+BLOCK = 512
 # the per-token inputs this module splits; any other (batch, length) tensor is refused by name
 SPLIT = ("input_ids", "inputs_embeds", "position_ids", "attention_mask", "labels", "shift_labels")
 
@@ -50,6 +53,7 @@ class Layout:
     key_valid: torch.Tensor
     doc: Optional[torch.Tensor] = None
     method: str = "allgather"      # ShardingConfig.context_parallel_attention
+    block: int = BLOCK              # attention tile edge (``tiles.py``); each 2C chunk is cut into tiles of <= block
     _masks: dict = field(default_factory=dict)
 
     def mask(self, causal: bool, window: Optional[int], device, all_queries: bool = False) -> torch.Tensor:
@@ -61,17 +65,26 @@ class Layout:
         key = (causal, window, str(device), all_queries)
         if key not in self._masks:
             queries = self.kv_index if all_queries else self.q_index
-            q, k = queries[:, None], self.kv_index[None, :]
-            allowed = torch.ones(q.shape[0], k.shape[1], dtype=torch.bool)
-            if causal:
-                allowed &= k <= q
-            if window is not None:
-                allowed &= k > q - window
-            allowed = allowed[None] & self.key_valid[:, self.kv_index][:, None, :]
-            if self.doc is not None:
-                allowed &= self.doc[:, queries][:, :, None] == self.doc[:, self.kv_index][:, None, :]
-            self._masks[key] = allowed[:, None].to(device)
+            self._masks[key] = self._allowed(queries, self.kv_index, causal, window)[:, None].to(device)
         return self._masks[key]
+
+    def block_mask(self, causal: bool, window: Optional[int], rows: slice, keys: slice) -> torch.Tensor:
+        """(batch, len(rows), len(keys)) bool, True = attend: the part of ``mask`` for this rank's local query
+        rows ``rows`` and gathered keys ``keys`` (slices), built alone so that no (local × S) tensor exists."""
+        return self._allowed(self.q_index[rows], self.kv_index[keys], causal, window)
+
+    def _allowed(self, queries: torch.Tensor, keys: torch.Tensor, causal: bool, window: Optional[int]):
+        """(batch, queries, keys) bool on CPU for the given padded positions (see ``mask``)."""
+        q, k = queries[:, None], keys[None, :]
+        allowed = torch.ones(q.shape[0], k.shape[1], dtype=torch.bool)
+        if causal:
+            allowed &= k <= q
+        if window is not None:
+            allowed &= k > q - window
+        allowed = allowed[None] & self.key_valid[:, keys][:, None, :]
+        if self.doc is not None:
+            allowed &= self.doc[:, queries][:, :, None] == self.doc[:, keys][:, None, :]
+        return allowed
 
     def local(self, full: torch.Tensor, pad_value) -> torch.Tensor:
         """This rank's positions of a (batch, length, ...) tensor, padded with ``pad_value`` first."""
