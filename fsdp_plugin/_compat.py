@@ -324,3 +324,10 @@ def make_subclass(cls, data: torch.Tensor, requires_grad: bool = False) -> torch
     """``data``'s storage as an instance of the tensor subclass ``cls``, no copy (what ``nn.Parameter`` and
     bitsandbytes' ``Params4bit`` are built with: ``torch.Tensor._make_subclass``, private but on every torch)."""
     return torch.Tensor._make_subclass(cls, data, requires_grad)
+
+
+def outside_fake_mode():
+    """A context in which tensors are real again inside a ``FakeTensorMode`` (``fp.plan``'s fake run builds the
+    context-parallel layout, host metadata the engine reads values from, as real CPU tensors)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    return unset_fake_temporarily()

@@ -9,6 +9,9 @@ recomputation gathers again as the engine does. The engine's collectives module 
 attention code only, for `CountingComm`: it moves nothing (fake tensors have no data) and counts every call
 with ``fp.comm_stats``'s own formula, by the kind the engine gives it. The two small collectives outside
 attention (the batch check, ``cp_check``; the loss sum, ``cp_loss``) are counted with the same formulas.
+The split's layout is host metadata the engine reads values from (which attention tiles to compute): it is built
+as real CPU tensors for a batch whose every token is valid and holds no packed documents (a fake batch's values
+are unknown), and the tile plan is read outside the fake mode.
 """
 from __future__ import annotations
 
@@ -143,7 +146,7 @@ def routed(module: nn.Module, cp: int, method: str):
         yield None
         return
     from .._context import attention
-    from .._context.install import by_name, hf_model, refuse_unsplittable, uses_cache
+    from .._context.install import by_name, hf_model, refuse_unsplittable
     from .._context.split import check_inputs, make_layout, split_inputs
     try:
         refuse_unsplittable(module, cp)
@@ -168,10 +171,12 @@ def routed(module: nn.Module, cp: int, method: str):
         batch, seq = ref.shape[:2]
         check_inputs(kwargs, seq, batch)
         counter._count("cp_check", _CHECK_VALUES * cp, 8)          # install._same_batch
-        from transformers.masking_utils import find_packed_sequence_indices
-        packing = kwargs.get("position_ids") if not uses_cache(mod, kwargs) else None
-        layout = make_layout(None, cp, 0, batch, seq, kwargs.get("attention_mask"), packing,
-                             find_packed_sequence_indices, method)
+        # the layout is host metadata whose values the engine reads (which tiles to compute): built real, from
+        # what a fake batch can say -- every token valid, no packed documents (their values are unknown here);
+        # the fake run lets such real CPU tensors into its ops (``_fake_run``: allow_non_fake_inputs)
+        with _compat.outside_fake_mode():
+            mask = None if kwargs.get("attention_mask") is None else torch.ones(batch, seq, dtype=torch.long)
+            layout = make_layout(None, cp, 0, batch, seq, mask, None, None, method)
         out = split_inputs(kwargs, layout, causal_lm)
         out["use_cache"] = False
         out[attention.STATE] = layout
@@ -187,14 +192,21 @@ def routed(module: nn.Module, cp: int, method: str):
 
     hooks = [model.register_forward_pre_hook(pre, with_kwargs=True),
              model.register_forward_hook(post, with_kwargs=True)]
-    real_comm = attention.comm
-    attention.comm = counter
+    from .._context import blockwise
+    real_comm, real_tiles = (attention.comm, blockwise.comm), blockwise.plan
+
+    def tiles(*args, **kwargs):     # which tiles to compute: read from the real layout, outside the fake mode
+        with _compat.outside_fake_mode():
+            return real_tiles(*args, **kwargs)
+    attention.comm = blockwise.comm = counter
+    blockwise.plan = tiles
     try:
         yield counter
     except (UnsupportedError, UsageError) as e:     # the engine's own refusal of this model or batch
         raise PlanError(str(e)) from e
     finally:
-        attention.comm = real_comm
+        attention.comm, blockwise.comm = real_comm
+        blockwise.plan = real_tiles
         for h in hooks:
             h.remove()
         model.set_attn_implementation(before)

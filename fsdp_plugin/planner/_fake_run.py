@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -98,8 +98,8 @@ class _Tracker(TorchDispatchMode):
         self.tl, self.live, self.seg_max, self._seen = timeline, 0, 0, set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is _aten._local_scalar_dense.default:
-            return _scalar_of(args[0])
+        if func is _aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+            return _scalar_of(args[0])      # a real tensor's value (host metadata built real) is simply read
         out = _fake_call(func, args, kwargs or {})
         kind, amount = op_cost(func, args, kwargs, out)
         if kind == "meta":
@@ -191,7 +191,9 @@ def run(model: nn.Module, units, handles, spec: RunSpec, inputs: Callable, loss_
     tl = Timeline()
     restore_fwd = _checkpoint(model, spec.checkpoint_policy)
     restore_casts = install_casts(spec.fp32_regions, spec.compute_dtype, spec.device.type)
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    # real CPU tensors may enter ops as constants: the context-parallel layout's indices and tile masks are host
+    # metadata built real (``_context.py``); every parameter and input is still made fake explicitly
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         with fake_mode:
             restore_params = _fake_parameters(model, spec, {i for h in handles if h.fp32 for i in h.param_ids})
