@@ -28,6 +28,8 @@ import pytest
 import torch
 from _dist import run_ranks
 from _launch import run, torchrun
+from _qlora import STEPS, WORLD, write_base
+from _qlora import batch as _batch, build as _build, packed as _packed
 
 import fsdp_plugin as fp
 
@@ -37,38 +39,14 @@ peft = pytest.importorskip("peft")
 
 torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # import torch._dynamo once, before forking ranks
 
-VOCAB, SEQ, BATCH, STEPS, WORLD, TOL = 96, 8, 2, 4, 2, 1e-5
+TOL = 1e-5
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "hf_trainer_check.py"    # its "qlora" phase
 
 
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory) -> str:
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    d = tmp_path_factory.mktemp("tiny_llama")
-    tf.LlamaForCausalLM(cfg).save_pretrained(d)
-    return str(d)
-
-
-def _build(path: str, storage: torch.dtype, lora: bool = True, dora: bool = False):
-    q = tf.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
-                              bnb_4bit_quant_storage=storage)
-    model = tf.LlamaForCausalLM.from_pretrained(path, quantization_config=q, dtype=torch.float32)
-    if lora:
-        torch.manual_seed(1)
-        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, use_dora=dora,
-                                                           target_modules=["q_proj", "v_proj", "down_proj"]))
-    return model.train()
-
-
-def _batch(step: int, rank: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(100 * step + rank))
-
-
-def _packed(model) -> dict:
-    return {n: p for n, p in model.named_parameters() if isinstance(p, bnb.nn.Params4bit)}
+    return write_base(str(tmp_path_factory.mktemp("tiny_llama")))
 
 
 def _adapters(state: dict) -> dict:
@@ -379,3 +357,76 @@ def report(out: Path, phase: str, rank: int = 0) -> dict:
 
 def close(a: list, b: list, tol: float = TOL) -> None:
     assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) <= tol, (a, b)
+
+
+def _one_process_recipe(path: str, storage: torch.dtype) -> tuple[list, int]:
+    """The training losses of ``_one_process`` and the total packed bytes of the base (every rank's share added)."""
+    losses, _, packed = _one_process(path, storage, False)
+    return losses[:STEPS], sum(b.numel() for b in packed.values())
+
+
+def _check_recipe(reports: list, want: list, total: int) -> None:
+    """Every rank: the one-process losses within 1e-5 (fp32 compute); after training ``fp.full_params`` shows 14
+    ``Params4bit`` with their ``quant_state`` and all the packed bytes; each rank holds half of them (plus row
+    padding), together all of them."""
+    for rank, rep in enumerate(reports):
+        close(rep["losses"], want)
+        assert rep["sharded"] and (rep["full_params4bit"], rep["full_bytes"]) == (14, total), (rank, rep)
+    per_rank = [rep["packed_bytes"] for rep in reports]
+    assert sum(per_rank) == total and max(per_rank) <= total / WORLD + 64 * 14, (per_rank, total)
+
+
+@pytest.mark.integration   # Lightning's launcher at 2 (~12 s)
+def test_qlora_lightning_recipe_matches_one_process(base_dir, tmp_path):
+    """The FSDP-QLoRA recipe through ``L.Trainer(strategy="fsdp_plugin", devices=2)``: a LightningModule holding the
+    4-bit nf4 base (uint8 storage) with PEFT LoRA, built before ``fit`` (``scripts/lightning_qlora.py``)."""
+    sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+    import lightning_launch as launch
+
+    pytest.importorskip("lightning")
+    launch.python("lightning_qlora.py", base_dir, tmp_path, "--devices", WORLD, timeout=240)
+    reports = [report(tmp_path, "lightning", r) for r in range(WORLD)]
+    assert all(r["strategy"] == "FSDPPluginStrategy" and r["world_size"] == WORLD for r in reports)
+    _check_recipe(reports, *_one_process_recipe(base_dir, torch.uint8))
+
+
+_ACCELERATE_ENV = {   # what `accelerate launch --config_file` exports for the FSDP-QLoRA doc's config (fp32 here)
+    "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "true",
+    "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer",
+    "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT", "FSDP_CPU_RAM_EFFICIENT_LOADING": "false",
+    "FSDP_SYNC_MODULE_STATES": "false", "ACCELERATE_MIXED_PRECISION": "no"}
+
+
+def _accelerate_worker(rank, world, path):
+    import os
+
+    os.environ.update(_ACCELERATE_ENV)
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)    # the forked parent may hold accelerate singletons
+    GradientState._reset_state()
+    from fsdp_plugin.integrations.accelerate import Accelerator
+    from _qlora import packed_facts
+
+    acc = Accelerator()
+    model = _build(path, torch.bfloat16)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model, opt = acc.prepare(model, opt)
+    losses = []
+    for s in range(STEPS):
+        x = _batch(s, rank)
+        loss = model(input_ids=x, labels=x).loss
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(acc.reduce(loss.detach(), "mean").item())
+    return {"losses": losses, "sharded": fp.is_sharded(model), **packed_facts(model)}
+
+
+def test_qlora_accelerate_recipe_matches_one_process(base_dir):
+    """The FSDP-QLoRA recipe through the Accelerate plug-in (``fsdp_plugin.integrations.accelerate.Accelerator``,
+    the env ``accelerate launch`` exports for an FSDP2 transformer-wrap config) on 2 forked ranks: a 4-bit nf4 base
+    with bf16 storage (the docs' ``bnb_4bit_quant_storage``) and PEFT LoRA through ``prepare``/``backward``."""
+    pytest.importorskip("accelerate")
+    reports = run_ranks(_accelerate_worker, WORLD, base_dir, timeout=240)
+    _check_recipe(reports, *_one_process_recipe(base_dir, torch.bfloat16))
