@@ -28,7 +28,7 @@ import pytest
 import torch
 from _dist import run_ranks
 from _launch import run, torchrun
-from _qlora import STEPS, WORLD, write_base
+from _qlora import BATCH, SEQ, STEPS, WORLD, write_base
 from _qlora import batch as _batch, build as _build, packed as _packed
 
 import fsdp_plugin as fp
@@ -142,6 +142,47 @@ def test_qlora_matches_one_process(base_dir, storage, dora):
     total = sum(b.numel() for b in want_bytes.values())
     per_rank = [sum(r[2].values()) for r in got]
     assert sum(per_rank) == total and max(per_rank) <= total / WORLD + 64 * 14, (per_rank, total)
+
+
+def _bf16_run(rank, world, path, sharded):
+    """The docs' bf16 recipe (``bnb_4bit_compute_dtype`` and the model's dtype bf16, bf16 storage, LoRA) for 4 AdamW
+    steps and two evaluations: sharded (rank ``rank``'s batches) or in one process (the global batch). Returns the
+    (global) losses and the step-0 logits."""
+    model = _build(path, torch.bfloat16, compute=torch.bfloat16, dtype=torch.bfloat16)
+    if sharded:
+        fp.shard(model)
+    else:
+        _cpu_inference_path(model, False)    # the kernel a GPU (and a sharded model) runs
+    rows = [rank] if sharded else range(WORLD)
+    reduce = (lambda loss: _global_mean(loss, world)) if sharded else float
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses, logits = [], None
+    for s in range(STEPS):
+        x = torch.cat([_batch(s, r) for r in rows])
+        out = model(input_ids=x, labels=x)
+        logits = out.logits.detach().clone() if s == 0 else logits
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        losses.append(reduce(out.loss))
+    return losses + _evaluate(model, torch.cat([_batch(STEPS, r) for r in rows]), reduce), logits
+
+
+def test_qlora_bf16_compute_within_derived_bound(base_dir):
+    """bf16 compute: where a difference from one process can come from, and its bound. Each op (bitsandbytes' bf16
+    kernel included) computes a sequence's rows alone, so at equal weights a rank's logits are bitwise the one-process
+    logits of its rows (tested at step 0: bound 0). What differs is summation order, in fp32: the loss is the fp32
+    mean of N = W*B*(S-1) = 28 token losses (one sum of N vs W sums, all-reduced): |dL| <= 2*N*2^-24*L (gamma_N on
+    each side), 1.5e-5 at L = 4.6. LoRA gradients are fp32 sums over those N tokens (PEFT keeps adapters in fp32);
+    AdamW passes them on as weight differences below 1e-6. bf16's roundoff 2^-8 enters only where such a difference
+    moves a bf16 rounding across a boundary (one value jumps by 2^-7 relative): rare, not bounded a priori."""
+    want, want_logits = _bf16_run(0, 1, base_dir, False)
+    assert want_logits.dtype == torch.bfloat16
+    bound = 2 * WORLD * BATCH * (SEQ - 1) * 2.0 ** -24 * max(want)
+    for rank, (losses, logits) in enumerate(run_ranks(_bf16_run, WORLD, base_dir, True, timeout=240)):
+        assert torch.equal(logits, want_logits[rank * BATCH:(rank + 1) * BATCH]), f"rank {rank}: step-0 logits differ"
+        diff = max(abs(a - b) for a, b in zip(losses, want))
+        assert diff <= bound, f"rank {rank}: {diff:.2e} > {bound:.2e}\n got {losses}\nwant {want}"
 
 
 def _mixed_precision_worker(rank, world, path):
