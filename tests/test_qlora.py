@@ -20,6 +20,7 @@ itself repacks the one-process reference's weights with bf16 scales (``_flat/pac
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -238,6 +239,58 @@ def test_int8_layers_refused_by_name(base_dir):
 def test_weights_repacked_for_cpu_inference_refused(base_dir):
     msg = run_ranks(_refused_worker, 1, "repacked", base_dir)[0]
     assert "model.layers.0.self_attn.q_proj.weight" in msg and "call fp.shard before" in msg, msg
+
+
+def _unquantized_worker(rank, world, deferred):
+    with fp.deferred_init() if deferred else contextlib.nullcontext():
+        model = torch.nn.Sequential(bnb.nn.Linear4bit(64, 64, compute_dtype=torch.float32), torch.nn.Linear(64, 4))
+    with pytest.raises(fp.ShardingError) as err:
+        fp.shard(model)
+    return str(err.value)
+
+
+def test_unquantized_4bit_layers_refused_with_the_alternative():
+    """A ``Linear4bit`` built under ``fp.deferred_init()`` (or never moved to a device, so never quantized) would be
+    sharded as if its full-precision values were packed bytes (then fail inside bitsandbytes' forward): refused at
+    ``fp.shard``, naming the way that works (``from_pretrained(quantization_config=...)`` then ``fp.shard``)."""
+    deferred, eager = (run_ranks(_unquantized_worker, 1, d)[0] for d in (True, False))
+    assert "0.weight" in deferred and "fp.deferred_init()" in deferred and "quantization_config" in deferred, deferred
+    assert "bnb_quantized=False" in eager and "model.to(device)" in eager, eager
+
+
+def _load_pretrained_worker(rank, world, path, path4):
+    """fp.load_pretrained of a checkpoint saved in 4-bit into a deferred model, and of any checkpoint into a sharded
+    4-bit model: both refused. Then what the messages name: the 4-bit checkpoint through from_pretrained, sharded."""
+    with fp.deferred_init():
+        model = tf.LlamaForCausalLM(tf.LlamaConfig.from_pretrained(path4))
+    fp.shard(model)
+    with pytest.raises(fp.ShardingError) as deferred:
+        fp.load_pretrained(model, path4)
+    model = _build(path, torch.uint8, lora=False)
+    fp.shard(model)
+    with pytest.raises(fp.ShardingError) as packed:
+        fp.load_pretrained(model, path)
+    model = tf.LlamaForCausalLM.from_pretrained(path4, dtype=torch.float32).train()   # quantization_config: saved
+    fp.shard(model)
+    x = _batch(0, rank)
+    return str(deferred.value), str(packed.value), _global_mean(model(input_ids=x, labels=x).loss, world)
+
+
+def test_load_pretrained_of_4bit_refused_with_the_alternative(base_dir, tmp_path):
+    """Deferred init + ``fp.load_pretrained`` cannot build a 4-bit base (quantize shard by shard, or read a 4-bit
+    checkpoint's ``quant_state``): refused by name, never loaded as bytes beside the wrong scales. The alternative the
+    message names, transformers' ``from_pretrained`` of the 4-bit checkpoint then ``fp.shard``, gives the
+    one-process loss of the model it was saved from."""
+    one = _build(base_dir, torch.uint8, lora=False)
+    one.save_pretrained(tmp_path)
+    _cpu_inference_path(one, False)
+    x = torch.cat([_batch(0, r) for r in range(WORLD)])
+    want = one(input_ids=x, labels=x).loss.item()
+    deferred, packed, loss = run_ranks(_load_pretrained_worker, WORLD, base_dir, str(tmp_path), timeout=240)[0]
+    assert "holds a bitsandbytes 4-bit checkpoint" in deferred and "weight.quant_state.bitsandbytes__nf4" in deferred
+    assert "then fp.shard(model)" in deferred, deferred
+    assert "model.layers.0.self_attn.q_proj.weight" in packed and "PeftModel.from_pretrained" in packed, packed
+    assert abs(loss - want) <= TOL, (loss, want)
 
 
 _TRANSFORMERS_INTEGRATION = "fsdp_plugin.integrations.transformers"

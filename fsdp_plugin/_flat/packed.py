@@ -71,6 +71,8 @@ def prepare(model: nn.Module) -> int:
                     "or keep these layers out of the sharded model")
             if kind not in _PACKED:
                 continue
+            if getattr(p, "bnb_quantized", True) is False:
+                raise ShardingError(_not_quantized(where, p))
             if getattr(getattr(p, "quant_state", None), "packing_format_for_cpu", False):
                 raise ShardingError(
                     f"{where} was repacked by bitsandbytes' CPU inference path (the model ran a forward in eval "
@@ -80,6 +82,45 @@ def prepare(model: nn.Module) -> int:
             if hasattr(module, "support_avx512bf16_for_cpu"):
                 module.support_avx512bf16_for_cpu = False
     return count
+
+
+# What a 70B QLoRA user runs instead of deferred init + fp.load_pretrained (named by both refusals below).
+LOAD_4BIT_INSTEAD = (
+    "load the 4-bit base with transformers on every rank, from_pretrained(path, quantization_config="
+    "BitsAndBytesConfig(load_in_4bit=True, ...)) (a checkpoint saved in 4-bit needs no quantization_config), "
+    "then fp.shard(model): each rank holds the whole packed base (about 0.5 byte per parameter) until fp.shard "
+    "keeps its 1/world")
+
+
+def _not_quantized(where: str, p) -> str:
+    from .._deferred import is_deferred
+
+    if is_deferred(p):
+        return (f"{where} is a 4-bit weight built under fp.deferred_init(), not quantized yet: fp.shard and "
+                f"fp.load_pretrained cannot quantize a base shard by shard (its packed size and quant_state come "
+                f"from bitsandbytes' quantization of the whole weight). Build the model outside deferred_init: "
+                f"{LOAD_4BIT_INSTEAD}")
+    return (f"{where} is a 4-bit weight that bitsandbytes has not quantized yet (Params4bit with "
+            "bnb_quantized=False: a Linear4bit quantizes when moved to its device): fp.shard would shard its "
+            "unquantized values as packed bytes. Call model.to(device) before fp.shard, or " + LOAD_4BIT_INSTEAD)
+
+
+def refuse_load(model: nn.Module, names, path: str) -> None:
+    """Raise when ``fp.load_pretrained`` would read into packed 4-bit weights or read a checkpoint saved in 4-bit:
+    it writes bytes into each rank's piece but no ``quant_state`` (absmax, quant_map), so packed bytes would sit
+    beside another checkpoint's scales (a silently wrong model), and it cannot quantize a full-precision base."""
+    packed = next((n for n, p in model.named_parameters() if is_packed(p)), None)
+    if packed is not None:
+        raise ShardingError(
+            f"fp.load_pretrained({path!r}) into a model with 4-bit weights ({packed!r}) would load packed bytes "
+            "without their quant_state: not supported. The 4-bit base is already loaded (from_pretrained with "
+            "quantization_config); load adapters with PEFT (PeftModel.from_pretrained / model.load_adapter) or "
+            "resume with fp.load_checkpoint")
+    saved = next((n for n in names if ".quant_state.bitsandbytes__" in n), None)
+    if saved is not None:
+        raise ShardingError(
+            f"{path} holds a bitsandbytes 4-bit checkpoint ({saved!r}): fp.load_pretrained cannot build 4-bit "
+            f"layers or their quant_state in a deferred or full-precision model. Instead, {LOAD_4BIT_INSTEAD}")
 
 
 def refuse_export(model: nn.Module, what: str, keys=None) -> None:
