@@ -22,8 +22,11 @@ def write_base(path: str) -> str:
 
 
 def quantization(storage: torch.dtype, compute: torch.dtype = torch.float32):
+    """4-bit nf4 with packed bytes stored as ``storage``; ``storage=torch.int8``: bitsandbytes 8-bit (LLM.int8)."""
     import transformers as tf
 
+    if storage == torch.int8:
+        return tf.BitsAndBytesConfig(load_in_8bit=True)
     return tf.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute,
                                  bnb_4bit_quant_storage=storage)
 
@@ -50,10 +53,10 @@ def batch(step: int, rank: int) -> torch.Tensor:
 
 
 def packed(model) -> dict:
-    """The 4-bit weights by name (``Params4bit``: class kept, ``quant_state`` beside)."""
+    """The quantized weights by name (``Params4bit``, ``quant_state`` beside; 8-bit: ``Int8Params``, ``SCB``)."""
     import bitsandbytes as bnb
 
-    return {n: p for n, p in model.named_parameters() if isinstance(p, bnb.nn.Params4bit)}
+    return {n: p for n, p in model.named_parameters() if isinstance(p, (bnb.nn.Params4bit, bnb.nn.Int8Params))}
 
 
 def packed_facts(model) -> dict:

@@ -12,8 +12,9 @@ trains on its own data; one process trains the same quantized model on the globa
   never changed, and ``fp.full_params`` shows real ``Params4bit`` objects with the original ``quant_state``;
 * under ``MixedPrecision(param_dtype=bfloat16)`` a float32-stored packed weight reaches ``Linear4bit.forward``
   as the same bytes (a cast would rewrite every nibble);
-* layer types that cannot be sharded exactly (8-bit) and weights bitsandbytes already repacked in place are
-  refused by name at ``fp.shard``.
+* bitsandbytes 8-bit bases (``Linear8bitLt``: int8 rows, ``SCB`` row scales) the same way;
+* layers that cannot be sharded exactly (trainable or unquantized 8-bit, 4-bit not quantized yet) and weights
+  bitsandbytes already repacked in place are refused by name at ``fp.shard``; ``fp.load_pretrained`` of 4-bit.
 
 The models are put in train mode as Trainer and Lightning do: in eval mode on AVX512-BF16 CPUs bitsandbytes
 itself repacks the one-process reference's weights with bf16 scales (``_flat/packed.py``).
@@ -48,6 +49,11 @@ SCRIPT = ROOT / "tests" / "scripts" / "hf_trainer_check.py"    # its "qlora" pha
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory) -> str:
     return write_base(str(tmp_path_factory.mktemp("tiny_llama")))
+
+
+def _scales(p):
+    """What a quantized weight's values mean: 4-bit ``quant_state`` (absmax, code book), 8-bit row scales ``SCB``."""
+    return p.quant_state if isinstance(p, bnb.nn.Params4bit) else p.SCB
 
 
 def _adapters(state: dict) -> dict:
@@ -98,7 +104,7 @@ def _global_mean(loss: torch.Tensor, world: int) -> float:
 
 def _sharded(rank, world, path, storage, dora):
     model = _build(path, storage, dora=dora)
-    states = {n: p.quant_state for n, p in _packed(model).items()}
+    states = {n: _scales(p) for n, p in _packed(model).items()}
     _cpu_inference_path(model, True)     # fp.shard must turn it off: it cannot rewrite a shard in place
     fp.shard(model)
     packed = _packed(model)
@@ -114,26 +120,32 @@ def _sharded(rank, world, path, storage, dora):
         opt.step()
         losses.append(_global_mean(loss, world))
     losses += _evaluate(model, _batch(STEPS, rank), lambda loss: _global_mean(loss, world))
+    held = [n for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear8bitLt)
+            and m.state.CB is not None and m.state.CB.untyped_storage().nbytes()]
+    assert not held, f"8-bit layers keep their gathered rows between steps: {held}"
     with fp.full_params(model, writeback=False):
         full = _packed(model)
-        kept = {n: (type(p).__name__, p.quant_state is states[n], tuple(p.shape)) for n, p in full.items()}
+        kept = {n: (type(p).__name__, _scales(p) is states[n], tuple(p.shape)) for n, p in full.items()}
         nbytes = {n: p.detach().view(torch.uint8).clone() for n, p in full.items()}
     return losses, _adapters(fp.full_state_dict(model)), local, kept, nbytes
 
 
-@pytest.mark.parametrize("storage,dora", [(torch.uint8, False), (torch.bfloat16, False), (torch.uint8, True)],
-                         ids=["uint8", "bf16", "uint8-dora"])
+@pytest.mark.parametrize("storage,dora", [(torch.uint8, False), (torch.bfloat16, False), (torch.uint8, True),
+                                          (torch.int8, False)], ids=["uint8", "bf16", "uint8-dora", "int8"])
 def test_qlora_matches_one_process(base_dir, storage, dora):
-    """DoRA also dequantizes the 4-bit base itself (its weight norm) through ``quant_state``."""
+    """DoRA also dequantizes the 4-bit base itself (its weight norm) through ``quant_state``. ``int8``: the base in
+    bitsandbytes 8-bit (``Linear8bitLt``, int8 rows with their ``SCB`` row scales), whose backward reads the rows
+    bitsandbytes keeps in the layer's ``state``: the gathered rows, released with them."""
     want_losses, want_adapters, want_bytes = _one_process(base_dir, storage, dora)
     got = run_ranks(_sharded, WORLD, base_dir, storage, dora, timeout=240)
-    assert len(want_bytes) == 14   # 2 layers x 7 projections: every linear of the decoder is 4-bit
+    assert len(want_bytes) == 14   # 2 layers x 7 projections: every linear of the decoder is quantized
+    cls_name = "Int8Params" if storage == torch.int8 else "Params4bit"
     for rank, (losses, adapters, local, kept, nbytes) in enumerate(got):
         diff = max(abs(a - b) for a, b in zip(losses, want_losses))
         assert diff <= TOL, f"rank {rank}: loss drift {diff:.2e}\n got {losses}\nwant {want_losses}"
         assert kept.keys() == want_bytes.keys()
         for n, (cls, same_state, shape) in kept.items():
-            assert cls == "Params4bit" and same_state, f"{n}: {cls}, quant_state kept: {same_state}"
+            assert cls == cls_name and same_state, f"{n}: {cls}, quant_state kept: {same_state}"
             assert torch.equal(nbytes[n], want_bytes[n]), f"{n}: packed bytes changed"
     adapters = got[0][1]
     assert adapters.keys() == want_adapters.keys() and len(adapters) == (18 if dora else 12)
@@ -217,8 +229,9 @@ def test_packed_bytes_reach_forward_uncast_under_mixed_precision(base_dir):
 
 
 def _refused_worker(rank, world, what, path):
-    if what == "int8":
-        model = torch.nn.Sequential(bnb.nn.Linear8bitLt(64, 64, has_fp16_weights=False), torch.nn.Linear(64, 4))
+    if what.startswith("int8"):     # trainable float weights, or frozen ones never quantized (never moved)
+        layer = bnb.nn.Linear8bitLt(64, 64, has_fp16_weights=what == "int8_fp16")
+        model = torch.nn.Sequential(layer, torch.nn.Linear(64, 4))
     else:   # a 4-bit model that bitsandbytes repacked in place for CPU inference before fp.shard
         model = _build(path, torch.uint8, lora=False).eval()
         for m in model.modules():
@@ -231,9 +244,13 @@ def _refused_worker(rank, world, what, path):
     return str(err.value)
 
 
-def test_int8_layers_refused_by_name(base_dir):
-    msg = run_ranks(_refused_worker, 1, "int8", base_dir)[0]
-    assert "0.weight" in msg and "Linear8bitLt" in msg and "load_in_4bit=True" in msg, msg
+def test_int8_layers_that_cannot_be_sharded_exactly_refused_by_name(base_dir):
+    """8-bit layers are sharded (``test_qlora_matches_one_process[int8]``) once quantized and frozen; trainable
+    ``has_fp16_weights`` ones (quantized again at every forward) and ones never quantized are refused."""
+    msg = run_ranks(_refused_worker, 1, "int8_fp16", base_dir)[0]
+    assert "0.weight" in msg and "has_fp16_weights=True" in msg and "load_in_8bit=True" in msg, msg
+    msg = run_ranks(_refused_worker, 1, "int8_unquantized", base_dir)[0]
+    assert "0.weight" in msg and "not quantized yet" in msg and "model.to(device)" in msg, msg
 
 
 def test_weights_repacked_for_cpu_inference_refused(base_dir):
@@ -405,8 +422,8 @@ def test_sharded_checkpoint_round_trips_packed_bytes(base_dir, tmp_path):
     assert run_ranks(_checkpoint_worker, WORLD, base_dir, str(tmp_path / "ckpt"), timeout=240) == [(True, 14)] * 2
 
 
-def _state_dict_worker(rank, world, path):
-    model = _build(path, torch.bfloat16, lora=False)
+def _state_dict_worker(rank, world, path, storage):
+    model = _build(path, storage, lora=False)
     want = {k: v.clone() for k, v in model.state_dict().items()}
     fp.shard(model)
     got = fp.full_state_dict(model)
@@ -418,10 +435,12 @@ def _state_dict_worker(rank, world, path):
         want[k].view(torch.uint8) if want[k].dtype == torch.bfloat16 else want[k]))]
 
 
-def test_full_state_dict_equals_the_plain_state_dict(base_dir):
+@pytest.mark.parametrize("storage", [torch.bfloat16, torch.int8], ids=["bf16", "int8"])
+def test_full_state_dict_equals_the_plain_state_dict(base_dir, storage):
     """``fp.full_state_dict`` promises the plain model's ``state_dict()``: for a 4-bit model that includes the
-    ``quant_state`` entries bitsandbytes writes (absmax, quant_map, ...), and the packed bytes unchanged."""
-    assert run_ranks(_state_dict_worker, WORLD, base_dir, timeout=240)[0] == []
+    ``quant_state`` entries bitsandbytes writes (absmax, quant_map, ...), for an 8-bit one ``SCB`` and
+    ``weight_format``, and the packed bytes unchanged."""
+    assert run_ranks(_state_dict_worker, WORLD, base_dir, storage, timeout=240)[0] == []
 
 
 @pytest.mark.integration   # two Trainer launches (one process, then torchrun at 2): ~14 s
