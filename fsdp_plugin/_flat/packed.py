@@ -45,6 +45,14 @@ def _bnb_class(t) -> str | None:
     return None
 
 
+def _torchao_class(t) -> str | None:
+    """The class name when ``t`` is a torchao tensor subclass (``NF4Tensor``, ...; torchao is never imported here)."""
+    for cls in type(t).__mro__:
+        if cls.__module__.startswith("torchao."):
+            return cls.__name__
+    return None
+
+
 def is_packed(p) -> bool:
     """``p`` holds packed quantized bytes that the engine shards as bytes (never cast, class kept). An 8-bit weight
     with ``has_fp16_weights`` holds trainable float values instead (refused by ``prepare``)."""
@@ -74,6 +82,12 @@ def prepare(model: nn.Module) -> int:
         for name, p in module.named_parameters(recurse=False):
             kind = _bnb_class(p)
             where = f"{fqn}.{name}" if fqn else name
+            if _torchao_class(p):
+                raise ShardingError(
+                    f"{where} is a torchao {_torchao_class(p)} weight: fp.shard cannot shard its inner tensors "
+                    "(packed nibbles and block scales, split by blocks) exactly yet, and will not flatten it into "
+                    "values. Load the base with bitsandbytes' nf4 instead (transformers.BitsAndBytesConfig("
+                    "load_in_4bit=True, bnb_4bit_quant_type='nf4')), which fp.shard shards exactly")
             if kind == "Int8Params":
                 _prepare_int8(where, module, p)
                 count += 1
