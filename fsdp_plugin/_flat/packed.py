@@ -72,14 +72,18 @@ def rewrap(original: nn.Parameter, view: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def prepare(model: nn.Module) -> int:
+def prepare(model: nn.Module, ignored_modules=()) -> int:
     """Check every quantized parameter before sharding and turn off in-place repacking (module doc).
 
     Refuses layer types that cannot be sharded exactly and 4-bit weights already repacked for CPU inference
-    (an eval-mode forward ran before ``fp.shard``). Returns the number of packed parameters."""
+    (an eval-mode forward ran before ``fp.shard``). Parameters of ``ignored_modules`` stay as they are (the engine
+    never touches them: kept whole, they run bitsandbytes' own path). Returns the number of packed parameters."""
     count = 0
+    ignored = {id(p) for m in ignored_modules for p in m.parameters()}
     for fqn, module in model.named_modules():
         for name, p in module.named_parameters(recurse=False):
+            if id(p) in ignored:
+                continue
             kind = _bnb_class(p)
             where = f"{fqn}.{name}" if fqn else name
             if _torchao_class(p):
