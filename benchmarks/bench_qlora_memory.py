@@ -76,6 +76,8 @@ def worker(a) -> None:
     layers = (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)
     ignored = [m for m in model.modules() if isinstance(m, layers)] if a.mode == "replicated" else []
     fp.shard(model, auto_wrap_policy={LlamaDecoderLayer}, ignored_modules=ignored)
+    packed = [p for p in model.parameters() if isinstance(p, (bnb.nn.Params4bit, bnb.nn.Int8Params))]
+    scales = sum(map(_quant_state_bytes, packed))   # before a forward: bitsandbytes' own 8-bit path moves SCB away
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     g = torch.Generator().manual_seed(rank)
     heap.reset_peak()
@@ -85,8 +87,7 @@ def worker(a) -> None:
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
-    packed = [p for p in model.parameters() if isinstance(p, (bnb.nn.Params4bit, bnb.nn.Int8Params))]
-    rep = {"rank": rank, "packed_bytes": _bytes(packed), "quant_state_bytes": sum(map(_quant_state_bytes, packed)),
+    rep = {"rank": rank, "packed_bytes": _bytes(packed), "quant_state_bytes": scales,
            "param_bytes": _bytes(model.parameters()),
            "heap_peak_steps": heap.peak() - base if heap.available else -1}
     with open(os.path.join(a.out, f"{a.mode}_w{a.world}_rank{rank}.json"), "w") as f:

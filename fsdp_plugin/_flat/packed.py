@@ -23,7 +23,8 @@ bytes, the row scales ``SCB`` (one fp32 per row) kept whole on the parameter; bi
 
 ``quant_state`` itself stays whole on every rank (one absmax per 64-value block: 4 bytes per 32 packed bytes,
 about 1 with ``bnb_4bit_use_double_quant``). What the engine cannot shard exactly is refused by name (``prepare``):
-trainable 8-bit weights, weights not quantized yet (built under ``fp.deferred_init()``), weights already repacked;
+trainable 8-bit weights, weights not quantized yet (built under ``fp.deferred_init()``), weights already repacked,
+torchao tensor subclasses (``NF4Tensor``: inner tensors split by blocks, not sharded here yet);
 ``fp.load_pretrained`` never writes packed bytes (``refuse_load``: their quant_state would not follow).
 """
 from __future__ import annotations
