@@ -528,7 +528,7 @@ def test_qlora_lightning_recipe_matches_one_process(base_dir, tmp_path):
 _ACCELERATE_ENV = {   # what `accelerate launch --config_file` exports for the FSDP-QLoRA doc's config (fp32 here)
     "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "true",
     "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer",
-    "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT", "FSDP_CPU_RAM_EFFICIENT_LOADING": "false",
+    "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
     "FSDP_SYNC_MODULE_STATES": "false", "ACCELERATE_MIXED_PRECISION": "no"}
 
 
@@ -543,8 +543,12 @@ def _accelerate_worker(rank, world, path):
     from fsdp_plugin.integrations.accelerate import Accelerator
     from _qlora import packed_facts
 
+    import warnings
+
     acc = Accelerator()
-    model = _build(path, torch.bfloat16)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model = _build(path, torch.bfloat16)   # the docs' cpu_ram_efficient_loading: every rank loads it (quantized)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model, opt = acc.prepare(model, opt)
     losses = []
@@ -555,13 +559,17 @@ def _accelerate_worker(rank, world, path):
         opt.step()
         opt.zero_grad()
         losses.append(acc.reduce(loss.detach(), "mean").item())
-    return {"losses": losses, "sharded": fp.is_sharded(model), **packed_facts(model)}
+    warned = sum("quantized model loads on every rank" in str(w.message) for w in seen)
+    return {"losses": losses, "sharded": fp.is_sharded(model), "warned": warned, **packed_facts(model)}
 
 
 def test_qlora_accelerate_recipe_matches_one_process(base_dir):
     """The FSDP-QLoRA recipe through the Accelerate plug-in (``fsdp_plugin.integrations.accelerate.Accelerator``,
     the env ``accelerate launch`` exports for an FSDP2 transformer-wrap config) on 2 forked ranks: a 4-bit nf4 base
-    with bf16 storage (the docs' ``bnb_4bit_quant_storage``) and PEFT LoRA through ``prepare``/``backward``."""
+    with bf16 storage (the docs' ``bnb_4bit_quant_storage``) and PEFT LoRA through ``prepare``/``backward``. The docs'
+    ``fsdp_cpu_ram_efficient_loading: true`` cannot load a quantized base on rank 0 only (its scales are not tensors
+    the engine scatters; ranks > 0 would hold unquantized meta weights): every rank loads it, rank 1 says so."""
     pytest.importorskip("accelerate")
     reports = run_ranks(_accelerate_worker, WORLD, base_dir, timeout=240)
+    assert [r["warned"] for r in reports] == [0, 1], reports
     _check_recipe(reports, *_one_process_recipe(base_dir, torch.bfloat16))
