@@ -199,20 +199,20 @@ def test_qlora_bf16_compute_within_derived_bound(base_dir):
         assert diff <= bound, f"rank {rank}: {diff:.2e} > {bound:.2e}\n got {losses}\nwant {want}"
 
 
-def _mixed_precision_worker(rank, world, path):
-    model = _build(path, torch.float32, lora=False)
-    want = {n: (p.detach().view(torch.uint8).clone(), p.quant_state) for n, p in _packed(model).items()}
+def _mixed_precision_worker(rank, world, path, storage):
+    model = _build(path, storage, lora=False)
+    want = {n: (p.detach().view(torch.uint8).clone(), _scales(p)) for n, p in _packed(model).items()}
     seen = {}
 
     def record(name):
         def hook(module, args):
             w = module.weight
             seen[name] = (type(w).__name__, w.dtype, torch.equal(w.detach().view(torch.uint8), want[name][0]),
-                          w.quant_state is want[name][1])
+                          _scales(w) is want[name][1])
         return hook
 
     for n, m in model.named_modules():
-        if isinstance(m, bnb.nn.Linear4bit):
+        if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)):
             m.register_forward_pre_hook(record(n + ".weight"))
     fp.shard(model, mixed_precision=fp.MixedPrecision(param_dtype=torch.bfloat16))
     x = _batch(0, rank)
@@ -220,13 +220,15 @@ def _mixed_precision_worker(rank, world, path):
     return seen
 
 
-def test_packed_bytes_reach_forward_uncast_under_mixed_precision(base_dir):
+@pytest.mark.parametrize("storage", [torch.float32, torch.int8], ids=["4bit-fp32-storage", "int8"])
+def test_packed_bytes_reach_forward_uncast_under_mixed_precision(base_dir, storage):
     """float32 storage under bf16 mixed precision: every 4-bit layer's forward sees its own bytes in float32,
-    as a Params4bit with its quant_state."""
-    for seen in run_ranks(_mixed_precision_worker, WORLD, base_dir, timeout=240):
+    as a Params4bit with its quant_state; an 8-bit layer its int8 rows as an Int8Params with its SCB."""
+    cls_name = "Int8Params" if storage == torch.int8 else "Params4bit"
+    for seen in run_ranks(_mixed_precision_worker, WORLD, base_dir, storage, timeout=240):
         assert len(seen) == 14
         for n, (cls, dtype, same, state) in seen.items():
-            assert (cls, dtype, same, state) == ("Params4bit", torch.float32, True, True), (n, cls, dtype, same, state)
+            assert (cls, dtype, same, state) == (cls_name, storage, True, True), (n, cls, dtype, same, state)
 
 
 def _refused_worker(rank, world, what, path):
@@ -417,8 +419,8 @@ def test_qlora_generate_per_rank_lengths(base_dir):
     assert run_ranks(_generate_worker, WORLD, base_dir, timeout=240) == want
 
 
-def _checkpoint_worker(rank, world, path, ckpt):
-    model = _build(path, torch.bfloat16)
+def _checkpoint_worker(rank, world, path, ckpt, storage):
+    model = _build(path, storage)
     fp.shard(model)
     with fp.full_params(model, writeback=False):
         want = {n: p.detach().view(torch.uint8).clone() for n, p in _packed(model).items()}
@@ -427,7 +429,7 @@ def _checkpoint_worker(rank, world, path, ckpt):
     model(input_ids=x, labels=x).loss.backward()
     opt.step()
     fp.save_checkpoint(ckpt, model, opt)
-    other = _build(path, torch.bfloat16)
+    other = _build(path, storage)
     fp.shard(other)
     with torch.no_grad():
         for p in _packed(other).values():
@@ -438,10 +440,12 @@ def _checkpoint_worker(rank, world, path, ckpt):
     return all(torch.equal(got[n], want[n]) for n in want), len(want)
 
 
-def test_sharded_checkpoint_round_trips_packed_bytes(base_dir, tmp_path):
+@pytest.mark.parametrize("storage", [torch.bfloat16, torch.int8], ids=["bf16", "int8"])
+def test_sharded_checkpoint_round_trips_packed_bytes(base_dir, tmp_path, storage):
     """``fp.save_checkpoint`` / ``fp.load_checkpoint`` (what the Trainer's and Lightning's checkpoints use) restore
-    the packed bf16-stored bytes bit for bit."""
-    assert run_ranks(_checkpoint_worker, WORLD, base_dir, str(tmp_path / "ckpt"), timeout=240) == [(True, 14)] * 2
+    the packed bf16-stored bytes (and 8-bit int8 rows) bit for bit."""
+    got = run_ranks(_checkpoint_worker, WORLD, base_dir, str(tmp_path / "ckpt"), storage, timeout=240)
+    assert got == [(True, 14)] * 2
 
 
 def _state_dict_worker(rank, world, path, storage):
