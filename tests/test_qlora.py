@@ -278,14 +278,17 @@ def test_unquantized_4bit_layers_refused_with_the_alternative():
     assert "bnb_quantized=False" in eager and "model.to(device)" in eager, eager
 
 
-def _load_pretrained_worker(rank, world, path, path4):
-    """fp.load_pretrained of a checkpoint saved in 4-bit into a deferred model, and of any checkpoint into a sharded
-    4-bit model: both refused. Then what the messages name: the 4-bit checkpoint through from_pretrained, sharded."""
-    with fp.deferred_init():
-        model = tf.LlamaForCausalLM(tf.LlamaConfig.from_pretrained(path4))
-    fp.shard(model)
-    with pytest.raises(fp.ShardingError) as deferred:
-        fp.load_pretrained(model, path4)
+def _load_pretrained_worker(rank, world, path, path4, path8):
+    """fp.load_pretrained of a checkpoint saved in 4-bit (or 8-bit) into a deferred model, and of any checkpoint into
+    a sharded 4-bit model: refused. Then what the messages name: the 4-bit checkpoint through from_pretrained."""
+    refused = []
+    for saved in (path4, path8):
+        with fp.deferred_init():
+            model = tf.LlamaForCausalLM(tf.LlamaConfig.from_pretrained(path))
+        fp.shard(model)
+        with pytest.raises(fp.ShardingError) as err:
+            fp.load_pretrained(model, saved, strict=False)   # strict=False: no name check would stop it first
+        refused.append(str(err.value))
     model = _build(path, torch.uint8, lora=False)
     fp.shard(model)
     with pytest.raises(fp.ShardingError) as packed:
@@ -293,7 +296,7 @@ def _load_pretrained_worker(rank, world, path, path4):
     model = tf.LlamaForCausalLM.from_pretrained(path4, dtype=torch.float32).train()   # quantization_config: saved
     fp.shard(model)
     x = _batch(0, rank)
-    return str(deferred.value), str(packed.value), _global_mean(model(input_ids=x, labels=x).loss, world)
+    return refused, str(packed.value), _global_mean(model(input_ids=x, labels=x).loss, world)
 
 
 def test_load_pretrained_of_4bit_refused_with_the_alternative(base_dir, tmp_path):
@@ -301,14 +304,17 @@ def test_load_pretrained_of_4bit_refused_with_the_alternative(base_dir, tmp_path
     checkpoint's ``quant_state``): refused by name, never loaded as bytes beside the wrong scales. The alternative the
     message names, transformers' ``from_pretrained`` of the 4-bit checkpoint then ``fp.shard``, gives the
     one-process loss of the model it was saved from."""
+    _build(base_dir, torch.int8, lora=False).save_pretrained(tmp_path / "int8")
     one = _build(base_dir, torch.uint8, lora=False)
     one.save_pretrained(tmp_path)
     _cpu_inference_path(one, False)
     x = torch.cat([_batch(0, r) for r in range(WORLD)])
     want = one(input_ids=x, labels=x).loss.item()
-    deferred, packed, loss = run_ranks(_load_pretrained_worker, WORLD, base_dir, str(tmp_path), timeout=240)[0]
-    assert "holds a bitsandbytes 4-bit checkpoint" in deferred and "weight.quant_state.bitsandbytes__nf4" in deferred
-    assert "then fp.shard(model)" in deferred, deferred
+    (nf4, int8), packed, loss = run_ranks(_load_pretrained_worker, WORLD, base_dir, str(tmp_path),
+                                          str(tmp_path / "int8"), timeout=240)[0]
+    assert "holds a bitsandbytes-quantized checkpoint" in nf4 and "weight.quant_state.bitsandbytes__nf4" in nf4, nf4
+    assert "then fp.shard(model)" in nf4, nf4
+    assert "holds a bitsandbytes-quantized checkpoint" in int8 and "weight_format" in int8, int8
     assert "model.layers.0.self_attn.q_proj.weight" in packed and "PeftModel.from_pretrained" in packed, packed
     assert abs(loss - want) <= TOL, (loss, want)
 

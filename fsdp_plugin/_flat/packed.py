@@ -79,7 +79,7 @@ def prepare(model: nn.Module, ignored_modules=()) -> int:
     Refuses layer types that cannot be sharded exactly and 4-bit weights already repacked for CPU inference
     (an eval-mode forward ran before ``fp.shard``). Parameters of ``ignored_modules`` stay as they are (the engine
     never touches them: kept whole, they run bitsandbytes' own path). Returns the number of packed parameters."""
-    count = 0
+    count, int8 = 0, []
     ignored = {id(p) for m in ignored_modules for p in m.parameters()}
     for fqn, module in model.named_modules():
         for name, p in module.named_parameters(recurse=False):
@@ -94,8 +94,7 @@ def prepare(model: nn.Module, ignored_modules=()) -> int:
                     "values. Load the base with bitsandbytes' nf4 instead (transformers.BitsAndBytesConfig("
                     "load_in_4bit=True, bnb_4bit_quant_type='nf4')), which fp.shard shards exactly")
             if kind == "Int8Params":
-                _prepare_int8(where, module, p)
-                count += 1
+                int8.append((module, p, _int8_scales(where, module, p)))
                 continue
             if kind not in _PACKED:
                 continue
@@ -109,7 +108,11 @@ def prepare(model: nn.Module, ignored_modules=()) -> int:
             count += 1
             if hasattr(module, "support_avx512bf16_for_cpu"):
                 module.support_avx512bf16_for_cpu = False
-    return count
+    for module, p, scb in int8:     # after every check passed: a refused model keeps bitsandbytes' own state
+        p.SCB, p.CB = scb, None      # the full rows' reference dropped (``rewrap`` gives each forward its own)
+        if getattr(module, "state", None) is not None:
+            module.state.CB = module.state.SCB = None
+    return count + len(int8)
 
 
 # What a 70B QLoRA user runs instead of deferred init + fp.load_pretrained (named by both refusals below).
@@ -134,27 +137,28 @@ def _not_quantized(where: str, p) -> str:
 
 
 def refuse_load(model: nn.Module, names, path: str) -> None:
-    """Raise when ``fp.load_pretrained`` would read into packed 4-bit weights or read a checkpoint saved in 4-bit:
-    it writes bytes into each rank's piece but no ``quant_state`` (absmax, quant_map), so packed bytes would sit
-    beside another checkpoint's scales (a silently wrong model), and it cannot quantize a full-precision base."""
+    """Raise when ``fp.load_pretrained`` would read into packed quantized weights or read a checkpoint saved
+    quantized (4-bit ``quant_state`` entries, 8-bit ``weight_format``): it writes bytes into each rank's piece but
+    no ``quant_state`` / ``SCB``, so packed bytes would sit beside another checkpoint's scales, or int8 codes be
+    cast into float weights (a silently wrong model); and it cannot quantize a full-precision base."""
     packed = next((n for n, p in model.named_parameters() if is_packed(p)), None)
     if packed is not None:
         raise ShardingError(
-            f"fp.load_pretrained({path!r}) into a model with 4-bit weights ({packed!r}) would load packed bytes "
-            "without their quant_state: not supported. The 4-bit base is already loaded (from_pretrained with "
-            "quantization_config); load adapters with PEFT (PeftModel.from_pretrained / model.load_adapter) or "
-            "resume with fp.load_checkpoint")
-    saved = next((n for n in names if ".quant_state.bitsandbytes__" in n), None)
+            f"fp.load_pretrained({path!r}) into a model with quantized weights ({packed!r}) would load packed "
+            "bytes without their quant_state: not supported. The quantized base is already loaded (from_pretrained "
+            "with quantization_config); load adapters with PEFT (PeftModel.from_pretrained / model.load_adapter) "
+            "or resume with fp.load_checkpoint")
+    saved = next((n for n in names if ".quant_state.bitsandbytes__" in n or n.endswith(".weight_format")), None)
     if saved is not None:
         raise ShardingError(
-            f"{path} holds a bitsandbytes 4-bit checkpoint ({saved!r}): fp.load_pretrained cannot build 4-bit "
-            f"layers or their quant_state in a deferred or full-precision model. Instead, {LOAD_4BIT_INSTEAD}")
+            f"{path} holds a bitsandbytes-quantized checkpoint ({saved!r}): fp.load_pretrained cannot build "
+            f"quantized layers or their quant_state in a deferred or full-precision model. Instead, "
+            f"{LOAD_4BIT_INSTEAD}")
 
 
-def _prepare_int8(where: str, module: nn.Module, p) -> None:
+def _int8_scales(where: str, module: nn.Module, p) -> torch.Tensor:
     """An 8-bit weight (``Linear8bitLt``): int8 rows sharded as bytes, row scales ``SCB`` (one fp32 per row) kept
-    whole on the parameter. After a forward, bitsandbytes keeps CB and SCB in ``module.state`` instead (CB the full
-    rows): moved back to the parameter, the full rows' reference dropped (``rewrap`` gives each forward its own)."""
+    whole on the parameter; returns them (after a forward bitsandbytes keeps CB and SCB in ``module.state``)."""
     state = getattr(module, "state", None)
     if getattr(p, "has_fp16_weights", False) or getattr(state, "has_fp16_weights", False):
         raise ShardingError(
@@ -167,9 +171,7 @@ def _prepare_int8(where: str, module: nn.Module, p) -> None:
             f"{where} is a bitsandbytes 8-bit weight that is not quantized yet ({p.dtype}, no SCB row scales: "
             "Linear8bitLt quantizes when moved to its device): call model.to(device) before fp.shard, or load it "
             "with from_pretrained(path, quantization_config=BitsAndBytesConfig(load_in_8bit=True))")
-    p.SCB, p.CB = scb, None
-    if state is not None:
-        state.CB = state.SCB = None
+    return scb
 
 
 def refuse_export(model: nn.Module, what: str, keys=None) -> None:
@@ -181,9 +183,9 @@ def refuse_export(model: nn.Module, what: str, keys=None) -> None:
         if is_packed(p) and (keys is None or id(p) in keys):
             raise ShardingError(
                 f"{what} would write the quantized weight {name!r} without its quantization state (4-bit "
-                "quant_state: absmax, quant_map; 8-bit: SCB row scales): not supported. Save the adapters with PEFT's model.save_pretrained(dir) (the base is unchanged: "
-                "the original checkpoint and quantization_config load it again), or use fp.save_checkpoint for "
-                "a resumable sharded checkpoint")
+                "quant_state: absmax, quant_map; 8-bit: SCB row scales): not supported. Save the adapters with "
+                "PEFT's model.save_pretrained(dir) (the base is unchanged: the original checkpoint and "
+                "quantization_config load it again), or use fp.save_checkpoint for a resumable sharded checkpoint")
 
 
 def quant_state_entries(p, key: str) -> dict:
