@@ -1,6 +1,6 @@
 """Per-rank memory of a QLoRA base (bitsandbytes nf4, CPU, gloo): sharded by fsdp_plugin vs replicated.
 
-    python benchmarks/bench_qlora_memory.py [--hidden 512 --layers 4 --vocab 8192 --steps 3 --worlds 1 2 4]
+    python benchmarks/bench_qlora_memory.py [--hidden 512 --layers 4 --vocab 8192 --steps 3 --worlds 1 2 4] [--bits 8]
 
 A Llama from a config (seed 0) is written with ``save_pretrained`` and loaded by every rank with
 ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=float32)``, LoRA r=8
@@ -11,7 +11,7 @@ on q/k/v/o, then ``fp.shard`` (one unit per decoder layer) and ``--steps`` AdamW
   FSDP-QLoRA answer does for the base (the rest is sharded the same way).
 
 Reported per rank (max over ranks): the packed 4-bit bytes held, the ``quant_state`` bytes (whole on every
-rank either way), all parameter bytes, and the malloc peak during the steps (LD_PRELOAD counter of ``_mem.py``;
+rank either way; ``--bits 8``: ``Linear8bitLt`` int8 rows and their ``SCB`` row scales), all parameter bytes, and the malloc peak during the steps (LD_PRELOAD counter of ``_mem.py``;
 -1 without a C compiler). The machine is shared: ``uptime`` is printed with the table.
 """
 from __future__ import annotations
@@ -38,12 +38,13 @@ def _save_base(a, path: str) -> None:
     LlamaForCausalLM(cfg).save_pretrained(path)
 
 
-def _model(path: str):
+def _model(path: str, bits: int = 4):
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import BitsAndBytesConfig, LlamaForCausalLM
 
-    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32) \
+        if bits == 4 else BitsAndBytesConfig(load_in_8bit=True)
     model = LlamaForCausalLM.from_pretrained(path, quantization_config=q, dtype=torch.float32)
     return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
                                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])).train()
@@ -54,6 +55,8 @@ def _bytes(tensors) -> int:
 
 
 def _quant_state_bytes(p) -> int:
+    if getattr(p, "quant_state", None) is None:     # 8-bit: one fp32 row scale per row
+        return p.SCB.numel() * p.SCB.element_size()
     qs = p.quant_state
     return sum(t.numel() * t.element_size() for t in qs.as_dict(packed=True).values() if hasattr(t, "numel"))
 
@@ -69,9 +72,12 @@ def worker(a) -> None:
 
     dist.init_process_group("gloo")
     rank, heap = dist.get_rank(), _mem.Heap()
-    model = _model(a.base)
-    ignored = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)] if a.mode == "replicated" else []
+    model = _model(a.base, a.bits)
+    layers = (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)
+    ignored = [m for m in model.modules() if isinstance(m, layers)] if a.mode == "replicated" else []
     fp.shard(model, auto_wrap_policy={LlamaDecoderLayer}, ignored_modules=ignored)
+    packed = [p for p in model.parameters() if isinstance(p, (bnb.nn.Params4bit, bnb.nn.Int8Params))]
+    scales = sum(map(_quant_state_bytes, packed))   # before a forward: bitsandbytes' own 8-bit path moves SCB away
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     g = torch.Generator().manual_seed(rank)
     heap.reset_peak()
@@ -81,8 +87,7 @@ def worker(a) -> None:
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
-    packed = [p for p in model.parameters() if isinstance(p, bnb.nn.Params4bit)]
-    rep = {"rank": rank, "packed_bytes": _bytes(packed), "quant_state_bytes": sum(map(_quant_state_bytes, packed)),
+    rep = {"rank": rank, "packed_bytes": _bytes(packed), "quant_state_bytes": scales,
            "param_bytes": _bytes(model.parameters()),
            "heap_peak_steps": heap.peak() - base if heap.available else -1}
     with open(os.path.join(a.out, f"{a.mode}_w{a.world}_rank{rank}.json"), "w") as f:
@@ -99,7 +104,7 @@ def launch(a, mode: str, world: int, out: str) -> dict:
         env["LD_PRELOAD"] = (so + " " + env.get("LD_PRELOAD", "")).strip()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", __file__,
            "--worker", "--mode", mode, "--world", str(world), "--out", out, "--base", a.base,
-           "--vocab", str(a.vocab), "--steps", str(a.steps)]
+           "--vocab", str(a.vocab), "--steps", str(a.steps), "--bits", str(a.bits)]
     subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
     reps = [json.load(open(os.path.join(out, f"{mode}_w{world}_rank{r}.json"))) for r in range(world)]
     return {k: max(r[k] for r in reps) for k in reps[0] if k != "rank"}
@@ -107,7 +112,7 @@ def launch(a, mode: str, world: int, out: str) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, default in (("hidden", 512), ("layers", 4), ("vocab", 8192), ("steps", 3)):
+    for name, default in (("hidden", 512), ("layers", 4), ("vocab", 8192), ("steps", 3), ("bits", 4)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--worker", action="store_true")
@@ -123,7 +128,7 @@ def main() -> None:
     _save_base(a, a.base)
     mb = lambda n: f"{n / 2**20:9.2f}" if n >= 0 else "      n/a"
     print(f"uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
-    print("layout      world  4-bit MB/rank  quant_state MB/rank  params MB/rank  heap peak MB (steps)")
+    print(f"layout      world  {a.bits}-bit MB/rank  quant_state MB/rank  params MB/rank  heap peak MB (steps)")
     for world in a.worlds:
         for mode in ("sharded", "replicated"):
             r = launch(a, mode, world, out)

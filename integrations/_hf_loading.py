@@ -8,6 +8,11 @@ prepared, the engine finds rank 0 real and the others on meta and scatters rank 
 (buffers too). transformers 5 itself loads full weights on every rank, so without this the flag would
 save nothing.
 
+A quantized model (bitsandbytes 4/8-bit: ``quantization_config``, or a checkpoint saved quantized) loads on every
+rank as without the flag, with a warning: its scales (``quant_state``, ``SCB``) are Python attributes that the
+engine cannot scatter from rank 0, and a meta ``Params4bit`` is not quantized, so every rank quantizes its own
+copy (the same bytes) and ``prepare`` shards it.
+
 Importing this module patches nothing: :func:`install` does (called by fsdp_plugin's ``Accelerator`` when the
 flag is on, and by the transformers ``Trainer`` integration), patching only ``from_pretrained``.
 """
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 _ORIGINAL: list = []
 
@@ -33,6 +39,13 @@ def _wrap(stock):
         if kwargs.get("device_map") is not None or not ram_efficient_loading_requested():
             return stock.__func__(cls, *args, **kwargs)
         model = stock.__func__(cls, *args, **{**kwargs, "device_map": "meta"})
+        if getattr(model, "hf_quantizer", None) is not None:     # the module doc: every rank loads it
+            warnings.warn(
+                "fsdp_cpu_ram_efficient_loading: this quantized model loads on every rank, not on rank 0 only "
+                "(its quant_state / SCB scales cannot be sent from rank 0): each rank holds the whole quantized "
+                "base (about 0.5 byte per parameter in 4-bit) until the model is prepared, which keeps 1/world "
+                "of it", stacklevel=2)
+            return stock.__func__(cls, *args, **kwargs)
         # Not a device map the user chose: leaving it would make Trainer/accelerate treat the model as
         # dispatched across devices (model parallel).
         for m in model.modules():

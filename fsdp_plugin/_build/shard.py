@@ -66,7 +66,7 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
                           "together yet; drop one of them")
     experts_mesh = prepare_experts(model, cfg, mesh, device)   # issue 55: experts cut to this rank's (``_experts/``)
     _check_reducible(model, cfg)
-    prepare_packed(model)   # 4-bit bases: refuse what cannot be sharded exactly, no in-place repacking
+    prepare_packed(model, cfg.ignored_modules)   # quantized bases: refuse what cannot be sharded exactly
     retie(model)
     some_ranks = set(some_ranks_fqns(model, cfg.some_ranks_modules, cfg.ignored_modules))
     regions = fp32_regions(model, cfg.mixed_precision)

@@ -1,4 +1,4 @@
-"""Packed quantized weights (bitsandbytes ``Params4bit``): bytes that only look like a dtype.
+"""Packed quantized weights (bitsandbytes ``Params4bit``, ``Int8Params``): bytes that only look like a dtype.
 
 A 4-bit weight is stored as packed nibbles in ``quant_storage`` (uint8, or bf16/fp16/fp32 *as bytes*), with its
 scales in ``weight.quant_state`` (a Python attribute, not a parameter or buffer). The engine shards the packed
@@ -16,9 +16,16 @@ bytes like any frozen parameter, with three rules that keep them exact:
   turns it off on every sharded 4-bit layer (bitsandbytes' own switch, ``support_avx512bf16_for_cpu``): those
   layers run bitsandbytes' standard kernel, as they do on a GPU.
 
+8-bit weights (``Linear8bitLt``, frozen: ``has_fp16_weights=False``) follow the same rules: int8 rows sharded as
+bytes, the row scales ``SCB`` (one fp32 per row) kept whole on the parameter; bitsandbytes moves CB/SCB into
+``module.state`` at a forward and its backward reads ``state.CB``, so each gathered view carries its own CB
+(``rewrap``) and the full rows' references are dropped before sharding (``_prepare_int8``).
+
 ``quant_state`` itself stays whole on every rank (one absmax per 64-value block: 4 bytes per 32 packed bytes,
-about 1 with ``bnb_4bit_use_double_quant``). Layer types whose packed layout the engine cannot shard exactly are refused by
-name (``prepare``).
+about 1 with ``bnb_4bit_use_double_quant``). What the engine cannot shard exactly is refused by name (``prepare``):
+trainable 8-bit weights, weights not quantized yet (built under ``fp.deferred_init()``), weights already repacked,
+torchao tensor subclasses (``NF4Tensor``: inner tensors split by blocks, not sharded here yet);
+``fp.load_pretrained`` never writes packed bytes (``refuse_load``: their quant_state would not follow).
 """
 from __future__ import annotations
 
@@ -28,8 +35,7 @@ from torch import nn
 from ..errors import ShardingError
 from .. import _compat
 
-_PACKED = {"Params4bit"}          # bitsandbytes classes sharded exactly (their bytes, never cast)
-_REFUSED = {"Int8Params": "bitsandbytes 8-bit (Linear8bitLt)"}   # row scales live beside the int8 rows
+_PACKED = {"Params4bit", "Int8Params"}     # bitsandbytes classes sharded exactly (their bytes, never cast)
 
 
 def _bnb_class(t) -> str | None:
@@ -40,9 +46,18 @@ def _bnb_class(t) -> str | None:
     return None
 
 
+def _torchao_class(t) -> str | None:
+    """The class name when ``t`` is a torchao tensor subclass (``NF4Tensor``, ...; torchao is never imported here)."""
+    for cls in type(t).__mro__:
+        if cls.__module__.startswith("torchao."):
+            return cls.__name__
+    return None
+
+
 def is_packed(p) -> bool:
-    """``p`` holds packed quantized bytes that the engine shards as bytes (never cast, class kept)."""
-    return _bnb_class(p) in _PACKED
+    """``p`` holds packed quantized bytes that the engine shards as bytes (never cast, class kept). An 8-bit weight
+    with ``has_fp16_weights`` holds trainable float values instead (refused by ``prepare``)."""
+    return _bnb_class(p) in _PACKED and not getattr(p, "has_fp16_weights", False)
 
 
 def rewrap(original: nn.Parameter, view: torch.Tensor) -> torch.Tensor:
@@ -50,27 +65,41 @@ def rewrap(original: nn.Parameter, view: torch.Tensor) -> torch.Tensor:
     ...): what ``Linear4bit.forward`` and ``fp.full_params`` must see. No copy: the storage is ``view``'s."""
     out = _compat.make_subclass(type(original), view.detach(), False)
     out.__dict__.update({k: v for k, v in original.__dict__.items() if not k.startswith("_fp_")})
+    if _bnb_class(original) == "Int8Params":
+        # Linear8bitLt.forward moves weight.CB (the int8 rows) and SCB into its ``state`` at each forward where
+        # weight.CB is set, and its backward reads state.CB: these gathered rows, which the engine gathers again
+        # into the same storage for backward. The original's CB is dropped by ``prepare`` (it was the full rows).
+        out.CB = view.detach()
     return out
 
 
-def prepare(model: nn.Module) -> int:
+def prepare(model: nn.Module, ignored_modules=()) -> int:
     """Check every quantized parameter before sharding and turn off in-place repacking (module doc).
 
     Refuses layer types that cannot be sharded exactly and 4-bit weights already repacked for CPU inference
-    (an eval-mode forward ran before ``fp.shard``). Returns the number of packed parameters."""
-    count = 0
+    (an eval-mode forward ran before ``fp.shard``). Parameters of ``ignored_modules`` stay as they are (the engine
+    never touches them: kept whole, they run bitsandbytes' own path). Returns the number of packed parameters."""
+    count, int8 = 0, []
+    ignored = {id(p) for m in ignored_modules for p in m.parameters()}
     for fqn, module in model.named_modules():
         for name, p in module.named_parameters(recurse=False):
+            if id(p) in ignored:
+                continue
             kind = _bnb_class(p)
             where = f"{fqn}.{name}" if fqn else name
-            if kind in _REFUSED:
+            if _torchao_class(p):
                 raise ShardingError(
-                    f"{where} is a {_REFUSED[kind]} weight ({type(module).__name__}): fp.shard cannot shard its "
-                    "int8 rows and row scales exactly yet and will not train it approximately. Load the base in "
-                    "4-bit instead (transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')), "
-                    "or keep these layers out of the sharded model")
+                    f"{where} is a torchao {_torchao_class(p)} weight: fp.shard cannot shard its inner tensors "
+                    "(packed nibbles and block scales, split by blocks) exactly yet, and will not flatten it into "
+                    "values. Load the base with bitsandbytes' nf4 instead (transformers.BitsAndBytesConfig("
+                    "load_in_4bit=True, bnb_4bit_quant_type='nf4')), which fp.shard shards exactly")
+            if kind == "Int8Params":
+                int8.append((module, p, _int8_scales(where, module, p)))
+                continue
             if kind not in _PACKED:
                 continue
+            if getattr(p, "bnb_quantized", True) is False:
+                raise ShardingError(_not_quantized(where, p))
             if getattr(getattr(p, "quant_state", None), "packing_format_for_cpu", False):
                 raise ShardingError(
                     f"{where} was repacked by bitsandbytes' CPU inference path (the model ran a forward in eval "
@@ -79,7 +108,70 @@ def prepare(model: nn.Module) -> int:
             count += 1
             if hasattr(module, "support_avx512bf16_for_cpu"):
                 module.support_avx512bf16_for_cpu = False
-    return count
+    for module, p, scb in int8:     # after every check passed: a refused model keeps bitsandbytes' own state
+        p.SCB, p.CB = scb, None      # the full rows' reference dropped (``rewrap`` gives each forward its own)
+        if getattr(module, "state", None) is not None:
+            module.state.CB = module.state.SCB = None
+    return count + len(int8)
+
+
+# What a 70B QLoRA user runs instead of deferred init + fp.load_pretrained (named by both refusals below).
+LOAD_4BIT_INSTEAD = (
+    "load the 4-bit base with transformers on every rank, from_pretrained(path, quantization_config="
+    "BitsAndBytesConfig(load_in_4bit=True, ...)) (a checkpoint saved in 4-bit needs no quantization_config), "
+    "then fp.shard(model): each rank holds the whole packed base (about 0.5 byte per parameter) until fp.shard "
+    "keeps its 1/world")
+
+
+def _not_quantized(where: str, p) -> str:
+    from .._deferred import is_deferred
+
+    if is_deferred(p):
+        return (f"{where} is a 4-bit weight built under fp.deferred_init(), not quantized yet: fp.shard and "
+                f"fp.load_pretrained cannot quantize a base shard by shard (its packed size and quant_state come "
+                f"from bitsandbytes' quantization of the whole weight). Build the model outside deferred_init: "
+                f"{LOAD_4BIT_INSTEAD}")
+    return (f"{where} is a 4-bit weight that bitsandbytes has not quantized yet (Params4bit with "
+            "bnb_quantized=False: a Linear4bit quantizes when moved to its device): fp.shard would shard its "
+            "unquantized values as packed bytes. Call model.to(device) before fp.shard, or " + LOAD_4BIT_INSTEAD)
+
+
+def refuse_load(model: nn.Module, names, path: str) -> None:
+    """Raise when ``fp.load_pretrained`` would read into packed quantized weights or read a checkpoint saved
+    quantized (4-bit ``quant_state`` entries, 8-bit ``weight_format``): it writes bytes into each rank's piece but
+    no ``quant_state`` / ``SCB``, so packed bytes would sit beside another checkpoint's scales, or int8 codes be
+    cast into float weights (a silently wrong model); and it cannot quantize a full-precision base."""
+    packed = next((n for n, p in model.named_parameters() if is_packed(p)), None)
+    if packed is not None:
+        raise ShardingError(
+            f"fp.load_pretrained({path!r}) into a model with quantized weights ({packed!r}) would load packed "
+            "bytes without their quant_state: not supported. The quantized base is already loaded (from_pretrained "
+            "with quantization_config); load adapters with PEFT (PeftModel.from_pretrained / model.load_adapter) "
+            "or resume with fp.load_checkpoint")
+    saved = next((n for n in names if ".quant_state.bitsandbytes__" in n or n.endswith(".weight_format")), None)
+    if saved is not None:
+        raise ShardingError(
+            f"{path} holds a bitsandbytes-quantized checkpoint ({saved!r}): fp.load_pretrained cannot build "
+            f"quantized layers or their quant_state in a deferred or full-precision model. Instead, "
+            f"{LOAD_4BIT_INSTEAD}")
+
+
+def _int8_scales(where: str, module: nn.Module, p) -> torch.Tensor:
+    """An 8-bit weight (``Linear8bitLt``): int8 rows sharded as bytes, row scales ``SCB`` (one fp32 per row) kept
+    whole on the parameter; returns them (after a forward bitsandbytes keeps CB and SCB in ``module.state``)."""
+    state = getattr(module, "state", None)
+    if getattr(p, "has_fp16_weights", False) or getattr(state, "has_fp16_weights", False):
+        raise ShardingError(
+            f"{where} is a bitsandbytes 8-bit weight with has_fp16_weights=True ({type(module).__name__}): "
+            "trainable float values that bitsandbytes quantizes again at every forward, which fp.shard does not "
+            "shard. Load the base frozen in 8-bit (transformers.BitsAndBytesConfig(load_in_8bit=True)) or in 4-bit")
+    scb = p.SCB if getattr(p, "SCB", None) is not None else getattr(state, "SCB", None)
+    if scb is None or p.dtype != torch.int8:
+        raise ShardingError(
+            f"{where} is a bitsandbytes 8-bit weight that is not quantized yet ({p.dtype}, no SCB row scales: "
+            "Linear8bitLt quantizes when moved to its device): call model.to(device) before fp.shard, or load it "
+            "with from_pretrained(path, quantization_config=BitsAndBytesConfig(load_in_8bit=True))")
+    return scb
 
 
 def refuse_export(model: nn.Module, what: str, keys=None) -> None:
@@ -90,13 +182,17 @@ def refuse_export(model: nn.Module, what: str, keys=None) -> None:
     for name, p in model.named_parameters():
         if is_packed(p) and (keys is None or id(p) in keys):
             raise ShardingError(
-                f"{what} would write the 4-bit weight {name!r} without its quant_state (absmax, quant_map): not "
-                "supported. Save the adapters with PEFT's model.save_pretrained(dir) (the base is unchanged: "
-                "the original checkpoint and quantization_config load it again), or use fp.save_checkpoint for "
-                "a resumable sharded checkpoint")
+                f"{what} would write the quantized weight {name!r} without its quantization state (4-bit "
+                "quant_state: absmax, quant_map; 8-bit: SCB row scales): not supported. Save the adapters with "
+                "PEFT's model.save_pretrained(dir) (the base is unchanged: the original checkpoint and "
+                "quantization_config load it again), or use fp.save_checkpoint for a resumable sharded checkpoint")
 
 
 def quant_state_entries(p, key: str) -> dict:
-    """The ``state_dict()`` entries bitsandbytes writes beside packed weight ``key`` (``Linear4bit.
-    _save_to_state_dict``: ``quant_state.as_dict(packed=True)`` under ``key + "."``), detached, on CPU."""
+    """The ``state_dict()`` entries bitsandbytes writes beside packed weight ``key``, detached, on CPU: 4-bit
+    (``Linear4bit._save_to_state_dict``) ``quant_state.as_dict(packed=True)`` under ``key + "."``; 8-bit
+    (``Linear8bitLt``) the row scales ``SCB`` and ``weight_format`` (0: row-major) beside ``weight``."""
+    if _bnb_class(p) == "Int8Params":
+        prefix = key[:-len("weight")]
+        return {prefix + "SCB": p.SCB.detach().cpu(), prefix + "weight_format": torch.tensor(0, dtype=torch.uint8)}
     return {f"{key}.{k}": v.detach().cpu() for k, v in p.quant_state.as_dict(packed=True).items()}

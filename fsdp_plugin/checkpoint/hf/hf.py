@@ -32,7 +32,7 @@ from .hf_out import INDEX_NAME, HFWriter
 from ..storage import is_url, join, require_local, resolve, storage_for
 from ..format.reader import ReadPlan
 from ..format.writer import flat_cpu
-from ..._flat.packed import refuse_export
+from ..._flat.packed import refuse_export, refuse_load
 
 #: Largest index file we read (bytes).
 MAX_INDEX_BYTES = 64 << 20
@@ -64,6 +64,7 @@ def _load_local(model, path: str, strict: bool, report: MismatchReport) -> None:
         for f in files:
             for name, e in plan.header(f).entries.items():
                 stored[name] = (f, e)
+        refuse_load(model, stored, path)    # 4-bit bases: packed bytes without quant_state (``_flat/packed.py``)
         reads, converted = _match(model, stored, report)
         if report and strict:
             raise CheckpointMismatchError(f"{path} does not match the model: {report.describe()} "
