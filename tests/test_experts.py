@@ -132,7 +132,7 @@ def _reference(name, world, steps=STEPS, imbalance=False, path=None, impl=None, 
     return out
 
 
-def _train(model, opt, rank, world, steps, first=0, each=None):
+def _train(model, opt, rank, world, steps, first=0, each=None, after=None):
     out = []
     for s in range(first, first + steps):
         opt.zero_grad()
@@ -142,6 +142,8 @@ def _train(model, opt, rank, world, steps, first=0, each=None):
             each(s, model)
         norm = fp.clip_grad_norm_(model, 1e9)
         opt.step()
+        if after is not None:
+            after(s, model)
         total = loss.detach().clone()
         torch.distributed.all_reduce(total)
         full = fp.full_state_dict(model)
