@@ -56,8 +56,19 @@ def _exchange(x: torch.Tensor, send: list, recv: list, group, what: str, kind: s
     return out
 
 
-def install(module: nn.Module, emesh, name: str) -> None:
-    """Route ``module``'s calls through the EP group (an instance attribute: the class stays the model's)."""
+def _within_capacity(order, sorted_experts, factor: float, tokens: int, k: int, n_experts: int):
+    """The pairs kept under ``expert_capacity_factor``: per expert the first ``ceil(factor * tokens * k / N)``
+    in token order (``order`` is stable, so each expert's pairs are in token order already)."""
+    cap = math.ceil(factor * tokens * k / n_experts)
+    counts = torch.bincount(sorted_experts, minlength=n_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    keep = torch.arange(order.numel(), device=order.device) - starts[sorted_experts] < cap
+    return order[keep], sorted_experts[keep]
+
+
+def install(module: nn.Module, emesh, name: str, capacity_factor=None) -> None:
+    """Route ``module``'s calls through the EP group (an instance attribute: the class stays the model's);
+    ``capacity_factor``: `ShardingConfig.expert_capacity_factor` (None: dropless)."""
     original = type(module).forward.__get__(module)
     local = module.num_experts
     group, ep = emesh.ep_group, emesh.ep_size
@@ -71,8 +82,11 @@ def install(module: nn.Module, emesh, name: str) -> None:
         k = top_k_index.shape[-1]
         experts = top_k_index.reshape(-1)
         order = torch.argsort(experts, stable=True)           # (token, k) pairs, expert-major
-        token = order // k
         sorted_experts = experts[order]
+        if capacity_factor is not None:
+            order, sorted_experts = _within_capacity(order, sorted_experts, capacity_factor, x.shape[0], k,
+                                                     local * ep)
+        token = order // k
         send = torch.bincount(torch.div(sorted_experts, local, rounding_mode="floor"), minlength=ep)
         recv = torch.empty_like(send)
         what = f"expert all-to-all of {name!r}"

@@ -79,6 +79,9 @@ def prepare(model: nn.Module, cfg, mesh: Mesh, device: torch.device) -> Optional
         return None
     _refuse_combinations(cfg)
     found, per_expert = check_experts(model, ep, mesh.shard_size, cfg.sharding_strategy)
+    if per_expert and cfg.expert_capacity_factor is not None:
+        raise ConfigError(f"expert_capacity_factor with the per-expert form ({per_expert[0][0]!r}, one module per "
+                          "expert): not supported yet; drop expert_capacity_factor (dropless is exact)")
     emesh = expert_mesh(mesh, ep, cfg.timeout_s)   # process-group timeouts past the deadline (``_groups/timeouts``)
     rank0_values = _rank0_values(model, mesh, device)
     for name, module in found:
@@ -92,7 +95,7 @@ def prepare(model: nn.Module, cfg, mesh: Mesh, device: torch.device) -> Optional
             q._fp_ep = EPSpec(p.shape, (lo,) + (0,) * (p.dim() - 1), emesh)
             _replace(model, p, q)
         module.num_experts = local      # the model's own experts code indexes its local experts 0..local-1
-        install(module, emesh, name)
+        install(module, emesh, name, cfg.expert_capacity_factor)
     for name, block, container in per_expert:    # one module per expert: whole on its EP rank, empty elsewhere
         experts = list(container.children())
         local = len(experts) // ep
