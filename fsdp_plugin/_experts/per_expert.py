@@ -125,7 +125,7 @@ def _run_experts(calls: list, n_experts: int, originals: list, emesh, name: str,
     recv = torch.empty_like(send)
     what = f"expert all-to-all of {name!r}"
     comm.all_to_all(recv, send, [local + 1] * ep, [local + 1] * ep, group, what=what + " (counts)", kind=INDEX_KIND)
-    got = recv.view(ep, local + 1).tolist()
+    got = recv.view(ep, local + 1).tolist()      # the one value the host waits for per block call
     width = max([width] + [g[0] for g in got])
     if width == 0:      # no rank of the EP group called an expert: nothing to run (the same on every rank)
         return []
