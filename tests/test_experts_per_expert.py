@@ -227,3 +227,21 @@ def test_per_expert_replay_draws_the_same_random_numbers():
     assert run_ranks(_jitter, 2, True, timeout=120) == [None, None]
     for msg in run_ranks(_jitter, 2, False, timeout=120):
         assert msg is not None and "not deterministic" in msg and "model.layers.0.mlp.experts" in msg, msg
+
+
+def _from_hf(rank, world, src):
+    with torch.device("meta"):
+        model = _build(kind="switch")
+    fp.shard(model, expert_parallel=2, param_init_fn="skip", timeout_s=60)
+    report = fp.load_pretrained(model, src)
+    return {"steps": _train(model, _optimizer(model.parameters()), rank, world, 2), "report": report}
+
+
+def test_per_expert_meta_model_loads_hf_weights_into_its_experts(tmp_path):
+    """A Switch Transformers model built on the meta device, sharded under EP 2, filled by fp.load_pretrained from
+    transformers' own save (per-expert keys, into whole or empty boxes): training matches one process."""
+    _build(kind="switch").save_pretrained(str(tmp_path))
+    want = _reference_steps(2, 2, "switch")
+    results = run_ranks(_from_hf, 2, str(tmp_path), timeout=240)
+    assert not results[0]["report"]
+    _check(results, want)
