@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 from _dist import run_ranks
-from test_experts import STEPS, _Margin, _build, _check, _global_batch, _optimizer, _train, MARGIN
+from test_experts import BATCH, MARGIN, SEQ, STEPS, _Margin, _batch, _build, _check, _global_batch, _optimizer, _train
 
 import fsdp_plugin as fp
 from fsdp_plugin.errors import ConfigError
@@ -91,3 +91,52 @@ def test_capacity_factor_is_refused_where_it_cannot_apply():
         fp.ShardingConfig(expert_parallel=2, expert_capacity_factor=True)
     with pytest.raises(ConfigError, match="without expert_parallel"):
         fp.ShardingConfig(expert_capacity_factor=1.25)
+
+
+def _per_expert_reference(world, factor):
+    """One process, each rank's batch forwarded on its own (the mean of their losses: the ranks' averaged
+    gradient), every expert keeping the first ``ceil(factor * routes / num_experts)`` rows of its call."""
+    import test_experts_per_expert as tp
+    model = tp._build()
+    routes = BATCH * SEQ * tp.TOP_K
+    cap = math.ceil(factor * routes / tp.N_EXPERTS)
+    margin = tp._margin(model)
+    dropped = [0]
+    for layer in model.model.layers:
+        for e in layer.mlp.experts:
+            original = e.forward
+
+            def forward(rows, _original=original):
+                dropped[0] += max(0, rows.shape[0] - cap)
+                out = _original(rows[:cap])
+                return torch.cat([out, out.new_zeros((rows.shape[0] - out.shape[0], out.shape[1]))])
+            e.forward = forward
+    opt = _optimizer(model.parameters())
+    out = []
+    for s in range(STEPS):
+        opt.zero_grad()
+        loss = sum(model(**_batch(s, r)).loss for r in range(world)) / world
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        opt.step()
+        out.append((loss.item(), norm.item(), {n: p.detach().clone() for n, p in model.named_parameters()}))
+    assert MARGIN <= margin[0] < float("inf")
+    return out, dropped[0]
+
+
+def _per_expert_worker(rank, world, factor):
+    import test_experts_per_expert as tp
+    model = tp._build()
+    fp.shard(model, expert_parallel=2, expert_capacity_factor=factor, timeout_s=60)
+    return {"steps": _train(model, _optimizer(model.parameters()), rank, world, STEPS)}
+
+
+def test_capacity_with_the_per_expert_form():
+    """The per-expert form (a ModuleList of experts) drops the same way: each expert keeps the first rows of each
+    rank's block call up to ``ceil(factor * routes / num_experts)``; the dropped rows add nothing."""
+    want, dropped = _per_expert_reference(2, 0.75)
+    assert dropped > 0
+    results = run_ranks(_per_expert_worker, 2, 0.75, timeout=240)
+    _check(results, want)
+    with pytest.raises(AssertionError):      # the drops matter: dropless is another run
+        _check(results, _per_expert_reference(2, 2.0)[0])

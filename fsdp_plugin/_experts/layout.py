@@ -79,9 +79,6 @@ def prepare(model: nn.Module, cfg, mesh: Mesh, device: torch.device) -> Optional
         return None
     _refuse_combinations(cfg)
     found, per_expert = check_experts(model, ep, mesh.shard_size, cfg.sharding_strategy)
-    if per_expert and cfg.expert_capacity_factor is not None:
-        raise ConfigError(f"expert_capacity_factor with the per-expert form ({per_expert[0][0]!r}, one module per "
-                          "expert): not supported yet; drop expert_capacity_factor (dropless is exact)")
     emesh = expert_mesh(mesh, ep, cfg.timeout_s)   # process-group timeouts past the deadline (``_groups/timeouts``)
     rank0_values = _rank0_values(model, mesh, device)
     sites = _sites(model)
@@ -111,7 +108,7 @@ def prepare(model: nn.Module, cfg, mesh: Mesh, device: torch.device) -> Optional
                     q = _new_param(p, mine if owner == emesh.ep_rank else full.new_empty((0, *p.shape[1:])))
                     q._fp_ep = EPSpec(p.shape, (0,) * p.dim(), emesh, owner=owner)
                     _replace(sites, p, q)
-        install_per_expert(block, container, emesh, name)
+        install_per_expert(block, container, emesh, name, cfg.expert_capacity_factor)
     aux_loss.install(model, _world_group(cfg.timeout_s))   # the router's aux loss on the global batch (``aux_loss.py``)
     return emesh
 

@@ -19,6 +19,7 @@ An expert must map rows ``(n, width)`` to ``(n, width)`` with one positional arg
 """
 from __future__ import annotations
 
+import math
 import types
 
 import torch
@@ -38,8 +39,9 @@ class _State:
         self.queues: dict = {}     # replay: expert -> [(rows, output)] in call order
 
 
-def install(block: nn.Module, container: nn.Module, emesh, name: str) -> None:
-    """Route the expert calls of ``block`` (the module holding ``container``) through the EP group."""
+def install(block: nn.Module, container: nn.Module, emesh, name: str, capacity_factor=None) -> None:
+    """Route the expert calls of ``block`` (the module holding ``container``) through the EP group;
+    ``capacity_factor``: `ShardingConfig.expert_capacity_factor` (None: dropless)."""
     experts = list(container.children())
     state = _State()
     originals = [type(e).forward.__get__(e) for e in experts]
@@ -60,7 +62,7 @@ def install(block: nn.Module, container: nn.Module, emesh, name: str) -> None:
         finally:
             state.mode = None
         calls, state.calls = state.calls, []
-        outputs = _run_experts(calls, len(experts), originals, emesh, name, template)
+        outputs = _run_experts(calls, len(experts), originals, emesh, name, template, capacity_factor)
         state.queues = {}
         for (e, rows), out in zip(calls, outputs):
             state.queues.setdefault(e, []).append((rows, out))
@@ -107,9 +109,13 @@ def _expert_forward(state: _State, index: int, name: str):
     return forward
 
 
-def _run_experts(calls: list, n_experts: int, originals: list, emesh, name: str, template) -> list:
+def _run_experts(calls: list, n_experts: int, originals: list, emesh, name: str, template,
+                 capacity_factor=None) -> list:
     """Every call's output, computed by the expert's EP rank (collective over the EP group, always: a rank with
-    no call still sends its counts and runs its local experts on what it receives)."""
+    no call still sends its counts and runs its local experts on what it receives). Under ``capacity_factor``
+    each expert gets at most ``ceil(factor * routes / num_experts)`` of this rank's rows (``routes``: every row
+    of this block call, ``tokens * top_k``), the first in call order and row order; the others' outputs are
+    zeros."""
     ep, group, me = emesh.ep_size, emesh.ep_group, emesh.ep_rank
     local = n_experts // ep
     order = sorted(range(len(calls)), key=lambda c: calls[c][0])      # expert-major, calls in order (stable)
@@ -117,9 +123,15 @@ def _run_experts(calls: list, n_experts: int, originals: list, emesh, name: str,
     if len(widths) > 1:
         raise TypeError(f"expert_parallel: the experts of {name!r} were called with rows of widths {sorted(widths)}")
     width = widths.pop() if widths else 0
+    kept = [rows.shape[0] for _, rows in calls]
+    if capacity_factor is not None:
+        left = [math.ceil(capacity_factor * sum(kept) / n_experts)] * n_experts
+        for c, (e, _) in enumerate(calls):
+            kept[c] = min(kept[c], left[e])
+            left[e] -= kept[c]
     counts = [0] * n_experts
-    for e, rows in calls:
-        counts[e] += rows.shape[0]
+    for c, (e, _) in enumerate(calls):
+        counts[e] += kept[c]
     send = torch.tensor([v for j in range(ep) for v in [width] + counts[j * local:(j + 1) * local]],
                         dtype=torch.int64, device=template.device)
     recv = torch.empty_like(send)
@@ -130,7 +142,7 @@ def _run_experts(calls: list, n_experts: int, originals: list, emesh, name: str,
     if width == 0:      # no rank of the EP group called an expert: nothing to run (the same on every rank)
         return []
     dtype = calls[0][1].dtype if calls else template.dtype
-    x = (torch.cat([calls[c][1] for c in order]) if calls
+    x = (torch.cat([calls[c][1][:kept[c]] for c in order]) if calls
          else torch.zeros((0, width), dtype=dtype, device=template.device))
     if torch.is_grad_enabled() and not x.requires_grad:    # every rank's all-to-alls stay in its backward
         x = x.detach().requires_grad_(True)
@@ -149,10 +161,11 @@ def _run_experts(calls: list, n_experts: int, originals: list, emesh, name: str,
     outbuf = (torch.cat([pieces[lidx][s] for s in range(ep) for lidx in range(local)])
               if local else received)
     back = _AllToAll.apply(outbuf, recv_rows, send_rows, group, what + " (combine)")
-    parts = back.split([calls[c][1].shape[0] for c in order])
+    parts = back.split([kept[c] for c in order])
     outputs: list = [None] * len(calls)
     for c, part in zip(order, parts):
-        outputs[c] = part
+        dropped = calls[c][1].shape[0] - kept[c]
+        outputs[c] = torch.cat([part, part.new_zeros((dropped, width))]) if dropped else part
     return outputs
 
 
