@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import transformers as tf
 from _dist import run_ranks
 from safetensors.torch import load_file
-from test_experts import _ATTN, MARGIN, VOCAB, STEPS, _check, _global_batch, _optimizer, _train
+from test_experts import _ATTN, MARGIN, VOCAB, STEPS, _batch, _check, _global_batch, _optimizer, _train
 from torch import nn
 
 import fsdp_plugin as fp
@@ -245,3 +245,28 @@ def test_per_expert_meta_model_loads_hf_weights_into_its_experts(tmp_path):
     results = run_ranks(_from_hf, 2, str(tmp_path), timeout=240)
     assert not results[0]["report"]
     _check(results, want)
+
+
+def _bf16(rank, world, ep):
+    model = _build()
+    fp.shard(model, expert_parallel=ep, mixed_precision=fp.MixedPrecision(param_dtype=torch.bfloat16), timeout_s=60)
+    opt = _optimizer(model.parameters())
+    out = []
+    for s in range(3):
+        opt.zero_grad()
+        loss = model(**_batch(s, rank)).loss
+        loss.backward()
+        norm = fp.clip_grad_norm_(model, 1e9)
+        opt.step()
+        total = loss.detach().float()
+        torch.distributed.all_reduce(total)
+        out.append((total.item() / world, norm.item()))
+    return out
+
+
+def test_per_expert_mixed_precision_matches_data_parallel():
+    """bf16 compute: the per-expert form under EP gives plain data parallelism's numbers with the same casts, up
+    to bf16 summation order (losses within 2e-3, the gradient norm within 1%)."""
+    got, want = run_ranks(_bf16, 2, 2, timeout=120)[0], run_ranks(_bf16, 2, None, timeout=120)[0]
+    for (loss, norm), (wloss, wnorm) in zip(got, want):
+        assert abs(loss - wloss) <= 2e-3 and abs(norm - wnorm) <= 1e-2 * wnorm, (got, want)
