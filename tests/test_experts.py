@@ -461,6 +461,12 @@ def test_accelerate_and_trainer_take_expert_parallel_from_the_environment(monkey
     assert settings_from_env({}).expert_parallel is None
     with pytest.raises(Exception, match="FSDP_PLUGIN_EXPERT_PARALLEL"):
         parse.expert_parallel_from_env({"FSDP_PLUGIN_EXPERT_PARALLEL": "two"})
+    s = settings_from_env({"FSDP_PLUGIN_EXPERT_PARALLEL": "2", "FSDP_PLUGIN_EXPERT_CAPACITY_FACTOR": "1.25"})
+    assert resolve.sharding_config(s, _build("qwen3_moe")).expert_capacity_factor == 1.25
+    assert settings_from_env({}).expert_capacity_factor is None
+    for bad in ("0", "-1", "lots", "inf"):
+        with pytest.raises(Exception, match="FSDP_PLUGIN_EXPERT_CAPACITY_FACTOR"):
+            parse.expert_capacity_factor_from_env({"FSDP_PLUGIN_EXPERT_CAPACITY_FACTOR": bad})
     from fsdp_plugin.integrations.lightning import FSDPPluginStrategy   # Lightning/Fabric: a ShardingConfig field
     assert FSDPPluginStrategy(expert_parallel=2).sharding_config.expert_parallel == 2
 
