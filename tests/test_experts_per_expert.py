@@ -131,8 +131,11 @@ def _worker(rank, world, ep, extra, kind="old_mixtral"):
 
 @pytest.mark.parametrize("kind,world,ep,extra", [("old_mixtral", 2, 2, {}),
                                                   ("old_mixtral", 4, 2, {"activation_checkpointing": True}),
+                                                  ("old_mixtral", 4, 2, {"sharding_strategy": "hybrid_shard",
+                                                                         "device_mesh": (2, 2)}),
                                                   ("switch", 2, 2, {})],
-                         ids=["old_mixtral-world2-ep2", "old_mixtral-world4-ep2-efsdp2-ac", "switch-world2-ep2"])
+                         ids=["old_mixtral-world2-ep2", "old_mixtral-world4-ep2-efsdp2-ac", "old_mixtral-world4-hybrid",
+                              "switch-world2-ep2"])
 def test_per_expert_parity(kind, world, ep, extra):
     want = _reference(world, kind)
     results = run_ranks(_worker, world, ep, extra, kind, timeout=240)
@@ -140,7 +143,7 @@ def test_per_expert_parity(kind, world, ep, extra):
     local = N_EXPERTS // ep
     for rank, res in enumerate(results):
         ep_rank = rank % ep
-        efsdp = world // ep
+        efsdp = (2 if extra.get("device_mesh") else world) // ep
         for i, shape in enumerate(res["held"]):
             # an expert is held only by its EP rank (whole, or with efsdp > 1 flat-sharded over efsdp); empty elsewhere
             if i // local != ep_rank:
