@@ -59,6 +59,9 @@ def install(model: nn.Module) -> None:
         counted[name] = (owner, acc)
 
         def hook(module, args, kwargs, acc=acc):
+            if torch.compiler.is_compiling():     # a custom Function mutating a counter: kept out of compiled code
+                model._fp_router_bias_compiled = True
+                return None
             if len(args) == 3 and torch.is_tensor(args[2]) and args[2].requires_grad and torch.is_grad_enabled():
                 if acc.device != args[1].device:
                     acc.data = acc.data.to(args[1].device)
@@ -91,6 +94,9 @@ def update(model: nn.Module, rate: float) -> dict:
     loads = torch.stack([acc.to(device) for _, acc in counted.values()])
     if root.mesh.world_size > 1:
         comm.all_reduce(loads, None, kind="control", what="router loads for fp.update_router_bias")
+    if not loads.any() and getattr(model, "_fp_router_bias_compiled", False):
+        raise ConfigError("fp.update_router_bias: the model ran under torch.compile / fp.compile, where routes are "
+                          "not counted yet; update the bias without compiling the MoE layers")
     if not loads.any():
         raise ConfigError("fp.update_router_bias: no route was counted since the last update: call it after "
                           "loss.backward() (and optimizer.step()); routes are counted in backward, so a frozen "
