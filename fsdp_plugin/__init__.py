@@ -11,7 +11,7 @@ from ._log import configure_from_env as _configure_log
 from .api import (clip_grad_norm_, comm_stats, compile, deferred_init, full_params, full_state_dict, is_sharded,
                   latest_checkpoint, load_checkpoint, load_pretrained, memory_report, no_sync, plan,
                   register_forward_method, reset, save_checkpoint, save_pretrained, shard, shutdown, sync_stats)
-from .api import full_params_meta, iter_full_params
+from .api import full_params_meta, iter_full_params, update_router_bias
 from ._context.public import data_parallel_rank, data_parallel_size, gather_sequence
 from .checkpoint import AsyncSave
 from ._flat.layout import param_info
@@ -41,7 +41,7 @@ __all__ = [
     "plan", "Plan", "PlanError", "memory_report",
     "UsageError", "UnsupportedError", "DeferredInitError", "NotDeferredError", "NonFiniteGradientError", "CodecError",
     "TensorParallelError",
-    "join",
+    "join", "update_router_bias",
 ]
 
 _configure_log()

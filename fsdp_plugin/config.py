@@ -308,6 +308,10 @@ class ShardingConfig:
         are flat-sharded over the remaining ``shard_size / E`` ranks, everything else as without EP. E must
         divide the shard group size and every experts module's expert count (checked at fp.shard). Exact:
         the same numbers as one process on the global batch. See ``fsdp_plugin/_experts/``.
+    expert_capacity_factor: None (dropless, exact: the default) or c > 0 under expert_parallel: each rank sends
+        at most ``ceil(c * tokens * top_k / num_experts)`` routes per expert per experts call (its own tokens),
+        the first in token order; the rest are dropped (they add nothing to their token's output). Bounds the
+        all-to-all receive buffer; NOT the one-process numbers of the model (which is dropless): inexact by design.
     context_parallel: C > 1 splits every sequence over C consecutive ranks (a Hugging Face model's attention
         goes through transformers' attention registry; README "Long sequences (context parallel)"): world =
         data-parallel x C, parameters shard over the shard group (which holds whole CP groups), gradients are
@@ -338,6 +342,7 @@ class ShardingConfig:
     pairing_check: str = "auto"
     quantization: Optional[Quantization] = None
     expert_parallel: Optional[int] = None     # issue 55 (``_experts/``)
+    expert_capacity_factor: Optional[float] = None    # issue 55: token dropping under EP (inexact, opt-in)
     # issue 54: context parallelism (fsdp_plugin/_context/)
     context_parallel: int = 1
     context_parallel_attention: str = "allgather"
@@ -370,6 +375,13 @@ class ShardingConfig:
         if ep is not None and (isinstance(ep, bool) or not isinstance(ep, int) or ep < 1):
             raise ConfigError(f"expert_parallel={ep!r}: use a positive int E (the ranks an MoE layer's experts are "
                               "split over, dividing the shard group size and the expert count) or None (off)")
+        cf = self.expert_capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not 0 < cf < float("inf")):
+            raise ConfigError(f"expert_capacity_factor={cf!r}: use a positive float (routes kept per expert: "
+                              "ceil(factor * tokens * top_k / num_experts) per rank) or None (dropless, exact)")
+        if cf is not None and ep in (None, 1):
+            raise ConfigError(f"expert_capacity_factor={cf} without expert_parallel: it limits the routes each rank "
+                              "sends to an expert's EP rank; set expert_parallel=E > 1 or drop it")
         cp = self.context_parallel
         if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
             raise ConfigError(f"context_parallel={cp!r}: use a positive int, the ranks that split one sequence "

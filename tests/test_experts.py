@@ -132,7 +132,7 @@ def _reference(name, world, steps=STEPS, imbalance=False, path=None, impl=None, 
     return out
 
 
-def _train(model, opt, rank, world, steps, first=0, each=None):
+def _train(model, opt, rank, world, steps, first=0, each=None, after=None):
     out = []
     for s in range(first, first + steps):
         opt.zero_grad()
@@ -142,6 +142,8 @@ def _train(model, opt, rank, world, steps, first=0, each=None):
             each(s, model)
         norm = fp.clip_grad_norm_(model, 1e9)
         opt.step()
+        if after is not None:
+            after(s, model)
         total = loss.detach().clone()
         torch.distributed.all_reduce(total)
         full = fp.full_state_dict(model)
@@ -442,8 +444,8 @@ def test_bad_expert_parallel_is_refused():
     switch = tf.SwitchTransformersForConditionalGeneration(tf.SwitchTransformersConfig(
         vocab_size=VOCAB, d_model=32, d_ff=64, d_kv=8, num_layers=2, num_decoder_layers=2, num_heads=4,
         num_experts=4, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1, decoder_start_token_id=0))
-    with pytest.raises(ConfigError, match="one module per expert"):
-        fp.shard(switch, expert_parallel=2)
+    with pytest.raises(ConfigError, match="does not divide the 4 experts of 'encoder.block.1.layer.1.mlp.experts'"):
+        fp.shard(switch, expert_parallel=3)     # the per-expert form is found (test_experts_per_expert.py)
 
 
 def test_accelerate_and_trainer_take_expert_parallel_from_the_environment(monkeypatch):
@@ -459,6 +461,12 @@ def test_accelerate_and_trainer_take_expert_parallel_from_the_environment(monkey
     assert settings_from_env({}).expert_parallel is None
     with pytest.raises(Exception, match="FSDP_PLUGIN_EXPERT_PARALLEL"):
         parse.expert_parallel_from_env({"FSDP_PLUGIN_EXPERT_PARALLEL": "two"})
+    s = settings_from_env({"FSDP_PLUGIN_EXPERT_PARALLEL": "2", "FSDP_PLUGIN_EXPERT_CAPACITY_FACTOR": "1.25"})
+    assert resolve.sharding_config(s, _build("qwen3_moe")).expert_capacity_factor == 1.25
+    assert settings_from_env({}).expert_capacity_factor is None
+    for bad in ("0", "-1", "lots", "inf"):
+        with pytest.raises(Exception, match="FSDP_PLUGIN_EXPERT_CAPACITY_FACTOR"):
+            parse.expert_capacity_factor_from_env({"FSDP_PLUGIN_EXPERT_CAPACITY_FACTOR": bad})
     from fsdp_plugin.integrations.lightning import FSDPPluginStrategy   # Lightning/Fabric: a ShardingConfig field
     assert FSDPPluginStrategy(expert_parallel=2).sharding_config.expert_parallel == 2
 

@@ -25,6 +25,7 @@ from .._groups import timeouts as group_timeouts
 from .._groups.mesh import Mesh, build_mesh, control_group, secondary_group
 from .._flat.secondary import SecondaryShard
 from .._experts.layout import prepare as prepare_experts, split_expert_params
+from .._experts.router_bias import install as install_router_bias
 from .._groups.shutdown import register_at_exit
 from .._schedule.join import make_joinable
 from .._schedule.root import RootState
@@ -64,6 +65,7 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
     if cfg.expert_parallel not in (None, 1) and tp_mesh is not None:
         raise ConfigError(f"expert_parallel={cfg.expert_parallel} with a tensor-parallel model: not supported "
                           "together yet; drop one of them")
+    install_router_bias(model)    # DeepSeek's router bias: routes counted for fp.update_router_bias
     experts_mesh = prepare_experts(model, cfg, mesh, device)   # issue 55: experts cut to this rank's (``_experts/``)
     _check_reducible(model, cfg)
     prepare_packed(model, cfg.ignored_modules)   # quantized bases: refuse what cannot be sharded exactly

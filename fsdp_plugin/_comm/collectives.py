@@ -218,10 +218,11 @@ def gather(t: torch.Tensor, outs: Optional[list], dst: int, group=None, what: st
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list, in_splits: list, group, what: str,
-               timeout_s: Optional[float] = None, kind: str = "optim_exchange") -> None:
+               timeout_s: Optional[float] = None, kind: str = "optim_exchange", host: bool = True) -> None:
     """Rank ``r`` sends ``inp``'s ``in_splits[j]`` elements (in order) to group rank ``j`` and receives
     ``out_splits[j]`` from it into ``out``; blocking, with a deadline. Counted as the bytes this rank sends to
-    others (its own split stays local), like a point-to-point send."""
+    others (its own split stays local), like a point-to-point send. ``host=False``: on a stream backend (NCCL)
+    only the current stream waits for it (``out`` is read on the device, not by the host)."""
     n = group_size(group)
     me = dist.get_rank(group) if n > 1 else 0
     STATS.calls[kind] += 1
@@ -230,7 +231,11 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list, in_splits
     if n > 1:
         ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
         _split(kind, sent, sum(k for r, k in zip(ranks, in_splits) if nodes.is_off_node(r)) * inp.element_size())
-    _blocking(dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True), what, timeout_s)
+    work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
+    if host:
+        _blocking(work, what, timeout_s)
+    else:
+        wait(work, what, default_timeout_s(timeout_s))
 
 
 def send(t: torch.Tensor, dst: int, what: str = "send", timeout_s: Optional[float] = None) -> None:

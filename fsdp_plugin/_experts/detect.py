@@ -1,10 +1,15 @@
 """Which modules are experts modules, found without per-model code.
 
-transformers 5 decorates every fused experts class with ``@use_experts_implementation``; its ``__init__`` sets
-``_is_expert_parallel`` (and ``is_transposed``/``has_bias``) on the instance, and the module is called as
-``experts(hidden_states, top_k_index, top_k_weights)`` with every parameter shaped ``[num_experts, ...]``. That
-marker plus the shapes is the whole rule; a module that has the marker but not the shapes, or the older form
-(one module per expert in a ``ModuleList``, e.g. Switch Transformers), is refused by name.
+Two forms:
+
+* fused (transformers 5): every fused experts class is decorated with ``@use_experts_implementation``; its
+  ``__init__`` sets ``_is_expert_parallel`` (and ``is_transposed``/``has_bias``) on the instance, and the module is
+  called as ``experts(hidden_states, top_k_index, top_k_weights)`` with every parameter shaped
+  ``[num_experts, ...]``. That marker plus the shapes is the rule; a marked module without the shapes is refused.
+* per-expert (older transformers, remote code, Switch Transformers): a child named ``*experts`` (not
+  ``shared_experts``) of a block, an ``nn.ModuleList``/``nn.ModuleDict`` of two or more modules of one class with
+  the same parameter names and shapes; the block's own forward routes and calls each expert on its rows
+  (``per_expert.py``).
 """
 from __future__ import annotations
 
@@ -35,26 +40,50 @@ def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def check_experts(model: nn.Module, ep: int, shard_size: int, strategy: str) -> list[tuple[str, nn.Module]]:
-    """The experts modules of ``model`` for ``expert_parallel=ep`` over a shard group of ``shard_size`` ranks;
-    every refusal at once, naming the fix."""
-    found = experts_modules(model)
-    if not found:
-        per_expert = next((n for n, m in model.named_modules() if n.rsplit(".", 1)[-1].lower().endswith("experts")
-                           and sum(1 for c in m.children() if next(c.parameters(), None) is not None) > 1), None)
-        extra = (f"; {per_expert!r} holds one module per expert (the older per-expert form), which expert "
-                 "parallelism does not route yet") if per_expert else ""
+def _signature(m: nn.Module) -> tuple:
+    return type(m), tuple((n, tuple(p.shape)) for n, p in m.named_parameters())
+
+
+def per_expert_containers(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
+    """``(qualified name of the container, its block, the container)`` of every per-expert experts container."""
+    found = []
+    for parent_name, parent in model.named_modules():
+        for attr, c in parent.named_children():
+            if (not isinstance(c, (nn.ModuleList, nn.ModuleDict)) or _is_marked(c) or len(c) < 2
+                    or not attr.lower().endswith("experts") or "shared" in attr.lower() or c._parameters):
+                continue
+            experts = list(c.children())
+            if len({_signature(e) for e in experts}) != 1 or next(experts[0].parameters(), None) is None:
+                continue
+            name = f"{parent_name}.{attr}" if parent_name else attr
+            scalars = [n for n, p in experts[0].named_parameters() if p.dim() == 0]
+            if scalars:
+                raise ConfigError(f"expert_parallel: the experts of {name!r} have 0-d parameters {scalars}: the engine "
+                                  "cannot give them an empty box on the EP ranks that do not own them; drop "
+                                  "expert_parallel")
+            found.append((name, parent, c))
+    return found
+
+
+def check_experts(model: nn.Module, ep: int, shard_size: int, strategy: str) -> tuple[list, list]:
+    """The experts of ``model`` for ``expert_parallel=ep`` over a shard group of ``shard_size`` ranks: (fused
+    modules as ``(name, module)``, per-expert containers as ``(name, block, container)``); every refusal at once,
+    naming the fix."""
+    fused, per_expert = experts_modules(model), per_expert_containers(model)
+    if not fused and not per_expert:
         raise ConfigError(f"expert_parallel={ep}: {type(model).__name__} has no experts module (a transformers 5 "
-                          f"fused experts module, decorated with use_experts_implementation){extra}; drop "
+                          "fused experts module, decorated with use_experts_implementation, or a block's child named "
+                          "'*experts' that is a ModuleList/ModuleDict of identical per-expert modules); drop "
                           "expert_parallel for this model")
-    for name, m in found:
-        if m.num_experts % ep:
-            raise ConfigError(f"expert_parallel={ep} does not divide the {m.num_experts} experts of {name!r}: each "
-                              f"rank of an EP group owns num_experts / E experts; use a divisor of {m.num_experts}")
+    counts = [(n, m.num_experts) for n, m in fused] + [(n, len(c)) for n, _, c in per_expert]
+    for name, count in counts:
+        if count % ep:
+            raise ConfigError(f"expert_parallel={ep} does not divide the {count} experts of {name!r}: each "
+                              f"rank of an EP group owns num_experts / E experts; use a divisor of {count}")
     if shard_size % ep:
         raise ConfigError(f"expert_parallel={ep} does not divide the data-parallel shard group of {shard_size} ranks "
                           f"(sharding_strategy={strategy!r}): the experts of a layer are split over E ranks of one "
                           f"shard group; use a divisor of {shard_size}" + (
                               " (no_shard has shard groups of one rank: use full_shard or hybrid_shard)"
                               if strategy == "no_shard" else ""))
-    return found
+    return fused, per_expert

@@ -6,8 +6,10 @@ so a rank or expert that gets no token neither hangs nor skips a collective):
 
 1. the ``(token, k)`` pairs are sorted by expert (stable), so the rows for EP rank ``j`` (experts
    ``[j*E_local, (j+1)*E_local)``) are contiguous and in ascending expert order;
-2. the row counts are exchanged (an all-to-all of E integers), then the expert ids (local, ``0..E_local-1``) and
-   the rows themselves (uneven splits; `_AllToAll` is autograd-aware: its backward is the reverse all-to-all);
+2. the routes per expert are exchanged (an all-to-all of ``num_experts`` integers, the only one the host waits
+   for: it reads the splits), which also gives each received row its local expert id (rows arrive
+   expert-ascending per source); then the rows themselves (uneven splits; `_AllToAll` is autograd-aware: its
+   backward is the reverse all-to-all), which the host does not wait for;
 3. the owner runs the experts module's original forward on the rows it received, with ``top_k = 1`` and weight
    1, whichever implementation the config selects (eager, batched_mm, grouped_mm): each row goes through exactly
    one expert, so the result is that expert's output for that row;
@@ -47,17 +49,41 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _exchange(x: torch.Tensor, send: list, recv: list, group, what: str, kind: str = KIND) -> torch.Tensor:
-    """``comm.all_to_all`` of whole rows (it counts elements: each split is scaled by the row width)."""
+    """``comm.all_to_all`` of whole rows (it counts elements: each split is scaled by the row width). The host
+    does not wait for it (on NCCL the current stream does): the splits are already known."""
     width = math.prod(x.shape[1:])
     x = x.contiguous()
     out = torch.empty((sum(recv), *x.shape[1:]), dtype=x.dtype, device=x.device)
     comm.all_to_all(out.view(-1), x.view(-1), [r * width for r in recv], [s * width for s in send], group,
-                    what=what, kind=kind)
+                    what=what, kind=kind, host=False)
     return out
 
 
-def install(module: nn.Module, emesh, name: str) -> None:
-    """Route ``module``'s calls through the EP group (an instance attribute: the class stays the model's)."""
+def exchange_counts(counts: torch.Tensor, ep: int, group, what: str) -> tuple:
+    """The one exchange the host waits for per experts call: ``counts`` (routes per global expert,
+    ``ep * local``) to the EP group. Returns (rows sent to each EP rank, rows received from each, the received
+    ``(ep, local)`` count matrix), read by the host at once in one device-to-host copy."""
+    got = torch.empty_like(counts)
+    local = counts.numel() // ep
+    comm.all_to_all(got, counts, [local] * ep, [local] * ep, group, what=what + " (counts)", kind=INDEX_KIND)
+    got = got.view(ep, local)
+    both = torch.cat([counts.view(ep, local).sum(1), got.sum(1)]).tolist()
+    return both[:ep], both[ep:], got
+
+
+def _within_capacity(order, sorted_experts, factor: float, tokens: int, k: int, n_experts: int):
+    """The pairs kept under ``expert_capacity_factor``: per expert the first ``ceil(factor * tokens * k / N)``
+    in token order (``order`` is stable, so each expert's pairs are in token order already)."""
+    cap = math.ceil(factor * tokens * k / n_experts)
+    counts = torch.bincount(sorted_experts, minlength=n_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    keep = torch.arange(order.numel(), device=order.device) - starts[sorted_experts] < cap
+    return order[keep], sorted_experts[keep]
+
+
+def install(module: nn.Module, emesh, name: str, capacity_factor=None) -> None:
+    """Route ``module``'s calls through the EP group (an instance attribute: the class stays the model's);
+    ``capacity_factor``: `ShardingConfig.expert_capacity_factor` (None: dropless)."""
     original = type(module).forward.__get__(module)
     local = module.num_experts
     group, ep = emesh.ep_group, emesh.ep_size
@@ -71,14 +97,16 @@ def install(module: nn.Module, emesh, name: str) -> None:
         k = top_k_index.shape[-1]
         experts = top_k_index.reshape(-1)
         order = torch.argsort(experts, stable=True)           # (token, k) pairs, expert-major
-        token = order // k
         sorted_experts = experts[order]
-        send = torch.bincount(torch.div(sorted_experts, local, rounding_mode="floor"), minlength=ep)
-        recv = torch.empty_like(send)
+        if capacity_factor is not None:
+            order, sorted_experts = _within_capacity(order, sorted_experts, capacity_factor, x.shape[0], k,
+                                                     local * ep)
+        token = order // k
         what = f"expert all-to-all of {name!r}"
-        comm.all_to_all(recv, send, [1] * ep, [1] * ep, group, what=what + " (counts)", kind=INDEX_KIND)
-        send_l, recv_l = send.tolist(), recv.tolist()
-        ids = _exchange(sorted_experts % local, send_l, recv_l, group, what + " (ids)", INDEX_KIND)
+        send_l, recv_l, got = exchange_counts(torch.bincount(sorted_experts, minlength=local * ep), ep, group, what)
+        # the rows from each source come expert-ascending: their local expert ids follow from the counts
+        ids = torch.repeat_interleave(torch.arange(local, device=got.device).repeat(ep), got.reshape(-1),
+                                      output_size=sum(recv_l))
         rows = _AllToAll.apply(x[token], send_l, recv_l, group, what)
         ones = torch.ones((rows.shape[0], 1), dtype=top_k_weights.dtype, device=rows.device)
         out = original(rows, ids.unsqueeze(-1), ones)

@@ -28,6 +28,7 @@ from ..errors import ConfigError
 from . import aux_loss
 from .detect import check_experts
 from .dispatch import install
+from .per_expert import install as install_per_expert
 from .spec import EPSpec, ExpertMesh, ep_spec
 
 
@@ -77,29 +78,56 @@ def prepare(model: nn.Module, cfg, mesh: Mesh, device: torch.device) -> Optional
     if ep is None or ep == 1:
         return None
     refuse_combinations(cfg)
-    found = check_experts(model, ep, mesh.shard_size, cfg.sharding_strategy)
+    found, per_expert = check_experts(model, ep, mesh.shard_size, cfg.sharding_strategy)
     emesh = expert_mesh(mesh, ep, cfg.timeout_s)   # process-group timeouts past the deadline (``_groups/timeouts``)
     rank0_values = _rank0_values(model, mesh, device)
+    sites = _sites(model)
     for name, module in found:
         local = module.num_experts // ep
         lo = emesh.ep_rank * local
         for attr, p in list(module._parameters.items()):
-            if p is None:
+            if p is None or ep_spec(p) is not None:     # already cut (a tied parameter seen again)
                 continue
-            full = p.detach()
-            if rank0_values:     # rank 0's values win, as for dense parameters (``_build/shard.py``)
-                full = full if mesh.rank == 0 else torch.empty(p.shape, dtype=p.dtype, device=device)
-                full = full.to(device)
-                comm.broadcast(full, src=0, group=None, what=f"experts {name}.{attr} from rank 0")
-            q = nn.Parameter(full[lo:lo + local].clone() if not full.is_meta else full[lo:lo + local],
-                             requires_grad=p.requires_grad)
-            q.__dict__.update({k: v for k, v in p.__dict__.items() if k != "_is_param"})
+            full = _full_value(p, f"{name}.{attr}", rank0_values, mesh, device)
+            q = _new_param(p, full[lo:lo + local].clone() if not full.is_meta else full[lo:lo + local])
             q._fp_ep = EPSpec(p.shape, (lo,) + (0,) * (p.dim() - 1), emesh)
-            _replace(model, p, q)
+            _replace(sites, p, q)
         module.num_experts = local      # the model's own experts code indexes its local experts 0..local-1
-        install(module, emesh, name)
+        install(module, emesh, name, cfg.expert_capacity_factor)
+    for name, block, container in per_expert:    # one module per expert: whole on its EP rank, empty elsewhere
+        experts = list(container.children())
+        local = len(experts) // ep
+        for i, expert in enumerate(experts):
+            owner = i // local
+            for sub, m in expert.named_modules():
+                for attr, p in list(m._parameters.items()):
+                    if p is None or ep_spec(p) is not None:     # already cut (a tied parameter seen again)
+                        continue
+                    full = _full_value(p, f"{name}.{i}.{sub}.{attr}", rank0_values, mesh, device)
+                    mine = full.clone() if not full.is_meta else full
+                    q = _new_param(p, mine if owner == emesh.ep_rank else full.new_empty((0, *p.shape[1:])))
+                    q._fp_ep = EPSpec(p.shape, (0,) * p.dim(), emesh, owner=owner)
+                    _replace(sites, p, q)
+        install_per_expert(block, container, emesh, name, cfg.expert_capacity_factor)
     aux_loss.install(model, _world_group(cfg.timeout_s))   # the router's aux loss on the global batch (``aux_loss.py``)
     return emesh
+
+
+def _full_value(p: nn.Parameter, name: str, rank0_values: bool, mesh: Mesh, device) -> torch.Tensor:
+    """``p``'s whole value: rank 0's when every rank takes rank 0's values, as for dense parameters
+    (``_build/shard.py``)."""
+    full = p.detach()
+    if rank0_values:
+        full = full if mesh.rank == 0 else torch.empty(p.shape, dtype=p.dtype, device=device)
+        full = full.to(device)
+        comm.broadcast(full, src=0, group=None, what=f"experts {name} from rank 0")
+    return full
+
+
+def _new_param(p: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
+    q = nn.Parameter(data, requires_grad=p.requires_grad)
+    q.__dict__.update({k: v for k, v in p.__dict__.items() if k != "_is_param"})
+    return q
 
 
 def _world_group(timeout_s=None):
@@ -133,11 +161,20 @@ def _rank0_values(model: nn.Module, mesh: Mesh, device) -> bool:
     return decide_scatter(model, mesh.world_size, device)
 
 
-def _replace(model: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:
+def _sites(model: nn.Module) -> dict:
+    """``id(parameter) -> [(module, attr)]`` for every registration (tied parameters have several), built once:
+    a model with thousands of per-expert parameters would make a scan per parameter quadratic."""
+    out: dict = {}
     for m in model.modules():
-        for attr, p in list(m._parameters.items()):
-            if p is old:
-                m._parameters[attr] = new
+        for attr, p in m._parameters.items():
+            if p is not None:
+                out.setdefault(id(p), []).append((m, attr))
+    return out
+
+
+def _replace(sites: dict, old: nn.Parameter, new: nn.Parameter) -> None:
+    for m, attr in sites.pop(id(old), ()):
+        m._parameters[attr] = new
 
 
 def split_expert_params(params: list) -> tuple[list, list]:

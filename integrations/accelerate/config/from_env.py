@@ -57,6 +57,7 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> FsdpSettings:
     s.keys["some_ranks_modules"] = parse.SOME_RANKS_ENV
     s.quantization = parse.quantization_from_env(env)
     s.expert_parallel = parse.expert_parallel_from_env(env)
+    s.expert_capacity_factor = parse.expert_capacity_factor_from_env(env)
     return s
 
 

@@ -57,6 +57,7 @@ def settings_from_plugin(plugin: Any) -> FsdpSettings:
     s.secondary_size = parse.hpz_from_env(os.environ) or s.secondary_size
     s.quantization = parse.quantization_from_env(os.environ)       # nor this one
     s.expert_parallel = parse.expert_parallel_from_env(os.environ)  # nor this one
+    s.expert_capacity_factor = parse.expert_capacity_factor_from_env(os.environ)
     return s
 
 

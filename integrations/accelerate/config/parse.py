@@ -180,6 +180,25 @@ def expert_parallel_from_env(env) -> int | None:
     return int(text)
 
 
+EXPERT_CAPACITY_ENV = "FSDP_PLUGIN_EXPERT_CAPACITY_FACTOR"
+
+
+def expert_capacity_factor_from_env(env) -> float | None:
+    """``FSDP_PLUGIN_EXPERT_CAPACITY_FACTOR=1.25`` → ``ShardingConfig(expert_capacity_factor=1.25)`` (token
+    dropping under expert parallelism, opt-in and inexact; unset: dropless)."""
+    text = (env.get(EXPERT_CAPACITY_ENV) or "").strip()
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise config_error(EXPERT_CAPACITY_ENV, text, "expected a positive capacity factor, e.g. 1.25 (unset: "
+                           "dropless, exact)")
+    return value
+
+
 def hpz_from_env(env) -> int | None:
     """``FSDP_PLUGIN_HPZ_SIZE=8`` → ``ShardingConfig(reshard_after_forward=8)`` (hpZ; DeepSpeed's
     ``zero_hpz_partition_size``): accelerate's FSDP2 plugin accepts only a bool ``reshard_after_forward``."""

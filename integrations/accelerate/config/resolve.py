@@ -29,6 +29,7 @@ def sharding_kwargs(s: FsdpSettings, model: nn.Module, device: torch.device | No
         "ignored_modules": ignored_modules(s.ignored_modules, model, s.key("ignored_modules")),
         "param_init_fn": s.param_init_fn, "some_ranks_modules": s.some_ranks_modules,
         "quantization": s.quantization, "expert_parallel": s.expert_parallel,
+        "expert_capacity_factor": s.expert_capacity_factor,
         "context_parallel": s.context_parallel,
     }
     if s.secondary_size is not None:

@@ -63,6 +63,7 @@ class FsdpSettings:
     secondary_size: int | None = None  # hpZ: the plugin's reshard_after_forward=<int> (fp: the same int)
     quantization: Any = None           # fp.Quantization | None (FSDP_PLUGIN_QUANTIZATION)
     expert_parallel: int | None = None  # ShardingConfig.expert_parallel (FSDP_PLUGIN_EXPERT_PARALLEL)
+    expert_capacity_factor: float | None = None  # ShardingConfig's (FSDP_PLUGIN_EXPERT_CAPACITY_FACTOR)
     context_parallel: int = 1          # ParallelismConfig cp_size (fp.ShardingConfig.context_parallel)
     keys: dict[str, str] = field(default_factory=dict)
 
