@@ -127,6 +127,19 @@ def test_refusals_are_named():
         _plan(2, optimizer="muon")
     with pytest.raises(PlanError, match="context_parallel"):
         _plan(2, context_parallel=2)
+    with pytest.raises(PlanError, match="expert_capacity_factor"):
+        _plan(2, expert_capacity_factor=1.0)
+
+    class PerExpert(torch.nn.Module):      # the older form fp.shard runs (tests/test_experts_per_expert.py)
+        def __init__(self):
+            super().__init__()
+            self.gate = torch.nn.Linear(4, 2)
+            self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+        def forward(self, x):
+            return sum(e(x) for e in self.experts) + self.gate(x).sum()
+    with pytest.raises(PlanError, match="per expert"):
+        fp.plan(PerExpert, world_size=2, expert_parallel=2, inputs=lambda: torch.zeros(1, 4))
 
 
 def test_cli_expert_parallel(tmp_path, capsys):

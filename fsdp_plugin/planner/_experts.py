@@ -36,7 +36,7 @@ def check(cfgs: list, opts: dict, module: nn.Module) -> tuple:
     ep = sizes.pop()
     if ep == 1:
         return 1, {}, []
-    from .._experts.detect import experts_modules
+    from .._experts.detect import experts_modules, per_expert_containers
     from .._experts.layout import refuse_combinations
     try:
         for cfg in cfgs:
@@ -44,6 +44,14 @@ def check(cfgs: list, opts: dict, module: nn.Module) -> tuple:
         found = experts_modules(module)
     except ConfigError as e:
         raise PlanError(str(e)) from e
+    if any(c.expert_capacity_factor is not None for c in cfgs):
+        raise PlanError(f"expert_parallel={ep} with expert_capacity_factor: tokens dropped over capacity are not "
+                        "priced (they depend on the routing); plan it dropless (expert_capacity_factor=None), an "
+                        "upper bound")
+    if not found and per_expert_containers(module):
+        raise PlanError(f"expert_parallel={ep}: {type(module).__name__} holds its experts per expert (a ModuleList "
+                        "or ModuleDict beside the router), which fp.shard runs but fp.plan does not price yet; plan "
+                        "it without expert_parallel and measure the all-to-alls with fp.comm_stats")
     if not found:
         raise PlanError(f"expert_parallel={ep}: {type(module).__name__} has no experts module (a transformers 5 fused "
                         "experts module, decorated with use_experts_implementation); plan it without expert_parallel")
