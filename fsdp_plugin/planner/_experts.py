@@ -11,8 +11,8 @@ The all-to-alls depend on the routing, which a fake run cannot see: they are pri
 many), from the rows each experts call gets in the fake run (``Recorder``: tokens, ``top_k``, hidden size and
 dtype, and whether the call is activation checkpointing's recomputation). Per call, as ``_experts/dispatch.py``
 counts them in ``fp.comm_stats``: ``all_to_all`` = dispatch + combine forward (and their two reverses in
-backward, for the calls autograd differentiates), ``all_to_all_index`` = the counts (E int64) and the expert
-ids (int64, one per row sent). The receive buffer of one dispatch holds ``T * top_k`` rows on average and up
+backward, for the calls autograd differentiates), ``all_to_all_index`` = the routes per expert (int64, one per
+global expert: each rank sends the ``(E-1)/E`` of them the other ranks own). The receive buffer of one dispatch holds ``T * top_k`` rows on average and up
 to ``E * T * top_k`` under the worst imbalance (every rank of the EP group routes every row to one rank).
 """
 from __future__ import annotations
@@ -82,7 +82,7 @@ def check_shard(ep: int, shard_size: int, world: int, strategy: str) -> None:
 
 class Recorder:
     """Forward pre-hooks on every experts module: per call ``(rows T, top_k, hidden, itemsize of the rows,
-    itemsize of the expert ids, recomputed)``."""
+    global expert count, recomputed)``."""
 
     def __init__(self, modules: list):
         self.calls: list = []
@@ -93,7 +93,7 @@ class Recorder:
         got = dict(zip(names, args), **{k: v for k, v in kwargs.items() if k in names})
         x, index = got["hidden_states"], got["top_k_index"]
         self.calls.append((x.numel() // x.shape[-1], index.shape[-1], x.shape[-1], x.element_size(),
-                           index.element_size(), _compat.in_backward()))
+                           module.num_experts, _compat.in_backward()))
 
     def remove(self) -> None:
         for h in self._hooks:
@@ -118,14 +118,14 @@ def all_to_all(rec: Recorder, ep: int) -> tuple[dict, dict, dict]:
     nbytes = {"all_to_all": 0, "all_to_all_index": 0}
     calls = {"all_to_all": 0, "all_to_all_index": 0}
     mean = worst = 0
-    for tokens, k, hidden, item, index_item, recomputed in rec.calls:
+    for tokens, k, hidden, item, experts, recomputed in rec.calls:
         rows = tokens * k
         sent = rows * (ep - 1) // ep
         ways = 2 if recomputed else 4        # dispatch + combine; their reverses in backward
         nbytes["all_to_all"] += ways * sent * hidden * item
         calls["all_to_all"] += ways
-        nbytes["all_to_all_index"] += (ep - 1) * 8 + sent * index_item
-        calls["all_to_all_index"] += 2
+        nbytes["all_to_all_index"] += experts * 8 * (ep - 1) // ep     # ``dispatch.exchange_counts``: int64
+        calls["all_to_all_index"] += 1
         mean, worst = max(mean, rows * hidden * item), max(worst, ep * rows * hidden * item)
     return nbytes, calls, {"recv_buffer_bytes": mean, "recv_buffer_worst_bytes": worst}
 
