@@ -34,6 +34,8 @@ def fresh_accelerate(monkeypatch):
 
     for name in ("ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING", "ACCELERATE_MIXED_PRECISION"):
         monkeypatch.setenv(name, "false" if name != "ACCELERATE_MIXED_PRECISION" else "no")
+    AcceleratorState._reset_state(True)     # a test of another file in this pytest process may have left them
+    GradientState._reset_state()
     yield
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
