@@ -234,11 +234,15 @@ def test_expert_parallel_parity(name, world, ep, strategy, mesh, extra):
         assert res["stats"]["bytes"].get("all_to_all", 0) > 0 and res["stats"]["calls"]["all_to_all"] > 0
 
 
-def test_expert_parallel_forced_imbalance():
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "checkpointed"])
+def test_expert_parallel_forced_imbalance(recompute):
     """Layer 0 routes every token to the lower half of the experts: one EP rank receives no row there. No hang,
-    the one-process numbers, and that rank's starved experts get exact-zero gradients (not None)."""
+    the one-process numbers, and that rank's starved experts get exact-zero gradients (not None). Checkpointed:
+    the recompute of the rank that received nothing runs the same all-to-alls as the others (torch's checkpoint
+    stops a recompute early once every saved tensor is back; a collective after that point would hang)."""
     want = _reference("qwen3_moe", 2, imbalance=True)
-    results = run_ranks(_worker, 2, "qwen3_moe", 2, "full_shard", None, True, timeout=240)
+    extra = {"activation_checkpointing": True} if recompute else None
+    results = run_ranks(_worker, 2, "qwen3_moe", 2, "full_shard", None, True, extra, timeout=240)
     _check(results, want)
     seen = results[1]["seen"]
     assert seen and all(zero for zero, _ in seen.values()), seen
