@@ -11,6 +11,8 @@ Rows (one ``GPU_CHECK_JSON {...}`` each):
 2. ``ep_bytes``: bytes per step on the wire at ep 2 against no EP on the same two ranks (``fp.comm_stats``): the
    experts are never all-gathered under EP; tokens move by all-to-all instead.
 3. ``ep_world1_bf16``: bf16 at world 1, sharded against unsharded: equal losses, peak memory of each.
+4. ``ep_plan_world8``: ``fp.plan`` at fake world 8 (a 32-expert Qwen3-MoE, 4,096 tokens per rank, bf16):
+   wire bytes and peak with ``expert_parallel=8`` against the experts gathered whole.
 """
 from __future__ import annotations
 
@@ -126,6 +128,29 @@ def world1_row(dry: bool, got=None) -> dict:
             "peak_mib": peak_mib(dev), "unsharded_peak_mib": plain_peak, "ok": got == want}
 
 
+def plan_row(dry: bool, got=None) -> dict:
+    """fp.plan at fake world 8 on the device's throughputs: a Qwen3-MoE of 32 experts, expert_parallel=8 against
+    the same job with the experts gathered (the planner runs the engine's own EP layout on fake tensors)."""
+    import transformers as tf
+
+    import fsdp_plugin as fp
+    cfg = tf.Qwen3MoeConfig(vocab_size=32000, hidden_size=256 if dry else 1024, intermediate_size=1024,
+                            num_hidden_layers=2 if dry else 8, num_attention_heads=8, num_key_value_heads=4,
+                            moe_intermediate_size=256 if dry else 512, num_experts=32, num_experts_per_tok=4,
+                            head_dim=32 if dry else 128)
+    p = fp.plan(lambda: tf.Qwen3MoeForCausalLM(cfg), world_size=8, expert_parallel=8, mixed_precision="bf16",
+                seq_len=512 if dry else 4096, batch_size=1, device="cpu" if dry else "cuda")
+    w = p.worlds[8]
+    ep = w.expert_parallel
+    gib = 2**30
+    return {"check": "ep_plan_world8", "wire_gib_with_ep": round(ep["wire_bytes_with_ep"] / gib, 3),
+            "wire_gib_without_ep": round(ep["wire_bytes_without_ep"] / gib, 3),
+            "all_to_all_gib": round(ep["all_to_all_bytes"] / gib, 3), "peak_gib": round(w.peak / gib, 3),
+            "peak_gib_without_ep": round(ep["peak_without_ep"] / gib, 3), "recommend_ep": ep["recommend"],
+            "recv_buffer_worst_mib": round(ep["recv_buffer_worst_bytes"] / 2**20, 1),
+            "ok": ep["wire_bytes_with_ep"] < ep["wire_bytes_without_ep"]}
+
+
 def main() -> int:
     dry = "--dry" in sys.argv
     if not dry and not torch.cuda.is_available():
@@ -137,7 +162,7 @@ def main() -> int:
         got = {}
         emit({"check": "ep_ranks", "ok": False, "error": error_text(e)})
     ok = bool(got)
-    for make in (parity_row, bytes_row, world1_row):
+    for make in (parity_row, bytes_row, world1_row, plan_row):
         name = make.__name__.removesuffix("_row")
         try:
             row = make(dry, got.get(name))
