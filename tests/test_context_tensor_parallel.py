@@ -3,7 +3,8 @@
 The recipe: one root mesh (dp, cp, tp) = (1, 2, 2), transformers' Llama parallelized on mesh['tp'] with its own
 tp_plan (GQA 4/2 heads: 2 query and 1 K/V head per TP rank), fp.shard(device_mesh=mesh['dp', 'cp'],
 context_parallel=2). Every rank passes the same full batch (odd length 11: padded to 12 and split 6/6); per
-step of 4 AdamW steps the loss, every full gradient and every full parameter are within 1e-5 of one process.
+step of 4 AdamW steps the loss, every full gradient and every full parameter are within 1e-5 of one process;
+Ulysses too, on 8/4 heads (it splits each TP rank's heads over CP). The CP bytes per step show the local heads.
 """
 from __future__ import annotations
 
@@ -26,9 +27,20 @@ def _batch(step: int, group: int = 0) -> torch.Tensor:
     return torch.randint(0, 64, (2, SEQ), generator=g)
 
 
-def _reference(steps: int = STEPS, seq: int = SEQ, dp: int = 1, optim: str = "adamw") -> list:
+def _llama(heads: int = 4):
+    """_tp's tiny Llama (4 query / 2 K/V heads), or with ``heads`` query heads (half as many K/V heads)."""
+    if heads == 4:
+        return _tp.llama()
+    from transformers import LlamaForCausalLM
+    cfg = _tp.llama_config()
+    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = heads, heads // 2, 4
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).float()
+
+
+def _reference(steps: int = STEPS, seq: int = SEQ, dp: int = 1, optim: str = "adamw", heads: int = 4) -> list:
     """One process on the global batch (the ``dp`` data-parallel groups' batches concatenated)."""
-    model = _tp.llama()
+    model = _llama(heads)
     opt = _tp.make_optimizer(optim, model.parameters())
     out = []
     for s in range(steps):
@@ -42,19 +54,19 @@ def _reference(steps: int = STEPS, seq: int = SEQ, dp: int = 1, optim: str = "ad
     return out
 
 
-def _sharded(method: str = "allgather", dims=("dp", "cp")):
+def _sharded(method: str = "allgather", dims=("dp", "cp"), heads: int = 4):
     from torch.distributed.device_mesh import init_device_mesh
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
     from fsdp_plugin.integrations.hf_tensor_parallel import parallelize_hf
     mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "cp", "tp"))
-    model = parallelize_hf(_tp.llama(), mesh["tp"])
+    model = parallelize_hf(_llama(heads), mesh["tp"])
     fp.shard(model, device_mesh=mesh[dims], context_parallel=2, auto_wrap_policy={LlamaDecoderLayer},
              context_parallel_attention=method)
     return model
 
 
-def _worker(rank, world):
-    model = _sharded()
+def _worker(rank, world, method, heads):
+    model = _sharded(method, heads=heads)
     assert (fp.data_parallel_size(model), fp.data_parallel_rank(model)) == (1, 0)
     root = model._fp_root
     # parameters shard over dp x cp (2 ranks of one TP coordinate); CP pairs are {r, r + 2} (tp innermost)
@@ -64,11 +76,14 @@ def _worker(rank, world):
     out = []
     for s in range(STEPS):
         idx = _batch(s)
-        kv = fp.comm_stats.bytes["cp_kv"]
+        kv, a2a = fp.comm_stats.bytes["cp_kv"], fp.comm_stats.bytes["cp_ulysses"]
         res = model(input_ids=idx, labels=idx)
         assert res.logits.shape[1] == 6, "the model did not run on a split sequence"
-        # one all-gather of this TP rank's ONE local K/V head (k and v, 2 layers): (B 2, 1 head, 6, D 4) fp32
-        assert fp.comm_stats.bytes["cp_kv"] - kv == 2 * 2 * (2 * 1 * 6 * 4 * 4), fp.comm_stats.bytes["cp_kv"] - kv
+        kv, a2a = fp.comm_stats.bytes["cp_kv"] - kv, fp.comm_stats.bytes["cp_ulysses"] - a2a
+        if method == "allgather":   # this TP rank's ONE K/V head (k and v, 2 layers): (B 2, 1 head, 6, D 4) fp32
+            assert (kv, a2a) == (2 * 2 * (2 * 1 * 6 * 4 * 4), 0), (kv, a2a)
+        else:                       # q (4 local heads), k, v (2) out and the output back: 12 heads' worth, half sent
+            assert (kv, a2a) == (0, 2 * (2 * 12 * 6 * 4 * 4) // 2), (kv, a2a)
         opt.zero_grad()
         res.loss.backward()
         grads = _tp.full_grads(model)
@@ -77,13 +92,15 @@ def _worker(rank, world):
     return out
 
 
-def test_cp2_tp2_llama_matches_one_process():
-    want = _reference()
-    results = run_ranks(_worker, 4, timeout=300)
+@pytest.mark.parametrize("method,heads", [("allgather", 4), ("ulysses", 8)])
+def test_cp2_tp2_llama_matches_one_process(method, heads):
+    """All-gather K/V with 2/1 local heads per TP rank; Ulysses with 8/4 heads (4/2 per TP rank, 2/1 per CP rank)."""
+    want = _reference(heads=heads)
+    results = run_ranks(_worker, 4, method, heads, timeout=300)
     for got in results:
         _tp.assert_matches(got, want)
     with pytest.raises(AssertionError):     # the comparison can fail: another sequence length's trajectory
-        _tp.assert_matches(results[0], _reference(seq=SEQ - 1))
+        _tp.assert_matches(results[0], _reference(seq=SEQ - 1, heads=heads))
 
 
 def _refusals_worker(rank, world):
