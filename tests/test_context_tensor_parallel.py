@@ -153,3 +153,44 @@ def test_dp2_cp2_on_a_device_mesh(strategy, shape, names):
     want = _reference(2, dp=2, optim="sgd")
     for got in run_ranks(_mesh_worker, 4, strategy, shape, names, timeout=300):
         _tp.assert_matches(got, want)
+
+
+def _save_worker(rank, world, path):
+    model = _sharded()
+    opt = _tp.make_optimizer("adamw", model.parameters())
+    for s in range(2):
+        idx = _batch(s)
+        opt.zero_grad()
+        model(input_ids=idx, labels=idx).loss.backward()
+        opt.step()
+    fp.save_checkpoint(path, model, opt)
+    return True
+
+
+def _resume_worker(rank, world, path):
+    """Without CP: dp 1 x tp 2, the same Llama and tp_plan; loads the cp 2 x tp 2 checkpoint, trains step 2."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    from fsdp_plugin.integrations.hf_tensor_parallel import parallelize_hf
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    model = parallelize_hf(_llama(), mesh["tp"])
+    fp.shard(model, device_mesh=mesh["dp"], auto_wrap_policy={LlamaDecoderLayer})
+    opt = _tp.make_optimizer("adamw", model.parameters())
+    fp.load_checkpoint(path, model, opt)
+    idx = _batch(2)
+    loss = model(input_ids=idx, labels=idx).loss
+    opt.zero_grad()
+    loss.backward()
+    grads = _tp.full_grads(model)
+    opt.step()
+    return [(loss.item(), grads, fp.full_state_dict(model, rank0_only=False), None)]
+
+
+def test_checkpoint_saved_at_cp2_tp2_resumes_at_tp2_without_cp(tmp_path):
+    """Saved after 2 steps at cp 2 x tp 2 (world 4), resumed at tp 2 without CP (world 2): its step 2 (loss,
+    gradients, weights) is the one-process trajectory's, so weights and AdamW state came back whole."""
+    want = _reference(3)
+    path = str(tmp_path / "ck")
+    assert run_ranks(_save_worker, 4, path, timeout=300) == [True] * 4
+    for got in run_ranks(_resume_worker, 2, path, timeout=300):
+        _tp.assert_matches(got, want[2:])
