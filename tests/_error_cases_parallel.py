@@ -47,6 +47,10 @@ def device_mesh_smaller_than_world_without_tensor_parallelism():
     _tp_error("refuse_small_mesh_without_tp", fp.ConfigError)
 
 
+def context_parallel_with_a_device_mesh_without_its_cp_dimension():
+    _tp_error("refuse_cp_mesh_without_cp_dim", fp.ConfigError)
+
+
 def lightning_fabric_with_tensor_parallel_size():
     from fsdp_plugin.integrations.lightning._plumbing import sharding_config
     sharding_config({"data_parallel_size": 2, "tensor_parallel_size": 2})

@@ -280,6 +280,12 @@ def refuse_small_mesh_without_tp(rank, world):
     fp.shard(nn.Sequential(nn.Linear(4, 4)), device_mesh=mesh["dp"])
 
 
+def refuse_cp_mesh_without_cp_dim(rank, world):
+    """context_parallel with a 1-D DeviceMesh: which of its ranks split a sequence is not said (issue 54)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    fp.shard(llama(), device_mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)), context_parallel=2)
+
+
 # ------------------------------------------------------------------ checkpoints across (dp, tp) layouts
 LAYOUTS = {"2x2": (4, (2,), 2), "4x1": (4, (4,), 1), "1x4": (4, (1,), 4), "1x2": (2, (1,), 2), "1": (1, (1,), 1),
            "h1x2x2": (4, (1, 2), 2)}

@@ -18,6 +18,7 @@ from _error_cases_parallel import (  # tensor parallel, streaming, TRL, quantiza
     tensor_parallel_model_wrapped_by_fsdp2,
     per_tensor_optimizer_on_tensor_parallel_boxes,
     device_mesh_smaller_than_world_without_tensor_parallelism,
+    context_parallel_with_a_device_mesh_without_its_cp_dimension,
     lightning_fabric_with_tensor_parallel_size,
     lightning_parallel_sizes_not_matching_the_world,
     lightning_tensor_parallel_without_configure_model,
@@ -529,7 +530,8 @@ def plan_expert_parallel_not_dividing_the_experts():
 
 CASES += [context_parallel_of_a_module_holding_no_transformers_model,  # issue 54: context parallel
           context_parallel_of_a_linear_attention_model, plan_context_parallel_of_a_module_holding_no_transformers_model,
-          plan_expert_parallel_not_dividing_the_experts]
+          plan_expert_parallel_not_dividing_the_experts,
+          context_parallel_with_a_device_mesh_without_its_cp_dimension]   # issue 54: CP x TP recipe
 
 
 def _capture(case, tmp_path):

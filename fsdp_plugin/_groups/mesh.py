@@ -13,6 +13,7 @@ from .. import _compat
 from .._build.strategy import ShardScope
 from .._comm import native, nodes
 from ..errors import ConfigError
+from . import cp_mesh
 from .timeouts import backstop_timeout
 
 _GROUP_CACHE: dict = {}
@@ -36,6 +37,9 @@ class Mesh:
     # sample's sequence; their gradients are partial sums of the same samples' gradient
     cp_size: int = 1
     cp_group: object = None
+    # (size, rank) of the data-parallel view when the CP groups come from a DeviceMesh (``cp_mesh.py``: with
+    # tensor parallel the world also counts TP ranks, so rank // cp_size is not the batch index); () otherwise
+    dp_view: tuple = ()
 
     @property
     def reduce_world(self) -> int:
@@ -47,11 +51,11 @@ class Mesh:
     @property
     def dp_size(self) -> int:
         """Ranks with distinct batches (what samplers split the data over)."""
-        return self.world_size // self.cp_size
+        return self.dp_view[0] if self.dp_view else self.world_size // self.cp_size
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.cp_size
+        return self.dp_view[1] if self.dp_view else self.rank // self.cp_size
 
 
 def build_mesh(scope: ShardScope, device_mesh, tp_size: int = 1, timeout_s: Optional[float] = None,
@@ -65,8 +69,12 @@ def build_mesh(scope: ShardScope, device_mesh, tp_size: int = 1, timeout_s: Opti
             raise ConfigError(f"context_parallel={cp_size} needs {cp_size} ranks: initialize the process group "
                               "(torchrun) first, or drop context_parallel")
         return Mesh(1, 0, 1, 0, 1, 0)
-    mesh = _build(scope, device_mesh, tp_size, timeout_s)
-    if cp_size > 1:
+    if cp_size > 1 and device_mesh is not None and not isinstance(device_mesh, tuple):
+        # (dp..., cp) DeviceMesh, tensor parallel or not (``cp_mesh.py``)
+        mesh = Mesh(**cp_mesh.build(scope, device_mesh, cp_size, tp_size, timeout_s, _GROUP_CACHE))
+    else:
+        mesh = _build(scope, device_mesh, tp_size, timeout_s)
+    if cp_size > 1 and mesh.cp_group is None:
         mesh = _with_context_parallel(mesh, scope, device_mesh, tp_size, cp_size, timeout_s)
     _ensure_control_group(timeout_s)
     _LIVE_MESHES[id(mesh)] = mesh
@@ -112,13 +120,13 @@ def referenced_groups() -> list:
 
 def _with_context_parallel(mesh: Mesh, scope: ShardScope, device_mesh, tp_size: int, cp: int,
                            timeout_s: Optional[float] = None) -> Mesh:
-    """``mesh`` with its context-parallel groups: ``cp`` consecutive ranks each (cp innermost), inside one
-    shard group, so that parameters shard over shard x cp and a CP group's ranks share a node under torchrun."""
+    """``mesh`` (no DeviceMesh) with its context-parallel groups: ``cp`` consecutive ranks each (cp innermost),
+    inside one shard group, so that parameters shard over shard x cp and a CP group's ranks share a node under
+    torchrun. A DeviceMesh names its CP dimension instead (``cp_mesh.py``)."""
     import dataclasses
-    if tp_size > 1 or (device_mesh is not None and not isinstance(device_mesh, tuple)):
-        raise ConfigError(f"context_parallel={cp} with a DeviceMesh (tensor parallel or a custom mesh) is not "
-                          "supported yet: shard over the whole world (full_shard, shard_grad_op, no_shard) or "
-                          "hybrid_shard with device_mesh=(replicate, shard), and drop the DeviceMesh")
+    if tp_size > 1:     # unreachable through fp.shard (a TP model needs a DeviceMesh); kept for direct callers
+        raise ConfigError(f"context_parallel={cp} with tensor parallel needs the CP dimension in device_mesh: "
+                          + cp_mesh.RECIPE)
     if mesh.world_size % cp:
         raise ConfigError(f"context_parallel={cp} does not divide the world of {mesh.world_size} ranks: world = "
                           f"data-parallel x context-parallel; use a divisor of {mesh.world_size}")
