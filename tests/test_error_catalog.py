@@ -365,6 +365,9 @@ def _late_rank(rank, world, trace_dir):
             model(torch.ones(2, 4)).sum().backward()
         except fp.CollectiveError as e:
             text = re.sub(r"\d+\.\ds ago", "<t>s ago", str(e))
+            # a loaded machine can starve rank 2's status thread for a few periods: the other wording, same error
+            text = re.sub(r"; its status stopped updating \d+s ago: the process is dead or frozen \(holding the GIL\)",
+                          " (its status of <t>s ago)", text)
             text = re.sub(r"\.py:\d+ in", ".py:<line> in", text)
             return re.sub(r"host \S+, pid \d+", "host <host>, pid <pid>", text)
 
