@@ -200,6 +200,7 @@ def _groups_worker(rank, world):
     import torch.distributed as dist
     from fsdp_plugin import _compat
     g = dist.new_group([0, 1])
+    dist.barrier(group=g)    # both ends connected before either rank returns and exits (gloo: "closed by peer")
     name = dist.distributed_c10d._get_process_group_name(g) if hasattr(dist.distributed_c10d,
                                                                          "_get_process_group_name") else g.group_name
     return (_compat.group_named(name) is g, _compat.group_named("no such group") is None,
