@@ -55,6 +55,7 @@ def test_group_timeout_reads_what_the_group_was_created_with():
         import torch.distributed as dist
         from fsdp_plugin import _compat
         g = dist.new_group([0, 1], timeout=timedelta(seconds=77))
+        dist.barrier(group=g)    # both ends connected before either rank returns and exits
         return _compat.group_timeout(g, torch.device("cpu")), _compat.group_timeout(g, torch.device("meta"))
     for got, absent in run_ranks(worker, 2, timeout=60):
         assert got == timedelta(seconds=77) and absent is None
@@ -71,6 +72,7 @@ def test_the_default_deadline_needs_no_warning_on_nccls_default_group_timeout():
         import torch.distributed as dist
         from fsdp_plugin._groups import timeouts
         g = dist.new_group([0, 1], timeout=timedelta(minutes=10))
+        dist.barrier(group=g)    # both ends connected before either rank returns and exits
         mesh = SimpleNamespace(shard_size=2, shard_group=g, replicate_size=1)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
