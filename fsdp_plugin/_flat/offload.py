@@ -33,7 +33,8 @@ One :class:`HostCopier` per sharded model (``RootState.offload``; each offloaded
 
 Streams and events exist only on CUDA (``_CudaBackend``). Tests drive the same code on CPU through a backend whose
 streams and events are recorders (``tests/test_offload.py``): every copy, wait and allocation goes through the
-backend, and :class:`OffloadStats` counts them.
+backend, and :class:`OffloadStats` counts them; ``tests/test_offload_streams.py`` runs a short training's copies
+under the caching allocator's pool model (``tests/_pools.py``), which fails with any one of the waits above removed.
 """
 from __future__ import annotations
 
