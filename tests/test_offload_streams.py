@@ -74,3 +74,13 @@ def test_the_pool_model_knows_what_the_host_saw():
             m.wait_event("h2d", m.record("compute"))
         m.run("h2d", ops.fill_.Scalar, (out, 1.0), {})
         assert bool(m.violations) is not waited, m.violations
+
+
+def test_offload_copies_under_no_shard_and_hybrid():
+    """The other reduction paths (no_shard's all-reduce, hybrid's replica all-reduce of the chunk d2h reads),
+    bf16 compute: no violation either, with h2d and d2h traffic checked."""
+    for strategy, world, mesh in (("no_shard", 2, None), ("hybrid_shard", 4, (2, 2))):
+        for _, violations, seen in run_ranks(pool_worker, world, strategy, True, 2, mesh, True, "", env=GLOO,
+                                             timeout=120):
+            assert violations == [], (strategy, violations[:3])
+            assert seen["cross_by"].get("h2d", 0) > 0 and seen["cross_by"].get("d2h", 0) > 0, (strategy, seen)
