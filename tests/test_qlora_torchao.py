@@ -8,6 +8,7 @@ What must hold at world 2:
 * the weight forward sees, and ``fp.full_params`` shows, an ``NF4Tensor`` whose inner tensors equal the original's
   byte for byte, under ``MixedPrecision(param_dtype=bfloat16)`` too (a cast of the payload would rewrite them);
 * fp32 losses and the trained LoRA weights within 1e-5 of one process over 4 AdamW steps;
+* ``fp.plan`` counts the NF4 weights as the bytes fp.shard shards;
 * ``fp.full_state_dict`` holds the NF4Tensor, as the plain model's ``state_dict()`` does; ``fp.save_pretrained``
   and ``fp.iter_full_params`` refuse by name; other torchao subclasses and trainable NF4 weights are refused.
 
@@ -206,6 +207,52 @@ def _export_worker(rank, world, out):
 def test_nf4_exports_refused_by_name(tmp_path):
     for msg in run_ranks(_export_worker, WORLD, str(tmp_path / "out"), timeout=120)[0]:
         assert "torchao NF4Tensor weight 'blocks.0.weight'" in msg and "fp.full_state_dict" in msg, msg
+
+
+def _checkpoint_worker(rank, world, ckpt, tmp):
+    model = Net()
+    fp.shard(model, auto_wrap_policy={NF4LoRA})
+    _train(model, rank, world)
+    fp.save_checkpoint(ckpt, model)
+    with fp.full_params(model, writeback=False):
+        want = [_inner(b.weight) for b in model.blocks]
+    other = Net()
+    fp.shard(other, auto_wrap_policy={NF4LoRA})
+    with torch.no_grad():
+        for b in other.blocks:
+            b._parameters["weight"].fill_(0xFF)     # what the load must overwrite, byte for byte
+    fp.load_checkpoint(ckpt, other)
+    with fp.full_params(other, writeback=False):
+        got = [(type(b.weight).__name__, _inner(b.weight)) for b in other.blocks]
+    same = all(cls == "NF4Tensor" and all(torch.equal(g[n], w[n]) for n in INNER) for (cls, g), w in zip(got, want))
+    with pytest.raises(fp.ShardingError) as err:
+        fp.load_pretrained(other, tmp)
+    return same, str(err.value)
+
+
+def test_nf4_sharded_checkpoint_round_trips_and_load_pretrained_refused(tmp_path):
+    """``fp.save_checkpoint`` / ``fp.load_checkpoint`` restore the NF4 bytes exactly; ``fp.load_pretrained`` into
+    NF4 weights is refused by name (it would write checkpoint values into packed bytes)."""
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    from safetensors.torch import save_file
+    save_file({"head.weight": torch.zeros(8, DIM)}, str(plain / "model.safetensors"))
+    for same, msg in run_ranks(_checkpoint_worker, WORLD, str(tmp_path / "ckpt"), str(plain), timeout=120):
+        assert same
+        assert "torchao NF4 weights ('blocks.0.weight')" in msg and "to_nf4 before fp.shard" in msg, msg
+
+
+def _shard_bytes_worker(rank, world):
+    model = fp.shard(Net(), auto_wrap_policy={NF4LoRA})
+    return sum(h.flat_shard.numel() * h.flat_shard.element_size() for u in model._fp_root.units for h in u.handles)
+
+
+def test_plan_counts_nf4_weights_as_their_bytes():
+    """``fp.plan`` counts an NF4 weight as the bytes fp.shard shards (it counted float32 values: 7.7x too many)."""
+    plan = fp.plan(Net, world_size=WORLD, auto_wrap_policy={NF4LoRA}, inputs=lambda: (torch.randn(4, DIM),),
+                   loss_fn=lambda out: out.sum())
+    real = run_ranks(_shard_bytes_worker, WORLD)
+    assert plan.worlds[WORLD].param_shards == real[0] == real[1], (plan.worlds[WORLD].param_shards, real)
 
 
 def _refused_worker(rank, world, what):

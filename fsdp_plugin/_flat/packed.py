@@ -132,6 +132,15 @@ def is_packed(p) -> bool:
     return _bnb_class(p) in _PACKED and not getattr(p, "has_fp16_weights", False)
 
 
+def carrier_shape(p) -> tuple | None:
+    """The ``(bytes,)`` shape of the uint8 carrier ``prepare`` will make of torchao weight ``p`` (an ``NF4Tensor``
+    not prepared yet: what ``fp.plan`` counts), else None. Reads only the inner tensors' sizes (fake ones too)."""
+    if _torchao_class(p) not in _INNER or not hasattr(p, "__tensor_flatten__"):
+        return None
+    names, _ = p.__tensor_flatten__()
+    return (sum(getattr(p, n).numel() * getattr(p, n).element_size() for n in names),)
+
+
 def keeps_class(p) -> bool:
     """``p``'s own class must survive a storage swap (bitsandbytes' parameters; a carrier is a plain Parameter)."""
     return is_packed(p) and inner_bytes(p) is None
@@ -251,6 +260,13 @@ def refuse_load(model: nn.Module, names, path: str) -> None:
     quantized (4-bit ``quant_state`` entries, 8-bit ``weight_format``): it writes bytes into each rank's piece but
     no ``quant_state`` / ``SCB``, so packed bytes would sit beside another checkpoint's scales, or int8 codes be
     cast into float weights (a silently wrong model); and it cannot quantize a full-precision base."""
+    nf4 = next((n for n, p in model.named_parameters() if inner_bytes(p) is not None), None)
+    if nf4 is not None:
+        raise ShardingError(
+            f"fp.load_pretrained({path!r}) into a model with torchao NF4 weights ({nf4!r}) would write checkpoint "
+            "values into their packed bytes (nibbles and block scalers): not supported. Load the checkpoint into "
+            "the full-precision model first and quantize it with to_nf4 before fp.shard (torchtune's QLoRA does), "
+            "load adapters into the sharded model with your adapter state dict, or resume with fp.load_checkpoint")
     packed = next((n for n, p in model.named_parameters() if is_packed(p)), None)
     if packed is not None:
         raise ShardingError(
