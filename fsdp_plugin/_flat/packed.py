@@ -84,7 +84,10 @@ class InnerBytes:
             self.parts.append((n, inner[n].dtype, tuple(inner[n].shape), pos, nbytes))
             pos += nbytes
         self.nbytes = pos
-        self.payload = torch.cat([_as_bytes(inner[n]) for n in order])
+
+    def payload(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``'s inner tensors as one flat uint8 tensor in this layout (a copy: the carrier's bytes)."""
+        return torch.cat([_as_bytes(getattr(t, name)) for name, *_ in self.parts])
 
     def rebuild(self, view: torch.Tensor) -> torch.Tensor:
         """The subclass over ``view`` (the carrier's gathered bytes): inner tensors are views of it, no copy
@@ -93,8 +96,7 @@ class InnerBytes:
         inner = {}
         for name, dtype, shape, start, nbytes in self.parts:
             b = view[start:start + nbytes]
-            size = torch.empty((), dtype=dtype).element_size()
-            if size > 1 and b.storage_offset() % size:
+            if dtype.itemsize > 1 and b.storage_offset() % dtype.itemsize:
                 b = b.clone()
             inner[name] = b.view(dtype).view(shape)
         ctx = {k: _on_device(v, view.device) for k, v in self.ctx.items()} if isinstance(self.ctx, dict) else self.ctx
@@ -203,8 +205,7 @@ def prepare(model: nn.Module, ignored_modules=()) -> int:
             module.state.CB = module.state.SCB = None
     for p, sites in inner.values():     # torchao weights: every site registers the same uint8 carrier
         layout = InnerBytes(p)
-        carrier = nn.Parameter(layout.payload, requires_grad=False)
-        layout.payload = None           # the carrier holds the bytes (the layout only describes them)
+        carrier = nn.Parameter(layout.payload(p), requires_grad=False)
         carrier._fp_inner_bytes = layout
         for module, name in sites:
             module._parameters[name] = carrier
