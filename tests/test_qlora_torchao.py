@@ -7,7 +7,8 @@ What must hold at world 2:
 * each rank holds about half of the NF4 inner tensors' bytes, together all of them;
 * the weight forward sees, and ``fp.full_params`` shows, an ``NF4Tensor`` whose inner tensors equal the original's
   byte for byte, under ``MixedPrecision(param_dtype=bfloat16)`` too (a cast of the payload would rewrite them);
-* fp32 losses and the trained LoRA weights within 1e-5 of one process over 4 AdamW steps;
+* fp32 losses and the trained LoRA weights within 1e-5 of one process over 4 AdamW steps (plain torch LoRA, and
+  PEFT's LoRA on ``nn.Linear`` layers holding NF4 weights, saved by PEFT's own ``save_pretrained``);
 * ``fp.plan`` counts the NF4 weights as the bytes fp.shard shards;
 * ``fp.full_state_dict`` holds the NF4Tensor, as the plain model's ``state_dict()`` does; ``fp.save_pretrained``
   and ``fp.iter_full_params`` refuse by name; other torchao subclasses and trainable NF4 weights are refused.
@@ -207,6 +208,50 @@ def _export_worker(rank, world, out):
 def test_nf4_exports_refused_by_name(tmp_path):
     for msg in run_ranks(_export_worker, WORLD, str(tmp_path / "out"), timeout=120)[0]:
         assert "torchao NF4Tensor weight 'blocks.0.weight'" in msg and "fp.full_state_dict" in msg, msg
+
+
+class PeftBlock(nn.Module):
+    """A plain ``nn.Linear`` holding an NF4 weight (torchao's ``F.linear`` override runs it), for PEFT's LoRA."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM, bias=False)
+        self.proj.weight = nn.Parameter(nf4.to_nf4(self.proj.weight.detach()), requires_grad=False)
+
+    def forward(self, x):
+        return torch.tanh(self.proj(x))
+
+
+def _peft_model():
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    net = nn.Sequential(PeftBlock(), PeftBlock(), nn.Linear(DIM, 8))
+    return peft.get_peft_model(net, peft.LoraConfig(r=4, target_modules=["proj"], init_lora_weights="gaussian"))
+
+
+def _peft_worker(rank, world, out):
+    model = _peft_model()
+    fp.shard(model, auto_wrap_policy={PeftBlock})
+    losses = _train(model, rank, world)
+    model.save_pretrained(out)        # PEFT's own adapter save on the sharded model (every rank calls it)
+    return losses
+
+
+def test_peft_lora_on_an_nf4_base_matches_one_process(tmp_path):
+    """PEFT's LoRA on ``nn.Linear`` layers holding NF4 weights: losses within 1e-5 of one process; PEFT's own
+    ``save_pretrained`` writes the adapters (the NF4 base is not in them), equal to one process's."""
+    peft = pytest.importorskip("peft")
+    one = _peft_model()
+    want = _train(one, 0, 1)
+    got = run_ranks(_peft_worker, WORLD, str(tmp_path / "adapter"), timeout=120)
+    for losses in got:
+        assert max(abs(a - b) for a, b in zip(losses, want)) <= TOL, (losses, want)
+    from safetensors.torch import load_file
+    saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    ref = peft.get_peft_model_state_dict(one)
+    assert saved.keys() == ref.keys() and len(saved) == 4, sorted(saved)
+    for k, v in ref.items():
+        assert (saved[k] - v).abs().max().item() <= TOL, k
 
 
 def _checkpoint_worker(rank, world, ckpt, tmp):
