@@ -15,7 +15,7 @@ from ._comm import collectives as comm, failure
 from ._experts.spec import ep_spec, full_tensor as ep_full_tensor
 from ._flat.dtensor import full_tensor, tp_spec
 from ._flat.layout import is_persistent_buffer
-from ._flat.packed import is_packed, quant_state_entries
+from ._flat.packed import is_packed, quant_state_entries, state_value
 from ._schedule.join import note_clip
 from .errors import NonFiniteGradientError, ShardingError
 
@@ -102,7 +102,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict:
         pre = prefix + "." if prefix else ""
         for name, p in module._parameters.items():
             if p is not None:
-                out[pre + name] = values.get(id(p), p.detach().cpu())
+                out[pre + name] = state_value(p, values.get(id(p), p.detach().cpu()))
                 if is_packed(p):      # as the plain model's state_dict(): bitsandbytes' quant_state entries
                     out.update(quant_state_entries(p, pre + name))
         for name, b in module._buffers.items():

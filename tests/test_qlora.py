@@ -322,22 +322,30 @@ def test_load_pretrained_of_4bit_refused_with_the_alternative(base_dir, tmp_path
 def _torchao_worker(rank, world):
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4   # torchao 0.18's home of NF4
 
+    torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 4))
     model[0].weight = torch.nn.Parameter(to_nf4(model[0].weight.detach(), 64, 64), requires_grad=False)
-    with pytest.raises(fp.ShardingError) as err:
-        fp.shard(model)
-    return str(err.value)
+    x = torch.randn(3, 64)
+    want, data = model(x).detach(), model[0].weight.quantized_data.clone()
+    fp.shard(model)
+    got = model(x).detach()
+    with fp.full_params(model, writeback=False):
+        w = model[0].weight
+        kept = (type(w).__name__, torch.equal(w.quantized_data, data))
+    return torch.equal(got, want), kept
 
 
-def test_torchao_nf4_refused_by_name():
-    """torchao's ``NF4Tensor`` (inner tensors split by blocks) is not sharded exactly yet: refused at ``fp.shard``
-    naming bitsandbytes' nf4 (it crashed inside torchao's ``aten.slice`` on one rank while the other waited)."""
+def test_torchao_nf4_in_a_plain_linear_sharded_exactly():
+    """torchao's ``NF4Tensor`` as the weight of a plain ``nn.Linear`` (torchao's ``F.linear`` override): sharded as
+    its inner tensors' bytes (it was refused by name; before that it crashed inside torchao's ``aten.slice`` on one
+    rank while the other waited). The same output as unsharded, bit for bit; ``fp.full_params`` shows the
+    NF4Tensor. Training, mixed precision, exports and refusals: ``tests/test_qlora_torchao.py``."""
     try:    # torchao 0.18 is pinned for torch 2.13 (.ci/run); other lanes' torch may not import it
         importlib.import_module("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
     except Exception as e:   # noqa: BLE001 - ImportError, or torchao's own version checks
         pytest.skip(f"torchao's NF4 does not import here: {e}")
-    msg = run_ranks(_torchao_worker, 1)[0]
-    assert "0.weight is a torchao NF4Tensor" in msg and "bnb_4bit_quant_type='nf4'" in msg, msg
+    for same, kept in run_ranks(_torchao_worker, WORLD):
+        assert same and kept == ("NF4Tensor", True), (same, kept)
 
 
 _TRANSFORMERS_INTEGRATION = "fsdp_plugin.integrations.transformers"

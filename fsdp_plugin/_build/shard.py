@@ -12,7 +12,7 @@ from .._comm import collectives as comm
 from .. import _context, _log
 from .._flat import offload as _offload
 from .._flat.flat_param import FlatParamHandle, ParamSlot
-from .._flat.packed import is_packed, prepare as prepare_packed
+from .._flat.packed import carrier_shape, is_packed, prepare as prepare_packed
 from .checkpointing import apply_activation_checkpointing
 from .generate import install_synced_generate
 from .guards import install_guards
@@ -221,6 +221,9 @@ def group_params(params: list, mp=None, fp32_ids: frozenset = frozenset()) -> "O
     for p in params:
         if is_packed(p):
             groups.setdefault((p.dtype, p.requires_grad, False, True), []).append(p)
+            continue
+        if carrier_shape(p) is not None:    # a torchao NF4 weight not prepared yet (fp.plan): its uint8 carrier
+            groups.setdefault((torch.uint8, False, False, True), []).append(p)
             continue
         fp32 = id(p) in fp32_ids
         dtype = mp.master_dtype_for(p.dtype, p.requires_grad, fp32) if mp is not None else p.dtype

@@ -24,7 +24,7 @@ from .._reduce.usage import SlotUsage
 from .._comm.trace import _traced
 from .dtensor import as_dtensor, local_grad, tp_spec
 from .owners import choose_owners
-from .packed import is_packed, rewrap
+from .packed import keeps_class, rewrap
 from .rows import local_shape, piece, row_aligned_offsets
 from .secondary import SecondaryShard
 from . import streams
@@ -37,7 +37,7 @@ def set_param_data(param: nn.Parameter, tensor: torch.Tensor) -> None:
         param.data = tensor
         return
     attrs = dict(param.__dict__)
-    new = rewrap(param, tensor) if is_packed(param) else nn.Parameter(tensor, requires_grad=param.requires_grad)
+    new = rewrap(param, tensor) if keeps_class(param) else nn.Parameter(tensor, requires_grad=param.requires_grad)
     torch.utils.swap_tensors(param, new)
     param.__dict__.update(attrs)
 

@@ -24,10 +24,22 @@ bytes, the row scales ``SCB`` (one fp32 per row) kept whole on the parameter; bi
 ``quant_state`` itself stays whole on every rank (one absmax per 64-value block: 4 bytes per 32 packed bytes,
 about 1 with ``bnb_4bit_use_double_quant``). What the engine cannot shard exactly is refused by name (``prepare``):
 trainable 8-bit weights, weights not quantized yet (built under ``fp.deferred_init()``), weights already repacked,
-torchao tensor subclasses (``NF4Tensor``: inner tensors split by blocks, not sharded here yet);
-``fp.load_pretrained`` never writes packed bytes (``refuse_load``: their quant_state would not follow).
+torchao tensor subclasses other than ``NF4Tensor``; ``fp.load_pretrained`` never writes packed bytes
+(``refuse_load``: their quant_state would not follow).
+
+torchao's ``NF4Tensor`` (torchtune's QLoRA, ``to_nf4`` + ``linear_nf4``) is a wrapper subclass with no storage of
+its own: its values live in inner tensors (packed nibbles, int8 block scalers, their factors, the scaler mean and
+the 16-entry nf4 table) that ``__tensor_flatten__`` names. ``prepare`` replaces it on its module by a frozen uint8
+*carrier*, the byte concatenation of those inner tensors (widest dtype first, so every part starts aligned), with
+the subclass's flatten context on it (``InnerBytes``); the carrier is sharded as packed bytes like ``Params4bit``
+(each rank ~1/world of them, never cast), and ``rewrap`` rebuilds the NF4Tensor from the gathered bytes through the
+subclass's own ``__tensor_unflatten__``: its inner tensors are views of the gathered buffer, byte for byte the
+original's. Outside forward and ``fp.full_params`` the module holds the carrier's piece (uint8), as a sharded
+``Params4bit`` holds its piece of nibbles.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
@@ -36,6 +48,7 @@ from ..errors import ShardingError
 from .. import _compat
 
 _PACKED = {"Params4bit", "Int8Params"}     # bitsandbytes classes sharded exactly (their bytes, never cast)
+_INNER = {"NF4Tensor"}     # torchao wrapper subclasses sharded exactly as their inner tensors' bytes (``InnerBytes``)
 
 
 def _bnb_class(t) -> str | None:
@@ -54,15 +67,94 @@ def _torchao_class(t) -> str | None:
     return None
 
 
+class InnerBytes:
+    """How a torchao wrapper subclass (``NF4Tensor``) sits in its carrier's bytes: the class (taken from the
+    weight: torchao is never imported here), its ``__tensor_flatten__`` context and outer size/stride, and each
+    inner tensor's ``(name, dtype, shape, first byte, bytes)``."""
+
+    def __init__(self, t: torch.Tensor):
+        names, self.ctx = t.__tensor_flatten__()
+        inner = {n: getattr(t, n) for n in names}
+        self.cls, self.size, self.stride = type(t), tuple(t.shape), tuple(t.stride())
+        # widest elements first: each part then starts at a multiple of its element size (powers of two)
+        order = sorted(names, key=lambda n: -inner[n].element_size())
+        self.parts, pos = [], 0
+        for n in order:
+            nbytes = inner[n].numel() * inner[n].element_size()
+            self.parts.append((n, inner[n].dtype, tuple(inner[n].shape), pos, nbytes))
+            pos += nbytes
+        self.nbytes = pos
+
+    def payload(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``'s inner tensors as one flat uint8 tensor in this layout (a copy: the carrier's bytes)."""
+        return torch.cat([_as_bytes(getattr(t, name)) for name, *_ in self.parts])
+
+    def rebuild(self, view: torch.Tensor) -> torch.Tensor:
+        """The subclass over ``view`` (the carrier's gathered bytes): inner tensors are views of it, no copy
+        (a part whose first byte is not aligned for its dtype is copied: a few scalars, same bytes)."""
+        view = view.detach().reshape(-1)
+        inner = {}
+        for name, dtype, shape, start, nbytes in self.parts:
+            b = view[start:start + nbytes]
+            if dtype.itemsize > 1 and b.storage_offset() % dtype.itemsize:
+                b = b.clone()
+            inner[name] = b.view(dtype).view(shape)
+        ctx = {k: _on_device(v, view.device) for k, v in self.ctx.items()} if isinstance(self.ctx, dict) else self.ctx
+        return self.cls.__tensor_unflatten__(inner, ctx, self.size, self.stride)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values as flat bytes (a copy in row-major order: NF4's one-element ``quantization_factor`` has
+    stride 256, which ``view(torch.uint8)`` refuses even though it is one element)."""
+    return t.detach().new_empty(t.shape).copy_(t).reshape(-1).view(torch.uint8)
+
+
+def _on_device(v, device):
+    """A flatten-context entry (NF4's ``tensor_meta`` dataclass) moved to ``device`` and frozen: the rebuilt
+    wrapper reports the device its inner tensors are on and never requires grad."""
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        names = {f.name for f in dataclasses.fields(v)}
+        changes = {k: x for k, x in (("device", device), ("requires_grad", False)) if k in names}
+        return dataclasses.replace(v, **changes) if changes else v
+    return v
+
+
+def inner_bytes(p) -> InnerBytes | None:
+    """The layout when ``p`` is the uint8 carrier of a torchao weight (``prepare``), else None."""
+    layout = getattr(p, "_fp_inner_bytes", None)
+    return layout if isinstance(layout, InnerBytes) else None
+
+
 def is_packed(p) -> bool:
-    """``p`` holds packed quantized bytes that the engine shards as bytes (never cast, class kept). An 8-bit weight
-    with ``has_fp16_weights`` holds trainable float values instead (refused by ``prepare``)."""
+    """``p`` holds packed quantized bytes that the engine shards as bytes (never cast, class kept): a bitsandbytes
+    4/8-bit weight or the carrier of a torchao ``NF4Tensor``. An 8-bit weight with ``has_fp16_weights`` holds
+    trainable float values instead (refused by ``prepare``)."""
+    if inner_bytes(p) is not None:
+        return True
     return _bnb_class(p) in _PACKED and not getattr(p, "has_fp16_weights", False)
+
+
+def carrier_shape(p) -> tuple | None:
+    """The ``(bytes,)`` shape of the uint8 carrier ``prepare`` will make of torchao weight ``p`` (an ``NF4Tensor``
+    not prepared yet: what ``fp.plan`` counts), else None. Reads only the inner tensors' sizes (fake ones too)."""
+    if _torchao_class(p) not in _INNER or not hasattr(p, "__tensor_flatten__"):
+        return None
+    names, _ = p.__tensor_flatten__()
+    return (sum(getattr(p, n).numel() * getattr(p, n).element_size() for n in names),)
+
+
+def keeps_class(p) -> bool:
+    """``p``'s own class must survive a storage swap (bitsandbytes' parameters; a carrier is a plain Parameter)."""
+    return is_packed(p) and inner_bytes(p) is None
 
 
 def rewrap(original: nn.Parameter, view: torch.Tensor) -> torch.Tensor:
     """``view``'s storage as ``original``'s class with ``original``'s attributes (``quant_state``, ``blocksize``,
-    ...): what ``Linear4bit.forward`` and ``fp.full_params`` must see. No copy: the storage is ``view``'s."""
+    ...): what ``Linear4bit.forward`` and ``fp.full_params`` must see. No copy: the storage is ``view``'s. For a
+    torchao carrier: the ``NF4Tensor`` rebuilt over ``view`` (a frozen parameter, as torchtune registers it)."""
+    layout = inner_bytes(original)
+    if layout is not None:
+        return nn.Parameter(layout.rebuild(view), requires_grad=False)
     out = _compat.make_subclass(type(original), view.detach(), False)
     out.__dict__.update({k: v for k, v in original.__dict__.items() if not k.startswith("_fp_")})
     if _bnb_class(original) == "Int8Params":
@@ -79,7 +171,7 @@ def prepare(model: nn.Module, ignored_modules=()) -> int:
     Refuses layer types that cannot be sharded exactly and 4-bit weights already repacked for CPU inference
     (an eval-mode forward ran before ``fp.shard``). Parameters of ``ignored_modules`` stay as they are (the engine
     never touches them: kept whole, they run bitsandbytes' own path). Returns the number of packed parameters."""
-    count, int8 = 0, []
+    count, int8, inner = 0, [], {}
     ignored = {id(p) for m in ignored_modules for p in m.parameters()}
     for fqn, module in model.named_modules():
         for name, p in module.named_parameters(recurse=False):
@@ -88,11 +180,10 @@ def prepare(model: nn.Module, ignored_modules=()) -> int:
             kind = _bnb_class(p)
             where = f"{fqn}.{name}" if fqn else name
             if _torchao_class(p):
-                raise ShardingError(
-                    f"{where} is a torchao {_torchao_class(p)} weight: fp.shard cannot shard its inner tensors "
-                    "(packed nibbles and block scales, split by blocks) exactly yet, and will not flatten it into "
-                    "values. Load the base with bitsandbytes' nf4 instead (transformers.BitsAndBytesConfig("
-                    "load_in_4bit=True, bnb_4bit_quant_type='nf4')), which fp.shard shards exactly")
+                if id(p) not in inner:
+                    _check_inner(where, p)
+                inner.setdefault(id(p), (p, []))[1].append((module, name))
+                continue
             if kind == "Int8Params":
                 int8.append((module, p, _int8_scales(where, module, p)))
                 continue
@@ -112,7 +203,36 @@ def prepare(model: nn.Module, ignored_modules=()) -> int:
         p.SCB, p.CB = scb, None      # the full rows' reference dropped (``rewrap`` gives each forward its own)
         if getattr(module, "state", None) is not None:
             module.state.CB = module.state.SCB = None
-    return count + len(int8)
+    for p, sites in inner.values():     # torchao weights: every site registers the same uint8 carrier
+        layout = InnerBytes(p)
+        carrier = nn.Parameter(layout.payload(p), requires_grad=False)
+        carrier._fp_inner_bytes = layout
+        for module, name in sites:
+            module._parameters[name] = carrier
+    return count + len(int8) + len(inner)
+
+
+def _check_inner(where: str, p) -> None:
+    """Refuse a torchao weight that cannot be sharded as its inner tensors' bytes (module doc)."""
+    cls = _torchao_class(p)
+    if cls not in _INNER or not hasattr(type(p), "__tensor_unflatten__"):
+        raise ShardingError(
+            f"{where} is a torchao {cls} weight: fp.shard shards torchao's NF4Tensor exactly (its inner tensors as "
+            f"bytes) but not {cls}, and will not flatten it into values. Quantize the base with torchao's to_nf4 "
+            "(torchtune's QLoRA) or bitsandbytes' nf4 (transformers.BitsAndBytesConfig(load_in_4bit=True, "
+            "bnb_4bit_quant_type='nf4')), or keep the module whole with ignored_modules")
+    names, _ = p.__tensor_flatten__()
+    inner = [getattr(p, n) for n in names]
+    if p.requires_grad:
+        raise ShardingError(
+            f"{where} is a torchao {cls} weight with requires_grad=True: fp.shard shards NF4 bases frozen (their "
+            "bytes are never updated); register it as nn.Parameter(to_nf4(w), requires_grad=False) and train "
+            "adapters beside it")
+    if any(t.is_meta or type(t) is not torch.Tensor for t in inner):
+        raise ShardingError(
+            f"{where} is a torchao {cls} weight whose inner tensors are not real tensors (on the meta device, "
+            "built under fp.deferred_init(), or nested subclasses): fp.shard cannot shard bytes that do not exist "
+            "yet. Quantize the weight (to_nf4) after its real values are loaded, then call fp.shard")
 
 
 # What a 70B QLoRA user runs instead of deferred init + fp.load_pretrained (named by both refusals below).
@@ -141,6 +261,13 @@ def refuse_load(model: nn.Module, names, path: str) -> None:
     quantized (4-bit ``quant_state`` entries, 8-bit ``weight_format``): it writes bytes into each rank's piece but
     no ``quant_state`` / ``SCB``, so packed bytes would sit beside another checkpoint's scales, or int8 codes be
     cast into float weights (a silently wrong model); and it cannot quantize a full-precision base."""
+    nf4 = next((n for n, p in model.named_parameters() if inner_bytes(p) is not None), None)
+    if nf4 is not None:
+        raise ShardingError(
+            f"fp.load_pretrained({path!r}) into a model with torchao NF4 weights ({nf4!r}) would write checkpoint "
+            "values into their packed bytes (nibbles and block scalers): not supported. Load the checkpoint into "
+            "the full-precision model first and quantize it with to_nf4 before fp.shard (torchtune's QLoRA does), "
+            "load adapters into the sharded model with your adapter state dict, or resume with fp.load_checkpoint")
     packed = next((n for n, p in model.named_parameters() if is_packed(p)), None)
     if packed is not None:
         raise ShardingError(
@@ -180,6 +307,14 @@ def refuse_export(model: nn.Module, what: str, keys=None) -> None:
     not write yet; a file without them loads as a silently wrong model. ``keys``: ``id``s of the parameters
     the export writes (None: all)."""
     for name, p in model.named_parameters():
+        if inner_bytes(p) is not None and (keys is None or id(p) in keys):
+            raise ShardingError(
+                f"{what} would write the torchao {inner_bytes(p).cls.__name__} weight {name!r}, whose values are "
+                "packed nibbles with block scalers that a safetensors file of plain tensors cannot hold: not "
+                "supported. Save the adapters with PEFT's model.save_pretrained(dir) or your own adapter state "
+                "dict (the base is unchanged: quantize the original checkpoint with to_nf4 again), use "
+                "fp.full_state_dict (it holds the NF4Tensor, as the plain model's state_dict does), or "
+                "fp.save_checkpoint for a resumable sharded checkpoint")
         if is_packed(p) and (keys is None or id(p) in keys):
             raise ShardingError(
                 f"{what} would write the quantized weight {name!r} without its quantization state (4-bit "
@@ -191,8 +326,18 @@ def refuse_export(model: nn.Module, what: str, keys=None) -> None:
 def quant_state_entries(p, key: str) -> dict:
     """The ``state_dict()`` entries bitsandbytes writes beside packed weight ``key``, detached, on CPU: 4-bit
     (``Linear4bit._save_to_state_dict``) ``quant_state.as_dict(packed=True)`` under ``key + "."``; 8-bit
-    (``Linear8bitLt``) the row scales ``SCB`` and ``weight_format`` (0: row-major) beside ``weight``."""
+    (``Linear8bitLt``) the row scales ``SCB`` and ``weight_format`` (0: row-major) beside ``weight``; none for a
+    torchao carrier (its value is the rebuilt subclass: ``state_value``)."""
+    if inner_bytes(p) is not None:
+        return {}
     if _bnb_class(p) == "Int8Params":
         prefix = key[:-len("weight")]
         return {prefix + "SCB": p.SCB.detach().cpu(), prefix + "weight_format": torch.tensor(0, dtype=torch.uint8)}
     return {f"{key}.{k}": v.detach().cpu() for k, v in p.quant_state.as_dict(packed=True).items()}
+
+
+def state_value(p, value: torch.Tensor) -> torch.Tensor:
+    """What the plain model's ``state_dict()`` holds for ``p`` given its full ``value``: a torchao carrier's
+    rebuilt ``NF4Tensor`` (over ``value``'s bytes), anything else ``value`` itself."""
+    layout = inner_bytes(p)
+    return value if layout is None else layout.rebuild(value)

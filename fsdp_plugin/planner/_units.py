@@ -9,6 +9,7 @@ from torch import nn
 
 from .._build.precision import fp32_param_ids, fp32_regions
 from .._build.shard import group_params
+from .._flat.packed import carrier_shape
 from .._build.wrap import params_by_unit, select_unit_modules, some_ranks_fqns
 from .._flat.rows import row_aligned_offsets
 
@@ -73,7 +74,8 @@ def discover_units(model: nn.Module, policy, ignored=(), mp=None, some_ranks_rul
         local = [p for p in owned[fqn] if id(p) in experts]
         for group, e in ((dense, 1), (local, ep)):
             for (dtype, rg, fp32, _packed), params in group_params(group, mp, fp32_ids).items():
-                shapes = [(p.shape[0] // e,) + tuple(p.shape[1:]) if e > 1 else tuple(p.shape) for p in params]
+                shapes = [(p.shape[0] // e,) + tuple(p.shape[1:]) if e > 1 else carrier_shape(p) or tuple(p.shape)
+                          for p in params]     # a torchao NF4 weight: its carrier's bytes (``_flat/packed.py``)
                 sizes = [_numel(sh) for sh in shapes]
                 unit.handles.append(len(handles))
                 handles.append(HandleSpec(i, dtype, rg, sum(sizes), [id(p) for p in params], max(sizes), shapes,
