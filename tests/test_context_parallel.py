@@ -142,7 +142,7 @@ def _worker(rank, world, name, cp, kind, shard_kwargs, over, optim="adamw"):
     return out, kv, a2a, bwd, ring
 
 
-def _run(name, world, cp, kind="plain", shard_kwargs=None, optim="adamw", gathers=None, **over):
+def _run(name, world, cp, kind="plain", shard_kwargs=None, optim="adamw", gathers=None, rings=None, **over):
     """Parity of every step; ``gathers``: the collectives per step on every rank, (K/V all-gathers, Ulysses
     all-to-alls); default: one all-gather per layer (2 layers), or 8 all-to-alls per layer (forward + backward);
     and, all-gather mode, one more K/V all-gather per layer in backward (``cp_kv_bwd``)."""
@@ -157,7 +157,7 @@ def _run(name, world, cp, kind="plain", shard_kwargs=None, optim="adamw", gather
         # the tiled all-gather attention keeps no gathered K/V for backward: it gathers them again, once per layer
         assert bwd == [2 if method == "allgather" else 0] * STEPS, bwd
         # ring: C-1 K/V rotations per layer forward, C-1 again in backward, C-1 hops of the dK/dV partial sums
-        assert ring == [(2 * (cp - 1),) * 3 if ringed else (0, 0, 0)] * STEPS, ring
+        assert ring == [rings or ((2 * (cp - 1),) * 3 if ringed else (0, 0, 0))] * STEPS, ring
 
 
 CASES = [("llama", "plain"), ("mistral", "plain"), ("qwen3", "padded"), ("llama", "packed"), ("gemma3", "plain"),
@@ -228,8 +228,14 @@ def test_cp2_with_activation_checkpointing(ckpt, gathers):
     _run("llama", 2, 2, shard_kwargs={"activation_checkpointing": ckpt}, gathers=(gathers, 0))
 
 
-def _bf16_worker(rank, world, cp):
-    model = fp.shard(_build("gemma3"), context_parallel=cp,
+def test_ring_cp2_with_activation_checkpointing():
+    """Whole-layer recompute re-runs the ring forward in backward: 2 layers x 2 forwards of 1 rotation each."""
+    _run("llama", 2, 2, shard_kwargs={"activation_checkpointing": True, "context_parallel_attention": "ring"},
+         gathers=(0, 0), rings=(4, 2, 2))
+
+
+def _bf16_worker(rank, world, cp, method="allgather"):
+    model = fp.shard(_build("gemma3"), context_parallel=cp, context_parallel_attention=method,
                      mixed_precision=fp.MixedPrecision(param_dtype=torch.bfloat16))
     opt = make_optimizer("adamw", model.parameters())
     losses = []
@@ -242,11 +248,13 @@ def _bf16_worker(rank, world, cp):
     return losses
 
 
-def test_cp2_composes_with_bf16_mixed_precision():
+@pytest.mark.parametrize("method", ["allgather", "ring"])
+def test_cp2_composes_with_bf16_mixed_precision(method):
     """bf16 compute, fp32 masters: cp 2 stays within bf16 rounding of the same run in one process (observed
-    6e-4 over 3 steps; a wrong split or gradient scale moves the loss by 1e-2 or more)."""
+    6e-4 over 3 steps; a wrong split or gradient scale moves the loss by 1e-2 or more). The ring sends its dK/dV
+    partial sums in bf16, as the all-gather mode's reduce-scatter does."""
     (want,) = run_ranks(_bf16_worker, 1, 1, timeout=120)
-    for got in run_ranks(_bf16_worker, 2, 2, timeout=120):
+    for got in run_ranks(_bf16_worker, 2, 2, method, timeout=120):
         assert max(abs(a - b) for a, b in zip(got, want)) <= 2e-3, (got, want)
 
 
@@ -320,7 +328,7 @@ def test_unsplittable_models_are_refused_at_shard():
     with pytest.raises(ConfigError, match="positive int"):
         fp.ShardingConfig(context_parallel=0)
     with pytest.raises(ConfigError, match="context_parallel_attention"):
-        fp.ShardingConfig(context_parallel=2, context_parallel_attention="ring")
+        fp.ShardingConfig(context_parallel=2, context_parallel_attention="zigzag")
     with pytest.raises(fp.PlanError, match="does not divide world_size"):    # fp.plan prices CP (test_plan_context_parallel)
         fp.plan(lambda: _build("llama"), 3, context_parallel=2)
 
