@@ -154,7 +154,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = [measure(args.seq, 1, "none")]
     for cp in (2, 4):
-        for method in ("allgather", "ulysses"):
+        for method in ("allgather", "ring", "ulysses"):
             rows.append(measure(args.seq, cp, method))
     base = rows[0]["saved_bytes_max_rank"]
     for r in rows:
