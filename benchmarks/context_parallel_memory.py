@@ -1,6 +1,6 @@
 """Activation memory per rank under context parallel (issue 54): the bytes autograd saves for backward in one
 forward of a Llama-shaped model at a fixed sequence length, without CP (one process) and at cp 2 and 4 (forked
-gloo ranks on this CPU), for both attention modes; the largest rank is reported.
+gloo ranks on this CPU), for each attention mode; the largest rank is reported.
 
     python benchmarks/context_parallel_memory.py [--seq 4096] [--out benchmarks/results_context_parallel_memory.json]
         [--cap-mib 256]     # also: the longest power-of-two length whose peak fits the cap, without CP and at cp 2/4

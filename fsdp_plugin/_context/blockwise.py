@@ -10,6 +10,9 @@ Backward: gathers K/V again (one more all-gather per layer: (C−1)/C · S · 2�
 tile's probabilities ``P = exp(S − lse)`` and accumulates ``dV = Pᵀ dO``, ``dS = P ∘ (dO Vᵀ − rowsum(dO ∘ O))``,
 ``dQ = dS K``, ``dK = dSᵀ Q`` (GQA groups summed by the matmuls), then reduce-scatters dK/dV to their owners.
 
+The loops over key tiles (``_Rows.add``, ``Grads.add``) take one source of keys at a time: here the whole
+gathered K/V, in ``ring.py`` one rotating rank's block.
+
 A query that sees no key behaves as the whole-mask reference did (tested against one process): output 0 and no
 gradient (SDPA; with sinks everything goes to the sink), or, with soft-capping and no sinks (eager's additive
 mask), a uniform average over the real keys with eager's gradient (``tiles.py``, "dead" rows).
