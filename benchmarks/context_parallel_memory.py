@@ -1,6 +1,6 @@
 """Activation memory per rank under context parallel (issue 54): the bytes autograd saves for backward in one
 forward of a Llama-shaped model at a fixed sequence length, without CP (one process) and at cp 2 and 4 (forked
-gloo ranks on this CPU), for both attention modes; the largest rank is reported.
+gloo ranks on this CPU), for each attention mode; the largest rank is reported.
 
     python benchmarks/context_parallel_memory.py [--seq 4096] [--out benchmarks/results_context_parallel_memory.json]
         [--cap-mib 256]     # also: the longest power-of-two length whose peak fits the cap, without CP and at cp 2/4
@@ -154,7 +154,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = [measure(args.seq, 1, "none")]
     for cp in (2, 4):
-        for method in ("allgather", "ulysses"):
+        for method in ("allgather", "ring", "ulysses"):
             rows.append(measure(args.seq, cp, method))
     base = rows[0]["saved_bytes_max_rank"]
     for r in rows:

@@ -20,7 +20,7 @@ from .errors import ConfigError
 STRATEGIES = tuple(_STRATEGY_TABLE)
 SKIP_INIT = "skip"
 PAIRING_CHECKS = ("auto", "strict", "off")
-CP_ATTENTION = ("allgather", "ulysses")
+CP_ATTENTION = ("allgather", "ring", "ulysses")
 
 WrapPolicy = Union[None, set, frozenset, tuple, list, Callable[[nn.Module], bool]]
 
@@ -318,9 +318,11 @@ class ShardingConfig:
         summed over a CP group and averaged over data parallel. Every rank of a CP group passes the same full
         batch; ``fp.data_parallel_rank/size(model)`` is what samplers split the data by.
     context_parallel_attention: how a split attention layer sees the whole sequence: "allgather" (each rank
-        gathers the group's un-repeated K/V: any head count) or "ulysses" (all-to-all from sequence to heads and
-        back, 4 per layer: query and K/V head counts must divide by context_parallel). Bytes per rank and layer
-        relative to "allgather": (H + Hkv) / (C * Hkv), so Ulysses moves less once C > 1 + H / Hkv (MHA: C > 2).
+        gathers the group's un-repeated K/V: any head count), "ring" (the same attention, K/V blocks rotated
+        around the group: the same bytes in C−1 steps, 2 K/V blocks held per rank instead of C) or "ulysses"
+        (all-to-all from sequence to heads and back, 4 per layer: query and K/V head counts must divide by
+        context_parallel). Bytes per rank and layer relative to "allgather": (H + Hkv) / (C * Hkv), so Ulysses
+        moves less once C > 1 + H / Hkv (MHA: C > 2).
     """
 
     sharding_strategy: str = "full_shard"

@@ -118,17 +118,20 @@ def _worker(rank, world, name, cp, kind, shard_kwargs, over, optim="adamw"):
     dp, group = fp.data_parallel_size(model), fp.data_parallel_rank(model)
     assert (dp, group) == (world // cp, rank // cp)
     opt = make_optimizer(optim, model.parameters())
-    out, kv, a2a, bwd = [], [], [], []
+    out, kv, a2a, bwd, ring = [], [], [], [], []
+    kinds = ("cp_kv_ring", "cp_kv_ring_bwd", "cp_dkv_ring")
     for s in range(STEPS):
         opt.zero_grad()
         gathers, exchanges = fp.comm_stats.calls["cp_kv"], fp.comm_stats.calls["cp_ulysses"]
         regathers = fp.comm_stats.calls["cp_kv_bwd"]
+        rotations = [fp.comm_stats.calls[k] for k in kinds]
         result = model(**_batch(s, group, kind))
         assert result.logits.shape[1] == -(-SEQ // (2 * cp)) * 2, "the model did not run on a split sequence"
         result.loss.backward()
         kv.append(fp.comm_stats.calls["cp_kv"] - gathers)
         a2a.append(fp.comm_stats.calls["cp_ulysses"] - exchanges)
         bwd.append(fp.comm_stats.calls["cp_kv_bwd"] - regathers)
+        ring.append(tuple(fp.comm_stats.calls[k] - n for k, n in zip(kinds, rotations)))
         none = {n.removeprefix("inner."): p.grad is None for n, p in model.named_parameters()}
         opt.step()
         loss = result.loss.detach().clone()
@@ -136,22 +139,25 @@ def _worker(rank, world, name, cp, kind, shard_kwargs, over, optim="adamw"):
         full = fp.full_state_dict(model)          # rank 0 only; tied weights appear once in named_parameters
         full = {n.removeprefix("inner."): v for n, v in full.items()}
         out.append((loss.item() / world, none, {n: v for n, v in full.items() if n in none}))
-    return out, kv, a2a, bwd
+    return out, kv, a2a, bwd, ring
 
 
-def _run(name, world, cp, kind="plain", shard_kwargs=None, optim="adamw", gathers=None, **over):
+def _run(name, world, cp, kind="plain", shard_kwargs=None, optim="adamw", gathers=None, rings=None, **over):
     """Parity of every step; ``gathers``: the collectives per step on every rank, (K/V all-gathers, Ulysses
     all-to-alls); default: one all-gather per layer (2 layers), or 8 all-to-alls per layer (forward + backward);
     and, all-gather mode, one more K/V all-gather per layer in backward (``cp_kv_bwd``)."""
     want = _reference(name, world // cp, kind, optim, **over)
     got = run_ranks(_worker, world, name, cp, kind, shard_kwargs or {}, over, optim, timeout=240)
     check_steps([steps for steps, *_ in got], want)
-    ulysses = (shard_kwargs or {}).get("context_parallel_attention") == "ulysses"
-    gathers = gathers or ((0, 16) if ulysses else (2, 0))
-    for _, kv, a2a, bwd in got:
+    method = (shard_kwargs or {}).get("context_parallel_attention", "allgather")
+    ulysses, ringed = method == "ulysses", method == "ring"
+    gathers = gathers or ((0, 16) if ulysses else (0, 0) if ringed else (2, 0))
+    for _, kv, a2a, bwd, ring in got:
         assert (kv, a2a) == ([gathers[0]] * STEPS, [gathers[1]] * STEPS), (kv, a2a)
         # the tiled all-gather attention keeps no gathered K/V for backward: it gathers them again, once per layer
-        assert bwd == [0 if ulysses else 2] * STEPS, bwd
+        assert bwd == [2 if method == "allgather" else 0] * STEPS, bwd
+        # ring: C-1 K/V rotations per layer forward, C-1 again in backward, C-1 hops of the dK/dV partial sums
+        assert ring == [rings or ((2 * (cp - 1),) * 3 if ringed else (0, 0, 0))] * STEPS, ring
 
 
 CASES = [("llama", "plain"), ("mistral", "plain"), ("qwen3", "padded"), ("llama", "packed"), ("gemma3", "plain"),
@@ -189,6 +195,23 @@ def test_ulysses_cp2_matches_one_process(name, kind):
     _run(name, 2, 2, kind, shard_kwargs={"context_parallel_attention": "ulysses"})
 
 
+RING = [("llama", "plain"), ("qwen3", "padded"), ("mistral", "plain"), ("llama", "packed"), ("gpt_oss", "padded"),
+        ("gemma2", "padded")]
+
+
+@pytest.mark.parametrize("name,kind", RING, ids=[f"{n}-{k}" for n, k in RING])
+def test_ring_cp2_matches_one_process(name, kind):
+    """context_parallel_attention='ring': K/V blocks rotate instead of being gathered, dK/dV partial sums
+    travel with them back to their owners; GQA, padding, sliding window, packed documents, sinks, soft-capping
+    (rows that see nothing: uniform) exact as the all-gather mode."""
+    _run(name, 2, 2, kind, shard_kwargs={"context_parallel_attention": "ring"})
+
+
+def test_ring_cp4_world4():
+    """The ring at 4 ranks: 3 rotations per layer and pass, each block's dK/dV summed over 3 hops."""
+    _run("mistral", 4, 4, kind="padded", shard_kwargs={"context_parallel_attention": "ring"})
+
+
 def test_cp4_world4():
     """cp 4: 8 chunks of 2 (13 tokens padded to 16), rank r holds chunks r and 7 - r; Mistral's window of 5."""
     _run("mistral", 4, 4, kind="padded")
@@ -205,8 +228,14 @@ def test_cp2_with_activation_checkpointing(ckpt, gathers):
     _run("llama", 2, 2, shard_kwargs={"activation_checkpointing": ckpt}, gathers=(gathers, 0))
 
 
-def _bf16_worker(rank, world, cp):
-    model = fp.shard(_build("gemma3"), context_parallel=cp,
+def test_ring_cp2_with_activation_checkpointing():
+    """Whole-layer recompute re-runs the ring forward in backward: 2 layers x 2 forwards of 1 rotation each."""
+    _run("llama", 2, 2, shard_kwargs={"activation_checkpointing": True, "context_parallel_attention": "ring"},
+         gathers=(0, 0), rings=(4, 2, 2))
+
+
+def _bf16_worker(rank, world, cp, method="allgather"):
+    model = fp.shard(_build("gemma3"), context_parallel=cp, context_parallel_attention=method,
                      mixed_precision=fp.MixedPrecision(param_dtype=torch.bfloat16))
     opt = make_optimizer("adamw", model.parameters())
     losses = []
@@ -219,11 +248,13 @@ def _bf16_worker(rank, world, cp):
     return losses
 
 
-def test_cp2_composes_with_bf16_mixed_precision():
+@pytest.mark.parametrize("method", ["allgather", "ring"])
+def test_cp2_composes_with_bf16_mixed_precision(method):
     """bf16 compute, fp32 masters: cp 2 stays within bf16 rounding of the same run in one process (observed
-    6e-4 over 3 steps; a wrong split or gradient scale moves the loss by 1e-2 or more)."""
+    6e-4 over 3 steps; a wrong split or gradient scale moves the loss by 1e-2 or more). The ring sends its dK/dV
+    partial sums in bf16, as the all-gather mode's reduce-scatter does."""
     (want,) = run_ranks(_bf16_worker, 1, 1, timeout=120)
-    for got in run_ranks(_bf16_worker, 2, 2, timeout=120):
+    for got in run_ranks(_bf16_worker, 2, 2, method, timeout=120):
         assert max(abs(a - b) for a, b in zip(got, want)) <= 2e-3, (got, want)
 
 
@@ -297,7 +328,7 @@ def test_unsplittable_models_are_refused_at_shard():
     with pytest.raises(ConfigError, match="positive int"):
         fp.ShardingConfig(context_parallel=0)
     with pytest.raises(ConfigError, match="context_parallel_attention"):
-        fp.ShardingConfig(context_parallel=2, context_parallel_attention="ring")
+        fp.ShardingConfig(context_parallel=2, context_parallel_attention="zigzag")
     with pytest.raises(fp.PlanError, match="does not divide world_size"):    # fp.plan prices CP (test_plan_context_parallel)
         fp.plan(lambda: _build("llama"), 3, context_parallel=2)
 

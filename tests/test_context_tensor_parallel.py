@@ -76,11 +76,12 @@ def _worker(rank, world, method, heads):
     out = []
     for s in range(STEPS):
         idx = _batch(s)
-        kv, a2a = fp.comm_stats.bytes["cp_kv"], fp.comm_stats.bytes["cp_ulysses"]
+        kinds = ("cp_kv", "cp_ulysses") if method != "ring" else ("cp_kv_ring", "cp_ulysses")
+        kv, a2a = (fp.comm_stats.bytes[k] for k in kinds)
         res = model(input_ids=idx, labels=idx)
         assert res.logits.shape[1] == 6, "the model did not run on a split sequence"
-        kv, a2a = fp.comm_stats.bytes["cp_kv"] - kv, fp.comm_stats.bytes["cp_ulysses"] - a2a
-        if method == "allgather":   # this TP rank's ONE K/V head (k and v, 2 layers): (B 2, 1 head, 6, D 4) fp32
+        kv, a2a = fp.comm_stats.bytes[kinds[0]] - kv, fp.comm_stats.bytes[kinds[1]] - a2a
+        if method != "ulysses":     # this TP rank's ONE K/V head (k and v, 2 layers): (B 2, 1 head, 6, D 4) fp32
             assert (kv, a2a) == (2 * 2 * (2 * 1 * 6 * 4 * 4), 0), (kv, a2a)
         else:                       # q (4 local heads), k, v (2) out and the output back: 12 heads' worth, half sent
             assert (kv, a2a) == (0, 2 * (2 * 12 * 6 * 4 * 4) // 2), (kv, a2a)
@@ -92,9 +93,10 @@ def _worker(rank, world, method, heads):
     return out
 
 
-@pytest.mark.parametrize("method,heads", [("allgather", 4), ("ulysses", 8)])
+@pytest.mark.parametrize("method,heads", [("allgather", 4), ("ring", 4), ("ulysses", 8)])
 def test_cp2_tp2_llama_matches_one_process(method, heads):
-    """All-gather K/V with 2/1 local heads per TP rank; Ulysses with 8/4 heads (4/2 per TP rank, 2/1 per CP rank)."""
+    """All-gather K/V with 2/1 local heads per TP rank (the ring: the same block rotated, CP pairs {r, r + 2});
+    Ulysses with 8/4 heads (4/2 per TP rank, 2/1 per CP rank)."""
     want = _reference(heads=heads)
     results = run_ranks(_worker, 4, method, heads, timeout=300)
     for got in results:

@@ -67,6 +67,24 @@ def test_ulysses_bytes_equal_the_closed_form():
     assert "cp_kv" not in w["bytes"]
 
 
+def test_ring_bytes_equal_the_allgather_and_kv_memory_is_two_blocks():
+    """Ring: the same K/V bytes as the all-gather forward and backward, dK/dV's hops the reduce-scatter's, in
+    C−1 calls per layer and pass; its activations hold 2 K/V blocks where the all-gather holds C (cp 4: below
+    the all-gather's by at least the 2 blocks' difference; cp 2: equal)."""
+    build = lambda: tiny_llama(kv=4)      # noqa: E731 - K/V heavy enough that blocks show in the peak
+    for cp, seq in ((2, 64), (4, 61)):
+        plans = {m: _plan(cp, seq_len=seq, batch_size=2, build=build, context_parallel_attention=m).worlds[4]
+                 for m in ("allgather", "ring")}
+        g, r = (plans[m].context_parallel for m in ("allgather", "ring"))
+        assert r["bytes"]["cp_kv_ring"] == g["bytes"]["cp_kv"] and r["calls"]["cp_kv_ring"] == (cp - 1) * LAYERS
+        assert r["bytes"]["cp_kv_ring_bwd"] == g["bytes"]["cp_kv_bwd"]
+        assert r["bytes"]["cp_dkv_ring"] == g["bytes"]["reduce_scatter"]
+        assert r["layer_forward_bytes"] == g["layer_forward_bytes"] > 0
+        block = 2 * 2 * 4 * (g["tokens_per_rank"]) * D * 4          # (k, v) x batch x Hkv x T x D x fp32
+        saved = plans["allgather"].activations - plans["ring"].activations
+        assert saved >= (cp - 2) * block if cp > 2 else saved == 0, (cp, saved, block)
+
+
 def _measured(rank, world, kw):
     """Bytes per step of each kind fp.comm_stats counts (steps 1 and 2, after a first step)."""
     torch.manual_seed(0)
@@ -85,7 +103,7 @@ def _measured(rank, world, kw):
 
 
 REAL = {"allgather": {}, "allgather-checkpointed": {"activation_checkpointing": True},
-        "ulysses": {"context_parallel_attention": "ulysses"}}
+        "ulysses": {"context_parallel_attention": "ulysses"}, "ring": {"context_parallel_attention": "ring"}}
 
 
 @pytest.mark.parametrize("case", list(REAL))
@@ -102,6 +120,8 @@ def test_wire_bytes_equal_a_real_cp_run(case):
         assert wire["cp_kv"] == 2 * _kv_formula(2, 61, 2)
     if case == "ulysses":
         assert wire["cp_ulysses"] > 0 and "cp_kv" not in wire
+    if case == "ring":
+        assert wire["cp_kv_ring"] == _kv_formula(2, 61, 2) and "cp_kv" not in wire
 
 
 def test_refusals_are_named():
@@ -118,10 +138,11 @@ def test_refusals_are_named():
 def test_cli_context_parallel(tmp_path, capsys):
     from fsdp_plugin.cli import main as cli_main
     tiny_llama().config.save_pretrained(tmp_path)
-    assert cli_main(["plan", str(tmp_path), "--world", "4", "--context-parallel", "2", "--seq", "64",
-                     "--device", "cpu"]) == 0
-    out = capsys.readouterr().out
-    assert "CP tokens per rank" in out and "CP attention bytes / step" in out
+    for mode in ("allgather", "ring"):
+        assert cli_main(["plan", str(tmp_path), "--world", "4", "--context-parallel", "2", "--seq", "64",
+                         "--device", "cpu", "--context-parallel-attention", mode]) == 0
+        out = capsys.readouterr().out
+        assert "CP tokens per rank" in out and "CP attention bytes / step" in out
 
 
 def test_fit_tries_world_sizes_c_divides():

@@ -22,7 +22,8 @@ from .. import _compat
 from ..errors import CollectiveError
 from . import deadlines, failure, late, native, nodes, status, tagged, transport
 from . import p2p
-from .p2p import _P2PAllGather, _P2PAllReduce, _P2PExchange, _P2PPairSum, _P2PReduceScatter, Recorded, Tagged, _Bound
+from .p2p import (_P2PAllGather, _P2PAllReduce, _P2PExchange, _P2PPairSum, _P2PReduceScatter, _P2PRotate, Recorded,
+                  Tagged, _Bound)
 from .stats import _SYNC_KINDS, STATS, SYNC, CommStats, SyncStats, _split, ring_bytes  # noqa: F401
 from .stats import _count as _count_bytes
 from .transport import Transport
@@ -90,6 +91,31 @@ def exchange(out: torch.Tensor, inp: torch.Tensor, group, kind: str, gate=None, 
         return status.issued(work, kind, group, n, inp.numel())
     _ungated(gate, what)
     return status.issued(dist.all_to_all_single(out, inp, group=group, async_op=True), kind, group, n, inp.numel())
+
+
+def rotate(out: torch.Tensor, inp: torch.Tensor, group, kind: str, what: str = "ring rotation"):
+    """One step of a ring, asynchronously (wait the result with :func:`wait`): ``inp`` goes to group rank
+    ``me + 1``, ``out`` receives rank ``me − 1``'s (same size). Counted as one point-to-point send of ``inp``
+    (C−1 rotations of one block move what an all-gather of C blocks moves). On gloo with CPU tensors point to
+    point (`_P2PRotate`), else torch's all-to-all with zero splits to every rank but the two neighbours."""
+    MONITOR.check()
+    n = group_size(group)
+    sent = inp.numel() * inp.element_size() if n > 1 else 0
+    STATS.calls[kind] += 1
+    STATS.bytes[kind] += sent
+    if n == 1:
+        out.copy_(inp)
+        return None
+    me = rank_in(group)
+    nxt, prev = (me + 1) % n, (me - 1) % n
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    _split(kind, sent, sent * nodes.is_off_node(ranks[nxt]))
+    if _p2p_ok(group, out, inp):
+        return status.issued(_P2PRotate(out, inp, group, n), kind, group, n, inp.numel())
+    ins, outs = [0] * n, [0] * n
+    ins[nxt], outs[prev] = inp.numel(), out.numel()
+    work = dist.all_to_all_single(out.view(-1), inp.reshape(-1), outs, ins, group=group, async_op=True)
+    return status.issued(work, kind, group, n, inp.numel())
 
 
 def rank_in(group) -> int:

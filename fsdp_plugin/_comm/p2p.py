@@ -283,3 +283,20 @@ class _P2PExchange(_P2PWork):
         out[me].copy_(inp[me])
         super().__init__(group, me, list(inp), list(out), bound)
         self.keep = inp
+
+
+class _P2PRotate(_P2PWork):
+    """One step of a ring: ``inp`` to group rank ``me + 1``, ``out`` filled from rank ``me - 1`` (context
+    parallel's rotating K/V). At two ranks both are the one peer."""
+
+    def __init__(self, out: torch.Tensor, inp: torch.Tensor, group, n: int):
+        me = dist.get_rank(group)
+        sends, recvs = [None] * n, [None] * n
+        sends[(me + 1) % n], recvs[(me - 1) % n] = inp, out
+        super().__init__(group, me, sends, recvs)
+        self.keep = inp
+
+    def _post(self, pg, tag: int, sends: list, recvs: list) -> None:
+        self.works = [w for j in range(len(sends)) if j != self.me
+                      for w in ([pg.recv([recvs[j]], j, tag)] if recvs[j] is not None else [])
+                      + ([pg.send([sends[j]], j, tag)] if sends[j] is not None else [])]

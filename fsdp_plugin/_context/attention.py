@@ -6,6 +6,8 @@ online softmax (``blockwise.py``; masks per tile from ``Layout.block_mask``: cau
 packed documents; attention sinks and soft-capping as transformers' eager attention computes them), never
 holding a (local x sequence) tensor nor keeping the gathered K/V for backward (it gathers them again there and
 reduce-scatters dK/dV to their owners).
+Ring (``context_parallel_attention="ring"``, ``ring.py``): the same tiles, K/V blocks rotated around the group
+instead of gathered (two blocks held instead of C; same bytes, C−1 messages per layer).
 Ulysses (``context_parallel_attention="ulysses"``): an all-to-all turns (this rank's positions, all heads)
 into (every position, this rank's H/C heads) for q, k and v; attention runs over the whole sequence for those
 heads with the same global mask; a fourth all-to-all brings the output back to this rank's positions.
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from .._comm import collectives as comm
 from ..errors import UnsupportedError
 from .blockwise import BlockAttention
+from .ring import RingAttention
 from .split import Layout
 
 KEY = "fsdp_plugin_cp"      # config._attn_implementation while context parallel is on
@@ -124,7 +127,8 @@ def cp_attention(module, query, key, value, attention_mask, scaling=None, dropou
     if layout.method == "ulysses":
         return _ulysses(module, query, key, value, layout, scaling, causal, sliding_window, sinks, softcap)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = BlockAttention.apply(query, key, value, sinks, layout, scale, softcap, causal, sliding_window)
+    fn = RingAttention if layout.method == "ring" else BlockAttention
+    out = fn.apply(query, key, value, sinks, layout, scale, softcap, causal, sliding_window)
     return out.transpose(1, 2).contiguous(), None
 
 

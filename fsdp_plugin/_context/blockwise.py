@@ -10,6 +10,9 @@ Backward: gathers K/V again (one more all-gather per layer: (C−1)/C · S · 2�
 tile's probabilities ``P = exp(S − lse)`` and accumulates ``dV = Pᵀ dO``, ``dS = P ∘ (dO Vᵀ − rowsum(dO ∘ O))``,
 ``dQ = dS K``, ``dK = dSᵀ Q`` (GQA groups summed by the matmuls), then reduce-scatters dK/dV to their owners.
 
+The loops over key tiles (``_Rows.add``, ``Grads.add``) take one source of keys at a time: here the whole
+gathered K/V, in ``ring.py`` one rotating rank's block.
+
 A query that sees no key behaves as the whole-mask reference did (tested against one process): output 0 and no
 gradient (SDPA; with sinks everything goes to the sink), or, with soft-capping and no sinks (eager's additive
 mask), a uniform average over the real keys with eager's gradient (``tiles.py``, "dead" rows).
@@ -114,69 +117,137 @@ def _tile(layout, p, i, j, qt, kt, shape, scale, softcap, causal, window):
     return _Tile(qt, kt, shape, scale, softcap, mask, dead)
 
 
-def _forward(q, kk, vv, sinks, layout, p, scale, softcap, causal, window):
-    b, h, hkv, rep, t, d, cdt = _shapes(q, kk)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((b, h, t), dtype=cdt, device=q.device)
-    q5 = q.reshape(b, hkv, rep, t, d)
-    for i, r in enumerate(p.rows):
-        qt = _rows(q5, r, cdt)
+def block_keys(p, layout: Layout, src: int) -> tuple:
+    """(indices into ``p.keys`` of CP rank ``src``'s key tiles, their offset): a rank's T keys are positions
+    ``src·T .. (src+1)·T`` of the gathered order, cut into tiles that never straddle two ranks (``tiles._cuts``)."""
+    t = layout.q_index.numel()
+    return [j for j, kr in enumerate(p.keys) if kr.start // t == src], src * t
+
+
+class _Rows:
+    """The online-softmax state of one tile of query rows (running max ``m``, sum ``l``, output ``acc``),
+    merged over key tiles in any order: one call of ``add`` per source of keys (the whole gathered K/V, or one
+    rank's block of the ring)."""
+
+    def __init__(self, q5, i, p, cdt):
+        self.i, self.r = i, p.rows[i]
+        qt = _rows(q5, self.r, cdt)
+        self.m = torch.full(qt.shape[:3], float("-inf"), dtype=cdt, device=q5.device)
+        self.l = torch.zeros_like(self.m)
+        self.acc = torch.zeros(qt.shape, dtype=cdt, device=q5.device)
+
+    def add(self, q5, kk, vv, js, base, layout, p, scale, softcap, causal, window):
+        """Merge key tiles ``js`` (indices into ``p.keys``) of ``kk``/``vv``, which hold keys from ``base`` on."""
+        b, hkv, rep, _, d = q5.shape
+        cdt = self.acc.dtype
+        qt = _rows(q5, self.r, cdt)
         tq = qt.shape[2] // rep
-        m = torch.full(qt.shape[:3], float("-inf"), dtype=cdt, device=q.device)
-        l = torch.zeros_like(m)
-        acc = torch.zeros(qt.shape, dtype=cdt, device=q.device)
-        for j, kr in enumerate(p.keys):
-            if p.state[i][j] == SKIP:
+        m, l, acc = self.m, self.l, self.acc
+        for j in js:
+            if p.state[self.i][j] == SKIP:
                 continue
-            s = _tile(layout, p, i, j, qt, kk[:, :, kr].to(cdt), (b, hkv, rep, tq), scale, softcap, causal,
+            kr = p.keys[j]
+            loc = slice(kr.start - base, kr.stop - base)
+            s = _tile(layout, p, self.i, j, qt, kk[:, :, loc].to(cdt), (b, hkv, rep, tq), scale, softcap, causal,
                       window).scores
             new = torch.maximum(m, s.amax(-1))
             safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)   # a row that saw no key yet
             alpha = torch.exp(m - safe)
             e = torch.exp(s - safe[..., None])
             l = l * alpha + e.sum(-1)
-            acc = acc * alpha[..., None] + torch.matmul(e, vv[:, :, kr].to(cdt))
+            acc = acc * alpha[..., None] + torch.matmul(e, vv[:, :, loc].to(cdt))
             m = new
+        self.m, self.l, self.acc = m, l, acc
+
+    def finish(self, out, lse, sinks):
+        """Write this tile's rows of ``out`` (B, H, T, D) and ``lse`` (B, H, T); frees the state."""
+        b, h, _, d = out.shape
+        hkv = self.acc.shape[1]
+        rep, cdt = h // hkv, self.acc.dtype
+        tq = self.acc.shape[2] // rep
+        m, l = self.m, self.l
         total = m + torch.log(l)                      # -inf where no key was seen
         if sinks is not None:
             sink = sinks.to(cdt).view(1, hkv, rep, 1).expand(b, hkv, rep, tq).reshape(b, hkv, rep * tq)
             total = torch.logaddexp(total, sink)
         factor = torch.where(l > 0, torch.exp(m - total), torch.zeros_like(l))
-        out[:, :, r] = (acc * factor[..., None]).view(b, hkv, rep, tq, d).reshape(b, h, tq, d).to(q.dtype)
-        lse[:, :, r] = total.view(b, h, tq)
+        out[:, :, self.r] = (self.acc * factor[..., None]).view(b, hkv, rep, tq, d).reshape(b, h, tq, d).to(out.dtype)
+        lse[:, :, self.r] = total.view(b, h, tq)
+        self.m = self.l = self.acc = None
+
+
+def outputs(q, cdt):
+    """Empty (out, lse) for ``q`` (B, H, T, D)."""
+    b, h, t, _ = q.shape
+    return torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty((b, h, t), dtype=cdt,
+                                                                                    device=q.device)
+
+
+def _forward(q, kk, vv, sinks, layout, p, scale, softcap, causal, window):
+    b, h, hkv, rep, t, d, cdt = _shapes(q, kk)
+    out, lse = outputs(q, cdt)
+    q5 = q.reshape(b, hkv, rep, t, d)
+    every = range(len(p.keys))
+    for i in range(len(p.rows)):          # one row tile's state at a time: every key is here
+        st = _Rows(q5, i, p, cdt)
+        st.add(q5, kk, vv, every, 0, layout, p, scale, softcap, causal, window)
+        st.finish(out, lse, sinks)
     return out, lse
 
 
-def _backward(dout, q, kk, vv, out, lse, sinks, layout, p, scale, softcap, causal, window):
-    b, h, hkv, rep, t, d, cdt = _shapes(q, kk)
-    delta = (dout.to(cdt) * out.to(cdt)).sum(-1)                               # D = rowsum(dO ∘ O), (B, H, T)
-    # a row that saw nothing (lse -inf, no sinks) gets P = exp(-inf - inf) = 0, not NaN
-    lse_b = lse.masked_fill(torch.isneginf(lse), float("inf"))
-    dq = torch.zeros((b, h, t, d), dtype=cdt, device=q.device)
-    dkv = torch.zeros((2,) + tuple(kk.shape), dtype=cdt, device=q.device)
-    q5, do5 = q.reshape(b, hkv, rep, t, d), dout.reshape(b, hkv, rep, t, d)
-    for i, r in enumerate(p.rows):
-        qt, dot = _rows(q5, r, cdt), _rows(do5, r, cdt)
+class Grads:
+    """What the backward of every row tile needs (dO, the logsumexp, ``D = rowsum(dO ∘ O)``) and accumulates
+    (dQ in the compute dtype); ``add`` takes one source of keys, as ``_Rows.add`` does in forward."""
+
+    def __init__(self, dout, q, hkv, out, lse):
+        b, h, t, d = q.shape
+        self.cdt = torch.promote_types(q.dtype, torch.float32)
+        self.delta = (dout.to(self.cdt) * out.to(self.cdt)).sum(-1)             # D = rowsum(dO ∘ O), (B, H, T)
+        # a row that saw nothing (lse -inf, no sinks) gets P = exp(-inf - inf) = 0, not NaN
+        self.lse_b = lse.masked_fill(torch.isneginf(lse), float("inf"))
+        self.dq = torch.zeros((b, h, t, d), dtype=self.cdt, device=q.device)
+        self.q5, self.do5 = q.reshape(b, hkv, h // hkv, t, d), dout.reshape(b, hkv, h // hkv, t, d)
+
+    def add(self, i, kk, vv, dkv, js, base, layout, p, scale, softcap, causal, window):
+        """Row tile ``i`` against key tiles ``js`` of ``kk``/``vv`` (keys from ``base`` on): its dQ into
+        ``self.dq``, the keys' dK/dV into ``dkv`` (2, B, Hkv, keys, D), same offset."""
+        b, hkv, rep, _, d = self.q5.shape
+        cdt, r = self.cdt, p.rows[i]
+        qt, dot = _rows(self.q5, r, cdt), _rows(self.do5, r, cdt)
         tq = qt.shape[2] // rep
-        lt = lse_b[:, :, r].reshape(b, hkv, rep * tq, 1)
-        dt = delta[:, :, r].reshape(b, hkv, rep * tq, 1)
+        lt = self.lse_b[:, :, r].reshape(b, hkv, rep * tq, 1)
+        dt = self.delta[:, :, r].reshape(b, hkv, rep * tq, 1)
         dqt = torch.zeros_like(qt)
-        for j, kr in enumerate(p.keys):
+        for j in js:
             if p.state[i][j] == SKIP:
                 continue
-            kt, vt = kk[:, :, kr].to(cdt), vv[:, :, kr].to(cdt)
+            kr = p.keys[j]
+            loc = slice(kr.start - base, kr.stop - base)
+            kt, vt = kk[:, :, loc].to(cdt), vv[:, :, loc].to(cdt)
             tile = _tile(layout, p, i, j, qt, kt, (b, hkv, rep, tq), scale, softcap, causal, window)
             pr = torch.exp(tile.scores - lt)
-            dkv[1][:, :, kr] += torch.matmul(pr.transpose(-1, -2), dot)
+            dkv[1][:, :, loc] += torch.matmul(pr.transpose(-1, -2), dot)
             ds = pr * (torch.matmul(dot, vt.transpose(-1, -2)) - dt)
             if tile.tanh is not None:                 # d(cap·tanh(x/cap))/dx
                 ds = ds * (1 - tile.tanh * tile.tanh)
             ds = ds * scale
             dqt += torch.matmul(ds, kt)
-            dkv[0][:, :, kr] += torch.matmul(ds.transpose(-1, -2), qt)
-        dq[:, :, r] = dqt.view(b, hkv, rep, tq, d).reshape(b, h, tq, d)
-    dsinks = None
-    if sinks is not None:     # d out / d sink = -P(sink)·out: dsink = -Σ_rows P(sink)·D
-        psink = torch.exp(sinks.to(cdt).view(1, h, 1) - lse)
-        dsinks = -(psink * delta).sum((0, 2)).to(sinks.dtype)
-    return dq.to(q.dtype), dkv, dsinks
+            dkv[0][:, :, loc] += torch.matmul(ds.transpose(-1, -2), qt)
+        self.dq[:, :, r] += dqt.view(b, hkv, rep, tq, d).reshape(b, -1, tq, d)
+
+    def dsinks(self, sinks, lse):
+        if sinks is None:
+            return None
+        # d out / d sink = -P(sink)·out: dsink = -Σ_rows P(sink)·D
+        h = self.dq.shape[1]
+        psink = torch.exp(sinks.to(self.cdt).view(1, h, 1) - lse)
+        return -(psink * self.delta).sum((0, 2)).to(sinks.dtype)
+
+
+def _backward(dout, q, kk, vv, out, lse, sinks, layout, p, scale, softcap, causal, window):
+    g = Grads(dout, q, kk.shape[1], out, lse)
+    dkv = torch.zeros((2,) + tuple(kk.shape), dtype=g.cdt, device=q.device)
+    every = range(len(p.keys))
+    for i in range(len(p.rows)):
+        g.add(i, kk, vv, dkv, every, 0, layout, p, scale, softcap, causal, window)
+    return g.dq.to(q.dtype), dkv, g.dsinks(sinks, lse)

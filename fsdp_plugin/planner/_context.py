@@ -4,9 +4,9 @@ Measured, not derived: while the fake forward+backward runs, the model is routed
 it (``_context.install``): its attention is the engine's registered ``cp_attention``, and a forward pre-hook
 splits the full batch with the engine's ``make_layout`` / ``split_inputs`` (CP rank 0's positions: the
 head-tail layout gives every rank the same count). So the activation curve is one rank's at ``T = padded / C``
-tokens, the gathered K/V, the masks and the split inputs included, and activation checkpointing's
-recomputation gathers again as the engine does. The engine's collectives module is swapped, inside the
-attention code only, for `CountingComm`: it moves nothing (fake tensors have no data) and counts every call
+tokens, the gathered K/V (ring: the two blocks it holds), the masks and the split inputs included, and
+activation checkpointing's recomputation gathers (or rotates) again as the engine does. The engine's
+collectives module is swapped, inside the attention code only, for `CountingComm`: it moves nothing (fake tensors have no data) and counts every call
 with ``fp.comm_stats``'s own formula, by the kind the engine gives it. The two small collectives outside
 attention (the batch check, ``cp_check``; the loss sum, ``cp_loss``) are counted with the same formulas.
 The split's layout is host metadata the engine reads values from (which attention tiles to compute): it is built
@@ -43,9 +43,9 @@ class CountingComm:
         self.backward_calls = Counter()
         self.local_tokens = self.padded = 0
 
-    def _count(self, kind: str, elems: int, itemsize: int, factor: int = 1) -> None:
+    def _count(self, kind: str, elems: int, itemsize: int, factor: int = 1, whole: bool = False) -> None:
         self.calls[kind] += 1
-        n = ring_bytes(elems, itemsize, self.cp, factor)
+        n = elems * itemsize if whole else ring_bytes(elems, itemsize, self.cp, factor)
         self.bytes[kind] += n
         self.first.setdefault(kind, n)
         if _compat.in_backward():
@@ -60,6 +60,10 @@ class CountingComm:
 
     def exchange(self, out, inp, group, kind, **_):
         self._count(kind, inp.numel(), inp.element_size())
+
+    def rotate(self, out, inp, group, kind, **_):
+        """One ring step: ``inp``'s bytes sent to the next rank, as ``collectives.rotate`` counts it."""
+        self._count(kind, inp.numel(), inp.element_size(), whole=True)
 
     def wait(self, work, *args, **kwargs) -> None:
         pass
@@ -122,9 +126,10 @@ def summary(counts, world: int) -> dict:
 
 
 def _layer_forward(counts) -> int:
-    """One attention layer's forward bytes (the mean over the forward's layers): its K/V all-gather, or its 4
-    Ulysses all-to-alls (q, k, v in; the output back)."""
-    kind, per_layer = ("cp_ulysses", 4) if counts.method == "ulysses" else ("cp_kv", 1)
+    """One attention layer's forward bytes (the mean over the forward's layers): its K/V all-gather, its C−1
+    ring rotations, or its 4 Ulysses all-to-alls (q, k, v in; the output back)."""
+    kind, per_layer = {"ulysses": ("cp_ulysses", 4), "ring": ("cp_kv_ring", counts.cp - 1)}.get(
+        counts.method, ("cp_kv", 1))
     calls = counts.calls[kind] - counts.backward_calls[kind]
     return (counts.bytes[kind] - counts.in_backward[kind]) * per_layer // calls if calls else 0
 
@@ -135,7 +140,7 @@ def notes(counts) -> list:
     return [f"context parallel {counts.cp} ({counts.method}): activations measured on one rank's "
             f"{counts.local_tokens} of {counts.padded} positions (padded to 2C chunks) through the engine's own "
             f"split and attention; wire bytes include its collectives (cp_kv/cp_ulysses, dK/dV in "
-            f"reduce_scatter, cp_check, cp_loss); parameters shard over the whole shard group (shard x cp)"]
+            f"reduce_scatter; ring: cp_kv_ring/cp_kv_ring_bwd/cp_dkv_ring; cp_check, cp_loss); parameters shard over the whole shard group (shard x cp)"]
 
 
 @contextlib.contextmanager
@@ -192,21 +197,21 @@ def routed(module: nn.Module, cp: int, method: str):
 
     hooks = [model.register_forward_pre_hook(pre, with_kwargs=True),
              model.register_forward_hook(post, with_kwargs=True)]
-    from .._context import blockwise
-    real_comm, real_tiles = (attention.comm, blockwise.comm), blockwise.plan
+    from .._context import blockwise, ring
+    real_comm, real_tiles = (attention.comm, blockwise.comm, ring.comm), (blockwise.plan, ring.plan)
 
     def tiles(*args, **kwargs):     # which tiles to compute: read from the real layout, outside the fake mode
         with _compat.outside_fake_mode():
-            return real_tiles(*args, **kwargs)
-    attention.comm = blockwise.comm = counter
-    blockwise.plan = tiles
+            return real_tiles[0](*args, **kwargs)
+    attention.comm = blockwise.comm = ring.comm = counter
+    blockwise.plan = ring.plan = tiles
     try:
         yield counter
     except (UnsupportedError, UsageError) as e:     # the engine's own refusal of this model or batch
         raise PlanError(str(e)) from e
     finally:
-        attention.comm, blockwise.comm = real_comm
-        blockwise.plan = real_tiles
+        attention.comm, blockwise.comm, ring.comm = real_comm
+        blockwise.plan, ring.plan = real_tiles
         for h in hooks:
             h.remove()
         model.set_attn_implementation(before)

@@ -15,6 +15,7 @@ STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
 
 def add_parser(sub) -> None:
     """Register the ``plan`` subcommand on the ``fsdp-plugin`` parser."""
+    from ..config import CP_ATTENTION
     from ._optim import OPTIMIZERS
     from ._time import HARDWARE
 
@@ -56,7 +57,7 @@ def add_parser(sub) -> None:
                    "parallelize_module (or a function returning it)")
     p.add_argument("--context-parallel", type=int, default=1, metavar="C", help="split every sequence over C "
                    "ranks (a transformers model): activations of S/C tokens per rank, the attention's traffic")
-    p.add_argument("--context-parallel-attention", choices=("allgather", "ulysses"), default="allgather")
+    p.add_argument("--context-parallel-attention", choices=CP_ATTENTION, default="allgather")
     p.add_argument("--expert-parallel", type=int, metavar="E", help="experts of each MoE layer split over E "
                    "ranks (dp2ep): all-to-all bytes, the experts' smaller gathers, the receive-buffer peak")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
