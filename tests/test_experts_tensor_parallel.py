@@ -34,23 +34,31 @@ def _plan(model) -> dict:
     return keep
 
 
-def _sharded(name, aux=False, experts=()):
-    """``experts``: the tp_plan's experts entries to keep (a refusal case)."""
+def _sharded(name, aux=False, experts=(), hybrid=False):
+    """``experts``: the tp_plan's experts entries to keep (a refusal case); ``hybrid``: a (2, 2, 2)
+    (dp_replicate, dp_shard, tp) mesh under hybrid_shard (world 8)."""
     from torch.distributed.device_mesh import init_device_mesh
     from fsdp_plugin.integrations.hf_tensor_parallel import parallelize_hf
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    if hybrid:
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        dp, extra = mesh["dp_replicate", "dp_shard"], {"sharding_strategy": "hybrid_shard"}
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        dp, extra = mesh["dp"], {}
     model = _build(name, aux=aux)
     plan = {**_plan(model), **{k: v for k, v in model.tp_plan.items() if k.endswith(experts)}} if experts \
         else _plan(model)
     model = parallelize_hf(model, mesh["tp"], plan)
-    return fp.shard(model, device_mesh=mesh["dp"], expert_parallel=2, timeout_s=60)
+    return fp.shard(model, device_mesh=dp, expert_parallel=2, timeout_s=60, **extra)
 
 
-def _worker(rank, world, name, aux=False, save=None):
-    model = _sharded(name, aux)
+def _worker(rank, world, name, aux=False, save=None, hybrid=False):
+    model = _sharded(name, aux, hybrid=hybrid)
     emesh = model._fp_root.experts_mesh
-    assert sorted(dist.get_process_group_ranks(emesh.ep_group)) == [rank % 2, rank % 2 + 2]
-    assert emesh.shard_size == 1 and fp.data_parallel_size(model) == 2
+    first = rank - rank // 2 % 2 * 2      # the EP group: the 2 dp_shard ranks at this replica and TP coordinate
+    assert sorted(dist.get_process_group_ranks(emesh.ep_group)) == [first, first + 2]
+    assert emesh.shard_size == 1
+    assert (fp.data_parallel_size(model), fp.data_parallel_rank(model)) == (world // 2, rank // 2)
     fp.comm_stats.reset()
     opt = _optimizer(model.parameters())
     steps = _train(model, opt, rank // 2, world, 2 if save else STEPS)
@@ -59,15 +67,18 @@ def _worker(rank, world, name, aux=False, save=None):
     return {"steps": steps, "a2a": fp.comm_stats.bytes.get("all_to_all", 0)}
 
 
-MODELS = [("qwen3_moe", False), ("mixtral", False), ("qwen3_moe", True)]
+MODELS = [("qwen3_moe", False, False), ("mixtral", False, False), ("qwen3_moe", True, False),
+          ("qwen3_moe", False, True)]
 
 
-@pytest.mark.parametrize("name,aux", MODELS, ids=["qwen3_moe", "mixtral", "qwen3_moe-aux_loss"])
-def test_ep2_tp2_matches_one_process(name, aux):
+@pytest.mark.parametrize("name,aux,hybrid", MODELS, ids=["qwen3_moe", "mixtral", "qwen3_moe-aux_loss", "qwen3_moe-hybrid"])
+def test_ep2_tp2_matches_one_process(name, aux, hybrid):
     """dp 2 x tp 2, EP 2 over dp: the one-process numbers at every step (aux: the router's auxiliary loss on the
-    global batch; its router logits are gathered over the world, each dp rank's tp times, which changes no mean)."""
-    want = _reference(name, 2, aux=aux)
-    results = run_ranks(_worker, 4, name, aux, timeout=240)
+    global batch; its router logits are gathered over the world, each dp rank's tp times, which changes no mean;
+    hybrid: 2 replicas x dp_shard 2 x tp 2, world 8, the experts replicated across the replicas)."""
+    world = 8 if hybrid else 4
+    want = _reference(name, world // 2, aux=aux)
+    results = run_ranks(_worker, world, name, aux, None, hybrid, timeout=240)
     _check(results, want)
     assert all(r["a2a"] > 0 for r in results)
 
