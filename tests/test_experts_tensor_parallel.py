@@ -34,7 +34,7 @@ def _plan(model) -> dict:
     return keep
 
 
-def _sharded(name, aux=False, experts=(), hybrid=False):
+def _sharded(name, aux=False, experts=(), hybrid=False, ep=2):
     """``experts``: the tp_plan's experts entries to keep (a refusal case); ``hybrid``: a (2, 2, 2)
     (dp_replicate, dp_shard, tp) mesh under hybrid_shard (world 8)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -49,15 +49,16 @@ def _sharded(name, aux=False, experts=(), hybrid=False):
     plan = {**_plan(model), **{k: v for k, v in model.tp_plan.items() if k.endswith(experts)}} if experts \
         else _plan(model)
     model = parallelize_hf(model, mesh["tp"], plan)
-    return fp.shard(model, device_mesh=dp, expert_parallel=2, timeout_s=60, **extra)
+    return fp.shard(model, device_mesh=dp, expert_parallel=ep, timeout_s=60, **extra)
 
 
-def _worker(rank, world, name, aux=False, save=None, hybrid=False):
-    model = _sharded(name, aux, hybrid=hybrid)
+def _worker(rank, world, name, aux=False, save=None, hybrid=False, ep=2):
+    model = _sharded(name, aux, hybrid=hybrid, ep=ep)
     emesh = model._fp_root.experts_mesh
-    first = rank - rank // 2 % 2 * 2      # the EP group: the 2 dp_shard ranks at this replica and TP coordinate
-    assert sorted(dist.get_process_group_ranks(emesh.ep_group)) == [first, first + 2]
-    assert emesh.shard_size == 1
+    if ep > 1:
+        first = rank - rank // 2 % 2 * 2      # the EP group: the 2 dp_shard ranks at this replica and TP coordinate
+        assert sorted(dist.get_process_group_ranks(emesh.ep_group)) == [first, first + 2]
+        assert emesh.shard_size == 1
     assert (fp.data_parallel_size(model), fp.data_parallel_rank(model)) == (world // 2, rank // 2)
     fp.comm_stats.reset()
     opt = _optimizer(model.parameters())
@@ -65,6 +66,13 @@ def _worker(rank, world, name, aux=False, save=None, hybrid=False):
     if save is not None:
         fp.save_checkpoint(save, model, opt)
     return {"steps": steps, "a2a": fp.comm_stats.bytes.get("all_to_all", 0)}
+
+
+def test_qwen3_tp2_without_expert_parallel():
+    """The same recipe without EP (experts whole on every TP rank, dp-sharded): Qwen3's q_norm/k_norm
+    (transformers' replicated_with_grad_allreduce, which failed under fp.shard before) train exactly."""
+    want = _reference("qwen3_moe", 2)
+    _check(run_ranks(_worker, 4, "qwen3_moe", False, None, False, 1, timeout=240), want)
 
 
 MODELS = [("qwen3_moe", False, False), ("mixtral", False, False), ("qwen3_moe", True, False),
