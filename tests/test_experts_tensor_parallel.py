@@ -79,7 +79,8 @@ MODELS = [("qwen3_moe", False, False), ("mixtral", False, False), ("qwen3_moe", 
           ("qwen3_moe", False, True)]
 
 
-@pytest.mark.parametrize("name,aux,hybrid", MODELS, ids=["qwen3_moe", "mixtral", "qwen3_moe-aux_loss", "qwen3_moe-hybrid"])
+@pytest.mark.parametrize("name,aux,hybrid", MODELS,
+                         ids=["qwen3_moe", "mixtral", "qwen3_moe-aux_loss", "qwen3_moe-hybrid"])
 def test_ep2_tp2_matches_one_process(name, aux, hybrid):
     """dp 2 x tp 2, EP 2 over dp: the one-process numbers at every step (aux: the router's auxiliary loss on the
     global batch; its router logits are gathered over the world, each dp rank's tp times, which changes no mean;

@@ -63,7 +63,8 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
     device = _pick_device(model, cfg)
     group_timeouts.check(mesh, cfg.timeout_s, device, control_group())   # torch's timeouts outlast our deadline
     install_router_bias(model)    # DeepSeek's router bias: routes counted for fp.update_router_bias
-    experts_mesh = prepare_experts(model, cfg, mesh, device, tp_mesh)   # issue 55: experts cut to this rank's (``_experts/``)
+    # issue 55: experts cut to this rank's (``_experts/``); under TP whole on every TP rank
+    experts_mesh = prepare_experts(model, cfg, mesh, device, tp_mesh)
     _check_reducible(model, cfg)
     prepare_packed(model, cfg.ignored_modules)   # quantized bases: refuse what cannot be sharded exactly
     retie(model)

@@ -155,7 +155,8 @@ def refuse_tp_experts(found: list, per_expert: list, ep: int) -> None:
     for name, m in modules:
         split = [pn for pn, p in m.named_parameters() if tp_spec(p) is not None]
         # transformers marks every module its plan touched (moe_tp_experts: an all-reduce of the experts' output)
-        split += [f"{sub}.forward" if sub else "forward" for sub, s in m.named_modules() if getattr(s, "_is_hooked", False)
+        split += [f"{sub}.forward" if sub else "forward" for sub, s in m.named_modules()
+                  if getattr(s, "_is_hooked", False)
                   or "install_forward" in getattr(s.__dict__.get("forward"), "__qualname__", "")]
         if split:
             raise ConfigError(f"expert_parallel={ep} with tensor parallel: {name}.{split[0]} is in the TP plan; "

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -63,9 +64,8 @@ class _SumGradOverTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        import torch.distributed as dist
         g = g.contiguous().clone()
-        dist.all_reduce(g, group=ctx.group)
+        dist.all_reduce(g, group=ctx.group)     # TP's own traffic, as DTensor's collectives (not fp.comm_stats')
         return g, None
 
 
