@@ -167,3 +167,23 @@ def quantization_block_size_not_a_multiple_of_8():
 
 def quantized_weights_under_no_shard():
     fp.ShardingConfig(sharding_strategy="no_shard", quantization=fp.Quantization(weights="int8"))
+
+
+def _experts_in_tp_plan(rank, world):
+    """dp 2 x tp 2, a tiny Mixtral whose TP plan splits the experts' down_proj (rowwise), under expert_parallel=2."""
+    import transformers as tf
+    from torch.distributed.device_mesh import init_device_mesh
+    from fsdp_plugin.integrations.hf_tensor_parallel import parallelize_hf
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    cfg = tf.MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    model = parallelize_hf(tf.MixtralForCausalLM(cfg), mesh["tp"], {"model.layers.*.mlp.experts.down_proj": "rowwise"})
+    fp.shard(model, device_mesh=mesh["dp"], expert_parallel=2)
+
+
+def expert_parallel_with_the_experts_in_the_tp_plan():
+    try:
+        run_ranks(_experts_in_tp_plan, 4)
+    except RankFailure as e:
+        line = [ln for ln in str(e).splitlines() if ln.startswith("fsdp_plugin.errors.ConfigError: ")][0]
+        raise fp.ConfigError(line.split(": ", 1)[1]) from None

@@ -36,7 +36,8 @@ from _error_cases_parallel import (  # tensor parallel, streaming, TRL, quantiza
     trl_vllm_sync_on_an_unknown_trl_version,
     unknown_quantization_format,
     quantization_block_size_not_a_multiple_of_8,
-    quantized_weights_under_no_shard)
+    quantized_weights_under_no_shard,
+    expert_parallel_with_the_experts_in_the_tp_plan)
 from _error_cases_dcp import (  # DCP conversion, checkpoint directories
     dcp_metadata_naming_a_foreign_global,
     truncated_dcp_data_file,
@@ -535,6 +536,7 @@ CASES += [context_parallel_of_a_module_holding_no_transformers_model,  # issue 5
           context_parallel_of_a_linear_attention_model, plan_context_parallel_of_a_module_holding_no_transformers_model,
           plan_expert_parallel_not_dividing_the_experts,
           context_parallel_with_a_device_mesh_without_its_cp_dimension]   # issue 54: CP x TP recipe
+CASES += [expert_parallel_with_the_experts_in_the_tp_plan]   # issue 55: EP x TP, experts whole on every TP rank
 
 
 def _capture(case, tmp_path):

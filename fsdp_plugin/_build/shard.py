@@ -62,11 +62,9 @@ def shard(model: nn.Module, config: Optional[ShardingConfig] = None, **kwargs) -
         register_at_exit()  # process groups are in use: destroy them before interpreter exit
     device = _pick_device(model, cfg)
     group_timeouts.check(mesh, cfg.timeout_s, device, control_group())   # torch's timeouts outlast our deadline
-    if cfg.expert_parallel not in (None, 1) and tp_mesh is not None:
-        raise ConfigError(f"expert_parallel={cfg.expert_parallel} with a tensor-parallel model: not supported "
-                          "together yet; drop one of them")
     install_router_bias(model)    # DeepSeek's router bias: routes counted for fp.update_router_bias
-    experts_mesh = prepare_experts(model, cfg, mesh, device)   # issue 55: experts cut to this rank's (``_experts/``)
+    # issue 55: experts cut to this rank's (``_experts/``); under TP whole on every TP rank
+    experts_mesh = prepare_experts(model, cfg, mesh, device, tp_mesh)
     _check_reducible(model, cfg)
     prepare_packed(model, cfg.ignored_modules)   # quantized bases: refuse what cannot be sharded exactly
     retie(model)

@@ -43,9 +43,15 @@ def strip_dtensors(model: nn.Module, dp_mesh, param_init_fn) -> Optional[object]
     refuse_fsdp2(model)
     _refuse_dtensor_buffers(model)
     found = [(n, p) for n, p in model.named_parameters() if _is_dtensor(p)]
+    grad_sum = _grad_allreduce_modules(model)
     if not found:
+        if grad_sum:
+            raise TensorParallelError(f"module {grad_sum[0][0]!r} is parallelized with transformers' "
+                                      "replicated_with_grad_allreduce but no parameter is a DTensor: parallelize "
+                                      "the model with its whole tp_plan, or drop that entry")
         return None
     tp_mesh = _check_meshes(found, dp_mesh)
+    _mark_grad_sum(grad_sum, tp_mesh)
     new: dict[int, nn.Parameter] = {}
     for name, p in found:
         spec = _spec_of(name, p, tp_mesh)
@@ -65,6 +71,46 @@ def strip_dtensors(model: nn.Module, dp_mesh, param_init_fn) -> Optional[object]
             if p is not None and id(p) in new:
                 m._parameters[attr] = new[id(p)]
     return tp_mesh
+
+
+_GRAD_ALLREDUCE = "ReplicatedWithGradAllReduce.install_forward."
+
+
+def _grad_allreduce_modules(model: nn.Module) -> list:
+    """``(name, module, mesh, original forward)`` of every module transformers' ``replicated_with_grad_allreduce``
+    style wrapped (Qwen3's q_norm/k_norm: a replicated weight whose gradient covers this TP rank's heads only).
+    Its wrapper registers gradient hooks on the module's parameters at each forward, which cannot work on the
+    views of a flat buffer: fp.shard sums those gradients over TP itself (``TPSpec.grad_sum``)."""
+    out = []
+    for name, m in model.named_modules():
+        fn = m.__dict__.get("forward")
+        if fn is None or not getattr(fn, "__qualname__", "").startswith(_GRAD_ALLREDUCE) or not fn.__closure__:
+            continue
+        cells = _cells(fn)
+        mesh = cells.get("mesh") or _cells(cells.get("_all_reduce_grad")).get("mesh")   # the grad hook holds it
+        out.append((name, m, mesh, cells.get("original_forward")))
+    return out
+
+
+def _cells(fn) -> dict:
+    if not callable(fn) or not getattr(fn, "__closure__", None):
+        return {}
+    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
+
+
+def _mark_grad_sum(found: list, tp_mesh) -> None:
+    from torch.distributed.tensor import Replicate
+    for name, m, mesh, original in found:
+        if mesh is None or original is None or mesh != tp_mesh:
+            raise TensorParallelError(f"module {name!r}: its replicated_with_grad_allreduce wrapper is not on the "
+                                      f"model's TP mesh {tp_mesh.mesh_dim_names}; parallelize every module on the "
+                                      "same mesh['tp']")
+        if getattr(original, "__func__", None) is type(m).forward and getattr(original, "__self__", None) is m:
+            del m.__dict__["forward"]
+        else:
+            m.forward = original
+        for p in m.parameters(recurse=False):
+            p._fp_tp = TPSpec(tp_mesh, (Replicate(),), p.shape, tuple(p.stride()), (0,) * p.dim(), grad_sum=True)
 
 
 def _check_meshes(found, dp_mesh):

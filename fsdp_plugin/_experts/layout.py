@@ -70,15 +70,19 @@ def expert_mesh(mesh: Mesh, ep: int, timeout_s=None) -> ExpertMesh:
     return out
 
 
-def prepare(model: nn.Module, cfg, mesh: Mesh, device: torch.device) -> Optional[ExpertMesh]:
+def prepare(model: nn.Module, cfg, mesh: Mesh, device: torch.device, tp_mesh=None) -> Optional[ExpertMesh]:
     """For ``cfg.expert_parallel`` > 1: refuse what cannot work, build the groups, cut every experts parameter to
     this rank's experts (``p._fp_ep``) and wrap every experts module's forward (``dispatch.py``); the experts'
-    `ExpertMesh`. None (nothing done) when expert parallelism is off."""
+    `ExpertMesh`. None (nothing done) when expert parallelism is off. ``tp_mesh``: the model's tensor-parallel
+    DeviceMesh (None: no TP); ``mesh`` is then one TP coordinate's data-parallel mesh, the EP groups lie inside
+    it, and the experts must be whole on every TP rank (``refuse_tp_experts``)."""
     ep = cfg.expert_parallel
     if ep is None or ep == 1:
         return None
     refuse_combinations(cfg)
     found, per_expert = check_experts(model, ep, mesh.shard_size, cfg.sharding_strategy)
+    if tp_mesh is not None:
+        refuse_tp_experts(found, per_expert, ep)
     emesh = expert_mesh(mesh, ep, cfg.timeout_s)   # process-group timeouts past the deadline (``_groups/timeouts``)
     rank0_values = _rank0_values(model, mesh, device)
     sites = _sites(model)
@@ -109,7 +113,10 @@ def prepare(model: nn.Module, cfg, mesh: Mesh, device: torch.device) -> Optional
                     q._fp_ep = EPSpec(p.shape, (0,) * p.dim(), emesh, owner=owner)
                     _replace(sites, p, q)
         install_per_expert(block, container, emesh, name, cfg.expert_capacity_factor)
-    aux_loss.install(model, _world_group(cfg.timeout_s))   # the router's aux loss on the global batch (``aux_loss.py``)
+    # the router's aux loss on the global batch (``aux_loss.py``). Under TP the world holds each data-parallel
+    # rank's logits tp times: its batch means are unchanged, and the gather's backward sums tp copies of a
+    # gradient 1/tp as large (exact, tested; tp times the bytes of a gather over the ranks of one TP coordinate)
+    aux_loss.install(model, _world_group(cfg.timeout_s))
     return emesh
 
 
@@ -138,6 +145,24 @@ def _world_group(timeout_s=None):
         _mesh._GROUP_CACHE[key] = (dist.new_group(list(range(dist.get_world_size())),
                                                   timeout=_mesh.backstop_timeout(timeout_s)), None)
     return _mesh._GROUP_CACHE[key][0]
+
+
+def refuse_tp_experts(found: list, per_expert: list, ep: int) -> None:
+    """Under EP x TP the experts are replicated over TP (each TP rank runs its EP group's experts whole on the
+    tokens its TP group shares): an experts parameter the TP plan split or replicated as a DTensor is refused."""
+    from .._flat.dtensor import tp_spec
+    modules = [(n, m) for n, m in found] + [(n, c) for n, _, c in per_expert]
+    for name, m in modules:
+        split = [pn for pn, p in m.named_parameters() if tp_spec(p) is not None]
+        # transformers marks every module its plan touched (moe_tp_experts: an all-reduce of the experts' output)
+        split += [f"{sub}.forward" if sub else "forward" for sub, s in m.named_modules()
+                  if getattr(s, "_is_hooked", False)
+                  or "install_forward" in getattr(s.__dict__.get("forward"), "__qualname__", "")]
+        if split:
+            raise ConfigError(f"expert_parallel={ep} with tensor parallel: {name}.{split[0]} is in the TP plan; "
+                              "under EP x TP the experts stay whole on every TP rank (EP splits them over the "
+                              "data-parallel ranks): leave the experts' entries (and moe_tp_experts) out of the "
+                              "plan, e.g. {k: v for k, v in model.tp_plan.items() if '.experts' not in k}")
 
 
 def refuse_combinations(cfg) -> None:

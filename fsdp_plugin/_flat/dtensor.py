@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class TPSpec:
     shape: torch.Size
     stride: tuple
     offset: tuple
+    # a plain replicated parameter whose gradient is partial over TP (transformers' replicated_with_grad_allreduce,
+    # Qwen3's per-head q_norm/k_norm): the model sees a plain tensor; its gradient is summed over the TP group
+    grad_sum: bool = False
 
     @property
     def sharded(self) -> bool:
@@ -48,6 +52,29 @@ def as_dtensor(local: torch.Tensor, spec: TPSpec) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
     return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
                               stride=spec.stride)
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity in forward; backward sums the gradient over the TP group (each TP rank's covers its own heads)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)     # TP's own traffic, as DTensor's collectives (not fp.comm_stats')
+        return g, None
+
+
+def as_parallel(local: torch.Tensor, spec: TPSpec) -> torch.Tensor:
+    """``local`` as the model sees it: the DTensor it was parallelized with, or (``grad_sum``) the plain tensor
+    whose gradient is summed over TP."""
+    if spec.grad_sum:
+        return _SumGradOverTP.apply(local, spec.mesh.get_group()) if torch.is_grad_enabled() else local
+    return as_dtensor(local, spec)
 
 
 def local_grad(g: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from .._groups.mesh import Mesh
 from .._schedule.states import ShardedState
 from .._reduce.usage import SlotUsage
 from .._comm.trace import _traced
-from .dtensor import as_dtensor, local_grad, tp_spec
+from .dtensor import as_parallel, local_grad, tp_spec
 from .owners import choose_owners
 from .packed import keeps_class, rewrap
 from .rows import local_shape, piece, row_aligned_offsets
@@ -371,7 +371,7 @@ class FlatParamHandle:
 
     def as_parallel(self, views: list) -> list:
         """Per-slot views (local TP tensors) as the DTensors the model was parallelized with (plain slots as is)."""
-        return [v if t is None else as_dtensor(v, t) for v, t in zip(views, self._tp)]
+        return [v if t is None else as_parallel(v, t) for v, t in zip(views, self._tp)]
 
     def flat_grad(self, grads) -> torch.Tensor:
         """The leaf's gradient from per-slot gradients (None: unused, zeros), marking used slots."""

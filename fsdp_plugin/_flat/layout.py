@@ -106,7 +106,7 @@ def param_shards(model: nn.Module) -> list[ParamShard]:
         slot = next(s for s in h.slots if s.param is p)
         spec = tp_spec(p) or ep_spec(p)
         if spec is not None:     # TP or expert-parallel (``_experts/``): a box of the global tensor
-            out.append(_tp_shard(fqn, alias, p, slot, spec, h.mesh))
+            out.append(_tp_shard(fqn, alias, p, slot, spec, h.mesh, tp_mesh))
             continue
         writer = h.mesh.replicate_rank == 0 and (h.mesh.shard_size > 1 or h.mesh.rank == 0)
         if tp_mesh is not None:   # a plain parameter of a TP model: the same on every TP coordinate
@@ -116,10 +116,10 @@ def param_shards(model: nn.Module) -> list[ParamShard]:
     return out
 
 
-def _tp_shard(fqn, alias, p, slot, spec, mesh) -> ParamShard:
+def _tp_shard(fqn, alias, p, slot, spec, mesh, tp_mesh=None) -> ParamShard:
     """A TP parameter's piece: our rows ``[start, end)`` of the local box, as a box of the global tensor.
     Writers: dp replica 0 (shard rank 0 when unsharded) of every TP coordinate holding a proper part of the
-    tensor; a TP-replicated tensor only from TP coordinate 0."""
+    tensor; a TP-replicated tensor only from TP coordinate 0 (experts under EP x TP are replicated over TP)."""
     local = tuple(slot.shape)
     if (slot.local_start, slot.local_end) == (0, slot.numel) or not local:
         box = (tuple(spec.offset), local)
@@ -129,7 +129,10 @@ def _tp_shard(fqn, alias, p, slot, spec, mesh) -> ParamShard:
         box = ((spec.offset[0] + row0, *spec.offset[1:]), ((slot.local_end - slot.local_start) // w, *local[1:]))
     dp_writer = mesh.replicate_rank == 0 and (mesh.shard_size > 1 or mesh.shard_rank == 0)
     # every EP rank holds distinct experts (a proper part of the global tensor), as a TP-sharded box does
-    writer = dp_writer and (isinstance(spec, EPSpec) or spec.sharded or spec.mesh.get_local_rank() == 0)
+    if isinstance(spec, EPSpec):
+        writer = dp_writer and (tp_mesh is None or tp_mesh.get_local_rank() == 0)
+    else:
+        writer = dp_writer and (spec.sharded or spec.mesh.get_local_rank() == 0)
     return ParamShard(fqn, alias, p, spec.shape, p.dtype, slot.local_start, slot.local_end, writer, box)
 
 

@@ -226,13 +226,18 @@ def _from_device_mesh(scope: ShardScope, world: int, rank: int, mesh, tp_size: i
     coord, rows = _shard_coordinates(mesh, world)
     if ndim == 1:
         group, size, me = mesh.get_group(0), mesh.size(), mesh.get_local_rank()
+        # tensor parallel: the ranks of a TP group share one batch; samplers split over this DeviceMesh only
+        view = (size, me) if tp_size > 1 else ()
         if scope is ShardScope.NONE:
-            return Mesh(world, rank, 1, 0, size, me, replicate_group=group, shard_rank_of=(0,) * world)
-        return Mesh(world, rank, size, me, 1, 0, shard_group=group, shard_rank_of=coord, shard_rows=rows)
+            return Mesh(world, rank, 1, 0, size, me, replicate_group=group, shard_rank_of=(0,) * world, dp_view=view)
+        return Mesh(world, rank, size, me, 1, 0, shard_group=group, shard_rank_of=coord, shard_rows=rows,
+                    dp_view=view)
     replicate, shard = mesh.shape
     rep_group, shard_group = mesh.get_group(0), mesh.get_group(1)
-    return Mesh(world, rank, shard, dist.get_rank(shard_group), replicate, dist.get_rank(rep_group),
-                shard_group=shard_group, replicate_group=rep_group, shard_rank_of=coord, shard_rows=rows)
+    shard_rank, rep_rank = dist.get_rank(shard_group), dist.get_rank(rep_group)
+    view = (replicate * shard, rep_rank * shard + shard_rank) if tp_size > 1 else ()
+    return Mesh(world, rank, shard, shard_rank, replicate, rep_rank, shard_group=shard_group,
+                replicate_group=rep_group, shard_rank_of=coord, shard_rows=rows, dp_view=view)
 
 
 def _shard_coordinates(mesh, world: int) -> tuple:

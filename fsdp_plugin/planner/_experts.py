@@ -59,11 +59,15 @@ def check(cfgs: list, opts: dict, module: nn.Module) -> tuple:
     if bad:
         raise PlanError(f"expert_parallel={ep} does not divide the expert count of {', '.join(bad)}: each rank of an "
                         "EP group owns num_experts / E experts")
-    for name, value in (("tp_size", opts.get("tp_size") not in (None, 1)), ("nodes", opts.get("nodes") is not None),
+    if opts.get("tp_size") not in (None, 1):
+        raise PlanError(f"expert_parallel={ep} with tp_size=: not priced yet (fp.shard runs it, the experts whole on "
+                        "every TP rank, but the plan does not model experts replicated over TP); plan the "
+                        "data-parallel part without tp_size, or measure with fp.comm_stats")
+    for name, value in (("nodes", opts.get("nodes") is not None),
                         ("link_latency_us", opts.get("link_latency_us") is not None)):
         if value:
-            raise PlanError(f"expert_parallel={ep} with {name}=: not priced yet (fp.shard refuses EP with tensor "
-                            "parallel; the all-to-alls are not placed on links); plan on one node without it")
+            raise PlanError(f"expert_parallel={ep} with {name}=: not priced yet (the all-to-alls are not placed on "
+                            "links); plan on one node without it")
     if opts.get("optimizer") == "muon":
         raise PlanError(f"expert_parallel={ep} with optimizer='muon': fp.shard refuses per-tensor optimizers for "
                         "experts held per EP rank; plan with an elementwise optimizer (adamw, sgd, ...)")
