@@ -11,6 +11,8 @@ What must hold:
   ``quant_state`` equal ``from_pretrained(quantization_config=...)``'s, and losses and adapters after 4 AdamW steps
   equal that model trained in one process within 1e-5 (fp32 compute); each rank reads about half of the base's
   full-precision bytes;
+* README's recipe (``from_config`` in bf16, double quantization, bf16 storage) gives ``from_pretrained``'s bytes and
+  ``quant_state`` (dtype bf16 included);
 * an 8-bit skeleton built under ``fp.deferred_init()`` is refused by name.
 """
 from __future__ import annotations
@@ -182,6 +184,34 @@ def test_deferred_4bit_load_matches_from_pretrained(base_dir, quant_args):
     total = sum(want_data.numel() * 2 * 4 for want_data, _ in want_packed.values())   # 2 values a byte, fp32
     read = [r[3] for r in got]
     assert sum(read) >= total and max(read) <= total / WORLD + 14 * 2 * 64 * 4, (read, total)
+
+
+def _recipe_worker(rank, world, path):
+    """README's recipe: from_config in bf16, replace_with_bnb_linear, .to(bf16), LoRA; double quant, bf16 storage."""
+    q = tf.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
+    with fp.deferred_init():
+        model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(path), dtype=torch.bfloat16)
+        model = tf.integrations.replace_with_bnb_linear(model, modules_to_not_convert=["lm_head"],
+                                                        quantization_config=q)
+        model = add_lora(model.to(torch.bfloat16))
+    fp.shard(model)
+    assert not fp.load_pretrained(model, path)
+    with fp.full_params(model, writeback=False):
+        packed = _packed(model)
+        dtypes = {n: p.quant_state.dtype for n, p in model.named_parameters() if isinstance(p, bnb.nn.Params4bit)}
+    return packed, set(dtypes.values())
+
+
+def test_readme_recipe_bf16_double_quant_equals_from_pretrained(base_dir):
+    q = tf.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
+    want = _packed(tf.LlamaForCausalLM.from_pretrained(base_dir, quantization_config=q, dtype=torch.bfloat16))
+    for packed, dtypes in run_ranks(_recipe_worker, WORLD, base_dir, timeout=240):
+        assert dtypes == {torch.bfloat16} and packed.keys() == want.keys() and len(want) == 14
+        for n, (data, state) in packed.items():
+            assert torch.equal(data, want[n][0]), n
+            assert state.keys() == want[n][1].keys() and all(torch.equal(state[k], v) for k, v in want[n][1].items())
 
 
 def _eager_vs_deferred_worker(rank, world):
