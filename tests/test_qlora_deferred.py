@@ -107,11 +107,10 @@ def _packed(model) -> dict:
     return out
 
 
-def _deferred_worker(rank, world, path, quant_args):
+def _load_counting(model, path: str) -> int:
+    """``fp.load_pretrained(model, path)`` (strict); returns the checkpoint bytes this rank read for 4-bit weights."""
     from fsdp_plugin.checkpoint.format.reader import ReadPlan
 
-    model = _skeleton(path, _quant(*quant_args), lora=True)
-    fp.shard(model)
     read, add = [0], ReadPlan.add
 
     def counting(self, f, offset, src, dest, name):
@@ -123,6 +122,13 @@ def _deferred_worker(rank, world, path, quant_args):
         assert not fp.load_pretrained(model, path)   # strict: every base weight found, adapters not asked for
     finally:
         ReadPlan.add = add
+    return read[0]
+
+
+def _deferred_worker(rank, world, path, quant_args):
+    model = _skeleton(path, _quant(*quant_args), lora=True)
+    fp.shard(model)
+    read = [_load_counting(model, path)]
     with fp.full_params(model, writeback=False):
         packed = _packed(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -196,22 +202,41 @@ def _recipe_worker(rank, world, path):
                                                         quantization_config=q)
         model = add_lora(model.to(torch.bfloat16))
     fp.shard(model)
-    assert not fp.load_pretrained(model, path)
+    read = _load_counting(model, path)
     with fp.full_params(model, writeback=False):
         packed = _packed(model)
         dtypes = {n: p.quant_state.dtype for n, p in model.named_parameters() if isinstance(p, bnb.nn.Params4bit)}
-    return packed, set(dtypes.values())
+    return packed, set(dtypes.values()), read
 
 
-def test_readme_recipe_bf16_double_quant_equals_from_pretrained(base_dir):
+@pytest.fixture(scope="module")
+def odd_base_dir(tmp_path_factory) -> str:
+    """intermediate_size 65: a unit's packed bytes are 193.5 blocks a rank at world 2 (a boundary inside a block)."""
+    path = str(tmp_path_factory.mktemp("odd_llama"))
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=65, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    tf.LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("odd", [False, True], ids=["aligned", "unaligned"])
+def test_readme_recipe_bf16_double_quant_equals_from_pretrained(base_dir, odd_base_dir, odd):
+    """``unaligned``: shard boundaries inside quantization blocks (both neighbours read the boundary block)."""
+    base_dir = odd_base_dir if odd else base_dir
     q = tf.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
     want = _packed(tf.LlamaForCausalLM.from_pretrained(base_dir, quantization_config=q, dtype=torch.bfloat16))
-    for packed, dtypes in run_ranks(_recipe_worker, WORLD, base_dir, timeout=240):
+    got = run_ranks(_recipe_worker, WORLD, base_dir, timeout=240)
+    for packed, dtypes, _ in got:
         assert dtypes == {torch.bfloat16} and packed.keys() == want.keys() and len(want) == 14
         for n, (data, state) in packed.items():
             assert torch.equal(data, want[n][0]), n
             assert state.keys() == want[n][1].keys() and all(torch.equal(state[k], v) for k, v in want[n][1].items())
+    total = sum(data.numel() * 2 * 4 for data, _ in want.values())    # 2 values a byte, fp32 in the checkpoint
+    read = [r for *_, r in got]
+    assert sum(read) >= total and max(read) <= total / WORLD + 14 * 2 * 64 * 4, (read, total)
+    assert (sum(read) > total) == odd, (read, total)   # boundary blocks read by both neighbours
 
 
 def _eager_vs_deferred_worker(rank, world):
