@@ -62,8 +62,9 @@ def test_piece_quantization_is_bit_identical_to_the_whole(quant_type, double, st
     flat = w.reshape(-1)
     for start, end in _pieces(total, [total // 3 + 1, total // 3 + 7, 2 * total // 3 - 5]):   # unaligned cuts
         lo, hi = packed_quantize.piece_values(start, end, p.element_size(), flat.numel(), 64)
-        own = packed_quantize.quantize_piece(p, flat[lo:hi].clone(), lo, start, end, absmax)
+        own, piece = packed_quantize.quantize_piece(p, flat[lo:hi].clone(), lo, start, end)
         got[start * p.element_size():end * p.element_size()] = own
+        absmax[lo // 64:lo // 64 + piece.numel()] = piece
     state = packed_quantize.whole_state(p, absmax)
     assert torch.equal(got, want.view(-1).view(torch.uint8))
     assert state.shape == want_state.shape and state.dtype == want_state.dtype
@@ -77,7 +78,7 @@ def test_piece_quantization_is_bit_identical_to_the_whole(quant_type, double, st
     # the check can fail: a piece quantized from its own (unaligned) first value is not the whole's bytes
     start = total // 3 + 1
     v0 = 2 * start * p.element_size()
-    wrong = packed_quantize.quantize_piece(p, flat[v0:].clone(), v0, start, total, absmax.clone())
+    wrong, _ = packed_quantize.quantize_piece(p, flat[v0:].clone(), v0, start, total)
     assert not torch.equal(wrong, got[start * p.element_size():])
 
 
@@ -237,6 +238,28 @@ def test_readme_recipe_bf16_double_quant_equals_from_pretrained(base_dir, odd_ba
     read = [r for *_, r in got]
     assert sum(read) >= total and max(read) <= total / WORLD + 14 * 2 * 64 * 4, (read, total)
     assert (sum(read) > total) == odd, (read, total)   # boundary blocks read by both neighbours
+
+
+def _failing_read_worker(rank, world, path):
+    from fsdp_plugin.checkpoint.hf import quantized
+
+    model = _skeleton(path, _quant(torch.uint8, "nf4", False), lora=False)
+    fp.shard(model)
+    if rank == 1:
+        def broken(*args):
+            raise OSError("injected read failure")
+        quantized._quantize_own = broken
+    with pytest.raises(Exception) as err:
+        fp.load_pretrained(model, path)
+    return f"{type(err.value).__name__}: {err.value}"
+
+
+def test_a_rank_failing_to_read_its_piece_fails_every_rank_at_once(base_dir):
+    """The ranks agree before the absmax all-reduces: one rank's read error is raised on every rank (well inside
+    run_ranks' 60 s), not a wait on a collective its peer never joins."""
+    msgs = run_ranks(_failing_read_worker, WORLD, base_dir, timeout=60)
+    assert "injected read failure" in msgs[1], msgs
+    assert "injected read failure" in msgs[0] or "another rank failed" in msgs[0], msgs
 
 
 def _eager_vs_deferred_worker(rank, world):

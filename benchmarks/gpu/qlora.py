@@ -139,8 +139,9 @@ def _piece_quantize(dry: bool) -> dict:
                     cuts = [0, total // 3 + 1, total // 3 + 7, 2 * total // 3 - 5, total]
                     for start, end in zip(cuts[:-1], cuts[1:]):
                         lo, hi = pq.piece_values(start, end, size, flat.numel(), 64)
-                        got[start * size:end * size] = pq.quantize_piece(p, flat[lo:hi].clone(), lo, start, end,
-                                                                         absmax)
+                        own, piece = pq.quantize_piece(p, flat[lo:hi].clone(), lo, start, end)
+                        got[start * size:end * size] = own
+                        absmax[lo // 64:lo // 64 + piece.numel()] = piece
                     st = pq.whole_state(p, absmax)
                     same = torch.equal(got, want.view(-1).view(torch.uint8)) and torch.equal(st.absmax, ws.absmax)
                     if double:

@@ -72,17 +72,16 @@ def piece_values(start: int, end: int, itemsize: int, numel: int, blocksize: int
     return v0 // blocksize * blocksize, min(numel, math.ceil(v1 / blocksize) * blocksize)
 
 
-def quantize_piece(p, values: torch.Tensor, lo: int, start: int, end: int, absmax: torch.Tensor) -> torch.Tensor:
-    """Quantize ``values`` (flattened values ``[lo, ...)``, block-aligned) and return this rank's packed bytes
-    (elements ``[start, end)`` of ``p``, as uint8); their block absmax go into ``absmax`` (the whole weight's)."""
+def quantize_piece(p, values: torch.Tensor, lo: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``values`` (flattened values ``[lo, ...)``, block-aligned): this rank's packed bytes (elements
+    ``[start, end)`` of ``p``, as uint8) and the absmax of blocks ``lo // blocksize`` onward."""
     import bitsandbytes as bnb
 
-    bs, size = p.quant_state.blocksize, p.element_size()
-    packed, state = bnb.functional.quantize_4bit(values, blocksize=bs, compress_statistics=False,
+    size = p.element_size()
+    packed, state = bnb.functional.quantize_4bit(values, blocksize=p.quant_state.blocksize, compress_statistics=False,
                                                  quant_type=p.quant_state.quant_type, quant_storage=torch.uint8)
-    absmax[lo // bs: lo // bs + state.absmax.numel()] = state.absmax.to(absmax.device)
     first = start * size - lo // 2
-    return packed.view(-1)[first:first + (end - start) * size]
+    return packed.view(-1)[first:first + (end - start) * size], state.absmax
 
 
 def whole_state(p, absmax: torch.Tensor):

@@ -66,7 +66,7 @@ def _load_local(model, path: str, strict: bool, report: MismatchReport) -> None:
         for f in files:
             for name, e in plan.header(f).entries.items():
                 stored[name] = (f, e)
-        refuse_load(model, stored, path)    # 4-bit bases: packed bytes without quant_state (``_flat/packed.py``)
+        refuse_load(model, stored, path)    # quantized checkpoints, 8-bit weights (``_flat/packed.py``)
         reads, converted, quantize = _match(model, stored, report)
         if report and strict:
             raise CheckpointMismatchError(f"{path} does not match the model: {report.describe()} "
