@@ -529,6 +529,23 @@ def test_qlora_lightning_recipe_matches_one_process(base_dir, tmp_path):
 
     pytest.importorskip("lightning")
     launch.python("lightning_qlora.py", base_dir, tmp_path, "--devices", WORLD, timeout=240)
+    _check_lightning(tmp_path, base_dir)
+
+
+@pytest.mark.integration   # Lightning's launcher at 2 (~12 s)
+def test_qlora_lightning_deferred_skeleton_matches_one_process(base_dir, tmp_path):
+    """The 70B path through Lightning: the 4-bit skeleton + LoRA built in ``configure_model`` (under
+    ``fp.deferred_init()``), ``fp.load_pretrained`` of the full-precision base in ``on_fit_start`` (each rank
+    quantizes its piece): the same losses and packed bytes as ``from_pretrained(quantization_config=...)``."""
+    sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+    import lightning_launch as launch
+
+    pytest.importorskip("lightning")
+    launch.python("lightning_qlora.py", base_dir, tmp_path, "--devices", WORLD, "--deferred", timeout=240)
+    _check_lightning(tmp_path, base_dir)
+
+
+def _check_lightning(tmp_path, base_dir) -> None:
     reports = [report(tmp_path, "lightning", r) for r in range(WORLD)]
     assert all(r["strategy"] == "FSDPPluginStrategy" and r["world_size"] == WORLD for r in reports)
     _check_recipe(reports, *_one_process_recipe(base_dir, torch.uint8))

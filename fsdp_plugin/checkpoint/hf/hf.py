@@ -60,6 +60,11 @@ def load_pretrained(model, path, strict: bool = True) -> MismatchReport:
 
 
 def _load_local(model, path: str, strict: bool, report: MismatchReport) -> None:
+    if getattr(model, "_fp_root", None) is None and any(hasattr(p, "_fp_handle") for p in model.parameters()):
+        raise CheckpointError(
+            f"fp.load_pretrained got a submodule ({type(model).__name__}) of a sharded model: its parameters hold "
+            "this rank's shard pieces, which only the module fp.shard was called on describes. Pass that module "
+            "(e.g. the LightningModule, not its self.model; a PEFT model inside it is matched by its base names)")
     directory, files = _resolve(path)
     with ReadPlan(directory, None, allowed_roots=_allowed_roots(directory)) as plan:
         stored = {}
@@ -135,8 +140,8 @@ def _match(model, stored: dict, report: MismatchReport) -> tuple[list, list, lis
     shards = _model.param_shards(model, boxes=True)
     fp_shapes = {id(sh.param): quantized.float_shape(sh.param) for sh in shards}
     ends = {id(sh.param): sh.end for sh in shards}
-    peft = peft_names.is_peft(model)    # a PeftModel: its base weights under the base checkpoint's names too
-    targets = [((sh.fqn, *sh.aliases, *([peft_names.base_name(sh.fqn)] if peft else [])), sh.param,
+    peft = peft_names.prefixes(model)    # PEFT models: their base weights under the base checkpoint's names too
+    targets = [((sh.fqn, *sh.aliases, *filter(None, [peft_names.base_name(sh.fqn, peft)])), sh.param,
                 fp_shapes[id(sh.param)] or tuple(sh.shape), sh.start, sh.box) for sh in shards]
     targets += [((n,), b, tuple(b.shape), 0, None) for n, b in _model.persistent_buffers(model)]
     known = {n for names, *_ in targets for n in names}

@@ -2,24 +2,25 @@
 
 ``peft.get_peft_model`` wraps the base (``base_model.model.``) and moves each adapted layer's weight under
 ``base_layer``; the full-precision checkpoint of the base (the 70B QLoRA path: skeleton + LoRA built under
-``fp.deferred_init()``, ``fp.shard``, then ``fp.load_pretrained``) has the plain names and no adapters. PEFT is
+``fp.deferred_init()``, ``fp.shard``, then ``fp.load_pretrained``) has the plain names and no adapters. The PEFT
+model may sit inside the sharded root (a LightningModule's ``self.model``). PEFT is
 not imported: its tuner layers are recognized by the attributes PEFT's ``BaseTunerLayer`` defines.
 """
 from __future__ import annotations
 
 from torch import nn
 
-_PREFIX = "base_model.model."
+def prefixes(model: nn.Module) -> list:
+    """``<path>base_model.model.`` for every PEFT model in ``model`` (itself, or e.g. a LightningModule's
+    ``self.model``): what precedes the base model's own names."""
+    return [f"{fqn}.base_model.model." if fqn else "base_model.model." for fqn, m in model.named_modules()
+            if hasattr(m, "peft_config") and hasattr(m, "base_model")]
 
 
-def is_peft(model: nn.Module) -> bool:
-    return hasattr(model, "peft_config") and hasattr(model, "base_model")
-
-
-def base_name(fqn: str) -> str:
-    """``base_model.model.X.base_layer.weight`` -> ``X.weight`` (the base model's own name)."""
-    name = fqn[len(_PREFIX):] if fqn.startswith(_PREFIX) else fqn
-    return name.replace(".base_layer.", ".")
+def base_name(fqn: str, prefixes: list) -> str | None:
+    """``<prefix>X.base_layer.weight`` -> ``X.weight`` (the base model's own name); None outside a PEFT model."""
+    pre = next((p for p in prefixes if fqn.startswith(p)), None)
+    return None if pre is None else fqn[len(pre):].replace(".base_layer.", ".")
 
 
 def adapter_params(model: nn.Module) -> set:
