@@ -37,7 +37,8 @@ SECTIONS = (
     ("cuda_path", 80),       # issue 53: stream sanitizer on bf16/fp32-reduce, world 2 on one GPU (gloo), int8 on NCCL
     ("context_parallel", 45),  # issue 54: cp 2 on one GPU (gloo): fp32 parity, bf16 vs each SDPA kernel, memory
     ("experts", 60),         # issue 55: ep 2 on one GPU (gloo): parity, bytes; world-1 bf16; fp.plan at fake world 8
-    ("qlora", 45),           # issue 56: 4-bit nf4 + LoRA on one GPU (gloo): fp32 parity, bf16, base bytes per rank
+    ("qlora", 50),           # issue 56: 4-bit nf4 + LoRA on one GPU (gloo): fp32 parity, bf16, base bytes per rank;
+                             # per-shard 4-bit quantization (fp.load_pretrained) bit-identical with the CUDA kernel
     ("host_waits", 90),      # issue 48: run-ahead, host-blocking calls per step, FSDP2 side by side, fake world 8
     ("offload", 100),        # issue 49: ours vs FSDP2 CPUOffloadPolicy, phases, page faults, pinned bandwidth
     ("entry_points", 150),   # issue 50: Lightning, accelerate launch, HF Trainer, PEFT, TRL weight sync

@@ -14,14 +14,14 @@ trains on its own data; one process trains the same quantized model on the globa
   as the same bytes (a cast would rewrite every nibble);
 * bitsandbytes 8-bit bases (``Linear8bitLt``: int8 rows, ``SCB`` row scales) the same way;
 * layers that cannot be sharded exactly (trainable or unquantized 8-bit, 4-bit not quantized yet) and weights
-  bitsandbytes already repacked in place are refused by name at ``fp.shard``; ``fp.load_pretrained`` of 4-bit.
+  bitsandbytes already repacked in place are refused by name at ``fp.shard``; ``fp.load_pretrained`` of a 4-bit
+  checkpoint or into 8-bit weights (full precision into 4-bit weights: ``test_qlora_deferred.py``).
 
 The models are put in train mode as Trainer and Lightning do: in eval mode on AVX512-BF16 CPUs bitsandbytes
 itself repacks the one-process reference's weights with bf16 scales (``_flat/packed.py``).
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
 import sys
@@ -261,26 +261,25 @@ def test_weights_repacked_for_cpu_inference_refused(base_dir):
     assert "model.layers.0.self_attn.q_proj.weight" in msg and "call fp.shard before" in msg, msg
 
 
-def _unquantized_worker(rank, world, deferred):
-    with fp.deferred_init() if deferred else contextlib.nullcontext():
-        model = torch.nn.Sequential(bnb.nn.Linear4bit(64, 64, compute_dtype=torch.float32), torch.nn.Linear(64, 4))
+def _unquantized_worker(rank, world):
+    model = torch.nn.Sequential(bnb.nn.Linear4bit(64, 64, compute_dtype=torch.float32), torch.nn.Linear(64, 4))
     with pytest.raises(fp.ShardingError) as err:
         fp.shard(model)
     return str(err.value)
 
 
 def test_unquantized_4bit_layers_refused_with_the_alternative():
-    """A ``Linear4bit`` built under ``fp.deferred_init()`` (or never moved to a device, so never quantized) would be
-    sharded as if its full-precision values were packed bytes (then fail inside bitsandbytes' forward): refused at
-    ``fp.shard``, naming the way that works (``from_pretrained(quantization_config=...)`` then ``fp.shard``)."""
-    deferred, eager = (run_ranks(_unquantized_worker, 1, d)[0] for d in (True, False))
-    assert "0.weight" in deferred and "fp.deferred_init()" in deferred and "quantization_config" in deferred, deferred
+    """A ``Linear4bit`` never moved to a device (so never quantized) would be sharded as if its full-precision values
+    were packed bytes (then fail inside bitsandbytes' forward): refused at ``fp.shard``, naming the ways that work.
+    (One built under ``fp.deferred_init()`` is quantized by the engine: ``test_qlora_deferred.py``.)"""
+    eager = run_ranks(_unquantized_worker, 1)[0]
     assert "bnb_quantized=False" in eager and "model.to(device)" in eager, eager
+    assert "fp.deferred_init()" in eager and "quantization_config" in eager, eager
 
 
 def _load_pretrained_worker(rank, world, path, path4, path8):
     """fp.load_pretrained of a checkpoint saved in 4-bit (or 8-bit) into a deferred model, and of any checkpoint into
-    a sharded 4-bit model: refused. Then what the messages name: the 4-bit checkpoint through from_pretrained."""
+    a sharded 8-bit model: refused. Then what the messages name: the 4-bit checkpoint through from_pretrained."""
     refused = []
     for saved in (path4, path8):
         with fp.deferred_init():
@@ -289,10 +288,10 @@ def _load_pretrained_worker(rank, world, path, path4, path8):
         with pytest.raises(fp.ShardingError) as err:
             fp.load_pretrained(model, saved, strict=False)   # strict=False: no name check would stop it first
         refused.append(str(err.value))
-    model = _build(path, torch.uint8, lora=False)
+    model = _build(path, torch.int8, lora=False)
     fp.shard(model)
     with pytest.raises(fp.ShardingError) as packed:
-        fp.load_pretrained(model, path)
+        fp.load_pretrained(model, path)     # into 8-bit weights (4-bit ones are quantized: test_qlora_deferred.py)
     model = tf.LlamaForCausalLM.from_pretrained(path4, dtype=torch.float32).train()   # quantization_config: saved
     fp.shard(model)
     x = _batch(0, rank)
@@ -300,8 +299,8 @@ def _load_pretrained_worker(rank, world, path, path4, path8):
 
 
 def test_load_pretrained_of_4bit_refused_with_the_alternative(base_dir, tmp_path):
-    """Deferred init + ``fp.load_pretrained`` cannot build a 4-bit base (quantize shard by shard, or read a 4-bit
-    checkpoint's ``quant_state``): refused by name, never loaded as bytes beside the wrong scales. The alternative the
+    """``fp.load_pretrained`` cannot read a 4-bit checkpoint's ``quant_state`` (it quantizes full-precision
+    checkpoints only) nor load 8-bit weights: refused by name, never loaded as bytes beside the wrong scales. The alternative the
     message names, transformers' ``from_pretrained`` of the 4-bit checkpoint then ``fp.shard``, gives the
     one-process loss of the model it was saved from."""
     _build(base_dir, torch.int8, lora=False).save_pretrained(tmp_path / "int8")
@@ -315,7 +314,7 @@ def test_load_pretrained_of_4bit_refused_with_the_alternative(base_dir, tmp_path
     assert "holds a bitsandbytes-quantized checkpoint" in nf4 and "weight.quant_state.bitsandbytes__nf4" in nf4, nf4
     assert "then fp.shard(model)" in nf4, nf4
     assert "holds a bitsandbytes-quantized checkpoint" in int8 and "weight_format" in int8, int8
-    assert "model.layers.0.self_attn.q_proj.weight" in packed and "PeftModel.from_pretrained" in packed, packed
+    assert "model.layers.0.self_attn.q_proj.weight" in packed and "load_in_8bit=True" in packed, packed
     assert abs(loss - want) <= TOL, (loss, want)
 
 
@@ -538,6 +537,23 @@ def test_qlora_lightning_recipe_matches_one_process(base_dir, tmp_path):
 
     pytest.importorskip("lightning")
     launch.python("lightning_qlora.py", base_dir, tmp_path, "--devices", WORLD, timeout=240)
+    _check_lightning(tmp_path, base_dir)
+
+
+@pytest.mark.integration   # Lightning's launcher at 2 (~12 s)
+def test_qlora_lightning_deferred_skeleton_matches_one_process(base_dir, tmp_path):
+    """The 70B path through Lightning: the 4-bit skeleton + LoRA built in ``configure_model`` (under
+    ``fp.deferred_init()``), ``fp.load_pretrained`` of the full-precision base in ``on_fit_start`` (each rank
+    quantizes its piece): the same losses and packed bytes as ``from_pretrained(quantization_config=...)``."""
+    sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+    import lightning_launch as launch
+
+    pytest.importorskip("lightning")
+    launch.python("lightning_qlora.py", base_dir, tmp_path, "--devices", WORLD, "--deferred", timeout=240)
+    _check_lightning(tmp_path, base_dir)
+
+
+def _check_lightning(tmp_path, base_dir) -> None:
     reports = [report(tmp_path, "lightning", r) for r in range(WORLD)]
     assert all(r["strategy"] == "FSDPPluginStrategy" and r["world_size"] == WORLD for r in reports)
     _check_recipe(reports, *_one_process_recipe(base_dir, torch.uint8))

@@ -11,6 +11,10 @@ Rows (one ``GPU_CHECK_JSON {...}`` each):
    bytes per rank against the total.
 2. ``qlora_bf16``: bf16 compute and bf16 storage, the same steps: the largest loss difference (reported against
    the bound README's QLoRA section derives).
+3. ``qlora_piece_quantize``: the per-shard quantization of ``fp.load_pretrained`` into 4-bit weights
+   (``fsdp_plugin/_flat/packed_quantize.py``) with bitsandbytes' CUDA kernel: block-aligned pieces cut at
+   unaligned shard boundaries give ``quantize_4bit``'s bytes and ``quant_state`` of the whole weight bit for bit
+   (nf4/fp4, double quantization on/off, uint8/bf16 storage, fp32 and bf16 weights).
 """
 from __future__ import annotations
 
@@ -113,6 +117,42 @@ def _compare(got, path, dry, compute, storage):
                  "peak_mib_rank0": got["peak_mib"], "peak_mib_one_process": peak}
 
 
+def _piece_quantize(dry: bool) -> dict:
+    """Row 3: every combination, pieces cut at three unaligned boundaries, compared with the whole weight."""
+    import bitsandbytes as bnb
+
+    from fsdp_plugin._flat import packed_quantize as pq
+    dev, bad, n = device(dry), [], 0
+    for dtype in (torch.float32, torch.bfloat16):
+        w = (torch.randn(1000, 1030, generator=torch.Generator().manual_seed(0)) * 0.02).to(dev, dtype)
+        flat = w.reshape(-1)
+        for qt in ("nf4", "fp4"):
+            for double in (False, True):
+                for storage in (torch.uint8, torch.bfloat16):
+                    want, ws = bnb.functional.quantize_4bit(w, blocksize=64, compress_statistics=double,
+                                                            quant_type=qt, quant_storage=storage)
+                    p = bnb.nn.Params4bit(w.clone(), requires_grad=False, blocksize=64, compress_statistics=double,
+                                          quant_type=qt, quant_storage=storage).to(dev)
+                    total, size = p.numel(), p.element_size()
+                    got = torch.zeros(total * size, dtype=torch.uint8, device=dev)
+                    absmax = torch.zeros(-(-flat.numel() // 64), device=dev)
+                    cuts = [0, total // 3 + 1, total // 3 + 7, 2 * total // 3 - 5, total]
+                    for start, end in zip(cuts[:-1], cuts[1:]):
+                        lo, hi = pq.piece_values(start, end, size, flat.numel(), 64)
+                        own, piece = pq.quantize_piece(p, flat[lo:hi].clone(), lo, start, end)
+                        got[start * size:end * size] = own
+                        absmax[lo // 64:lo // 64 + piece.numel()] = piece
+                    st = pq.whole_state(p, absmax)
+                    same = torch.equal(got, want.view(-1).view(torch.uint8)) and torch.equal(st.absmax, ws.absmax)
+                    if double:
+                        same = same and torch.equal(st.offset, ws.offset) and torch.equal(st.state2.absmax,
+                                                                                           ws.state2.absmax)
+                    n += 1
+                    if not same:
+                        bad.append(f"{dtype} {qt} double={double} {storage}")
+    return {"check": "qlora_piece_quantize", "ok": not bad, "combinations": n, "differ": bad}
+
+
 def main() -> int:
     dry = "--dry" in sys.argv
     if not dry and not torch.cuda.is_available():
@@ -136,6 +176,11 @@ def main() -> int:
             except Exception as e:  # noqa: BLE001 - the row reports it; the other rows still run
                 row = {"check": name, "ok": False, "error": error_text(e)}
             ok &= emit(row)
+    try:
+        row = _piece_quantize(dry)
+    except Exception as e:  # noqa: BLE001 - reported as the row
+        row = {"check": "qlora_piece_quantize", "ok": False, "error": error_text(e)}
+    ok &= emit(row)
     return 0 if ok else 1
 
 

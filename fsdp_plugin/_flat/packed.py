@@ -23,9 +23,10 @@ bytes, the row scales ``SCB`` (one fp32 per row) kept whole on the parameter; bi
 
 ``quant_state`` itself stays whole on every rank (one absmax per 64-value block: 4 bytes per 32 packed bytes,
 about 1 with ``bnb_4bit_use_double_quant``). What the engine cannot shard exactly is refused by name (``prepare``):
-trainable 8-bit weights, weights not quantized yet (built under ``fp.deferred_init()``), weights already repacked,
-torchao tensor subclasses other than ``NF4Tensor``; ``fp.load_pretrained`` never writes packed bytes
-(``refuse_load``: their quant_state would not follow).
+trainable 8-bit weights, 4-bit weights not quantized yet (unless built under ``fp.deferred_init()``: the engine
+quantizes those, ``packed_quantize.py``), weights already repacked, torchao tensor subclasses other than ``NF4Tensor``;
+``fp.load_pretrained`` quantizes a full-precision checkpoint into 4-bit weights shard by shard, never reads a
+quantized checkpoint or into 8-bit or NF4 weights (``refuse_load``).
 
 torchao's ``NF4Tensor`` (torchtune's QLoRA, ``to_nf4`` + ``linear_nf4``) is a wrapper subclass with no storage of
 its own: its values live in inner tensors (packed nibbles, int8 block scalers, their factors, the scaler mean and
@@ -46,6 +47,7 @@ from torch import nn
 
 from ..errors import ShardingError
 from .. import _compat
+from . import packed_quantize
 
 _PACKED = {"Params4bit", "Int8Params"}     # bitsandbytes classes sharded exactly (their bytes, never cast)
 _INNER = {"NF4Tensor"}     # torchao wrapper subclasses sharded exactly as their inner tensors' bytes (``InnerBytes``)
@@ -171,7 +173,7 @@ def prepare(model: nn.Module, ignored_modules=()) -> int:
     Refuses layer types that cannot be sharded exactly and 4-bit weights already repacked for CPU inference
     (an eval-mode forward ran before ``fp.shard``). Parameters of ``ignored_modules`` stay as they are (the engine
     never touches them: kept whole, they run bitsandbytes' own path). Returns the number of packed parameters."""
-    count, int8, inner = 0, [], {}
+    count, int8, inner, pending = 0, [], {}, []
     ignored = {id(p) for m in ignored_modules for p in m.parameters()}
     for fqn, module in model.named_modules():
         for name, p in module.named_parameters(recurse=False):
@@ -189,7 +191,9 @@ def prepare(model: nn.Module, ignored_modules=()) -> int:
                 continue
             if kind not in _PACKED:
                 continue
-            if getattr(p, "bnb_quantized", True) is False:
+            if kind == "Params4bit" and packed_quantize.pending(p):
+                pending.append(p)      # quantized by the engine (``packed_quantize.py``), after every check
+            elif getattr(p, "bnb_quantized", True) is False:
                 raise ShardingError(_not_quantized(where, p))
             if getattr(getattr(p, "quant_state", None), "packing_format_for_cpu", False):
                 raise ShardingError(
@@ -199,6 +203,8 @@ def prepare(model: nn.Module, ignored_modules=()) -> int:
             count += 1
             if hasattr(module, "support_avx512bf16_for_cpu"):
                 module.support_avx512bf16_for_cpu = False
+    for p in pending:
+        packed_quantize.defer(p)
     for module, p, scb in int8:     # after every check passed: a refused model keeps bitsandbytes' own state
         p.SCB, p.CB = scb, None      # the full rows' reference dropped (``rewrap`` gives each forward its own)
         if getattr(module, "state", None) is not None:
@@ -235,32 +241,31 @@ def _check_inner(where: str, p) -> None:
             "yet. Quantize the weight (to_nf4) after its real values are loaded, then call fp.shard")
 
 
-# What a 70B QLoRA user runs instead of deferred init + fp.load_pretrained (named by both refusals below).
+# The two ways to a sharded 4-bit base (named by the refusals below and in checkpoint/hf/quantized.py).
 LOAD_4BIT_INSTEAD = (
-    "load the 4-bit base with transformers on every rank, from_pretrained(path, quantization_config="
-    "BitsAndBytesConfig(load_in_4bit=True, ...)) (a checkpoint saved in 4-bit needs no quantization_config), "
-    "then fp.shard(model): each rank holds the whole packed base (about 0.5 byte per parameter) until fp.shard "
-    "keeps its 1/world")
+    "for a full-precision checkpoint, build the model under fp.deferred_init() with bitsandbytes Linear4bit "
+    "layers (transformers.integrations.replace_with_bnb_linear(model, modules_to_not_convert=['lm_head'], "
+    "quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...))), fp.shard(model), then "
+    "fp.load_pretrained(model, path): each rank reads and quantizes only its own piece; or load the 4-bit base "
+    "with transformers on every rank, from_pretrained(path, quantization_config=BitsAndBytesConfig("
+    "load_in_4bit=True, ...)) (a checkpoint saved in 4-bit needs no quantization_config), then fp.shard(model): "
+    "each rank holds the whole packed base (about 0.5 byte per parameter) until fp.shard keeps its 1/world")
 
 
 def _not_quantized(where: str, p) -> str:
-    from .._deferred import is_deferred
-
-    if is_deferred(p):
-        return (f"{where} is a 4-bit weight built under fp.deferred_init(), not quantized yet: fp.shard and "
-                f"fp.load_pretrained cannot quantize a base shard by shard (its packed size and quant_state come "
-                f"from bitsandbytes' quantization of the whole weight). Build the model outside deferred_init: "
-                f"{LOAD_4BIT_INSTEAD}")
+    """A 4-bit weight neither quantized nor recorded by fp.deferred_init (those the engine quantizes)."""
     return (f"{where} is a 4-bit weight that bitsandbytes has not quantized yet (Params4bit with "
             "bnb_quantized=False: a Linear4bit quantizes when moved to its device): fp.shard would shard its "
             "unquantized values as packed bytes. Call model.to(device) before fp.shard, or " + LOAD_4BIT_INSTEAD)
 
 
 def refuse_load(model: nn.Module, names, path: str) -> None:
-    """Raise when ``fp.load_pretrained`` would read into packed quantized weights or read a checkpoint saved
-    quantized (4-bit ``quant_state`` entries, 8-bit ``weight_format``): it writes bytes into each rank's piece but
-    no ``quant_state`` / ``SCB``, so packed bytes would sit beside another checkpoint's scales, or int8 codes be
-    cast into float weights (a silently wrong model); and it cannot quantize a full-precision base."""
+    """Raise when ``fp.load_pretrained`` would read into packed 8-bit weights or read a checkpoint saved
+    quantized (4-bit ``quant_state`` entries, 8-bit ``weight_format``): it writes no ``SCB`` / ``quant_state``
+    from such files, so packed bytes would sit beside another checkpoint's scales, or int8 codes be cast into
+    float weights (a silently wrong model). A full-precision checkpoint into 4-bit weights is quantized shard by
+    shard (``packed_quantize.py``, ``checkpoint/hf/quantized.py``). torchao NF4 weights are refused: their
+    packed nibbles and block scalers would take checkpoint values."""
     nf4 = next((n for n, p in model.named_parameters() if inner_bytes(p) is not None), None)
     if nf4 is not None:
         raise ShardingError(
@@ -268,13 +273,14 @@ def refuse_load(model: nn.Module, names, path: str) -> None:
             "values into their packed bytes (nibbles and block scalers): not supported. Load the checkpoint into "
             "the full-precision model first and quantize it with to_nf4 before fp.shard (torchtune's QLoRA does), "
             "load adapters into the sharded model with your adapter state dict, or resume with fp.load_checkpoint")
-    packed = next((n for n, p in model.named_parameters() if is_packed(p)), None)
-    if packed is not None:
+    int8 = next((n for n, p in model.named_parameters() if is_packed(p) and _bnb_class(p) == "Int8Params"), None)
+    if int8 is not None:
         raise ShardingError(
-            f"fp.load_pretrained({path!r}) into a model with quantized weights ({packed!r}) would load packed "
-            "bytes without their quant_state: not supported. The quantized base is already loaded (from_pretrained "
-            "with quantization_config); load adapters with PEFT (PeftModel.from_pretrained / model.load_adapter) "
-            "or resume with fp.load_checkpoint")
+            f"fp.load_pretrained({path!r}) into a model with 8-bit weights ({int8!r}) would load int8 rows "
+            "without their SCB row scales: not supported (fp.load_pretrained quantizes into 4-bit weights only). "
+            "Load the 8-bit base with from_pretrained(path, quantization_config=BitsAndBytesConfig("
+            "load_in_8bit=True)), then fp.shard; load adapters with PEFT (PeftModel.from_pretrained / "
+            "model.load_adapter) or resume with fp.load_checkpoint")
     saved = next((n for n in names if ".quant_state.bitsandbytes__" in n or n.endswith(".weight_format")), None)
     if saved is not None:
         raise ShardingError(
@@ -292,6 +298,12 @@ def _int8_scales(where: str, module: nn.Module, p) -> torch.Tensor:
             f"{where} is a bitsandbytes 8-bit weight with has_fp16_weights=True ({type(module).__name__}): "
             "trainable float values that bitsandbytes quantizes again at every forward, which fp.shard does not "
             "shard. Load the base frozen in 8-bit (transformers.BitsAndBytesConfig(load_in_8bit=True)) or in 4-bit")
+    if p.is_meta:
+        raise ShardingError(
+            f"{where} is a bitsandbytes 8-bit weight on the meta device (built under fp.deferred_init()?): fp.shard "
+            "quantizes deferred 4-bit weights only (Linear4bit, then fp.load_pretrained quantizes each rank's piece). "
+            "Build the skeleton in 4-bit (BitsAndBytesConfig(load_in_4bit=True)), or load the 8-bit base with "
+            "from_pretrained(path, quantization_config=BitsAndBytesConfig(load_in_8bit=True)), then fp.shard")
     scb = p.SCB if getattr(p, "SCB", None) is not None else getattr(state, "SCB", None)
     if scb is None or p.dtype != torch.int8:
         raise ShardingError(

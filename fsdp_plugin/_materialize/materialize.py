@@ -14,6 +14,7 @@ from torch import nn
 from .. import _deferred
 from .._comm import collectives as comm
 from .._flat.flat_param import set_param_data
+from .._flat import packed_quantize
 from .hf_init import HFInit
 from .._flat.layout import is_persistent_buffer
 from ..config import SKIP_INIT
@@ -30,6 +31,9 @@ REAL, META, DEFERRED = TensorKind.REAL, TensorKind.META, TensorKind.DEFERRED
 
 
 def tensor_kind(t: torch.Tensor) -> TensorKind:
+    src = getattr(t, "_fp_float", None)     # a deferred 4-bit weight, packed shape until built (``packed_quantize``)
+    if src is not None:
+        return tensor_kind(src)
     if t.is_meta:
         return DEFERRED if _deferred.is_deferred(t) else META
     return REAL
@@ -81,8 +85,10 @@ class Materializer:
         """Full real values for ``params`` (same order); meta modules are initialized on the way."""
         deferred = [p for p in params if tensor_kind(p) == DEFERRED]
         if deferred:
-            values = _deferred.materialize(list(deferred), self.device)
+            values = _deferred.materialize([getattr(p, "_fp_float", p) for p in deferred], self.device)
             for p, v in zip(deferred, values):
+                if getattr(p, "_fp_float", None) is not None:    # 4-bit: quantized whole, as eager .to() does
+                    v = packed_quantize.quantize_whole(p, v)
                 set_param_data(p, v)
         for p in params:
             if p.is_meta:

@@ -1,6 +1,6 @@
 """QLoRA through Lightning, driven by tests/test_qlora.py (a subprocess: Lightning's launcher re-runs it per rank).
 
-    python lightning_qlora.py BASE_DIR OUT_DIR [--devices N] [--storage uint8|bfloat16]
+    python lightning_qlora.py BASE_DIR OUT_DIR [--devices N] [--storage uint8|bfloat16] [--deferred]
 
 The FSDP-QLoRA recipe of accelerate's and PEFT's docs with ``L.Trainer(strategy="fsdp_plugin")`` instead: a 4-bit
 nf4 base from ``from_pretrained(quantization_config=...)`` (``tests/_qlora.py``), PEFT LoRA, AdamW, fp32 compute.
@@ -38,6 +38,49 @@ class QLoRA(pl.LightningModule):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=_qlora.LR)
 
 
+class DeferredQLoRA(QLoRA):
+    """The 70B path: the 4-bit skeleton with LoRA built in ``configure_model`` (under ``fp.deferred_init()``, which
+    the strategy enters), the full-precision checkpoint loaded by ``fp.load_pretrained`` once the strategy sharded
+    it (``on_fit_start``): each rank reads and quantizes only its piece."""
+
+    def __init__(self, base: str, storage: torch.dtype) -> None:
+        pl.LightningModule.__init__(self)
+        self.base, self.storage, self.model = base, storage, None
+        self.losses: list[float] = []
+
+    def configure_model(self) -> None:
+        import transformers as tf
+
+        if self.model is not None:
+            return
+        model = tf.LlamaForCausalLM(tf.LlamaConfig.from_pretrained(self.base))
+        model = tf.integrations.replace_with_bnb_linear(model, modules_to_not_convert=["lm_head"],
+                                                        quantization_config=_qlora.quantization(self.storage))
+        self.model = _qlora.add_lora(model).train()
+
+    def on_fit_start(self) -> None:
+        import fsdp_plugin as fp
+
+        with expect_raises(fp.CheckpointError, "a submodule"):
+            fp.load_pretrained(self.model, self.base)     # the PEFT model inside: not the sharded root
+        assert not fp.load_pretrained(self, self.base)    # the root: the PEFT model's base names matched
+
+
+def expect_raises(cls, text: str):
+    """``pytest.raises`` for this script (no pytest in Lightning's launched ranks): ``cls`` whose text has ``text``."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def expect():
+        try:
+            yield
+        except cls as e:
+            assert text in str(e), e
+        else:
+            raise AssertionError(f"{cls.__name__} not raised")
+    return expect()
+
+
 class RankBatches(torch.utils.data.Dataset):
     """This rank's batches: ``_qlora.batch(step, rank)`` for every step (already batched: ``batch_size=None``)."""
 
@@ -54,10 +97,11 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--storage", default="uint8")
+    p.add_argument("--deferred", action="store_true", help="DeferredQLoRA: skeleton + fp.load_pretrained")
     args = p.parse_args()
     import fsdp_plugin  # noqa: F401  - registers "fsdp_plugin" with Lightning
 
-    module = QLoRA(args.base, getattr(torch, args.storage))
+    module = (DeferredQLoRA if args.deferred else QLoRA)(args.base, getattr(torch, args.storage))
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy="fsdp_plugin", max_steps=_qlora.STEPS,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, use_distributed_sampler=False)

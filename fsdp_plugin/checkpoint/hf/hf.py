@@ -33,6 +33,8 @@ from ..storage import is_url, join, require_local, resolve, storage_for
 from ..format.reader import ReadPlan
 from ..format.writer import flat_cpu
 from ..._flat.packed import refuse_export, refuse_load
+from ...errors import ShardingError
+from . import peft_names, quantized
 
 #: Largest index file we read (bytes).
 MAX_INDEX_BYTES = 64 << 20
@@ -58,14 +60,19 @@ def load_pretrained(model, path, strict: bool = True) -> MismatchReport:
 
 
 def _load_local(model, path: str, strict: bool, report: MismatchReport) -> None:
+    if getattr(model, "_fp_root", None) is None and any(hasattr(p, "_fp_handle") for p in model.parameters()):
+        raise CheckpointError(
+            f"fp.load_pretrained got a submodule ({type(model).__name__}) of a sharded model: its parameters hold "
+            "this rank's shard pieces, which only the module fp.shard was called on describes. Pass that module "
+            "(e.g. the LightningModule, not its self.model; a PEFT model inside it is matched by its base names)")
     directory, files = _resolve(path)
     with ReadPlan(directory, None, allowed_roots=_allowed_roots(directory)) as plan:
         stored = {}
         for f in files:
             for name, e in plan.header(f).entries.items():
                 stored[name] = (f, e)
-        refuse_load(model, stored, path)    # 4-bit bases: packed bytes without quant_state (``_flat/packed.py``)
-        reads, converted = _match(model, stored, report)
+        refuse_load(model, stored, path)    # quantized checkpoints, 8-bit weights (``_flat/packed.py``)
+        reads, converted, quantize = _match(model, stored, report)
         if report and strict:
             raise CheckpointMismatchError(f"{path} does not match the model: {report.describe()} "
                                           "(pass strict=False to load the intersection)", report)
@@ -82,6 +89,7 @@ def _load_local(model, path: str, strict: bool, report: MismatchReport) -> None:
         plan.progress = None  # converted groups below are read as they are converted
         for group, targets in converted:
             _load_group(model, plan, stored, group, targets)
+        quantized.load(plan, quantize)   # 4-bit weights: each rank quantizes its own piece (``quantized.py``)
     for dst, src in copy_back:
         dst.copy_(src)
 
@@ -123,19 +131,25 @@ def _load_group(model, plan: ReadPlan, stored: dict, group, targets: list) -> No
             target.detach().copy_(tmp)
 
 
-def _match(model, stored: dict, report: MismatchReport) -> tuple[list, list]:
+def _match(model, stored: dict, report: MismatchReport) -> tuple[list, list, list]:
     """Plan what to read. ``reads``: ``(tensor, start, [((file, entry), source_start, lo, hi)])``, ranged
     reads of stored elements into ``tensor``'s local piece ``[lo, hi)`` (one-to-one names, and converted
-    tensors whose layout is known); ``converted``: ``(group, [(tensor, name, start, box)])``, read whole."""
-    targets = [((sh.fqn, *sh.aliases), sh.param, tuple(sh.shape), sh.start, sh.box)
-               for sh in _model.param_shards(model, boxes=True)]
+    tensors whose layout is known); ``converted``: ``(group, [(tensor, name, start, box)])``, read whole;
+    ``quantize``: ``(param, start, end, (file, entry))``, packed 4-bit weights quantized from the stored
+    full-precision tensor (whose shape is the weight's ``quant_state.shape``)."""
+    shards = _model.param_shards(model, boxes=True)
+    fp_shapes = {id(sh.param): quantized.float_shape(sh.param) for sh in shards}
+    ends = {id(sh.param): sh.end for sh in shards}
+    peft = peft_names.prefixes(model)    # PEFT models: their base weights under the base checkpoint's names too
+    targets = [((sh.fqn, *sh.aliases, *filter(None, [peft_names.base_name(sh.fqn, peft)])), sh.param,
+                fp_shapes[id(sh.param)] or tuple(sh.shape), sh.start, sh.box) for sh in shards]
     targets += [((n,), b, tuple(b.shape), 0, None) for n, b in _model.persistent_buffers(model)]
     known = {n for names, *_ in targets for n in names}
     shapes = {n: (tuple(e.shape), _format.to_dtype(e.dtype)) for n, (_, e) in stored.items()}
     renames, groups = hf_convert.plan_load(model, shapes, known)
     by_output = {o: g for g in groups for o in g.outputs}
     layouts = {id(g): hf_convert.fused_layout(g, {n: s for n, (s, _) in shapes.items()}) for g in groups}
-    reads, converted = [], {}
+    reads, converted, quantize = [], {}, []
     for names, t, shape, start, box in targets:
         hit = next((n for n in names if n in renames or n in by_output), None)
         if hit is None:
@@ -145,6 +159,8 @@ def _match(model, stored: dict, report: MismatchReport) -> tuple[list, list]:
         have = tuple(stored[renames[hit]][1].shape) if g is None else g.outputs[hit]
         if tuple(have) != shape:
             report.mismatched[names[0]] = f"file {list(have)} vs model {list(shape)}"
+        elif fp_shapes.get(id(t)) is not None:
+            quantize.append((t, start, ends[id(t)], _quantize_source(names[0], stored, renames, hit, g, box)))
         elif g is None and box is not None:    # a tensor-parallel box: one ranged read per run
             reads.append((t, start, _box_parts(stored[renames[hit]], shape, box)))
         elif box is not None:     # a box of a converted tensor (per-expert HF keys into EP/TP boxes): read whole
@@ -158,9 +174,24 @@ def _match(model, stored: dict, report: MismatchReport) -> tuple[list, list]:
             converted.setdefault(id(g), (g, []))[1].append((t, hit, start, None))
     unexpected = sorted([s for m, s in renames.items() if m not in known]
                         + [s for g in groups if not known.intersection(g.outputs) for _, s in g.sources])
+    if peft:    # adapters are in no base checkpoint
+        adapters = peft_names.adapter_params(model)
+        report.missing[:] = [n for n in report.missing if n not in adapters]
     report.missing[:], unexpected = hf_convert.drop_ignored(model, report.missing, unexpected)
     report.unexpected += unexpected
-    return reads, list(converted.values())
+    return reads, list(converted.values()), quantize
+
+
+def _quantize_source(name: str, stored: dict, renames: dict, hit: str, group, box):
+    """The stored tensor a packed 4-bit weight is quantized from: one-to-one names only (the ranged read of
+    ``quantized.py``); a converted (fused) or tensor-parallel 4-bit weight is refused by name."""
+    if group is not None or box is not None:
+        raise ShardingError(
+            f"fp.load_pretrained cannot quantize {name!r} into its 4-bit weight: it is "
+            f"{'converted from several stored tensors' if group is not None else 'a tensor-parallel box'}, and "
+            "only one-to-one names are quantized shard by shard. Load this model with transformers' "
+            "from_pretrained(path, quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...)), then fp.shard")
+    return stored[renames[hit]]
 
 
 def _box_parts(source, shape: tuple, box: tuple) -> list:
