@@ -5,11 +5,12 @@
 Rows (one ``GPU_CHECK_JSON {...}`` each):
 
 1. ``cp_parity``: a tiny Llama (GQA) in fp32 at cp 2, 4 AdamW steps, every step's loss and the final parameters
-   against one process on the whole sequence on the same GPU (<= 1e-5).
+   against one process on the whole sequence on the same GPU (<= 1e-5), for the all-gather and the ring mode.
 2. ``cp_bf16_vs_sdpa``: the bf16 loss of one forward at cp 2 against one process under each SDPA kernel that
    runs here (flash, efficient, cuDNN, math): the split is within the kernels' own spread.
 3. ``cp_memory``: peak memory per rank of two AdamW steps on one long sequence, cp 1 (data parallel, the whole
-   sequence on each rank) then cp 2 on the same ranks; ``ratio`` = cp 2 / cp 1.
+   sequence on each rank) then cp 2 on the same ranks; ``ratio`` = cp 2 / cp 1 (all-gather); the ring's cp 2 peak
+   beside it.
 4. ``cp_plan``: ``fp.plan``'s peak per rank for the same job at cp 1 and cp 2 against row 3's measurement
    (within 20%).
 """
@@ -24,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _one_gpu import device, emit, error_text, peak_mib, reset_peak, spawn  # noqa: E402
 
 STEPS, VOCAB = 4, 128
+MODES = ("allgather", "ring")
 
 
 def _adamw(params):
@@ -53,9 +55,9 @@ def _to(batch, dev):
     return {k: v.to(dev) for k, v in batch.items()}
 
 
-def _parity_worker(rank, world, dev, seq):
+def _parity_worker(rank, world, dev, seq, mode="allgather"):
     import fsdp_plugin as fp
-    model = fp.shard(_llama(seq=seq).to(dev), context_parallel=2, device=dev)
+    model = fp.shard(_llama(seq=seq).to(dev), context_parallel=2, context_parallel_attention=mode, device=dev)
     opt = _adamw(model.parameters())
     losses = []
     for s in range(STEPS):
@@ -70,7 +72,7 @@ def _parity_worker(rank, world, dev, seq):
 
 def _worker(rank, world, dev, sizes):
     """The three rows' sharded halves in one spawn (each spawn costs two CUDA and transformers start-ups)."""
-    return {"parity": _parity_worker(rank, world, dev, sizes["parity"]),
+    return {"parity": {m: _parity_worker(rank, world, dev, sizes["parity"], m) for m in MODES},
             "bf16": _bf16_worker(rank, world, dev, sizes["bf16"]),
             "memory": _memory_worker(rank, world, dev, *sizes["memory"])}
 
@@ -86,11 +88,14 @@ def parity_row(dry: bool, got: dict, seq: int) -> dict:
         loss.backward()
         opt.step()
         want.append(loss.item())
-    loss_diff = max(abs(a - b) for a, b in zip(got["losses"], want))
-    param_diff = max((torch.tensor(got["state"][k]) - v.detach().float().cpu().flatten()).abs().max().item()
-                     for k, v in model.state_dict().items() if k in got["state"])
-    return {"check": "cp_parity", "cp": 2, "seq": seq, "max_loss_diff": loss_diff, "max_param_diff": param_diff,
-            "ok": loss_diff <= 1e-5 and param_diff <= 1e-5}
+    row = {"check": "cp_parity", "cp": 2, "seq": seq, "ok": True}
+    for mode in MODES:
+        loss_diff = max(abs(a - b) for a, b in zip(got[mode]["losses"], want))
+        param_diff = max((torch.tensor(got[mode]["state"][k]) - v.detach().float().cpu().flatten()).abs().max().item()
+                         for k, v in model.state_dict().items() if k in got[mode]["state"])
+        row[mode] = {"max_loss_diff": loss_diff, "max_param_diff": param_diff}
+        row["ok"] &= loss_diff <= 1e-5 and param_diff <= 1e-5
+    return row
 
 
 def _bf16_worker(rank, world, dev, seq):
@@ -123,8 +128,9 @@ def bf16_row(dry: bool, got: dict, seq: int) -> dict:
 def _memory_worker(rank, world, dev, seq, hidden):
     import fsdp_plugin as fp
     peaks = {}
-    for cp in (1, 2):
-        model = fp.shard(_llama(torch.bfloat16, hidden=hidden, seq=seq).to(dev), context_parallel=cp, device=dev)
+    for cp, mode in ((1, "allgather"), (2, "allgather"), (2, "ring")):
+        model = fp.shard(_llama(torch.bfloat16, hidden=hidden, seq=seq).to(dev), context_parallel=cp,
+                         context_parallel_attention=mode, device=dev)
         batch = _to(_one_row(seq), dev)
         opt = _adamw(model.parameters())
         reset_peak(dev)
@@ -132,7 +138,7 @@ def _memory_worker(rank, world, dev, seq, hidden):
             model(**batch).loss.backward()
             opt.step()
             opt.zero_grad()
-        peaks[cp] = peak_mib(dev)
+        peaks[cp if mode == "allgather" else f"{cp}-{mode}"] = peak_mib(dev)
         del model, opt
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -145,7 +151,7 @@ def memory_row(dry: bool, got: dict, sizes) -> dict:
     one, two = got.get("1"), got.get("2")
     ratio = round(two / one, 3) if one and two else None
     return {"check": "cp_memory", "seq": seq, "hidden": hidden, "peak_mib_cp1": one, "peak_mib_cp2": two,
-            "ratio": ratio, "ok": dry or (ratio is not None and ratio < 0.8)}
+            "peak_mib_cp2_ring": got.get("2-ring"), "ratio": ratio, "ok": dry or (ratio is not None and ratio < 0.8)}
 
 
 def plan_row(dry: bool, got: dict, sizes) -> dict:
