@@ -93,6 +93,38 @@ def test_ep2_tp2_matches_one_process(name, aux, hybrid, impl):
     assert all(r["a2a"] > 0 for r in results)
 
 
+def _bias_worker(rank, world, per_world=False):
+    """DeepSeek-V3 at dp 2 x tp 2, EP 2, fp.update_router_bias after every step (``per_world``: the broken
+    variant, loads summed over the world: each route counted once per TP rank)."""
+    from test_experts_router_bias import _after
+    from fsdp_plugin._experts import router_bias
+    model = _sharded("deepseek_v3")
+    if per_world:
+        real = router_bias.comm.all_reduce
+        router_bias.comm.all_reduce = lambda t, group, **k: real(t, None, **k) if group is model._fp_root.mesh.shard_group \
+            else None
+    biases = []
+    steps = _train(model, _optimizer(model.parameters()), rank // 2, world, STEPS,
+                   after=lambda step, m: biases.append(_after(m)))
+    return {"steps": steps, "biases": biases}
+
+
+def test_router_bias_under_ep2_tp2():
+    """DeepSeek-V3's bias update under EP x TP: the loads of the global batch (the dp ranks' routes, each once:
+    a TP group's ranks route the same tokens), every bias within 1e-6 of one process's at every step and the
+    training numbers within 1e-5. Summing over the world instead counts every route twice (tp 2): refused by the
+    loads check."""
+    from test_experts_router_bias import _check_biases, _reference as bias_reference
+    want = bias_reference(2)
+    results = run_ranks(_bias_worker, 4, timeout=240)
+    _check_biases(results[::2], want)     # loads = dp (2) x BATCH x SEQ x top 2 routes
+    _check_biases(results[1::2], want)
+    _check(results, [w[:3] for w in want])
+    broken = run_ranks(_bias_worker, 4, True, timeout=240)
+    with pytest.raises(AssertionError):
+        _check_biases(broken[::2], want)
+
+
 def test_the_check_can_fail(monkeypatch):
     """Two broken variants fail it: expert gradients divided by the expert-shard count (1 here: 2x too large),
     and Qwen3's q_norm/k_norm gradients not summed over TP (each TP rank's covers its own heads only)."""
