@@ -14,6 +14,11 @@ counts them in ``fp.comm_stats``: ``all_to_all`` = dispatch + combine forward (a
 backward, for the calls autograd differentiates), ``all_to_all_index`` = the routes per expert (int64, one per
 global expert: each rank sends the ``(E-1)/E`` of them the other ranks own). The receive buffer of one dispatch holds ``T * top_k`` rows on average and up
 to ``E * T * top_k`` under the worst imbalance (every rank of the EP group routes every row to one rank).
+
+With ``tp_size`` (EP x TP, ``_experts/layout.py``): the experts stay whole on every TP rank, so the TP plan is
+applied without their entries (`tp_plan`) and the world's data-parallel part is planned at ``world / tp`` ranks
+with the experts' handles over ``dp_shard / E``; each TP rank's experts call gets its dp rank's rows (the tokens
+its TP group shares, the fake run's ``T``), so the all-to-alls are those of the dp world.
 """
 from __future__ import annotations
 
