@@ -101,8 +101,8 @@ def _bias_worker(rank, world, per_world=False):
     model = _sharded("deepseek_v3")
     if per_world:
         real = router_bias.comm.all_reduce
-        router_bias.comm.all_reduce = lambda t, group, **k: real(t, None, **k) if group is model._fp_root.mesh.shard_group \
-            else None
+        shard_group = model._fp_root.mesh.shard_group
+        router_bias.comm.all_reduce = lambda t, group, **k: real(t, None, **k) if group is shard_group else None
     biases = []
     steps = _train(model, _optimizer(model.parameters()), rank // 2, world, STEPS,
                    after=lambda step, m: biases.append(_after(m)))

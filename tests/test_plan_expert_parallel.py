@@ -198,7 +198,7 @@ def test_cli_expert_parallel(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "EP all-to-all / step" in out and "EP moves fewer bytes" in out
     assert cli_main(["plan", str(tmp_path), "--world", "4", "--expert-parallel", "2", "--tp-size", "2", "--seq", "8",
-                     "--batch", str(BATCH), "--device", "cpu", "--json"]) == 0      # the model's own tp_plan minus its experts entries
+                     "--batch", str(BATCH), "--device", "cpu", "--json"]) == 0      # the model's tp_plan
     import json
     got = json.loads(capsys.readouterr().out)["worlds"]["4"]
     assert got["tp_size"] == 2 and got["expert_parallel"]["all_to_all_bytes"] == _a2a_formula(2)

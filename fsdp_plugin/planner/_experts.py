@@ -113,8 +113,9 @@ def tp_plan(module: nn.Module, found: list, plan, ep: int):
 
 def check_shard(ep: int, shard_size: int, world: int, strategy: str) -> None:
     if ep > 1 and shard_size % ep:
-        raise PlanError(f"expert_parallel={ep} does not divide the shard group of {shard_size} ranks at data-parallel world {world} "
-                        f"({strategy}): the experts of a layer are split over E ranks of one shard group")
+        raise PlanError(f"expert_parallel={ep} does not divide the shard group of {shard_size} ranks at "
+                        f"data-parallel world {world} ({strategy}): the experts of a layer are split over E ranks "
+                        "of one shard group")
 
 
 class Recorder:
@@ -217,8 +218,9 @@ def compare(with_ep, without) -> dict:
 def notes(ep: int, tp: int = 1) -> list:
     if ep == 1:
         return []
-    return [f"expert parallel {ep} x tensor parallel {tp}: experts whole on every TP rank, split over the EP group "
-            "of one TP coordinate (its dp ranks) and sharded over dp_shard / E; each TP rank sends its dp rank's "
-            "rows (the TP group's shared tokens)"] * (tp > 1) + [f"expert parallel {ep}: all-to-all bytes at uniform routing (real routing moves more or less; "
+    with_tp = [f"expert parallel {ep} x tensor parallel {tp}: experts whole on every TP rank, split over the EP "
+               "group of one TP coordinate (its dp ranks) and sharded over dp_shard / E; each TP rank sends its dp "
+               "rank's rows (the TP group's shared tokens)"] if tp > 1 else []
+    return with_tp + [f"expert parallel {ep}: all-to-all bytes at uniform routing (real routing moves more or less; "
             "fp.comm_stats counts it); activations measured with the model's own experts code on this rank's rows, "
             "whose count is the same on average; the worst imbalance holds up to E x the rows (recv_buffer_worst_bytes)"]

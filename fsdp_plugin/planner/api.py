@@ -127,7 +127,8 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
     foreach = device.type == "cuda" if opts["foreach"] is None else opts["foreach"]
     notes = _notes(run_device, device, cfgs[0].cpu_offload) + _ac_notes(ac_policy) + (
         [f"target {device.type} has no device here: activations measured with CPU kernels"]
-        if run_device != device else []) + _some_ranks_notes(units, handles, cfgs[0]) + _context.notes(cp_counts) + _experts.notes(ep, tp)
+        if run_device != device else []) + _some_ranks_notes(units, handles, cfgs[0]) + _context.notes(cp_counts) + \
+        _experts.notes(ep, tp)
     if tp > 1:
         notes.append(f"tensor parallel {tp}: activations, FLOPs and step time are the plain model's (not divided "
                      "by tp, TP traffic unpriced): upper bounds; tp_wire_bytes are the TP dimension's bytes")
