@@ -34,7 +34,7 @@ def _plan(model) -> dict:
     return keep
 
 
-def _sharded(name, aux=False, experts=(), hybrid=False, ep=2):
+def _sharded(name, aux=False, experts=(), hybrid=False, ep=2, impl=None):
     """``experts``: the tp_plan's experts entries to keep (a refusal case); ``hybrid``: a (2, 2, 2)
     (dp_replicate, dp_shard, tp) mesh under hybrid_shard (world 8)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -45,15 +45,15 @@ def _sharded(name, aux=False, experts=(), hybrid=False, ep=2):
     else:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         dp, extra = mesh["dp"], {}
-    model = _build(name, aux=aux)
+    model = _build(name, aux=aux, impl=impl)
     plan = {**_plan(model), **{k: v for k, v in model.tp_plan.items() if k.endswith(experts)}} if experts \
         else _plan(model)
     model = parallelize_hf(model, mesh["tp"], plan)
     return fp.shard(model, device_mesh=dp, expert_parallel=ep, timeout_s=60, **extra)
 
 
-def _worker(rank, world, name, aux=False, save=None, hybrid=False, ep=2):
-    model = _sharded(name, aux, hybrid=hybrid, ep=ep)
+def _worker(rank, world, name, aux=False, save=None, hybrid=False, ep=2, impl=None):
+    model = _sharded(name, aux, hybrid=hybrid, ep=ep, impl=impl)
     emesh = model._fp_root.experts_mesh
     if ep > 1:
         first = rank - rank // 2 % 2 * 2      # the EP group: the 2 dp_shard ranks at this replica and TP coordinate
@@ -75,21 +75,54 @@ def test_qwen3_tp2_without_expert_parallel():
     _check(run_ranks(_worker, 4, "qwen3_moe", False, None, False, 1, timeout=240), want)
 
 
-MODELS = [("qwen3_moe", False, False), ("mixtral", False, False), ("qwen3_moe", True, False),
-          ("qwen3_moe", False, True)]
+MODELS = [("qwen3_moe", False, False, None), ("mixtral", False, False, None), ("qwen3_moe", True, False, None),
+          ("qwen3_moe", False, True, None), ("deepseek_v3", False, False, None), ("gpt_oss", False, False, "eager")]
 
 
-@pytest.mark.parametrize("name,aux,hybrid", MODELS,
-                         ids=["qwen3_moe", "mixtral", "qwen3_moe-aux_loss", "qwen3_moe-hybrid"])
-def test_ep2_tp2_matches_one_process(name, aux, hybrid):
+@pytest.mark.parametrize("name,aux,hybrid,impl", MODELS,
+                         ids=["qwen3_moe", "mixtral", "qwen3_moe-aux_loss", "qwen3_moe-hybrid", "deepseek_v3",
+                              "gpt_oss"])
+def test_ep2_tp2_matches_one_process(name, aux, hybrid, impl):
     """dp 2 x tp 2, EP 2 over dp: the one-process numbers at every step (aux: the router's auxiliary loss on the
     global batch; its router logits are gathered over the world, each dp rank's tp times, which changes no mean;
     hybrid: 2 replicas x dp_shard 2 x tp 2, world 8, the experts replicated across the replicas)."""
     world = 8 if hybrid else 4
-    want = _reference(name, world // 2, aux=aux)
-    results = run_ranks(_worker, world, name, aux, None, hybrid, timeout=240)
+    want = _reference(name, world // 2, aux=aux, impl=impl)
+    results = run_ranks(_worker, world, name, aux, None, hybrid, 2, impl, timeout=240)
     _check(results, want)
     assert all(r["a2a"] > 0 for r in results)
+
+
+def _bias_worker(rank, world, per_world=False):
+    """DeepSeek-V3 at dp 2 x tp 2, EP 2, fp.update_router_bias after every step (``per_world``: the broken
+    variant, loads summed over the world: each route counted once per TP rank)."""
+    from test_experts_router_bias import _after
+    from fsdp_plugin._experts import router_bias
+    model = _sharded("deepseek_v3")
+    if per_world:
+        real = router_bias.comm.all_reduce
+        shard_group = model._fp_root.mesh.shard_group
+        router_bias.comm.all_reduce = lambda t, group, **k: real(t, None, **k) if group is shard_group else None
+    biases = []
+    steps = _train(model, _optimizer(model.parameters()), rank // 2, world, STEPS,
+                   after=lambda step, m: biases.append(_after(m)))
+    return {"steps": steps, "biases": biases}
+
+
+def test_router_bias_under_ep2_tp2():
+    """DeepSeek-V3's bias update under EP x TP: the loads of the global batch (the dp ranks' routes, each once:
+    a TP group's ranks route the same tokens), every bias within 1e-6 of one process's at every step and the
+    training numbers within 1e-5. Summing over the world instead counts every route twice (tp 2): refused by the
+    loads check."""
+    from test_experts_router_bias import _check_biases, _reference as bias_reference
+    want = bias_reference(2)
+    results = run_ranks(_bias_worker, 4, timeout=240)
+    _check_biases(results[::2], want)     # loads = dp (2) x BATCH x SEQ x top 2 routes
+    _check_biases(results[1::2], want)
+    _check(results, [w[:3] for w in want])
+    broken = run_ranks(_bias_worker, 4, True, timeout=240)
+    with pytest.raises(AssertionError):
+        _check_biases(broken[::2], want)
 
 
 def test_the_check_can_fail(monkeypatch):

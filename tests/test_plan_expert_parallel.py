@@ -116,6 +116,46 @@ def test_wire_bytes_equal_a_real_ep_run(world, ckpt):
     assert wire[0]["all_to_all"] == _a2a_formula(2, recompute=ckpt)
 
 
+def _measured_tp(rank, world):
+    """dp (world / 2) x tp 2, EP 2 over the dp ranks of each TP coordinate, Qwen3's tp_plan minus its experts
+    entries (the recipe of tests/test_experts_tensor_parallel.py): fp.comm_stats per step (the dp dimension's and
+    the experts' collectives; TP's own are DTensor's, priced apart in tp_wire_bytes)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from fsdp_plugin.integrations.hf_tensor_parallel import parallelize_hf
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = tiny_qwen3_moe()
+    _uniform_router(model)
+    names = {n for n, _ in model.named_modules()}
+    plan = {k: v for k, v in model.tp_plan.items() if ".experts" not in k and k.replace("*", "0") in names}
+    model = fp.shard(parallelize_hf(model, mesh["tp"], plan), device_mesh=mesh["dp"], expert_parallel=2)
+    opt = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(rank // 2))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    fp.comm_stats.reset()
+    for _ in (1, 2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v // 2 for k, v in fp.comm_stats.bytes.items() if k != "control"}
+
+
+@pytest.mark.parametrize("world", [4, 8], ids=["dp2xtp2", "dp4xtp2"])
+def test_wire_bytes_equal_a_real_ep_tp_run(world):
+    """EP 2 x TP 2, to the byte on every rank: the all-to-alls (each TP rank sends its dp rank's rows: the tokens
+    its TP group shares), the experts' gathers and reductions (none at dp 2, where each EP rank holds its experts
+    whole; over dp / E = 2 ranks at dp 4) and the TP-sharded dense units' dp collectives; tp_plan='auto' drops
+    the experts' entries (and the dense-MLP keys this all-sparse model has no module for)."""
+    wire = run_ranks(_measured_tp, world, timeout=240)
+    plan = _plan(2, world=[world], tp_size=2, tp_plan="auto")
+    w = plan.worlds[world]
+    assert w.tp_size == 2 and all(got == w.wire_bytes for got in wire), (wire, w.wire_bytes)
+    assert wire[0]["all_to_all"] == _a2a_formula(2)
+    assert (w.expert_parallel["expert_collective_bytes"] == 0) == (world == 4)
+    assert w.expert_parallel["recommend"] == (w.wire_total < w.expert_parallel["wire_bytes_without_ep"])
+
+
 def test_refusals_are_named():
     with pytest.raises(PlanError, match="does not divide the expert count"):
         _plan(3, world=[3])
@@ -129,6 +169,14 @@ def test_refusals_are_named():
         _plan(2, context_parallel=2)
     with pytest.raises(PlanError, match="expert_capacity_factor"):
         _plan(2, expert_capacity_factor=1.0)
+    # EP x TP is priced (test_wire_bytes_equal_a_real_ep_tp_run) with the experts whole on every TP rank: a plan
+    # that splits them is refused, as fp.shard refuses it
+    with pytest.raises(PlanError, match=r"tp_plan\['model.layers.\*.mlp.experts.down_proj'\] reaches "
+                                        r"model.layers.0.mlp.experts.*stay whole on every TP rank"):
+        _plan(2, world=[4], tp_size=2, tp_plan={"model.layers.*.self_attn.o_proj": "rowwise",
+                                                "model.layers.*.mlp.experts.down_proj": "rowwise"})
+    with pytest.raises(PlanError, match="shard group of 1 ranks at data-parallel world 1"):
+        _plan(2, world=[4], tp_size=4, tp_plan="auto")      # dp 1: no EP group of 2
 
     class PerExpert(torch.nn.Module):      # the older form fp.shard runs (tests/test_experts_per_expert.py)
         def __init__(self):
@@ -149,6 +197,11 @@ def test_cli_expert_parallel(tmp_path, capsys):
                      "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "EP all-to-all / step" in out and "EP moves fewer bytes" in out
+    assert cli_main(["plan", str(tmp_path), "--world", "4", "--expert-parallel", "2", "--tp-size", "2", "--seq", "8",
+                     "--batch", str(BATCH), "--device", "cpu", "--json"]) == 0      # the model's tp_plan
+    import json
+    got = json.loads(capsys.readouterr().out)["worlds"]["4"]
+    assert got["tp_size"] == 2 and got["expert_parallel"]["all_to_all_bytes"] == _a2a_formula(2)
 
 
 def test_fit_tries_world_sizes_and_strategies_ep_allows():

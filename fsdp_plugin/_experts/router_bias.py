@@ -5,7 +5,9 @@ transformers keeps the bias as a buffer and never updates it; DeepSeek-V3 (arXiv
 arXiv 2408.15664) updates it after each step as ``b_i += rate * sign(mean_load - load_i)``, where ``load_i`` is the
 number of (token, k) routes to expert ``i`` in the step's batch and ``mean_load`` their mean over experts. Under
 data parallelism (with or without expert parallelism) a rank sees only its own batch, so the loads are summed
-over every rank before the update: every rank then computes the bias one process computes on the global batch.
+over every rank before the update (under tensor parallelism: over the data-parallel ranks of one TP coordinate,
+a TP group's ranks routing the same tokens): every rank then computes the bias one process computes on the
+global batch.
 
 Counting: ``fp.shard`` pre-hooks the fused experts module next to each such bias (the same MoE block); its
 ``top_k_index`` argument is counted when the backward passes through ``top_k_weights``, so a step counts what it
@@ -87,12 +89,17 @@ def update(model: nn.Module, rate: float) -> dict:
     if not counted:
         raise ConfigError(f"fp.update_router_bias: {type(model).__name__} has no router bias "
                           f"({BUFFER!r} buffer, DeepSeek-V3's aux-loss-free balancing); nothing to update")
-    if root.tp_mesh is not None:
-        raise ConfigError("fp.update_router_bias with tensor parallelism: not supported yet (the ranks of a "
-                          "tensor-parallel group route the same tokens)")
     device = getattr(next(iter(counted.values()))[0], BUFFER).device
     loads = torch.stack([acc.to(device) for _, acc in counted.values()])
-    if root.mesh.world_size > 1:
+    if root.tp_mesh is not None:
+        # the ranks of a tensor-parallel group route the same tokens (the experts run whole on the TP group's
+        # shared rows): the global loads are the sum over the data-parallel ranks of one TP coordinate, the
+        # shard group then the replicas (over the world each route would count tp times)
+        m = root.mesh
+        for group, size in ((m.shard_group, m.shard_size), (m.replicate_group, m.replicate_size)):
+            if size > 1:
+                comm.all_reduce(loads, group, kind="control", what="router loads for fp.update_router_bias")
+    elif root.mesh.world_size > 1:
         comm.all_reduce(loads, None, kind="control", what="router loads for fp.update_router_bias")
     if not loads.any() and getattr(model, "_fp_router_bias_compiled", False):
         raise ConfigError("fp.update_router_bias: the model ran under torch.compile / fp.compile, where routes are "

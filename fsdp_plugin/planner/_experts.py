@@ -14,6 +14,11 @@ counts them in ``fp.comm_stats``: ``all_to_all`` = dispatch + combine forward (a
 backward, for the calls autograd differentiates), ``all_to_all_index`` = the routes per expert (int64, one per
 global expert: each rank sends the ``(E-1)/E`` of them the other ranks own). The receive buffer of one dispatch holds ``T * top_k`` rows on average and up
 to ``E * T * top_k`` under the worst imbalance (every rank of the EP group routes every row to one rank).
+
+With ``tp_size`` (EP x TP, ``_experts/layout.py``): the experts stay whole on every TP rank, so the TP plan is
+applied without their entries (`tp_plan`) and the world's data-parallel part is planned at ``world / tp`` ranks
+with the experts' handles over ``dp_shard / E``; each TP rank's experts call gets its dp rank's rows (the tokens
+its TP group shares, the fake run's ``T``), so the all-to-alls are those of the dp world.
 """
 from __future__ import annotations
 
@@ -59,10 +64,6 @@ def check(cfgs: list, opts: dict, module: nn.Module) -> tuple:
     if bad:
         raise PlanError(f"expert_parallel={ep} does not divide the expert count of {', '.join(bad)}: each rank of an "
                         "EP group owns num_experts / E experts")
-    if opts.get("tp_size") not in (None, 1):
-        raise PlanError(f"expert_parallel={ep} with tp_size=: not priced yet (fp.shard runs it, the experts whole on "
-                        "every TP rank, but the plan does not model experts replicated over TP); plan the "
-                        "data-parallel part without tp_size, or measure with fp.comm_stats")
     for name, value in (("nodes", opts.get("nodes") is not None),
                         ("link_latency_us", opts.get("link_latency_us") is not None)):
         if value:
@@ -78,10 +79,43 @@ def check(cfgs: list, opts: dict, module: nn.Module) -> tuple:
     return ep, ids, found
 
 
+def tp_plan(module: nn.Module, found: list, plan, ep: int):
+    """The TP plan EP x TP runs (``_experts/layout.refuse_tp_experts``): the experts stay whole on every TP rank.
+    ``'auto'``: the model's own tp_plan minus the entries inside an experts module (and minus keys matching no
+    module of this model, e.g. a dense MLP's where every layer is sparse), as the recipe passes it to
+    ``parallelize_hf``; a dict with such an entry is refused by name, as fp.shard refuses it."""
+    import re
+    # transformers' plan keys name modules or parameters (``...experts.down_proj``: a fused experts' parameter)
+    names = [n for n, _ in module.named_modules() if n] + [n for n, _ in module.named_parameters()]
+    roots = [n for n, _ in found]
+
+    def hits(key):
+        rx = re.compile("^" + re.escape(key).replace(r"\*", r"\d+") + "$")
+        return [n for n in names if rx.match(n)]
+
+    def in_experts(n):
+        return any(n == r or n.startswith(r + ".") for r in roots)
+    if plan == "auto":
+        own = getattr(module, "tp_plan", None) or getattr(module, "_tp_plan", None)
+        if not own:
+            return plan      # ``_tp`` refuses a model without a plan
+        return {k: v for k, v in own.items() if hits(k) and not any(in_experts(n) for n in hits(k))}
+    if isinstance(plan, dict):
+        for key in plan:
+            bad = [n for n in hits(key) if in_experts(n)]
+            if bad:
+                raise PlanError(f"expert_parallel={ep} with tensor parallel: tp_plan[{key!r}] reaches {bad[0]}; under "
+                                "EP x TP the experts stay whole on every TP rank (EP splits them over the "
+                                "data-parallel ranks): leave the experts' entries out of the plan, e.g. "
+                                "{k: v for k, v in model.tp_plan.items() if '.experts' not in k}, or tp_plan='auto'")
+    return plan
+
+
 def check_shard(ep: int, shard_size: int, world: int, strategy: str) -> None:
     if ep > 1 and shard_size % ep:
-        raise PlanError(f"expert_parallel={ep} does not divide the shard group of {shard_size} ranks at world {world} "
-                        f"({strategy}): the experts of a layer are split over E ranks of one shard group")
+        raise PlanError(f"expert_parallel={ep} does not divide the shard group of {shard_size} ranks at "
+                        f"data-parallel world {world} ({strategy}): the experts of a layer are split over E ranks "
+                        "of one shard group")
 
 
 class Recorder:
@@ -181,9 +215,12 @@ def compare(with_ep, without) -> dict:
             "peak_without_ep": without.peak, "recommend": with_ep.wire_total < without.wire_total}
 
 
-def notes(ep: int) -> list:
+def notes(ep: int, tp: int = 1) -> list:
     if ep == 1:
         return []
-    return [f"expert parallel {ep}: all-to-all bytes at uniform routing (real routing moves more or less; "
+    with_tp = [f"expert parallel {ep} x tensor parallel {tp}: experts whole on every TP rank, split over the EP "
+               "group of one TP coordinate (its dp ranks) and sharded over dp_shard / E; each TP rank sends its dp "
+               "rank's rows (the TP group's shared tokens)"] if tp > 1 else []
+    return with_tp + [f"expert parallel {ep}: all-to-all bytes at uniform routing (real routing moves more or less; "
             "fp.comm_stats counts it); activations measured with the model's own experts code on this rank's rows, "
             "whose count is the same on average; the worst imbalance holds up to E x the rows (recv_buffer_worst_bytes)"]

@@ -99,6 +99,8 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
                         "data-parallel part on one node (tp_size and world_size only)")
     module = capture(model)
     ep, expert_ids, found = _experts.check(cfgs, opts, module)
+    if ep > 1 and tp > 1:       # experts whole on every TP rank: the plan without their entries (the base plan too)
+        opts["tp_plan"] = _experts.tp_plan(module, found, opts["tp_plan"], ep)
     units, handles = discover_units(module, cfgs[0].auto_wrap_policy, cfgs[0].ignored_modules, mp,
                                     cfgs[0].some_ranks_modules, expert_ids, ep)
     num_params = sum(h.numel for h in handles)
@@ -125,7 +127,8 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
     foreach = device.type == "cuda" if opts["foreach"] is None else opts["foreach"]
     notes = _notes(run_device, device, cfgs[0].cpu_offload) + _ac_notes(ac_policy) + (
         [f"target {device.type} has no device here: activations measured with CPU kernels"]
-        if run_device != device else []) + _some_ranks_notes(units, handles, cfgs[0]) + _context.notes(cp_counts) + _experts.notes(ep)
+        if run_device != device else []) + _some_ranks_notes(units, handles, cfgs[0]) + _context.notes(cp_counts) + \
+        _experts.notes(ep, tp)
     if tp > 1:
         notes.append(f"tensor parallel {tp}: activations, FLOPs and step time are the plain model's (not divided "
                      "by tp, TP traffic unpriced): upper bounds; tp_wire_bytes are the TP dimension's bytes")
@@ -205,9 +208,10 @@ def _world(w, cfg, units, handles, tl, module, opt, cal, foreach, gpus_per_node,
     if tp == 1:
         return world_plan(w, cfg, units, handles, tl, module, opt, cal, foreach, gpus_per_node, device, links,
                           cp_counts, experts)
-    # tensor parallel: the engine shards the local TP tensors over the dp ranks (a node holds gpus_per_node / tp)
+    # tensor parallel: the engine shards the local TP tensors over the dp ranks (a node holds gpus_per_node / tp);
+    # expert parallel lies inside those dp ranks (the EP groups of one TP coordinate, ``_experts/layout.py``)
     out = world_plan(w // tp, cfg, units, handles, tl, module, opt, cal, foreach, max(1, gpus_per_node // tp),
-                     device)
+                     device, experts=experts)
     return dataclasses.replace(out, world_size=w, tp_size=tp, tp_wire_bytes=tp_wire[0], tp_wire_calls=tp_wire[1])
 
 

@@ -59,7 +59,9 @@ def add_parser(sub) -> None:
                    "ranks (a transformers model): activations of S/C tokens per rank, the attention's traffic")
     p.add_argument("--context-parallel-attention", choices=CP_ATTENTION, default="allgather")
     p.add_argument("--expert-parallel", type=int, metavar="E", help="experts of each MoE layer split over E "
-                   "ranks (dp2ep): all-to-all bytes, the experts' smaller gathers, the receive-buffer peak")
+                   "ranks (dp2ep): all-to-all bytes, the experts' smaller gathers, the receive-buffer peak; with "
+                   "--tp-size the experts stay whole on every TP rank (the model's tp_plan without the experts' "
+                   "entries)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(fn=run)
 
