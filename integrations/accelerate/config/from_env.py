@@ -52,6 +52,7 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> FsdpSettings:
     s.mesh, s.strategy = mesh_from_parallelism(env, s.strategy, s.key("strategy"))
     s.tensor_parallel = tensor_parallel_requested(env)
     s.context_parallel = context_parallel_from_env(env)
+    s.context_parallel_attention = context_parallel_attention_from_env(env)
     s.some_ranks_modules = parse.some_ranks_from_env(env)
     s.secondary_size = parse.hpz_from_env(env) or s.secondary_size
     s.keys["some_ranks_modules"] = parse.SOME_RANKS_ENV
@@ -162,6 +163,14 @@ def context_parallel_from_env(env: Mapping[str, str]) -> int:
     if str(env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false")).lower() != "true":
         return 1
     return parse.parse_int(env.get("PARALLELISM_CONFIG_CP_SIZE", "1"), f"{_PC}cp_size")
+
+
+def context_parallel_attention_from_env(env: Mapping[str, str]) -> str:
+    """The launcher's ``parallelism_config_cp_comm_strategy`` (exported only with cp_size > 1) mapped onto our
+    mode, or ``FSDP_PLUGIN_CONTEXT_PARALLEL_ATTENTION`` (see ``parse.context_parallel_attention``)."""
+    on = str(env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false")).lower() == "true"
+    strategy = env.get("PARALLELISM_CONFIG_CP_COMM_STRATEGY") if on else None
+    return parse.context_parallel_attention(strategy, env, f"{_PC}cp_comm_strategy")
 
 
 def tensor_parallel_requested(env: Mapping[str, str]) -> bool:
