@@ -96,15 +96,15 @@ def test_accelerate_cp_size_trains_like_one_process(mode):
 
 
 def test_accelerate_settings_map_cp_size():
-    """cp_size becomes fp.ShardingConfig.context_parallel; parameters shard over dp_shard x cp; sp_size and
-    cp_size with tp are refused by name."""
+    """cp_size becomes fp.ShardingConfig.context_parallel; parameters shard over dp_shard x cp; with tp_size the
+    ParallelismConfig stays accelerate's; sp_size is refused by name."""
     pytest.importorskip("accelerate")
     from fsdp_plugin.integrations.accelerate.config.from_env import settings_from_env
     s = settings_from_env({**ENV, "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2"})
     assert (s.context_parallel, s.mesh, s.strategy) == (2, (2, 4), "hybrid_shard")
     import fsdp_plugin as fp
-    with pytest.raises(fp.ConfigError, match="tp_size"):
-        settings_from_env({**ENV, "PARALLELISM_CONFIG_TP_SIZE": "2"})
+    s = settings_from_env({**ENV, "PARALLELISM_CONFIG_TP_SIZE": "2"})   # cp x tp: accelerate's mesh, see
+    assert (s.context_parallel, s.tensor_parallel, s.mesh) == (2, True, None)  # test_accelerate_context_tensor_parallel
     with pytest.raises(fp.ConfigError, match="sp_size"):
         settings_from_env({**ENV, "PARALLELISM_CONFIG_SP_SIZE": "2"})
     # a ParallelismConfig in code: the same mapping, and stock accelerate never sees it (its own CP stays off)

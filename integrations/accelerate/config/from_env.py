@@ -148,9 +148,6 @@ def mesh_from_parallelism(env: Mapping[str, str], strategy: str, strategy_key: s
         raise config_error(f"{_PC}sp_size", size, "only data, context and tensor parallelism "
                            "(dp_replicate/dp_shard/cp/tp): use cp_size for long sequences")
     cp = context_parallel_from_env(env)
-    if cp > 1 and tensor_parallel_requested(env):
-        raise config_error(f"{_PC}cp_size", cp, "context parallelism with tp_size > 1 is not supported yet: "
-                           "use cp_size with dp_replicate/dp_shard only")
     rep = parse.parse_int(env.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1"), f"{_PC}dp_replicate_size")
     shard = parse.parse_int(env.get("PARALLELISM_CONFIG_DP_SHARD_SIZE", "1"), f"{_PC}dp_shard_size")
     # parameters shard over dp_shard x cp (accelerate's own flattened "dp_shard_cp")

@@ -59,9 +59,8 @@ def _apply_parallelism(settings: FsdpSettings, bound: dict) -> None:
         settings.context_parallel_attention = context_parallel_attention(
             getattr(handler, "cp_comm_strategy", None), os.environ, "ParallelismConfig.cp_handler.cp_comm_strategy")
     settings.tensor_parallel = (pc.tp_size or 1) > 1
-    if settings.context_parallel > 1 and settings.tensor_parallel:
-        raise config_error("ParallelismConfig.cp_size", pc.cp_size, "context parallelism with tp_size > 1 is not "
-                           "supported yet: use cp_size with dp_replicate/dp_shard only")
+    # cp x tp: the ParallelismConfig stays for stock accelerate (its (dp.., cp, tp) mesh splits the data by dp
+    # rank); the engine shards over a (dp.., cp) mesh of the same layout (accelerator.py, tensor_parallel.py)
     mesh, settings.strategy = mesh_from_sizes(pc.dp_replicate_size or 1,
                                               (pc.dp_shard_size or 1) * settings.context_parallel,
                                               settings.strategy, settings.key("strategy"))
