@@ -169,6 +169,18 @@ def test_lightning_sampler_uses_the_data_parallel_view():
         assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 1}
 
 
+def test_lightning_refuses_context_parallel_with_tensor_parallel():
+    """FSDPPluginStrategy's 2-D (data_parallel, tensor_parallel) mesh has no CP dimension: refused when the
+    strategy is built, naming the accelerate and engine-API recipes; each alone is accepted."""
+    pytest.importorskip("lightning")
+    import fsdp_plugin as fp
+    from fsdp_plugin.integrations.lightning.strategy import FSDPPluginStrategy
+    with pytest.raises(fp.UnsupportedError, match=r"context_parallel=2, tensor_parallel_size=2.*cp_size.*mesh\['dp', 'cp'\]"):
+        FSDPPluginStrategy(context_parallel=2, tensor_parallel_size=2)
+    FSDPPluginStrategy(context_parallel=2)
+    FSDPPluginStrategy(tensor_parallel_size=2)
+
+
 def _trainer(out):
     """A transformers Trainer run on the samples: (loss, grad_norm) per step (constant lr, max_grad_norm 1)."""
     args = tf.TrainingArguments(out, per_device_train_batch_size=BATCH, max_steps=N // BATCH, learning_rate=2e-3,
