@@ -2,7 +2,8 @@
 forked gloo ranks, no launcher. The plug-in applies the model's tp_plan on "tp" and shards over a (dp_shard, cp)
 mesh of accelerate's layout (CP pairs {r, r + 2}); stock accelerate keeps its mesh and gives every rank the same
 batches (one dp rank). Per step of 4 AdamW steps the loss and every full parameter are within 1e-5 of one process
-on the same batches, for torch's "allgather" and its rotating "alltoall" (our ring)."""
+on the same batches, for torch's "allgather" and its rotating "alltoall" (our ring), from a ParallelismConfig in
+code and from the launcher's PARALLELISM_CONFIG_* env."""
 from __future__ import annotations
 
 import os
@@ -40,7 +41,7 @@ def _reference(seq: int = SEQ):
     return out
 
 
-def _worker(rank, world, strategy):
+def _worker(rank, world, strategy, from_env):
     os.environ.update(ENV)
     import accelerate
     import torch.distributed as dist
@@ -52,9 +53,14 @@ def _worker(rank, world, strategy):
     import fsdp_plugin as fp
     from fsdp_plugin.integrations.accelerate import Accelerator
 
-    pc = accelerate.ParallelismConfig(dp_shard_size=1, cp_size=2, tp_size=2,
-                                      cp_handler=TorchContextParallelConfig(cp_comm_strategy=strategy))
-    acc = Accelerator(parallelism_config=pc)
+    if from_env:    # what `accelerate launch` exports for a yaml `parallelism_config:` block
+        os.environ.update({"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "1",
+                           "PARALLELISM_CONFIG_CP_SIZE": "2", "PARALLELISM_CONFIG_TP_SIZE": "2",
+                           "PARALLELISM_CONFIG_CP_COMM_STRATEGY": strategy})
+        acc = Accelerator()
+    else:
+        acc = Accelerator(parallelism_config=accelerate.ParallelismConfig(
+            dp_shard_size=1, cp_size=2, tp_size=2, cp_handler=TorchContextParallelConfig(cp_comm_strategy=strategy)))
     model = _tp.llama()
     opt = _tp.make_optimizer("adamw", model.parameters())
     loader = torch.utils.data.DataLoader(_samples(), batch_size=BATCH)
@@ -88,10 +94,13 @@ def _check(got, want):
             assert d <= 1e-5, f"step {s}: {k} off by {d:.3e}"
 
 
-@pytest.mark.parametrize("strategy", list(ISSUED))
-def test_parallelism_config_cp2_tp2_matches_one_process(strategy):
+CASES = [("allgather", False), ("alltoall", False), ("alltoall", True)]
+
+
+@pytest.mark.parametrize("strategy,from_env", CASES, ids=["allgather", "alltoall", "alltoall-launcher-env"])
+def test_parallelism_config_cp2_tp2_matches_one_process(strategy, from_env):
     want = _reference()
-    results = run_ranks(_worker, 4, strategy, timeout=300)
+    results = run_ranks(_worker, 4, strategy, from_env, timeout=300)
     batches = _samples().view(STEPS, BATCH, SEQ).tolist()
     for seen, out, calls in results:
         assert seen == batches, "every rank (one dp rank) must read the same batches"
