@@ -166,7 +166,8 @@ def main() -> None:
     if args.cap_mib:
         result["cap_MiB"] = args.cap_mib
         result["longest_fitting"] = [longest(args.cap_mib * 2**20, cp, m)
-                                     for cp, m in ((1, "none"), (2, "allgather"), (4, "allgather"))]
+                                     for cp, m in ((1, "none"), (2, "allgather"), (2, "ring"), (4, "allgather"),
+                                                   (4, "ring"))]
     print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as f:

@@ -46,8 +46,8 @@ def _reference():
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _accelerate(rank, world):
-    os.environ.update(ENV)
+def _accelerate(rank, world, extra_env=None):
+    os.environ.update({**ENV, **(extra_env or {})})
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(True)  # the forked parent may hold accelerate singletons
@@ -71,11 +71,21 @@ def _accelerate(rank, world):
         opt.zero_grad()
         losses.append(loss.item())
     full = fp.full_state_dict(model)
-    return seen, losses, {n: v for n, v in full.items() if n in dict(model.named_parameters())}
+    calls = {k: fp.comm_stats.calls[k] for k in ("cp_kv", "cp_kv_ring", "cp_ulysses")}
+    return seen, losses, {n: v for n, v in full.items() if n in dict(model.named_parameters())}, calls
 
 
-def test_accelerate_cp_size_trains_like_one_process():
-    (seen0, losses0, params), (seen1, losses1, _) = run_ranks(_accelerate, 2, timeout=180)
+# accelerate's cp_comm_strategy (the launcher's env) or our variable → the attention mode that ran: the collective
+# each mode alone issues (cp_kv: K/V all-gather, cp_kv_ring: K/V rotation, cp_ulysses: all-to-all over heads)
+MODES = {"allgather": ({}, "cp_kv"), "alltoall": ({"PARALLELISM_CONFIG_CP_COMM_STRATEGY": "alltoall"}, "cp_kv_ring"),
+         "ulysses": ({"FSDP_PLUGIN_CONTEXT_PARALLEL_ATTENTION": "ulysses"}, "cp_ulysses")}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_accelerate_cp_size_trains_like_one_process(mode):
+    extra, issued = MODES[mode]
+    (seen0, losses0, params, calls), (seen1, losses1, _, _) = run_ranks(_accelerate, 2, extra, timeout=180)
+    assert [k for k, n in calls.items() if n] == [issued], calls
     assert seen0 == seen1 == _samples().view(-1, BATCH, SEQ).tolist(), "a CP pair must read the same batches"
     want_losses, want = _reference()
     for got in (losses0, losses1):
@@ -86,15 +96,15 @@ def test_accelerate_cp_size_trains_like_one_process():
 
 
 def test_accelerate_settings_map_cp_size():
-    """cp_size becomes fp.ShardingConfig.context_parallel; parameters shard over dp_shard x cp; sp_size and
-    cp_size with tp are refused by name."""
+    """cp_size becomes fp.ShardingConfig.context_parallel; parameters shard over dp_shard x cp; with tp_size the
+    ParallelismConfig stays accelerate's; sp_size is refused by name."""
     pytest.importorskip("accelerate")
     from fsdp_plugin.integrations.accelerate.config.from_env import settings_from_env
     s = settings_from_env({**ENV, "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2"})
     assert (s.context_parallel, s.mesh, s.strategy) == (2, (2, 4), "hybrid_shard")
     import fsdp_plugin as fp
-    with pytest.raises(fp.ConfigError, match="tp_size"):
-        settings_from_env({**ENV, "PARALLELISM_CONFIG_TP_SIZE": "2"})
+    s = settings_from_env({**ENV, "PARALLELISM_CONFIG_TP_SIZE": "2"})   # cp x tp: accelerate's mesh, see
+    assert (s.context_parallel, s.tensor_parallel, s.mesh) == (2, True, None)  # test_accelerate_context_tensor_parallel
     with pytest.raises(fp.ConfigError, match="sp_size"):
         settings_from_env({**ENV, "PARALLELISM_CONFIG_SP_SIZE": "2"})
     # a ParallelismConfig in code: the same mapping, and stock accelerate never sees it (its own CP stays off)
@@ -105,6 +115,40 @@ def test_accelerate_settings_map_cp_size():
         dp_replicate_size=2, dp_shard_size=2, cp_size=2)}
     _apply_parallelism(settings, bound)
     assert (settings.context_parallel, settings.mesh, settings.strategy, bound) == (2, (2, 4), "hybrid_shard", {})
+
+
+def test_accelerate_comm_strategy_selects_the_attention_mode(monkeypatch):
+    """cp_handler's cp_comm_strategy ("allgather" → allgather, torch's rotating "alltoall" → ring), from the
+    launcher's env and from a ParallelismConfig in code; FSDP_PLUGIN_CONTEXT_PARALLEL_ATTENTION picks Ulysses (which
+    accelerate lacks), and a contradiction or an unknown value is refused naming the key."""
+    import accelerate
+    from accelerate.utils import TorchContextParallelConfig
+
+    import fsdp_plugin as fp
+    from fsdp_plugin.integrations.accelerate.config.from_env import settings_from_env
+    from fsdp_plugin.integrations.accelerate.config.resolve import sharding_kwargs
+    from fsdp_plugin.integrations.accelerate.config.selection import _apply_parallelism
+    from fsdp_plugin.integrations.accelerate.config.settings import FsdpSettings
+    var, comm = "FSDP_PLUGIN_CONTEXT_PARALLEL_ATTENTION", "PARALLELISM_CONFIG_CP_COMM_STRATEGY"
+    for env, want in (({}, "allgather"), ({comm: "allgather"}, "allgather"), ({comm: "alltoall"}, "ring"),
+                      ({var: "ulysses"}, "ulysses"), ({var: "Ring"}, "ring"), ({comm: "alltoall", var: "ring"}, "ring")):
+        assert settings_from_env({**ENV, **env}).context_parallel_attention == want, env
+    s = settings_from_env({**ENV, comm: "alltoall"})
+    assert sharding_kwargs(s, _build())["context_parallel_attention"] == "ring"
+    for env, key in (({comm: "alltoall", var: "ulysses"}, var), ({var: "zigzag"}, var), ({comm: "ring"}, "cp_comm")):
+        with pytest.raises(fp.ConfigError, match=key):
+            settings_from_env({**ENV, **env})
+    monkeypatch.delenv(comm, raising=False)
+    monkeypatch.delenv(var, raising=False)
+    for strategy, want in (("allgather", "allgather"), ("alltoall", "ring")):
+        settings = FsdpSettings()
+        _apply_parallelism(settings, {"parallelism_config": accelerate.ParallelismConfig(
+            dp_shard_size=1, cp_size=2, cp_handler=TorchContextParallelConfig(cp_comm_strategy=strategy))})
+        assert (settings.context_parallel, settings.context_parallel_attention) == (2, want)
+    monkeypatch.setenv(var, "ulysses")
+    settings = FsdpSettings()
+    _apply_parallelism(settings, {"parallelism_config": accelerate.ParallelismConfig(dp_shard_size=1, cp_size=2)})
+    assert settings.context_parallel_attention == "ulysses"
 
 
 def test_lightning_sampler_uses_the_data_parallel_view():
@@ -118,9 +162,23 @@ def test_lightning_sampler_uses_the_data_parallel_view():
     env.set_global_rank(3)
     env.set_world_size(4)
     for cls in (FSDPPluginStrategy, FSDPPluginFabricStrategy):
-        strategy = cls(context_parallel=2, parallel_devices=[torch.device("cpu")] * 4, cluster_environment=env)
-        assert strategy.sharding_config.context_parallel == 2
+        strategy = cls(context_parallel=2, context_parallel_attention="ring",
+                       parallel_devices=[torch.device("cpu")] * 4, cluster_environment=env)
+        assert (strategy.sharding_config.context_parallel, strategy.sharding_config.context_parallel_attention) == (
+            2, "ring")
         assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 1}
+
+
+def test_lightning_refuses_context_parallel_with_tensor_parallel():
+    """FSDPPluginStrategy's 2-D (data_parallel, tensor_parallel) mesh has no CP dimension: refused when the
+    strategy is built, naming the accelerate and engine-API recipes; each alone is accepted."""
+    pytest.importorskip("lightning")
+    import fsdp_plugin as fp
+    from fsdp_plugin.integrations.lightning.strategy import FSDPPluginStrategy
+    with pytest.raises(fp.UnsupportedError, match=r"context_parallel=2, tensor_parallel_size=2.*cp_size.*mesh\['dp', 'cp'\]"):
+        FSDPPluginStrategy(context_parallel=2, tensor_parallel_size=2)
+    FSDPPluginStrategy(context_parallel=2)
+    FSDPPluginStrategy(tensor_parallel_size=2)
 
 
 def _trainer(out):

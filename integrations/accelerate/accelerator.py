@@ -88,8 +88,14 @@ class Accelerator(accelerate.Accelerator):
             self.scaler = fp.GradScaler(self.device.type, **kwargs)
         self.sharding_configs: list = []
         self._fp_dp_mesh = None                 # tensor parallelism: the dp dims of accelerate's mesh
+        self._fp_tp_mesh = None
         if self._fp_settings is not None and self._fp_settings.tensor_parallel:
-            self._fp_dp_mesh = tensor_parallel.dp_mesh(self.parallelism_config, self.torch_device_mesh)
+            if self.context_parallel > 1:           # cp x tp: the engine's (dp.., cp) mesh (issue 54)
+                self._fp_dp_mesh, self._fp_tp_mesh = tensor_parallel.cp_meshes(self.parallelism_config,
+                                                                                self.device.type)
+            else:
+                self._fp_dp_mesh = tensor_parallel.dp_mesh(self.parallelism_config, self.torch_device_mesh)
+                self._fp_tp_mesh = self.torch_device_mesh["tp"]
         self._fp_active = True
 
     @property
@@ -165,6 +171,8 @@ class Accelerator(accelerate.Accelerator):
         """Under context parallel the C ranks of a CP group must read the same batches (the engine splits each
         sequence among them): the loader is sharded over the data-parallel ranks (``fp.data_parallel_rank``)."""
         self._fp_dp_view = self.context_parallel if getattr(self, "_fp_active", False) else 1
+        if getattr(self, "_fp_tp_mesh", None) is not None:
+            self._fp_dp_view = 1    # tensor parallel: stock accelerate splits by its mesh's dp rank (cp and tp out)
         try:
             return super().prepare_data_loader(data_loader, device_placement=device_placement,
                                                slice_fn_for_dispatch=slice_fn_for_dispatch)
@@ -203,7 +211,7 @@ class Accelerator(accelerate.Accelerator):
             return
         before = dict(model.named_parameters(remove_duplicate=False))
         if self._fp_dp_mesh is not None:
-            tensor_parallel.parallelize(model, self.torch_device_mesh["tp"])
+            tensor_parallel.parallelize(model, self._fp_tp_mesh)
         cfg = self.sharding_config_for(model)
         self.sharding_configs.append(cfg)
         fp.shard(model, cfg)
@@ -226,6 +234,23 @@ class Accelerator(accelerate.Accelerator):
             return super()._prepare_tp(*args)
         first = [a if isinstance(a, torch.nn.Module) else self._prepare_one(a, first_pass=True) for a in args]
         return [a if isinstance(a, torch.nn.Module) else self._prepare_one(a) for a in first]
+
+    def _prepare_cp(self, *args):
+        """cp x tp keeps the ParallelismConfig for stock accelerate, whose ``_prepare_cp`` would hook torch's own
+        context parallel (SDPA only, torch FSDP2) onto the model: our engine splits the sequence itself."""
+        if not self._fp_active:
+            return super()._prepare_cp(*args)
+        return args
+
+    @contextlib.contextmanager
+    def maybe_context_parallel(self, buffers=None, buffer_seq_dims=None, no_restore_buffers=None):
+        """Nothing to enter under our engine: every rank of a CP group passes the full batch and ``fp.shard``'s
+        context parallel splits it (stock accelerate's version would shard ``buffers`` in place)."""
+        if not self._fp_active:
+            with super().maybe_context_parallel(buffers, buffer_seq_dims, no_restore_buffers):
+                yield
+            return
+        yield
 
     # ------------------------------------------------------- training helpers
     @contextlib.contextmanager

@@ -6,6 +6,9 @@ TP ranks of one dp rank get the same batches). Here, at ``prepare``: a model wit
 transformers ``tp_plan`` on ``mesh["tp"]`` (``integrations/hf_tensor_parallel``), then ``fp.shard`` runs over the
 dp dims (``mesh["dp_shard"]``, or ``mesh["dp_replicate", "dp_shard"]`` = hybrid), and optimizers built before
 ``prepare`` are pointed at the new parameters (TP parameters are new ``nn.Parameter`` objects after fp.shard).
+With ``cp_size > 1`` too, fp.shard runs over ``(dp_shard, cp)`` (``cp_meshes``) with ``context_parallel=cp_size``:
+the engine splits each sequence over cp and TP's collectives stay on "tp"; stock accelerate's own CP hooks
+(``_prepare_cp``) are skipped (``accelerator.py``).
 """
 from __future__ import annotations
 
@@ -34,6 +37,21 @@ def dp_mesh(pc: Any, mesh: Any) -> Any:
                            "leaves nothing to shard: set dp_shard_size >= 2 (dp_replicate_size x dp_shard_size x "
                            "tp_size = the process count), or train without FSDP for tensor parallelism alone")
     return mesh[dims[0]] if len(dims) == 1 else mesh[dims]
+
+
+CP_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+
+
+def cp_meshes(pc: Any, device_type: str) -> tuple[Any, Any]:
+    """cp x tp: (the (dp.., cp) mesh fp.shard takes, the tp mesh) on a root mesh of accelerate's layout
+    (dp_replicate, dp_shard, cp, tp; tp innermost, cp next), with the size-1 dims accelerate leaves out: the engine
+    reads a (dp_shard, cp) mesh, or (dp_replicate, dp_shard, cp) for hybrid (``_groups/cp_mesh.py``), and
+    accelerate's own mesh has no dp_shard dim at dp_shard_size 1."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sizes = (pc.dp_replicate_size or 1, pc.dp_shard_size or 1, pc.cp_size, pc.tp_size)
+    root = init_device_mesh(device_type, sizes, mesh_dim_names=CP_DIMS)
+    return root[CP_DIMS[:3] if sizes[0] > 1 else CP_DIMS[1:3]], root["tp"]
 
 
 def parallelize(model: nn.Module, tp_mesh: Any) -> None:

@@ -14,7 +14,7 @@ from typing import Any, Literal, Union
 import torch
 from torch import nn
 
-from fsdp_plugin.errors import ConfigError, TensorParallelError, UsageError
+from fsdp_plugin.errors import ConfigError, TensorParallelError, UnsupportedError, UsageError
 
 Size = Union[int, Literal["auto"], None]
 DIM_NAMES = ("data_parallel", "tensor_parallel")
@@ -23,6 +23,19 @@ DIM_NAMES = ("data_parallel", "tensor_parallel")
 def requested(dp: Size, tp: Size) -> bool:
     """Whether the 2-D mode is asked for (either size given)."""
     return dp is not None or tp is not None
+
+
+def refuse_context_parallel(dp: Size, tp: Size, cp: int) -> None:
+    """Lightning's mesh is 2-D (data_parallel, tensor_parallel): no CP dimension to split sequences over, and its
+    sampler would give the ranks of a CP group different samples. Refused when the strategy is built."""
+    if requested(dp, tp) and cp > 1:
+        raise UnsupportedError(
+            f"FSDPPluginStrategy(context_parallel={cp}, tensor_parallel_size={tp!r}): context parallel with "
+            "tensor parallel is not supported by the Lightning strategy (its mesh is ('data_parallel', "
+            "'tensor_parallel'), no CP dimension). Use accelerate's ParallelismConfig(cp_size=..., tp_size=...) "
+            "with fsdp_plugin's Accelerator, or the engine API: init_device_mesh(device, (dp, cp, tp), "
+            "mesh_dim_names=('dp', 'cp', 'tp')), parallelize on mesh['tp'], fp.shard(model, device_mesh="
+            "mesh['dp', 'cp'], context_parallel=cp) (README \"Context parallel\"); or drop one of the two")
 
 
 def resolve(dp: Size, tp: Size, num_nodes: int, num_processes: int) -> tuple[int, int]:

@@ -124,6 +124,7 @@ class FSDPPluginStrategy(common.ProcessPerDevice, ParallelStrategy):
         if async_save not in (False, True, "deferred"):
             raise ValueError(f"FSDPPluginStrategy(async_save={async_save!r}): use False, True or 'deferred'")
         self.sharding_config = common.sharding_config(sharding)  # eager validation
+        tp2d.refuse_context_parallel(data_parallel_size, tensor_parallel_size, self.sharding_config.context_parallel)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)

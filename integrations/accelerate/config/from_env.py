@@ -52,6 +52,7 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> FsdpSettings:
     s.mesh, s.strategy = mesh_from_parallelism(env, s.strategy, s.key("strategy"))
     s.tensor_parallel = tensor_parallel_requested(env)
     s.context_parallel = context_parallel_from_env(env)
+    s.context_parallel_attention = context_parallel_attention_from_env(env)
     s.some_ranks_modules = parse.some_ranks_from_env(env)
     s.secondary_size = parse.hpz_from_env(env) or s.secondary_size
     s.keys["some_ranks_modules"] = parse.SOME_RANKS_ENV
@@ -147,9 +148,6 @@ def mesh_from_parallelism(env: Mapping[str, str], strategy: str, strategy_key: s
         raise config_error(f"{_PC}sp_size", size, "only data, context and tensor parallelism "
                            "(dp_replicate/dp_shard/cp/tp): use cp_size for long sequences")
     cp = context_parallel_from_env(env)
-    if cp > 1 and tensor_parallel_requested(env):
-        raise config_error(f"{_PC}cp_size", cp, "context parallelism with tp_size > 1 is not supported yet: "
-                           "use cp_size with dp_replicate/dp_shard only")
     rep = parse.parse_int(env.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1"), f"{_PC}dp_replicate_size")
     shard = parse.parse_int(env.get("PARALLELISM_CONFIG_DP_SHARD_SIZE", "1"), f"{_PC}dp_shard_size")
     # parameters shard over dp_shard x cp (accelerate's own flattened "dp_shard_cp")
@@ -162,6 +160,14 @@ def context_parallel_from_env(env: Mapping[str, str]) -> int:
     if str(env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false")).lower() != "true":
         return 1
     return parse.parse_int(env.get("PARALLELISM_CONFIG_CP_SIZE", "1"), f"{_PC}cp_size")
+
+
+def context_parallel_attention_from_env(env: Mapping[str, str]) -> str:
+    """The launcher's ``parallelism_config_cp_comm_strategy`` (exported only with cp_size > 1) mapped onto our
+    mode, or ``FSDP_PLUGIN_CONTEXT_PARALLEL_ATTENTION`` (see ``parse.context_parallel_attention``)."""
+    on = str(env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false")).lower() == "true"
+    strategy = env.get("PARALLELISM_CONFIG_CP_COMM_STRATEGY") if on else None
+    return parse.context_parallel_attention(strategy, env, f"{_PC}cp_comm_strategy")
 
 
 def tensor_parallel_requested(env: Mapping[str, str]) -> bool:

@@ -58,6 +58,8 @@ def settings_from_plugin(plugin: Any) -> FsdpSettings:
     s.quantization = parse.quantization_from_env(os.environ)       # nor this one
     s.expert_parallel = parse.expert_parallel_from_env(os.environ)  # nor this one
     s.expert_capacity_factor = parse.expert_capacity_factor_from_env(os.environ)
+    # a ParallelismConfig's cp_handler (selection.py) may set it again; without one, our variable alone
+    s.context_parallel_attention = parse.context_parallel_attention(None, os.environ, "cp_comm_strategy")
     return s
 
 

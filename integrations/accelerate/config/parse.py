@@ -208,3 +208,33 @@ def hpz_from_env(env) -> int | None:
     if not text.isdigit() or int(text) < 1:
         raise config_error(HPZ_ENV, text, "expected the secondary group size (ranks per node), e.g. 8")
     return int(text)
+
+
+CP_ATTENTION_ENV = "FSDP_PLUGIN_CONTEXT_PARALLEL_ATTENTION"
+
+#: accelerate's ``TorchContextParallelConfig.cp_comm_strategy`` → ``ShardingConfig.context_parallel_attention``.
+#: torch's "allgather" gathers K/V, its "alltoall" rotates K/V blocks around the group (a ring, sent by all-to-all).
+COMM_STRATEGY_MODES = {"allgather": "allgather", "alltoall": "ring"}
+
+
+def context_parallel_attention(comm_strategy: Any, env, key: str) -> str:
+    """The attention mode for CP from accelerate's comm strategy (``key`` names where it came from) and
+    ``FSDP_PLUGIN_CONTEXT_PARALLEL_ATTENTION`` (allgather | ring | ulysses: accelerate has no Ulysses mode, so
+    this variable is the way to pick it). The variable wins over accelerate's default "allgather"; it may not
+    contradict an explicit "alltoall"."""
+    from fsdp_plugin.config import CP_ATTENTION
+
+    strategy = "allgather" if comm_strategy is None else str(comm_strategy).strip().lower()
+    if strategy not in COMM_STRATEGY_MODES:
+        raise config_error(key, comm_strategy, "expected 'allgather' (K/V all-gathered) or 'alltoall' (K/V rotated "
+                           f"around the group: our 'ring'); for Ulysses set {CP_ATTENTION_ENV}=ulysses")
+    mode = COMM_STRATEGY_MODES[strategy]
+    text = (env.get(CP_ATTENTION_ENV) or "").strip().lower()
+    if not text:
+        return mode
+    if text not in CP_ATTENTION:
+        raise config_error(CP_ATTENTION_ENV, text, f"expected one of {', '.join(CP_ATTENTION)}")
+    if strategy == "alltoall" and text != "ring":
+        raise config_error(CP_ATTENTION_ENV, text, f"{key} is 'alltoall' (our 'ring'): set one of them, or make "
+                           f"them agree ({CP_ATTENTION_ENV}=ring)")
+    return text

@@ -30,7 +30,7 @@ def sharding_kwargs(s: FsdpSettings, model: nn.Module, device: torch.device | No
         "param_init_fn": s.param_init_fn, "some_ranks_modules": s.some_ranks_modules,
         "quantization": s.quantization, "expert_parallel": s.expert_parallel,
         "expert_capacity_factor": s.expert_capacity_factor,
-        "context_parallel": s.context_parallel,
+        "context_parallel": s.context_parallel, "context_parallel_attention": s.context_parallel_attention,
     }
     if s.secondary_size is not None:
         kwargs["reshard_after_forward"] = s.secondary_size

@@ -12,7 +12,7 @@ import accelerate
 
 from .from_env import fsdp_requested, mesh_from_sizes, settings_from_env
 from .from_plugin import settings_from_plugin
-from .parse import parse_mixed_precision
+from .parse import context_parallel_attention, parse_mixed_precision
 from .settings import FsdpSettings, config_error
 from fsdp_plugin.errors import UsageError
 
@@ -54,10 +54,13 @@ def _apply_parallelism(settings: FsdpSettings, bound: dict) -> None:
     # cp_size is ours (fp.ShardingConfig.context_parallel): stock accelerate never sees it, else its own CP
     # (SDPA-only hooks, torch FSDP2) and the HF Trainer's batch sharding would run on top of ours
     settings.context_parallel = getattr(pc, "cp_size", 1) or 1
+    if settings.context_parallel > 1:   # TorchContextParallelConfig(cp_comm_strategy=...): "alltoall" is a ring
+        handler = getattr(pc, "cp_handler", None)
+        settings.context_parallel_attention = context_parallel_attention(
+            getattr(handler, "cp_comm_strategy", None), os.environ, "ParallelismConfig.cp_handler.cp_comm_strategy")
     settings.tensor_parallel = (pc.tp_size or 1) > 1
-    if settings.context_parallel > 1 and settings.tensor_parallel:
-        raise config_error("ParallelismConfig.cp_size", pc.cp_size, "context parallelism with tp_size > 1 is not "
-                           "supported yet: use cp_size with dp_replicate/dp_shard only")
+    # cp x tp: the ParallelismConfig stays for stock accelerate (its (dp.., cp, tp) mesh splits the data by dp
+    # rank); the engine shards over a (dp.., cp) mesh of the same layout (accelerator.py, tensor_parallel.py)
     mesh, settings.strategy = mesh_from_sizes(pc.dp_replicate_size or 1,
                                               (pc.dp_shard_size or 1) * settings.context_parallel,
                                               settings.strategy, settings.key("strategy"))

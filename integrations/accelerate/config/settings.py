@@ -65,6 +65,7 @@ class FsdpSettings:
     expert_parallel: int | None = None  # ShardingConfig.expert_parallel (FSDP_PLUGIN_EXPERT_PARALLEL)
     expert_capacity_factor: float | None = None  # ShardingConfig's (FSDP_PLUGIN_EXPERT_CAPACITY_FACTOR)
     context_parallel: int = 1          # ParallelismConfig cp_size (fp.ShardingConfig.context_parallel)
+    context_parallel_attention: str = "allgather"  # cp_handler.cp_comm_strategy / FSDP_PLUGIN_CONTEXT_PARALLEL_ATTENTION
     keys: dict[str, str] = field(default_factory=dict)
 
     def key(self, name: str) -> str:
