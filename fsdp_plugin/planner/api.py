@@ -10,7 +10,7 @@ from torch import nn
 from .._build.precision import fp32_buffers, fp32_regions
 from ..config import Checkpointing, MixedPrecision, ShardingConfig, as_checkpointing
 from ..errors import ConfigError
-from . import _context, _experts, _latency, _optim as _optim, _tp
+from . import _context, _experts, _latency, _optim as _optim, _quantized, _tp
 from ._capture import ModelSource, capture, hf_inputs
 from ._fake_run import RunSpec, Timeline, run
 from ._layer_sizes import LayerSizes
@@ -114,7 +114,8 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
     try:
         with _context.routed(module, cp, cfgs[0].context_parallel_attention) as cp_counts, \
                 _experts.recorded(found) as routed_rows:
-            tl = run(module, units, handles, spec, make_inputs, opts["loss_fn"])
+            with _quantized.stand_ins(module):
+                tl = run(module, units, handles, spec, make_inputs, opts["loss_fn"])
     finally:
         if recorder is not None:
             recorder.remove()
@@ -125,7 +126,7 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
     foreach = device.type == "cuda" if opts["foreach"] is None else opts["foreach"]
     notes = _notes(run_device, device, cfgs[0].cpu_offload) + _ac_notes(ac_policy) + (
         [f"target {device.type} has no device here: activations measured with CPU kernels"]
-        if run_device != device else []) + _some_ranks_notes(units, handles, cfgs[0]) + _context.notes(cp_counts) + _experts.notes(ep)
+        if run_device != device else []) + _quantized.notes(module) + _some_ranks_notes(units, handles, cfgs[0]) + _context.notes(cp_counts) + _experts.notes(ep)
     if tp > 1:
         notes.append(f"tensor parallel {tp}: activations, FLOPs and step time are the plain model's (not divided "
                      "by tp, TP traffic unpriced): upper bounds; tp_wire_bytes are the TP dimension's bytes")
