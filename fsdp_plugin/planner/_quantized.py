@@ -16,13 +16,13 @@ import torch
 from torch import nn
 
 from .._flat import packed_quantize
-from .._flat.packed import _bnb_class
+from .._flat.packed import is_4bit
 
 
 def layers(model: nn.Module) -> list:
     """The bitsandbytes 4-bit layers (registering a ``Params4bit`` weight, packed or pending) of ``model``; not
     PEFT's LoRA wrappers, whose ``weight`` property reads their base layer's."""
-    return [m for m in model.modules() if _bnb_class(m._parameters.get("weight")) == "Params4bit"]
+    return [m for m in model.modules() if is_4bit(m._parameters.get("weight"))]
 
 
 def state_bytes(model: nn.Module) -> int:
