@@ -99,6 +99,8 @@ def load_worker(a) -> None:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     import fsdp_plugin as fp
+    import peft  # noqa: F401 - every library imported before the baseline: the RSS growth is the load's own
+    import transformers.integrations  # noqa: F401
 
     dist.init_process_group("gloo")
     rank, heap = dist.get_rank(), _mem.Heap()
