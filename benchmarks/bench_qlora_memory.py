@@ -29,6 +29,7 @@ wall time. Both paths give bit-identical packed bytes (``tests/test_qlora_deferr
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -99,8 +100,8 @@ def load_worker(a) -> None:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     import fsdp_plugin as fp
-    import peft  # noqa: F401 - every library imported before the baseline: the RSS growth is the load's own
-    import transformers.integrations  # noqa: F401
+    for name in ("peft", "transformers.integrations"):   # imported before the baseline: the RSS growth is the load's
+        importlib.import_module(name)
 
     dist.init_process_group("gloo")
     rank, heap = dist.get_rank(), _mem.Heap()

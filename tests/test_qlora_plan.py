@@ -5,7 +5,8 @@ What must hold: the plan runs (bitsandbytes' own forward cannot run on fake tens
 state not initialized" on a deferred skeleton); its parameter shard bytes per rank are exactly the bytes fp.shard
 holds (packed 4-bit bytes in their storage dtype, not the full-precision values the skeleton records); the
 ``quant_state`` every rank holds whole is counted, computed for a pending weight exactly as bitsandbytes builds
-it; the deferred skeleton and the loaded model get the same plan; planning leaves the skeleton to shard and load.
+it; the deferred skeleton and the loaded model get the same plan; planning leaves the skeleton to shard and load;
+an 8-bit base is refused by name.
 """
 from __future__ import annotations
 
@@ -88,3 +89,13 @@ def test_plan_of_a_deferred_4bit_skeleton_counts_what_fp_shard_holds(base_dir):
     skeleton = _skeleton(base_dir)
     recorded = sum(p.numel() * p.element_size() for m in _quantized.layers(skeleton) for p in [m.weight])
     assert recorded >= 3 * sum(m.weight.numel() * m.weight.element_size() for m in _quantized.layers(eager))
+
+
+def test_plan_of_an_8bit_base_refused_by_name(base_dir):
+    """8-bit layers are not modelled (their forward reads ``weight.CB`` a fake run has not got: it failed with an
+    AttributeError on a FakeTensor): refused naming the layer, not planned wrong."""
+    model = add_lora(tf.LlamaForCausalLM.from_pretrained(base_dir, quantization_config=tf.BitsAndBytesConfig(
+        load_in_8bit=True))).train()
+    with pytest.raises(fp.PlanError) as err:
+        _plan(model)
+    assert "bitsandbytes 8-bit layers" in str(err.value) and "layers.0.self_attn.q_proj.base_layer" in str(err.value)

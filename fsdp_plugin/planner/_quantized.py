@@ -83,3 +83,16 @@ def notes(model: nn.Module) -> list:
             else "") + ": their packed bytes sharded as fp.shard shards them, quant_state "
             f"({state_bytes(model):,} bytes) whole on every rank (in buffers), each dequantized to the compute dtype "
             "while its layer runs (forward and backward)"]
+
+
+def refuse_8bit(model: nn.Module) -> None:
+    """bitsandbytes' 8-bit layers are not modelled: their forward reads ``weight.CB``/``SCB``, which a fake run has not
+    got, and their int8 matmul temporaries are not priced here. Refused by name, not planned wrong."""
+    from .._flat.packed import is_8bit
+    from .errors import PlanError
+
+    name = next((n for n, m in model.named_modules() if is_8bit(m._parameters.get("weight"))), None)
+    if name is not None:
+        raise PlanError(f"fp.plan does not price bitsandbytes 8-bit layers yet ({name!r} is a Linear8bitLt): plan "
+                        "the model in 4-bit (load_in_4bit=True) for a lower bound or unquantized for an upper one, or "
+                        "measure a step (torch.cuda.max_memory_allocated)")

@@ -98,6 +98,7 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
         raise PlanError("fp.plan: nodes=/link_latency_us= with tp_size are not modelled yet: plan the job's "
                         "data-parallel part on one node (tp_size and world_size only)")
     module = capture(model)
+    _quantized.refuse_8bit(module)
     ep, expert_ids, found = _experts.check(cfgs, opts, module)
     units, handles = discover_units(module, cfgs[0].auto_wrap_policy, cfgs[0].ignored_modules, mp,
                                     cfgs[0].some_ranks_modules, expert_ids, ep)
