@@ -296,3 +296,48 @@ def _int8_worker(rank, world):
 def test_deferred_8bit_skeleton_refused_by_name():
     msg = run_ranks(_int8_worker, 1)[0]
     assert "0.weight" in msg and "deferred 4-bit weights only" in msg and "load_in_8bit=True" in msg, msg
+
+
+_ACCELERATE_ENV = {   # what `accelerate launch --config_file` exports for an FSDP2 transformer-wrap config (fp32)
+    "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+    "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer", "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT",
+    "ACCELERATE_MIXED_PRECISION": "no"}
+
+
+def _accelerate_worker(rank, world, path):
+    """README's Accelerate recipe for the skeleton: ``acc.prepare(model)`` shards it, ``fp.load_pretrained`` loads,
+    then the optimizer is built and prepared."""
+    import os
+
+    os.environ.update(_ACCELERATE_ENV)
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)    # the forked parent may hold accelerate singletons
+    GradientState._reset_state()
+    from fsdp_plugin.integrations.accelerate import Accelerator
+
+    acc = Accelerator()
+    model = acc.prepare(_skeleton(path, _quant(torch.uint8, "nf4", False), lora=True))
+    assert fp.is_sharded(model) and not fp.load_pretrained(model, path)
+    with fp.full_params(model, writeback=False):
+        packed = _packed(model)
+    opt = acc.prepare(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2))
+    losses = []
+    for s in range(STEPS):
+        x = batch(s, rank)
+        loss = model(input_ids=x, labels=x).loss
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(acc.reduce(loss.detach(), "mean").item())
+    return losses, packed
+
+
+def test_deferred_4bit_skeleton_through_the_accelerate_plugin(base_dir):
+    pytest.importorskip("accelerate")
+    want_losses, _, want_packed = _one_process(base_dir, _quant(torch.uint8, "nf4", False))
+    for losses, packed in run_ranks(_accelerate_worker, WORLD, base_dir, timeout=240):
+        assert packed.keys() == want_packed.keys() and len(packed) == 14
+        assert all(torch.equal(packed[n][0], want_packed[n][0]) for n in packed)
+        diff = max(abs(a - b) for a, b in zip(losses, want_losses))
+        assert diff <= TOL, f"loss drift {diff:.2e}\n got {losses}\nwant {want_losses}"

@@ -13,6 +13,7 @@ from .. import _context, _log
 from .._flat import offload as _offload
 from .._flat.flat_param import FlatParamHandle, ParamSlot
 from .._flat.packed import carrier_shape, is_packed, prepare as prepare_packed
+from .._flat import packed_quantize
 from .checkpointing import apply_activation_checkpointing
 from .generate import install_synced_generate
 from .guards import install_guards
@@ -217,8 +218,9 @@ def group_params(params: list, mp=None, fp32_ids: frozenset = frozenset()) -> "O
     parameters under a 16-bit ``MixedPrecision`` (see ``MixedPrecision.master_dtype_for``)."""
     groups: OrderedDict = OrderedDict()
     for p in params:
-        if is_packed(p):
-            groups.setdefault((p.dtype, p.requires_grad, False, True), []).append(p)
+        if is_packed(p):     # a 4-bit weight still pending (fp.plan before fp.shard): its storage dtype
+            planned = packed_quantize.planned(p)
+            groups.setdefault((planned[1] if planned else p.dtype, p.requires_grad, False, True), []).append(p)
             continue
         if carrier_shape(p) is not None:    # a torchao NF4 weight not prepared yet (fp.plan): its uint8 carrier
             groups.setdefault((torch.uint8, False, False, True), []).append(p)

@@ -61,6 +61,16 @@ def _bnb_class(t) -> str | None:
     return None
 
 
+def is_4bit(t) -> bool:
+    """``t`` is a bitsandbytes 4-bit weight (``Params4bit``: packed, or pending under ``fp.deferred_init()``)."""
+    return _bnb_class(t) == "Params4bit"
+
+
+def is_8bit(t) -> bool:
+    """``t`` is a bitsandbytes 8-bit weight (``Int8Params``)."""
+    return _bnb_class(t) == "Int8Params"
+
+
 def _torchao_class(t) -> str | None:
     """The class name when ``t`` is a torchao tensor subclass (``NF4Tensor``, ...; torchao is never imported here)."""
     for cls in type(t).__mro__:

@@ -104,3 +104,39 @@ def set_state(p, state) -> None:
     """Replace ``p``'s quant_state contents in place: every view ``rewrap`` made shares the object."""
     p.quant_state.__dict__.clear()
     p.quant_state.__dict__.update(state.__dict__)
+
+
+def planned(p) -> tuple[tuple, torch.dtype] | None:
+    """``(packed shape, storage dtype)`` that ``defer`` will give a pending 4-bit weight (what ``fp.plan`` counts
+    before ``fp.shard`` has run), else None."""
+    if not pending(p):
+        return None
+    return packed_shape(p.numel(), p.quant_storage), p.quant_storage
+
+
+def float_shape(p) -> tuple:
+    """The full-precision ``(out, in)`` shape a 4-bit weight stands for: its ``quant_state``'s, or (pending or
+    deferred, not quantized yet) the recorded weight's."""
+    state = getattr(p, "quant_state", None)
+    if state is not None:
+        return tuple(state.shape)
+    return tuple(getattr(p, "_fp_float", p).shape)
+
+
+def state_bytes(p) -> int:
+    """Bytes of the ``quant_state`` tensors a 4-bit weight holds whole on every rank: block absmax (fp32, or
+    uint8 under double quantization with its fp32 absmax per 256 blocks, 256-entry code and offset) and the
+    16-entry code book. From the state when there is one, else from the layer's settings (pending weights)."""
+    state = getattr(p, "quant_state", None)
+    if state is not None:
+        tensors = [state.absmax, state.code]
+        if state.nested:
+            tensors += [state.offset, state.state2.absmax, state.state2.code]
+        return sum(t.numel() * t.element_size() for t in tensors)
+    numel = 1
+    for d in float_shape(p):
+        numel *= d
+    blocks = -(-numel // p.blocksize)
+    if not p.compress_statistics:
+        return blocks * 4 + 16 * 4
+    return blocks + 16 * 4 + 4 + -(-blocks // 256) * 4 + 256 * 4

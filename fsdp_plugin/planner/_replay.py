@@ -59,9 +59,13 @@ class Layout:
         return self.config.cpu_offload
 
     def compute(self, h) -> torch.dtype:
+        if h.packed:     # quantized bytes: never cast (``_build/shard.py``, ``_build_handle``)
+            return h.dtype
         return handle_dtypes(self.config.mixed_precision, h.dtype, h.fp32)[0]
 
     def reduce(self, h) -> torch.dtype:
+        if h.packed:
+            return h.dtype
         return handle_dtypes(self.config.mixed_precision, h.dtype, h.fp32)[1]
 
     @property
@@ -85,7 +89,7 @@ class Layout:
         "gradients"; floating handles only, as the engine's ``FlatParamHandle.quantization``) over ``group``,
         else None: as ``_comm.quantized.applies``, a group inside one node of a multi-node job stays exact."""
         q = self.config.quantization
-        if q is None or not getattr(q, what) or not h.dtype.is_floating_point:
+        if q is None or not getattr(q, what) or not h.dtype.is_floating_point or h.packed:
             return None
         k = self.per_node
         if 0 < k < self.world and off_node_peers(group, self.world, k, self.shard_size, self.replicate_size,

@@ -9,6 +9,7 @@ from torch import nn
 
 from .._build.precision import fp32_param_ids, fp32_regions
 from .._build.shard import group_params
+from .._flat import packed_quantize
 from .._flat.packed import carrier_shape
 from .._build.wrap import params_by_unit, select_unit_modules, some_ranks_fqns
 from .._flat.rows import row_aligned_offsets
@@ -27,6 +28,7 @@ class HandleSpec:
     shapes: list = field(default_factory=list)   # every parameter's shape, in layout order
     fp32: bool = False        # an fp32 module's parameters (MixedPrecision.fp32_modules): float32 compute
     ep: int = 1               # expert_parallel=E: an experts handle (local shapes, sharded over shard_size / E)
+    packed: bool = False      # quantized bytes (``_flat/packed.py``): gathered and kept in their storage dtype
 
     def padded(self, shard_size: int) -> int:
         """Flat buffer length with the engine's row-aligned layout (gaps and tail padding included)."""
@@ -73,15 +75,21 @@ def discover_units(model: nn.Module, policy, ignored=(), mp=None, some_ranks_rul
         dense = [p for p in owned[fqn] if id(p) not in experts]
         local = [p for p in owned[fqn] if id(p) in experts]
         for group, e in ((dense, 1), (local, ep)):
-            for (dtype, rg, fp32, _packed), params in group_params(group, mp, fp32_ids).items():
-                shapes = [(p.shape[0] // e,) + tuple(p.shape[1:]) if e > 1 else carrier_shape(p) or tuple(p.shape)
-                          for p in params]     # a torchao NF4 weight: its carrier's bytes (``_flat/packed.py``)
+            for (dtype, rg, fp32, packed), params in group_params(group, mp, fp32_ids).items():
+                shapes = [(p.shape[0] // e,) + tuple(p.shape[1:]) if e > 1 else _shape(p) for p in params]
                 sizes = [_numel(sh) for sh in shapes]
                 unit.handles.append(len(handles))
                 handles.append(HandleSpec(i, dtype, rg, sum(sizes), [id(p) for p in params], max(sizes), shapes,
-                                          fp32, e))
+                                          fp32, e, packed))
         units.append(unit)
     return units, handles
+
+
+def _shape(p) -> tuple:
+    """The shape fp.shard will shard: a torchao NF4 weight's uint8 carrier, a pending 4-bit weight's packed
+    bytes (``_flat/packed.py``, ``packed_quantize.planned``), else the parameter's."""
+    planned = packed_quantize.planned(p)
+    return carrier_shape(p) or (planned[0] if planned else tuple(p.shape))
 
 
 def _numel(shape) -> int:

@@ -13,6 +13,7 @@ from ._links import price
 from . import _experts
 from ._context import check_shard, summary
 from ._units import buffer_bytes
+from . import _quantized
 
 
 def layout_for(world: int, cfg: ShardingConfig, gpus_per_node: int, device=None) -> Layout:
@@ -57,6 +58,7 @@ def world_plan(world: int, cfg: ShardingConfig, units, handles, tl, module, opt:
     opt_state = _optim.state_bytes(opt, trainable)
     step_temps = _optim.step_temporaries(opt, trainable, largest, foreach)
     buffers = buffer_bytes(module, cfg.mixed_precision.buffer_dtype if cfg.mixed_precision else None)
+    buffers += _quantized.state_bytes(module)     # 4-bit quant_state: whole on every rank, as buffers are
     on_device = 0 if cfg.cpu_offload else param_shards + opt_state
     runtime = runtime_bytes(device, lay, handles)
     res = replay(units, handles, tl, lay, on_device + buffers + tl.input_bytes + runtime,

@@ -10,7 +10,7 @@ from torch import nn
 from .._build.precision import fp32_buffers, fp32_regions
 from ..config import Checkpointing, MixedPrecision, ShardingConfig, as_checkpointing
 from ..errors import ConfigError
-from . import _context, _experts, _latency, _optim as _optim, _tp
+from . import _context, _experts, _latency, _optim as _optim, _quantized, _tp
 from ._capture import ModelSource, capture, hf_inputs
 from ._fake_run import RunSpec, Timeline, run
 from ._layer_sizes import LayerSizes
@@ -98,6 +98,7 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
         raise PlanError("fp.plan: nodes=/link_latency_us= with tp_size are not modelled yet: plan the job's "
                         "data-parallel part on one node (tp_size and world_size only)")
     module = capture(model)
+    _quantized.refuse_8bit(module)
     ep, expert_ids, found = _experts.check(cfgs, opts, module)
     if ep > 1 and tp > 1:       # experts whole on every TP rank: the plan without their entries (the base plan too)
         opts["tp_plan"] = _experts.tp_plan(module, found, opts["tp_plan"], ep)
@@ -116,7 +117,8 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
     try:
         with _context.routed(module, cp, cfgs[0].context_parallel_attention) as cp_counts, \
                 _experts.recorded(found) as routed_rows:
-            tl = run(module, units, handles, spec, make_inputs, opts["loss_fn"])
+            with _quantized.stand_ins(module):
+                tl = run(module, units, handles, spec, make_inputs, opts["loss_fn"])
     finally:
         if recorder is not None:
             recorder.remove()
@@ -127,8 +129,8 @@ def plan_configs(model: ModelSource, world_size, cfgs: list, **opts) -> list:
     foreach = device.type == "cuda" if opts["foreach"] is None else opts["foreach"]
     notes = _notes(run_device, device, cfgs[0].cpu_offload) + _ac_notes(ac_policy) + (
         [f"target {device.type} has no device here: activations measured with CPU kernels"]
-        if run_device != device else []) + _some_ranks_notes(units, handles, cfgs[0]) + _context.notes(cp_counts) + \
-        _experts.notes(ep, tp)
+        if run_device != device else []) + _quantized.notes(module) + _some_ranks_notes(units, handles, cfgs[0]) + \
+        _context.notes(cp_counts) + _experts.notes(ep, tp)
     if tp > 1:
         notes.append(f"tensor parallel {tp}: activations, FLOPs and step time are the plain model's (not divided "
                      "by tp, TP traffic unpriced): upper bounds; tp_wire_bytes are the TP dimension's bytes")
