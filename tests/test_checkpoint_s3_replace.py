@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import queue as queue_mod
 import threading
 import time
 
@@ -116,7 +117,7 @@ def _racer_main(rank, world, path, barrier_dir, queue):
         queue.put((rank, False, repr(e)))
 
 
-def _run_racers(path: str, barrier_dir: str, timeout: float = 120.0) -> list:
+def _run_racers(path: str, barrier_dir: str, timeout: float = 300.0) -> list:
     """The two jobs as spawned processes, no process group: clean interpreters (a fork of this process would
     copy the in-process moto server's and s3fs's threads and locks, which once crashed a forked racer)."""
     ctx = mp.get_context("spawn")
@@ -128,7 +129,11 @@ def _run_racers(path: str, barrier_dir: str, timeout: float = 120.0) -> list:
         got = {}
         end = time.monotonic() + timeout
         while len(got) < 2:
-            rank, ok, payload = queue.get(timeout=max(end - time.monotonic(), 0.1))
+            try:
+                rank, ok, payload = queue.get(timeout=max(end - time.monotonic(), 0.1))
+            except queue_mod.Empty:
+                raise AssertionError(f"racers {sorted(set(range(2)) - set(got))} reported nothing in {timeout:.0f} s "
+                                     "(each spawns an interpreter and imports torch: slow under load)") from None
             assert ok, f"racer {rank} failed: {payload}"
             pid, outcome, state = payload
             got[rank] = pid, outcome, {k: torch.tensor(v, dtype=getattr(torch, d.split(".")[1]))
