@@ -119,8 +119,14 @@ def test_accelerate_dynamo_backend_compiles_per_unit(monkeypatch):
 
     for name in ("ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING", "ACCELERATE_MIXED_PRECISION"):
         monkeypatch.setenv(name, "false" if name != "ACCELERATE_MIXED_PRECISION" else "no")
+    monkeypatch.delenv("ACCELERATE_DYNAMO_BACKEND", raising=False)
+    # accelerate's state is a process-wide singleton: one an earlier test in this worker left initialized would
+    # keep its own dynamo plugin and ignore dynamo_backend= (seen under xdist: no unit compiled)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
     try:
         acc = Accelerator(sharding_config=fp.ShardingConfig(auto_wrap_policy={Block}), dynamo_backend="eager")
+        assert acc.state.dynamo_plugin.backend.value.lower() == "eager", acc.state.dynamo_plugin
         torch.manual_seed(0)
         model = acc.prepare(GPT(vocab=64, d=32, n_layer=2, seq=16))
         assert fp.is_sharded(model) and compiled_units(model) == ["blocks.0", "blocks.1"]
