@@ -9,7 +9,7 @@ Each run is a fresh ``torchrun`` job (``--nproc-per-node`` ranks) that trains ``
 seconds per step and the busiest rank's process and kernel CPU seconds per step. The driver prints the median
 of the per-pair ratios auto/off with a 90% bootstrap interval over pairs, and the A/A spread of the off runs
 (pair i's off run against pair i+1's). `benchmarks/pairing_overhead.py` alternates the two arms step by step
-inside one process instead: see RESULTS.md § 30e for why the two protocols differ on this machine.
+inside one process instead: see RESULTS_lab_notes.md § 30e for why the two protocols differ on this machine.
 """
 from __future__ import annotations
 

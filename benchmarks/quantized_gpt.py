@@ -1,5 +1,5 @@
 """Quantized vs exact collectives on the demo GPT (examples/train_gpt.py's model and data): same seeds, same
-batches, world 2 (gloo, forked ranks), ``--steps`` AdamW (or ``--optimizer sgd``: momentum 0.9) steps each; RESULTS.md § 35q.
+batches, world 2 (gloo, forked ranks), ``--steps`` AdamW (or ``--optimizer sgd``: momentum 0.9) steps each; RESULTS_lab_notes.md § 35q.
 
     python benchmarks/quantized_gpt.py --steps 300 --out benchmarks/results_quantized_gpt.json \
         --plot benchmarks/quantized_gpt_loss.png

@@ -199,7 +199,7 @@ class Quantization:
         with 4-bit codes, scale = absmax/7, two codes per byte: half int8's bytes (7.5x fewer than float32 at
         block 256), each hop's error 18x int8's (still < one scale per element, unbiased); experimental: the
         demo GPT's 300-step loss lands between -1.3% and +2.8% of exact over seeds (int8: +0.6% on average;
-        benchmarks/RESULTS.md § 35j). None: exact.
+        benchmarks/RESULTS_lab_notes.md § 35j). None: exact.
     block_size: elements per scale, a multiple of 8 in [8, 65536]. 256 costs 4/256 bytes of scales per element
         (int8 + scales = 3.94x fewer bytes than float32, 1.97x fewer than bfloat16).
 

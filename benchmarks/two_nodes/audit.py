@@ -9,7 +9,7 @@ every aten op with the fake run's own rule (`fsdp_plugin.planner._fake_run.op_co
 innermost Python frame that is the model's (benchmarks/_model.py; autograd's backward of it: "backward"), the
 optimizer's (torch/optim) or the engine's (fsdp_plugin/, by module, function and op); gloo's c10d send/recv ops
 apart ("comm"), and the quantization's quantize/dequantize kernels apart ("quantize": the calibration prices
-those per element). RESULTS.md § 35d holds its table.
+those per element). RESULTS_lab_notes.md § 35d holds its table.
 Rank 0's counts are printed beside the planner's for the same configuration (``fp.plan(..., nodes=2)``:
 the fake run's FLOPs/bytes/ops, the replay's engine bytes and quantized elements, the optimizer's traffic and
 ops). ``--timed`` adds the seconds each class spent inside its ops (the mode's own cost excluded).

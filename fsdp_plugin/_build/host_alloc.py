@@ -5,7 +5,7 @@ gradient, the reduction's chunks, the logits and their gradient). On CUDA torch'
 blocks for the next request; on the CPU every tensor is a ``malloc`` block, and glibc hands large freed blocks
 back to the kernel (``munmap`` of every block above the mmap threshold, at most 32 MiB; ``trim`` of the heap's
 top above the trim threshold), so the next step takes a page fault per 4 KiB page to get them again, the kernel
-zeroing each one. Measured on the medium GPT (110 M) at world 2, no_shard (benchmarks/RESULTS.md § 30d): with
+zeroing each one. Measured on the medium GPT (110 M) at world 2, no_shard (benchmarks/RESULTS_lab_notes.md § 30d): with
 the mmap threshold at 32 MiB and 256 MiB kept, 150 000–200 000 faults and 0.6–0.7 s of kernel CPU per 2.3 s step
 (the tied embedding's 100 MB gradient, the logits, the optimizer's temporaries: all above 32 MiB); with every
 block served from the heap (``M_MMAP_MAX`` 0) and 1 GiB of freed heap kept, 10–5 000 faults, 0.23 s, a 1.9 s

@@ -12,7 +12,7 @@ that crosses it. Intra-node bytes go at the calibration's bus rate.
 Step time across nodes: ``intra + compute + link − hidden · min(compute, link)``. Where collectives run beside
 compute (CUDA: the calibration's ``overlap`` is 1) the link hides behind compute (prefetched all-gathers,
 reduce-scatters in flight, hybrid's all-reduce overlapping backward) until it is longer: ``max(compute, link)``.
-On CPU/gloo the transfers use the same cores: the testbed (benchmarks/RESULTS.md § 35, paired rounds at
+On CPU/gloo the transfers use the same cores: the testbed (benchmarks/RESULTS_lab_notes.md § 35, paired rounds at
 200 Mbit/s) exposes about 45% of the link time, so ``hidden`` = 0.55 there; and (§ 35d) three costs the max()
 does not see: every collective's host work (the calibration's ``latency_s``, crossing or not), the part of each
 message the training thread writes into its socket itself (``ReplayResult.link_sync_bytes`` at the bus rate),
